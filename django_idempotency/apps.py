@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class IdempotencyConfig(AppConfig):
+    """Registers the model, the system checks and the signal receivers."""
+
+    name = "django_idempotency"
+    verbose_name = "Idempotency"
+    # Pinned so a project's DEFAULT_AUTO_FIELD never produces a migration for this app.
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django_idempotency import checks  # noqa: F401  (registers the checks)

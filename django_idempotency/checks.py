@@ -1,0 +1,156 @@
+"""System checks for the ``IDEMPOTENCY`` setting (ids ``django_idempotency.E0xx``/``W0xx``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+
+from django_idempotency import conf
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_SAFE_METHODS = {"GET", "HEAD", "OPTIONS", "TRACE"}
+
+
+def _error(n: int, msg: str, hint: str | None = None) -> Error:
+    return Error(msg, hint=hint, id=f"django_idempotency.E{n:03d}")
+
+
+def _warning(n: int, msg: str, hint: str | None = None) -> Warning:
+    return Warning(msg, hint=hint, id=f"django_idempotency.W{n:03d}")
+
+
+def _duration(value: Any) -> timedelta | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float):
+        return timedelta(seconds=value)
+    return None
+
+
+def _check_durations() -> Iterable[CheckMessage]:
+    durations = {}
+    for name in ("TTL", "LEASE", "IN_PROGRESS_WAIT"):
+        value = _duration(conf.get(name))
+        allow_zero = name == "IN_PROGRESS_WAIT"
+        if value is None or value < timedelta(0) or (value == timedelta(0) and not allow_zero):
+            yield _error(
+                3,
+                f"IDEMPOTENCY['{name}'] must be a positive timedelta or number of seconds.",
+            )
+        durations[name] = value
+    ttl, lease, wait = durations["TTL"], durations["LEASE"], durations["IN_PROGRESS_WAIT"]
+    if ttl and lease and ttl <= lease:
+        yield _error(
+            4,
+            "IDEMPOTENCY['TTL'] must be longer than IDEMPOTENCY['LEASE'].",
+            hint="A record must outlive its lease, or a live claim could expire under its owner.",
+        )
+    if wait and lease and wait >= lease:
+        yield _error(
+            11,
+            "IDEMPOTENCY['IN_PROGRESS_WAIT'] must be shorter than IDEMPOTENCY['LEASE'].",
+        )
+
+
+def _check_callable(name: str, extra: Callable[[Any], bool] = lambda v: False) -> Iterable[Error]:
+    value = conf.get(name)
+    if extra(value) or callable(value):
+        return
+    try:
+        imported = conf.resolve_callable(value)
+    except (ImportError, TypeError, ValueError) as exc:
+        yield _error(8, f"IDEMPOTENCY['{name}'] cannot be imported: {exc}.")
+        return
+    if not callable(imported):
+        yield _error(8, f"IDEMPOTENCY['{name}'] is not callable.")
+
+
+def _check_numbers() -> Iterable[CheckMessage]:
+    limit = conf.get("MAX_RESPONSE_BYTES")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+        yield _error(10, "IDEMPOTENCY['MAX_RESPONSE_BYTES'] must be a positive integer or None.")
+    for name in ("PURGE_BATCH_SIZE",):
+        value = conf.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            yield _error(10, f"IDEMPOTENCY['{name}'] must be a positive integer.")
+    retry_after = conf.get("RETRY_AFTER")
+    if not isinstance(retry_after, int) or isinstance(retry_after, bool) or retry_after < 0:
+        yield _error(10, "IDEMPOTENCY['RETRY_AFTER'] must be a whole number of seconds (>= 0).")
+    statuses = conf.get("TRANSIENT_STATUSES")
+    if not all(isinstance(s, int) and 400 <= s < 500 for s in statuses):
+        yield _error(10, "IDEMPOTENCY['TRANSIENT_STATUSES'] must hold 4xx status codes.")
+
+
+@register(Tags.compatibility)
+def check_settings(**kwargs: Any) -> list[CheckMessage]:
+    """Validate ``IDEMPOTENCY`` and its interplay with ``DATABASES``."""
+    raw = getattr(settings, "IDEMPOTENCY", None)
+    if raw is not None and not isinstance(raw, dict):
+        return [_error(1, "The IDEMPOTENCY setting must be a dict.")]
+    messages: list[CheckMessage] = [
+        _error(2, f"IDEMPOTENCY has an unknown key '{name}'.", hint="Check its spelling.")
+        for name in conf.unknown_keys()
+    ]
+    messages += _check_durations()
+    header = conf.get("HEADER")
+    if not isinstance(header, str) or not _HEADER_NAME.match(header):
+        messages.append(_error(5, "IDEMPOTENCY['HEADER'] must be a valid HTTP header name."))
+    methods = {str(m).upper() for m in conf.get("METHODS")}
+    if methods & _SAFE_METHODS:
+        messages.append(
+            _error(
+                6,
+                f"IDEMPOTENCY['METHODS'] holds safe methods: {sorted(methods & _SAFE_METHODS)}.",
+                hint="Safe methods have no side effect to deduplicate.",
+            )
+        )
+    alias = conf.get("DATABASE")
+    if alias not in settings.DATABASES:
+        messages.append(_error(7, f"IDEMPOTENCY['DATABASE'] names an unknown database {alias!r}."))
+    messages += _check_callable("ACCOUNT_RESOLVER")
+    messages += _check_callable("FINGERPRINT")
+    messages += _check_callable("RECOVERY", extra=lambda v: v in ("retry", "fail"))
+    forbidden = {h.lower() for h in conf.get("REPLAY_HEADERS")} & conf.NEVER_STORED_HEADERS
+    if forbidden:
+        messages.append(
+            _error(
+                9,
+                f"IDEMPOTENCY['REPLAY_HEADERS'] names headers that are never stored: "
+                f"{sorted(forbidden)}.",
+            )
+        )
+    messages += _check_numbers()
+    if alias in settings.DATABASES:
+        messages += _check_database(alias)
+    return messages
+
+
+def _check_database(alias: str) -> Iterable[CheckMessage]:
+    if settings.DATABASES[alias].get("ATOMIC_REQUESTS"):
+        yield _warning(
+            1,
+            f"ATOMIC_REQUESTS is on for the idempotency database {alias!r}.",
+            hint=(
+                "Protected views are taken out of the request transaction (the claim must "
+                "commit before the view runs) and run in a transaction of their own that also "
+                "completes the record. The mixin and @idempotent do this for you; a view "
+                "under DRF's @api_view needs @transaction.non_atomic_requests above "
+                "@api_view, or its claim waits for the whole request's transaction."
+            ),
+        )
+    if alias != "default":
+        yield _warning(
+            2,
+            f"IDEMPOTENCY['DATABASE'] is {alias!r}, not 'default'.",
+            hint=(
+                "The record completes in the same transaction as the view's writes only for "
+                "writes to this database; writes to other databases are not covered."
+            ),
+        )

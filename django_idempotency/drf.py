@@ -1,0 +1,149 @@
+"""Django REST framework support: :class:`IdempotencyMixin` and the ``@api_view`` adapter.
+
+This is the only module that imports DRF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.http.response import HttpResponseBase
+from rest_framework.request import Request
+from rest_framework.views import APIView
+
+from django_idempotency import conf, engine
+
+_MISSING = object()
+
+
+def _finalized(
+    view: APIView, request: Request, call: Callable[[], HttpResponseBase]
+) -> HttpResponseBase:
+    # The response is rendered inside the engine's transaction, so DRF's exception handling
+    # and finalisation must happen there too: a handled exception (400, 404...) is the
+    # deterministic outcome that gets stored and replayed.
+    try:
+        response = call()
+    except Exception as exc:
+        response = view.handle_exception(exc)
+    return view.finalize_response(request, response, *view.args, **view.kwargs)
+
+
+def drf_call(
+    request: Request, func: Callable[..., HttpResponseBase], args: Any, kwargs: Any
+) -> Callable[[], HttpResponseBase]:
+    """How ``@idempotent`` calls a function under ``@api_view``."""
+    view = request.parser_context["view"]
+    return lambda: _finalized(view, request, lambda: func(request, *args, **kwargs))
+
+
+def _viewset_operation(view: APIView) -> str | None:
+    basename = getattr(view, "basename", None)
+    action = getattr(view, "action", None)
+    if basename and action:
+        return f"{basename}.{action}"
+    return None
+
+
+class IdempotencyMixin:
+    """Put it first in a DRF view's bases to make its protected methods idempotent.
+
+    The claim happens after DRF's authentication, permission and throttle checks, and the
+    handler, DRF's exception handling, the rendering of the response and the completion of
+    the record share one transaction.
+    """
+
+    #: Methods that need a key; ``None``: the ``METHODS`` setting.
+    idempotency_methods: tuple[str, ...] | None = None
+    #: Whether a protected method without a key is refused; ``None``: ``REQUIRED``.
+    idempotency_required: bool | None = None
+    #: How long a record deduplicates retries; ``None``: ``TTL``.
+    idempotency_ttl: timedelta | int | None = None
+    #: How long a claim is owned before a retry may take it over; ``None``: ``LEASE``.
+    idempotency_lease: timedelta | int | None = None
+    #: ``"retry"``, ``"fail"`` or a callable ``recover(record)``; ``None``: ``RECOVERY``.
+    idempotency_recovery: engine.Recovery | None = None
+    #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
+    idempotency_operation: str | None = None
+
+    def get_idempotency_account(self, request: Request) -> str | None:
+        """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""
+        resolver = conf.resolve_callable(conf.get("ACCOUNT_RESOLVER"))
+        account: str | None = resolver(request)
+        return account
+
+    def get_idempotency_fingerprint(self, request: Request) -> str:
+        """The request's fingerprint; by default the ``FINGERPRINT`` setting computes it."""
+        fingerprint: str = conf.resolve_callable(conf.get("FINGERPRINT"))(request)
+        return fingerprint
+
+    def get_idempotency_operation(self, request: Request) -> str:
+        """The operation name used when ``idempotency_operation`` is not set."""
+        assert isinstance(self, APIView)
+        return _viewset_operation(self) or engine.route_operation(request, type(self))
+
+    def _idempotency_options(self) -> engine.Options:
+        cls = type(self)
+        # An overridden hook is the view's own account or fingerprint; otherwise the settings'
+        # (so the stored fingerprint version is the settings' one).
+        account = (
+            self.get_idempotency_account
+            if cls.get_idempotency_account is not IdempotencyMixin.get_idempotency_account
+            else None
+        )
+        fingerprint = (
+            self.get_idempotency_fingerprint
+            if cls.get_idempotency_fingerprint
+            is not IdempotencyMixin.get_idempotency_fingerprint
+            else None
+        )
+        return engine.Options(
+            operation=self.idempotency_operation,
+            required=self.idempotency_required,
+            ttl=self.idempotency_ttl,
+            lease=self.idempotency_lease,
+            recovery=self.idempotency_recovery,
+            account=account,
+            fingerprint=fingerprint,
+            methods=self.idempotency_methods,
+        )
+
+    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        options = self._idempotency_options()
+        dispatch = super().dispatch  # type: ignore[misc]
+        if options.protects(request.method):
+            response: HttpResponseBase = dispatch(request, *args, **kwargs)
+            return response
+        return engine._with_atomic_requests(
+            conf.database(), lambda: dispatch(request, *args, **kwargs)
+        )
+
+    # Copied onto the view function by as_view(): Django then leaves it out of
+    # ATOMIC_REQUESTS, so the claim can commit before the view's own transaction.
+    dispatch._non_atomic_requests = engine.IdempotencyDatabase()  # type: ignore[attr-defined]
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        # Authentication, permissions and throttles have passed: wrap the handler DRF is
+        # about to call, so the claim comes right before it.
+        name = (request.method or "").lower()
+        options = self._idempotency_options()
+        if name not in self.http_method_names or not options.protects(request.method):  # type: ignore[attr-defined]
+            return
+        handler = getattr(self, name, None)
+        if handler is None:
+            return
+        view = self
+        assert isinstance(view, APIView)
+
+        def protected(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            return engine.handle(
+                request,
+                lambda: _finalized(view, request, lambda: handler(request, *args, **kwargs)),
+                options,
+                lambda: self.get_idempotency_operation(request),
+            )
+
+        setattr(self, name, protected)

@@ -1,0 +1,113 @@
+"""The request fingerprint: a SHA-256 over a canonical form of what the client asked for.
+
+Two requests that mean the same thing get the same fingerprint: JSON is compared after
+parsing (sorted keys, no insignificant whitespace), forms as sorted pairs, uploaded files by
+the hash of their content, the query string as sorted pairs. Transport metadata
+(``User-Agent``, ``Date``, tracing headers, the multipart boundary) is left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from django.core.files.uploadedfile import UploadedFile
+from django.http import HttpRequest, QueryDict
+from django.http.request import RawPostDataException
+from django.http.multipartparser import MultiPartParserError
+
+DEFAULT_VERSION = "v1"
+
+
+def django_request(request: Any) -> HttpRequest:
+    """The Django ``HttpRequest`` behind a DRF ``Request`` (or the request itself)."""
+    inner = getattr(request, "_request", request)
+    assert isinstance(inner, HttpRequest)
+    return inner
+
+
+def _sorted_pairs(data: QueryDict) -> list[list[str]]:
+    return sorted([key, value] for key, values in data.lists() for value in values)
+
+
+def _file_digest(upload: UploadedFile) -> str:
+    digest = hashlib.sha256()
+    for chunk in upload.chunks():
+        digest.update(chunk)
+    upload.seek(0)  # the view reads the file after us
+    return digest.hexdigest()
+
+
+def _files(files: Any) -> list[list[str]]:
+    return sorted(
+        [name, upload.name or "", _file_digest(upload)]
+        for name, uploads in files.lists()
+        for upload in uploads
+    )
+
+
+def _canonical_body(request: HttpRequest) -> Any:
+    content_type = (request.content_type or "").lower()
+    if content_type == "multipart/form-data":
+        if request.method == "POST":
+            return {"form": _sorted_pairs(request.POST), "files": _files(request.FILES)}
+        try:
+            post, files = request.parse_file_upload(request.META, io.BytesIO(request.body))
+        except MultiPartParserError:
+            return {"raw": hashlib.sha256(request.body).hexdigest()}
+        return {"form": _sorted_pairs(post), "files": _files(files)}
+    body = request.body
+    if content_type == "application/x-www-form-urlencoded":
+        encoding = request.encoding or "utf-8"
+        return {"form": _sorted_pairs(QueryDict(body, encoding=encoding))}
+    if content_type == "application/json" or content_type.endswith("+json"):
+        try:
+            return {"json": json.loads(body)}
+        except ValueError:
+            pass  # the view answers this one; compare the raw bytes
+    return {"raw": hashlib.sha256(body).hexdigest(), "type": content_type}
+
+
+def _body_of(request: Any, inner: HttpRequest) -> Any:
+    try:
+        return _canonical_body(inner)
+    except RawPostDataException:
+        # A DRF permission or authentication class parsed the stream before us: the body is
+        # gone, but DRF kept what it parsed, which is the same on every retry of this view.
+        parsed = getattr(request, "data", None)
+        return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=str))}
+
+
+def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> bytes:
+    """The canonical bytes the default fingerprint hashes, for tests and custom fingerprints."""
+    inner = django_request(request)
+    context = getattr(inner, "idempotency", None)
+    match = inner.resolver_match
+    form: dict[str, Any] = {
+        "method": inner.method,
+        "operation": getattr(context, "operation", None),
+        "url_kwargs": {k: str(v) for k, v in (match.kwargs if match else {}).items()},
+        "query": _sorted_pairs(inner.GET),
+        "body": _body_of(request, inner),
+    }
+    form.update(parts)
+    return json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def default_fingerprint(request: Any) -> str:
+    """SHA-256 (hex) of :func:`canonical_request`."""
+    return hashlib.sha256(canonical_request(request)).hexdigest()
+
+
+default_fingerprint.fingerprint_version = DEFAULT_VERSION  # type: ignore[attr-defined]
+
+
+def fingerprint_version(function: Any) -> str:
+    """The version stored beside a hash: the function's ``fingerprint_version`` or its path."""
+    version = getattr(function, "fingerprint_version", None)
+    if version:
+        return str(version)
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"[:64]

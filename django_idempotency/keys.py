@@ -1,0 +1,49 @@
+"""Reading the ``Idempotency-Key`` header."""
+
+from __future__ import annotations
+
+MAX_KEY_LENGTH = 255
+
+
+class InvalidKey(ValueError):
+    """The header is present but does not hold a usable key; the message says why."""
+
+
+def header_meta_name(header: str) -> str:
+    """``Idempotency-Key`` -> ``HTTP_IDEMPOTENCY_KEY``, the WSGI/ASGI ``META`` name."""
+    return "HTTP_" + header.upper().replace("-", "_")
+
+
+def _unquote_sf_string(value: str) -> str:
+    # RFC 9651 sf-string: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+    inner = value[1:-1]
+    out: list[str] = []
+    chars = iter(inner)
+    for char in chars:
+        if char == "\\":
+            escaped = next(chars, None)
+            if escaped not in ('"', "\\"):
+                raise InvalidKey("a structured-field string may only escape '\"' and '\\'")
+            out.append(escaped)
+        elif char == '"':
+            raise InvalidKey("an unescaped '\"' inside a structured-field string")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def parse_key(raw: str) -> str:
+    """The key a header value carries, bare (``abc``) or as a structured-field string (``"abc"``).
+
+    A key is 1 to 255 characters of printable ASCII without space (0x21-0x7E).
+    """
+    value = raw.strip(" \t")
+    if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
+        value = _unquote_sf_string(value)
+    if not value:
+        raise InvalidKey("the key is empty")
+    if len(value) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"the key is longer than {MAX_KEY_LENGTH} characters")
+    if any(not 0x21 <= ord(char) <= 0x7E for char in value):
+        raise InvalidKey("the key may only hold printable ASCII characters (0x21-0x7E)")
+    return value

@@ -1,0 +1,76 @@
+"""RFC 9457 ``application/problem+json`` answers, each with a stable ``code``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from django.http import HttpResponse
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One kind of error this package answers with; ``code`` never changes between versions."""
+
+    code: str
+    status: int
+    title: str
+
+    @property
+    def type(self) -> str:
+        return f"urn:django-idempotency:{self.code}"
+
+    def response(self, detail: str, retry_after: int | None = None) -> HttpResponse:
+        """The problem+json response, with ``Retry-After`` when the client should come back."""
+        body = {
+            "type": self.type,
+            "title": self.title,
+            "status": self.status,
+            "detail": detail,
+            "code": self.code,
+        }
+        response = HttpResponse(
+            json.dumps(body, separators=(",", ":")).encode(),
+            status=self.status,
+            content_type=PROBLEM_CONTENT_TYPE,
+        )
+        if retry_after is not None:
+            response["Retry-After"] = str(retry_after)
+        return response
+
+
+KEY_MISSING = Problem("idempotency_key_missing", 400, "Idempotency-Key header required")
+KEY_INVALID = Problem("idempotency_key_invalid", 400, "Invalid Idempotency-Key header")
+ACCOUNT_MISSING = Problem(
+    "idempotency_account_missing", 403, "Idempotency keys need an identified caller"
+)
+KEY_REUSED = Problem(
+    "idempotency_key_reused", 422, "Idempotency-Key reused with a different request"
+)
+KEY_IN_USE = Problem("idempotency_key_in_use", 409, "A request with this key is in progress")
+LEASE_LOST = Problem(
+    "idempotency_lease_lost", 409, "This attempt lost its lease to a newer attempt"
+)
+OUTCOME_UNKNOWN = Problem(
+    "idempotency_outcome_unknown", 500, "The outcome of the original request is unknown"
+)
+RESPONSE_NOT_STORABLE = Problem(
+    "idempotency_response_not_storable", 500, "The response could not be stored for replay"
+)
+STORE_UNAVAILABLE = Problem(
+    "idempotency_store_unavailable", 503, "The idempotency store is unavailable"
+)
+
+ALL_PROBLEMS = (
+    KEY_MISSING,
+    KEY_INVALID,
+    ACCOUNT_MISSING,
+    KEY_REUSED,
+    KEY_IN_USE,
+    LEASE_LOST,
+    OUTCOME_UNKNOWN,
+    RESPONSE_NOT_STORABLE,
+    STORE_UNAVAILABLE,
+)

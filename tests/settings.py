@@ -1,0 +1,109 @@
+"""Test settings. ``TEST_DB`` picks the database: ``sqlite`` (default), ``postgres`` or ``mysql``.
+
+On PostgreSQL an unreachable server fails the run; it is never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+SECRET_KEY = "django-idempotency-tests"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+ROOT_URLCONF = "tests.testapp.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+TEST_DB = os.environ.get("TEST_DB", "sqlite")
+
+if TEST_DB == "postgres":
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": os.environ.get("PGDATABASE", "django_idempotency"),
+            "USER": os.environ.get("PGUSER", "postgres"),
+            "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+            "PORT": os.environ.get("PGPORT", "5432"),
+            "TEST": {"NAME": os.environ.get("TEST_DB_NAME", "test_django_idempotency")},
+        }
+    }
+elif TEST_DB == "mysql":
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": "django_idempotency",
+            "USER": os.environ.get("MYSQL_USER", "root"),
+            "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
+            "PORT": os.environ.get("MYSQL_PORT", "3306"),
+            "TEST": {"NAME": os.environ.get("TEST_DB_NAME", "test_django_idempotency")},
+        }
+    }
+elif TEST_DB == "sqlite":
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ.get("SQLITE_NAME", ":memory:"),
+        }
+    }
+else:
+    raise RuntimeError(f"TEST_DB must be sqlite, postgres or mysql, not {TEST_DB!r}")
+
+# The fake payment provider writes through a connection of its own, like an external system.
+DATABASES["provider"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_idempotency",
+    "tests.testapp",
+]
+try:
+    import rest_framework  # noqa: F401
+except ImportError:  # the tox env without the optional dependencies
+    HAS_DRF = False
+else:
+    HAS_DRF = True
+    INSTALLED_APPS.append("rest_framework")
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "loggers": {"django_idempotency": {"handlers": ["null"], "level": "DEBUG"}},
+}

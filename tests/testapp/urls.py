@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import admin
+from django.urls import include, path
+
+from tests.testapp import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("charges/", views.charges),
+    path("charges/short-lease/", views.charges_short_lease),
+    path("charges/fail-policy/", views.charges_fail_policy),
+    path("charges/callable-policy/", views.charges_callable_policy),
+    path("charges/optional/", views.charges_optional),
+    path("charges/tenant/", views.tenant_charges),
+    path("charges/<int:shop>/items/", views.charges),
+    path("cbv/charges/", views.ChargeView.as_view()),
+    path("outcome/", views.outcome),
+]
+
+if settings.HAS_DRF:
+    from rest_framework.routers import DefaultRouter
+
+    from tests.testapp import drf_views
+
+    router = DefaultRouter()
+    router.register("charges", drf_views.ChargeViewSet, basename="charge")
+    router.register("open-charges", drf_views.OpenChargeViewSet, basename="open-charge")
+    urlpatterns += [
+        path("api/", include(router.urls)),
+        path("api/custom/", drf_views.CustomOperationAPIView.as_view()),
+        path("api/fn-charges/", drf_views.api_charge),
+    ]
