@@ -130,6 +130,7 @@ def handle(
     """
     alias = conf.database()
     inner = django_request(request)
+    inner.idempotency = None  # type: ignore[attr-defined]
     if not options.protects(inner.method):
         return _with_atomic_requests(alias, call_view)
     header = conf.header()

@@ -69,7 +69,7 @@ def make_charge(request: HttpRequest) -> HttpResponse:
 
 
 @idempotent
-def charges(request: HttpRequest) -> HttpResponse:
+def charges(request: HttpRequest, shop: int | None = None) -> HttpResponse:
     if request.method == "GET":
         return JsonResponse({"count": Charge.objects.count()})
     return make_charge(request)

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import json
+
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import RequestFactory
+
+from django_idempotency.fingerprint import canonical_request, default_fingerprint
+
+rf = RequestFactory()
+
+
+def fp(request):
+    return default_fingerprint(request)
+
+
+def test_json_key_order_and_whitespace_do_not_matter():
+    a = rf.post("/x/", '{"a":1,"b":2}', content_type="application/json")
+    b = rf.post("/x/", '{ "b": 2,\n "a": 1 }', content_type="application/json")
+    assert fp(a) == fp(b)
+
+
+def test_json_values_matter():
+    a = rf.post("/x/", json.dumps({"a": 1}), content_type="application/json")
+    b = rf.post("/x/", json.dumps({"a": 2}), content_type="application/json")
+    c = rf.post("/x/", json.dumps({"a": "1"}), content_type="application/json")
+    assert len({fp(a), fp(b), fp(c)}) == 3
+
+
+def test_query_order_does_not_matter_but_values_do():
+    a = rf.post("/x/?b=2&a=1", "{}", content_type="application/json")
+    b = rf.post("/x/?a=1&b=2", "{}", content_type="application/json")
+    c = rf.post("/x/?a=1&b=3", "{}", content_type="application/json")
+    assert fp(a) == fp(b) != fp(c)
+
+
+def test_form_pairs_are_sorted():
+    a = rf.post("/x/", "b=2&a=1&a=0", content_type="application/x-www-form-urlencoded")
+    b = rf.post("/x/", "a=0&a=1&b=2", content_type="application/x-www-form-urlencoded")
+    c = rf.post("/x/", "a=0&b=2", content_type="application/x-www-form-urlencoded")
+    assert fp(a) == fp(b) != fp(c)
+
+
+def test_multipart_field_order_does_not_matter_file_content_does():
+    def upload(content: bytes):
+        return rf.post("/x/", {"note": "hi", "file": SimpleUploadedFile("a.txt", content)})
+
+    a = upload(b"hello")
+    b = rf.post("/x/", {"file": SimpleUploadedFile("a.txt", b"hello"), "note": "hi"})
+    c = upload(b"other")
+    assert fp(a) == fp(b) != fp(c)
+    # The view can still read the file after the fingerprint read it.
+    d = upload(b"hello")
+    fp(d)
+    assert d.FILES["file"].read() == b"hello"
+
+
+def test_multipart_patch_is_parsed_too():
+    body_a = (
+        b"--AAA\r\nContent-Disposition: form-data; name=\"n\"\r\n\r\n1\r\n--AAA--\r\n"
+    )
+    body_b = (
+        b"--BBB\r\nContent-Disposition: form-data; name=\"n\"\r\n\r\n1\r\n--BBB--\r\n"
+    )
+    a = rf.patch("/x/", body_a, content_type="multipart/form-data; boundary=AAA")
+    b = rf.patch("/x/", body_b, content_type="multipart/form-data; boundary=BBB")
+    assert fp(a) == fp(b)
+
+
+def test_transport_headers_are_excluded():
+    a = rf.post("/x/", "{}", content_type="application/json", headers={"User-Agent": "a"})
+    b = rf.post(
+        "/x/", "{}", content_type="application/json",
+        headers={"User-Agent": "b", "traceparent": "00-1-2-01", "Date": "now"},
+    )
+    assert fp(a) == fp(b)
+
+
+def test_method_matters():
+    a = rf.post("/x/", "{}", content_type="application/json")
+    b = rf.patch("/x/", "{}", content_type="application/json")
+    assert fp(a) != fp(b)
+
+
+def test_invalid_json_and_binary_bodies_hash_their_bytes():
+    a = rf.post("/x/", b"{not json", content_type="application/json")
+    b = rf.post("/x/", b"{not json!", content_type="application/json")
+    c = rf.post("/x/", b"\xff\xfe", content_type="application/octet-stream")
+    assert len({fp(a), fp(b), fp(c)}) == 3
+
+
+def test_canonical_form_is_compact_sorted_json():
+    request = rf.post("/x/?z=1", '{ "b": 2, "a": 1 }', content_type="application/json")
+    form = json.loads(canonical_request(request))
+    assert form["body"] == {"json": {"a": 1, "b": 2}}
+    assert form["query"] == [["z", "1"]]
+    assert b" " not in canonical_request(request)
