@@ -64,6 +64,8 @@ class CustomOperationAPIView(IdempotencyMixin, APIView):
 
     def post(self, request: Request) -> Response:
         Charge.objects.create(account="custom", amount=1, currency="EUR")
+        if request.data.get("fail"):
+            raise serializers.ValidationError({"fail": "asked to fail after writing"})
         return Response({"ok": True, "op": request.idempotency.operation}, status=201)
 
     def put(self, request: Request) -> Response:

@@ -17,6 +17,7 @@ urlpatterns = [
     path("charges/<int:shop>/items/", views.charges),
     path("cbv/charges/", views.ChargeView.as_view()),
     path("outcome/", views.outcome),
+    path("peek/", views.peek),
 ]
 
 if settings.HAS_DRF:

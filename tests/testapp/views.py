@@ -135,3 +135,23 @@ class ChargeView(View):
 
     def post(self, request: HttpRequest) -> HttpResponse:
         return make_charge(request)
+
+
+@idempotent(operation="peek")
+def peek(request: HttpRequest) -> HttpResponse:
+    """Reports what another connection sees of this request's record while the view runs."""
+    from django.db import connection
+
+    from django_idempotency.models import IdempotencyRecord
+
+    if request.method == "GET":
+        return JsonResponse({"atomic": connection.in_atomic_block})
+    ctx = request.idempotency  # type: ignore[attr-defined]
+    seen = (
+        IdempotencyRecord.objects.using("provider")
+        .filter(account=ctx.account, operation=ctx.operation, key=ctx.key)
+        .values_list("status", flat=True)
+        .first()
+    )
+    Charge.objects.create(account=ctx.account, amount=1, currency="EUR")
+    return JsonResponse({"seen": seen, "atomic": connection.in_atomic_block})

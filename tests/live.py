@@ -1,0 +1,126 @@
+"""Helpers for tests that talk to a real server over HTTP, each request on its own socket."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("idempotent-replayed") == "true"
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+DISCONNECTED = Answer(status=0)
+
+
+def basic_auth(username: str, password: str = "password") -> dict[str, str]:
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {token}"}
+
+
+def request(
+    base_url: str,
+    method: str,
+    path: str,
+    payload: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> Answer:
+    """One HTTP request; ``DISCONNECTED`` when the server dropped the connection."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    body = json.dumps(payload if payload is not None else {}).encode()
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    try:
+        conn.request(method, path, body=body, headers=all_headers)
+        response = conn.getresponse()
+        data = response.read()
+        return Answer(
+            status=response.status,
+            headers={k.lower(): v for k, v in response.getheaders()},
+            body=data,
+        )
+    except (ConnectionError, http.client.HTTPException, socket.timeout):
+        return DISCONNECTED
+    finally:
+        conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real multi-process server on the test database; yields its base URL."""
+    port = free_port()
+    settings = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "TEST_DB": "postgres",
+        "PGDATABASE": settings["NAME"],
+        "PGHOST": settings["HOST"] or "127.0.0.1",
+        "PGPORT": str(settings["PORT"] or 5432),
+        "PGUSER": settings["USER"],
+        "PYTHONPATH": str(ROOT),
+        **(extra_env or {}),
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "gunicorn", "tests.wsgi:application",
+            "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+            "--timeout", "60", "--graceful-timeout", "2", "--log-level", "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError("gunicorn exited during start-up")
+            if request(base_url, "GET", "/charges/", timeout=2).status:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("gunicorn did not start within 30 s")
+        yield base_url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)

@@ -1,0 +1,170 @@
+"""Races through a real threaded server on PostgreSQL, each request on its own connection."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from django.test import Client, override_settings
+
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.conftest import new_key, postgres_only
+from tests.live import basic_auth, request
+from tests.testapp.models import Charge, ProviderCall, ProviderCharge
+
+pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
+
+CHARGE = {"amount": 100, "currency": "EUR"}
+
+
+def session_headers(user) -> dict[str, str]:
+    client = Client()
+    client.force_login(user)
+    return {"Cookie": f"sessionid={client.cookies['sessionid'].value}"}
+
+
+def storm(url: str, path: str, headers: dict[str, str], n: int, payload=CHARGE):
+    barrier = threading.Barrier(n, timeout=10)
+
+    def one(_):
+        barrier.wait()
+        return request(url, "POST", path, payload, headers, timeout=30)
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def settle(url, path, headers, payload=CHARGE, attempts=100):
+    """Retry like a good client (back off on 409) until the outcome is known."""
+    for _ in range(attempts):
+        answer = request(url, "POST", path, payload, headers)
+        if answer.status != 409:
+            return answer
+        time.sleep(0.05)
+    raise AssertionError("still in progress after many retries")
+
+
+@pytest.mark.parametrize("path", ["/api/charges/", "/api/fn-charges/"])
+def test_storm_of_identical_requests_has_one_effect(live_server, user, path):
+    rounds, n = 5, 16
+    for _ in range(rounds):
+        headers = {**basic_auth(user.username), "Idempotency-Key": new_key()}
+        answers = storm(live_server.url, path, headers, n)
+        statuses = sorted(a.status for a in answers)
+        assert set(statuses) <= {201, 409}, statuses
+        created = [a for a in answers if a.status == 201 and not a.replayed]
+        assert len(created) == 1, statuses
+        for conflict in (a for a in answers if a.status == 409):
+            assert conflict.headers["content-type"] == "application/problem+json"
+            assert int(conflict.headers["retry-after"]) >= 0
+            assert conflict.json()["code"] == "idempotency_key_in_use"
+        final = settle(live_server.url, path, headers)
+        assert final.replayed
+        assert final.body == created[0].body
+    assert Charge.objects.count() == rounds
+    assert ProviderCharge.objects.count() == rounds
+    assert IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count() == rounds
+
+
+def test_storm_with_a_changed_payload_in_the_mix(live_server, user):
+    headers = {**basic_auth(user.username), "Idempotency-Key": new_key()}
+    payloads = [CHARGE] * 8 + [{"amount": 1, "currency": "EUR"}] * 8
+    barrier = threading.Barrier(len(payloads), timeout=10)
+
+    def one(payload):
+        barrier.wait()
+        return request(live_server.url, "POST", "/api/charges/", payload, headers)
+
+    with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+        answers = list(pool.map(one, payloads))
+    assert sum(1 for a in answers if a.status == 201 and not a.replayed) == 1
+    assert {a.status for a in answers} <= {201, 409, 422}
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.count() == 1
+
+
+def test_in_flight_duplicate_gets_a_prompt_409(live_server, user):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    slow = {**headers, "X-Test": "sleep-after-write:1.5"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
+        time.sleep(0.5)
+        started = time.monotonic()
+        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+        waited = time.monotonic() - started
+        assert duplicate.status == 409
+        assert duplicate.headers["retry-after"] == "1"
+        assert waited < 1.0  # answered while the original still runs
+        assert original.result(timeout=30).status == 201
+    assert Charge.objects.count() == 1
+
+
+@override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
+def test_bounded_wait_turns_the_409_into_a_replay(live_server, user):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    slow = {**headers, "X-Test": "sleep-after-write:1"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
+        time.sleep(0.3)
+        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+        first = original.result(timeout=30)
+    assert duplicate.status == 201
+    assert duplicate.replayed
+    assert duplicate.body == first.body
+    assert Charge.objects.count() == 1
+
+
+@override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 0.5})
+def test_bounded_wait_never_exceeds_its_bound(live_server, user):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    slow = {**headers, "X-Test": "sleep-after-write:3"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
+        time.sleep(0.3)
+        started = time.monotonic()
+        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+        waited = time.monotonic() - started
+        assert duplicate.status == 409
+        assert 0.5 <= waited < 2.0
+        assert original.result(timeout=30).status == 201
+    assert Charge.objects.count() == 1
+
+
+def test_slow_original_that_lost_its_lease_cannot_commit(live_server, user):
+    """Timeout after the provider call: the retry takes the stale lease over, the provider
+    deduplicates by the downstream key, and the original's writes are rolled back."""
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    slow = {**headers, "X-Test": "sleep-after-provider:2.5"}
+    path = "/charges/short-lease/"  # a 1-second lease
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(request, live_server.url, "POST", path, CHARGE, slow)
+        time.sleep(1.5)  # the original's lease has run out; it is still asleep
+        retry = request(live_server.url, "POST", path, CHARGE, headers)
+        assert retry.status == 201
+        assert not retry.replayed
+        late = original.result(timeout=30)
+    assert late.status == 409
+    assert late.json()["code"] == "idempotency_lease_lost"
+    assert Charge.objects.count() == 1  # the original's write never committed
+    assert ProviderCharge.objects.count() == 1  # charged once overall
+    assert ProviderCall.objects.count() == 2  # called twice, with the same downstream key
+    replay = request(live_server.url, "POST", path, CHARGE, headers)
+    assert replay.replayed
+    assert replay.body == retry.body
+    record = IdempotencyRecord.objects.get()
+    assert record.recovery_attempts == 1
+
+
+def test_live_lease_is_never_taken_over(live_server, user):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    slow = {**headers, "X-Test": "sleep-after-provider:0.6"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(
+            request, live_server.url, "POST", "/charges/short-lease/", CHARGE, slow
+        )
+        time.sleep(0.2)
+        assert request(live_server.url, "POST", "/charges/short-lease/", CHARGE, headers).status == 409
+        assert original.result(timeout=30).status == 201
+    assert Charge.objects.count() == 1
