@@ -1,0 +1,119 @@
+# Development tasks for django-idempotency. `make help` lists them.
+#
+# Everything runs from a virtualenv in .venv, made with $(PYTHON) when missing. The package is
+# installed there in editable mode with all extras and the `dev` dependency group, again only
+# when pyproject.toml changed since the last install (a stamp file inside .venv remembers).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+REPORTS := $(VENV)/reports
+
+# The example project: its database (sqlite or postgres), the port of the throwaway server
+# the retry storm runs against, and where `make demo` serves in the end.
+EXAMPLE_DB ?= sqlite
+export EXAMPLE_DB
+EXAMPLE_PGDATABASE ?= django_idempotency_example
+STORM_PORT ?= 8765
+DEMO_ADDR ?= 127.0.0.1:8000
+
+# tox environments to run (comma-separated); empty runs the whole grid of tox.ini.
+ENVS ?=
+
+# tox needs python3.10 ... python3.13 on PATH. Where pyenv manages them and PYENV_VERSION is
+# not set already, ask pyenv for the newest installed release of each, python3.11 first.
+ifndef PYENV_VERSION
+PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
+	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
+endif
+
+.PHONY: help install lint check-migrations test tox example-db storm demo clean
+
+help:
+	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
+	@echo "make lint     ruff (lint and format check) and mypy"
+	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
+	@echo "make storm    the example project's retry storm against a throwaway server"
+	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/"
+	@echo "make clean    remove .venv, .tox, build output and the example database"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e ".[drf,celery,postgres]" --group dev
+	touch $@
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy django_idempotency tests example_project
+
+check-migrations: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
+
+# Both databases always run; the summary shows each run's closing pytest line, and the
+# target fails if either run failed.
+test: lint check-migrations
+	@mkdir -p $(REPORTS)
+	@failed=0; \
+	for db in sqlite postgres; do \
+		echo "==> pytest with TEST_DB=$$db"; \
+		TEST_DB=$$db $(BIN)/pytest 2>&1 | tee $(REPORTS)/pytest-$$db.log || failed=1; \
+	done; \
+	echo; \
+	echo "==> Test summary"; \
+	for db in sqlite postgres; do \
+		printf '  %-9s %s\n' "$$db:" "$$(tail -n 1 $(REPORTS)/pytest-$$db.log)"; \
+	done; \
+	exit $$failed
+
+$(BIN)/tox: | $(STAMP)
+	$(BIN)/python -m pip install "tox>=4.22"
+
+tox: $(BIN)/tox
+	$(if $(PYENV_GRID),PYENV_VERSION=$(PYENV_GRID)) $(BIN)/tox run $(if $(ENVS),-e $(ENVS))
+
+# --- the example project ------------------------------------------------------------------
+
+example-db: $(STAMP)
+ifeq ($(EXAMPLE_DB),postgres)
+	@psql -h 127.0.0.1 -U postgres -tAc \
+		"SELECT 1 FROM pg_database WHERE datname = '$(EXAMPLE_PGDATABASE)'" | grep -q 1 \
+		|| createdb -h 127.0.0.1 -U postgres $(EXAMPLE_PGDATABASE)
+endif
+	$(BIN)/python manage.py makemigrations --check --dry-run
+	$(BIN)/python manage.py migrate
+	$(BIN)/python manage.py ensure_demo_user --username demo --password demo
+
+# A threaded development server in the background, the storm against it, then the server
+# is stopped whatever the storm's outcome.
+storm: example-db
+	@$(BIN)/python manage.py runserver --noreload 127.0.0.1:$(STORM_PORT) \
+		> $(VENV)/storm-server.log 2>&1 & \
+	server=$$!; \
+	trap 'kill $$server 2>/dev/null || true' EXIT; \
+	$(BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
+		--user demo --password demo
+
+demo: storm
+	@key=$$($(BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
+	echo "The example API is starting on http://$(DEMO_ADDR)/ (admin: /admin/, demo/demo)."; \
+	echo "Create a charge; run the same line again to get the replay:"; \
+	echo; \
+	echo "  curl -i -u demo:demo -H 'Content-Type: application/json' \\"; \
+	echo "       -H 'Idempotency-Key: $$key' \\"; \
+	echo "       -d '{\"amount\": 1000, \"currency\": \"EUR\"}' http://$(DEMO_ADDR)/api/charges/"; \
+	echo
+	$(BIN)/python manage.py runserver $(DEMO_ADDR)
+
+clean:
+	rm -rf $(VENV) .tox build dist *.egg-info example_project/db.sqlite3*

@@ -1,0 +1,57 @@
+"""The payments API: charges through the DRF mixin, refunds through the decorator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from rest_framework import status, viewsets
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from django_idempotency.decorators import idempotent
+from django_idempotency.drf import IdempotencyMixin
+from example_project.payments import provider
+from example_project.payments.models import Charge
+from example_project.payments.serializers import ChargeSerializer, RefundSerializer
+
+
+class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
+    """The caller's charges. ``POST`` needs an ``Idempotency-Key``; operation ``charge.create``.
+
+    Charges are never changed or deleted (refunds exist for that), so only ``GET`` and
+    ``POST`` are routed.
+    """
+
+    serializer_class = ChargeSerializer
+    http_method_names = ["get", "post", "head", "options"]
+
+    def get_queryset(self) -> QuerySet[Charge]:
+        user = self.request.user
+        if not user.is_authenticated:  # refused by IsAuthenticated before it gets here
+            return Charge.objects.none()
+        return Charge.objects.filter(user=user)
+
+    def perform_create(self, serializer: Any) -> None:
+        data = serializer.validated_data
+        # The provider call comes first and carries a key derived from the client's key: a
+        # retry after a crash reaches the provider with the same key and is deduplicated
+        # there, while the local row below commits together with the idempotency record.
+        provider_charge = provider.charge(
+            key=self.request.idempotency.downstream_key("provider"),  # type: ignore[attr-defined]
+            amount=data["amount"],
+            currency=data["currency"],
+            description=data.get("description", ""),
+        )
+        serializer.save(user=self.request.user, provider_charge_id=provider_charge.reference)
+
+
+@api_view(["POST"])
+@idempotent(operation="refund.create")
+def create_refund(request: Request) -> Response:
+    """Refund part or all of one of the caller's charges."""
+    serializer = RefundSerializer(data=request.data, context={"request": request})
+    serializer.is_valid(raise_exception=True)
+    serializer.save()
+    return Response(serializer.data, status=status.HTTP_201_CREATED)

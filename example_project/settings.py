@@ -1,0 +1,132 @@
+"""Settings of the example payments project. Not for production: the secret key is public.
+
+``EXAMPLE_DB`` picks the database: ``sqlite`` (default, ``example_project/db.sqlite3``) or
+``postgres`` (database ``django_idempotency_example`` on 127.0.0.1, user ``postgres``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+BASE_DIR = Path(__file__).resolve().parent
+
+SECRET_KEY = os.environ.get("EXAMPLE_SECRET_KEY", "django-insecure-example-project-only")
+DEBUG = os.environ.get("EXAMPLE_DEBUG", "1") == "1"
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_idempotency",
+    "example_project.payments",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "example_project.urls"
+WSGI_APPLICATION = "example_project.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+EXAMPLE_DB = os.environ.get("EXAMPLE_DB", "sqlite")
+
+default_database: dict[str, Any]
+if EXAMPLE_DB == "postgres":
+    default_database = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": os.environ.get("EXAMPLE_PGDATABASE", "django_idempotency_example"),
+        "USER": os.environ.get("PGUSER", "postgres"),
+        "PASSWORD": os.environ.get("PGPASSWORD", ""),
+        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+        "PORT": os.environ.get("PGPORT", "5432"),
+    }
+elif EXAMPLE_DB == "sqlite":
+    default_database = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": BASE_DIR / "db.sqlite3",
+        "OPTIONS": {
+            # Concurrent requests queue for SQLite's single write lock instead of failing at
+            # once, and WAL lets readers go on while a request writes.
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+        },
+    }
+else:
+    raise RuntimeError(f"EXAMPLE_DB must be sqlite or postgres, not {EXAMPLE_DB!r}")
+
+DATABASES = {
+    "default": default_database,
+    # The fake payment provider writes through a connection of its own, the way an external
+    # system would: its ledger survives a rollback of the view's transaction. Same database
+    # (for SQLite the same file); the view calls the provider before it writes locally, so
+    # the two connections never wait on each other.
+    "provider": {**default_database, "TEST": {"MIRROR": "default"}},
+}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+
+# Every key optional: the defaults (24 h TTL, 60 s lease, key required on POST and PATCH).
+IDEMPOTENCY: dict[str, Any] = {}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.BasicAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 20,
+}
+
+# How long the fake payment provider takes to answer, in seconds: long enough that a storm
+# of retries arrives while the first request is still in flight.
+FAKE_PROVIDER_LATENCY = float(os.environ.get("EXAMPLE_PROVIDER_LATENCY", "0.5"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_idempotency": {"handlers": ["console"], "level": "INFO"}},
+}
