@@ -85,7 +85,7 @@ def idempotent(
 
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
-        existing = getattr(func, "_non_atomic_requests", set())
+        existing: set[str] = getattr(func, "_non_atomic_requests", set())
         wrapper._non_atomic_requests = engine.IdempotencyDatabase(existing)  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 

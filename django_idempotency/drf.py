@@ -28,7 +28,8 @@ def _finalized(
         response = call()
     except Exception as exc:
         response = view.handle_exception(exc)
-    return view.finalize_response(request, response, *view.args, **view.kwargs)
+    # finalize_response takes any HttpResponse (it only sets renderer attributes on DRF's).
+    return view.finalize_response(request, response, *view.args, **view.kwargs)  # type: ignore[arg-type]
 
 
 def drf_call(
@@ -95,8 +96,7 @@ class IdempotencyMixin:
         )
         fingerprint = (
             self.get_idempotency_fingerprint
-            if cls.get_idempotency_fingerprint
-            is not IdempotencyMixin.get_idempotency_fingerprint
+            if cls.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
             else None
         )
         return engine.Options(

@@ -138,7 +138,9 @@ def handle(
     if raw is None:
         required = conf.required() if options.required is None else options.required
         if required:
-            return _problem(problems.KEY_MISSING, f"{inner.method} requests need a {header} header.")
+            return _problem(
+                problems.KEY_MISSING, f"{inner.method} requests need a {header} header."
+            )
         return _with_atomic_requests(alias, call_view)
     try:
         key = parse_key(raw)
@@ -150,8 +152,9 @@ def handle(
             problems.ACCOUNT_MISSING,
             "This request carries an idempotency key but no authenticated caller to scope it to.",
         )
-    context = IdempotencyContext(key=key, operation=options.operation or default_operation(),
-                                 account=str(account))
+    context = IdempotencyContext(
+        key=key, operation=options.operation or default_operation(), account=str(account)
+    )
     inner.idempotency = context  # type: ignore[attr-defined]
     return _Attempt(request, inner, context, options, alias).run(call_view)
 
@@ -474,8 +477,10 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     """
     inner = django_request(request)
     match = inner.resolver_match
-    where = match.route if match is not None and match.route else (
-        f"{fallback.__module__}.{fallback.__qualname__}"
+    where = (
+        match.route
+        if match is not None and match.route
+        else (f"{fallback.__module__}.{fallback.__qualname__}")
     )
     return f"{inner.method} {where}"
 

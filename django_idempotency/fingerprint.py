@@ -16,8 +16,8 @@ from typing import Any
 
 from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest, QueryDict
-from django.http.request import RawPostDataException
 from django.http.multipartparser import MultiPartParserError
+from django.http.request import RawPostDataException
 
 DEFAULT_VERSION = "v1"
 
@@ -33,7 +33,7 @@ def _sorted_pairs(data: QueryDict) -> list[list[str]]:
     return sorted([key, value] for key, values in data.lists() for value in values)
 
 
-def _file_digest(upload: UploadedFile) -> str:
+def _file_digest(upload: UploadedFile[Any]) -> str:
     digest = hashlib.sha256()
     for chunk in upload.chunks():
         digest.update(chunk)

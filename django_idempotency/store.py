@@ -18,9 +18,11 @@ from django.db.models import F, Q
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 
-IN_PROGRESS = RecordStatus.IN_PROGRESS.value
-COMPLETED = RecordStatus.COMPLETED.value
-FAILED = RecordStatus.FAILED.value
+# The statements below compare against the stored strings; RecordStatus names them too.
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+FAILED = "failed"
+assert {IN_PROGRESS, COMPLETED, FAILED} == set(RecordStatus.values)
 
 _STATE_COLUMNS = (
     "id",
@@ -55,7 +57,7 @@ class RecordState:
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> RecordState:
-        values = dict(zip(_STATE_COLUMNS, row))
+        values = dict(zip(_STATE_COLUMNS, row, strict=True))
         headers = values["response_headers"]
         if isinstance(headers, str):
             headers = json.loads(headers)
@@ -183,15 +185,12 @@ def _portable_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> Reco
     except IntegrityError:
         pass
     now = request.now
-    identity = manager.filter(
-        account=request.account, operation=request.operation, key=request.key
-    )
+    identity = manager.filter(account=request.account, operation=request.operation, key=request.key)
     expired = Q(expires_at__lte=now) & (~Q(status=IN_PROGRESS) | Q(lease_expires_at__lte=now))
     # A stale lease is taken over only by the same request: the same hash, or a hash made by
     # another fingerprint version, which cannot be compared.
     stale = Q(status=IN_PROGRESS, lease_expires_at__lte=now) & (
-        Q(request_hash=request.request_hash)
-        | ~Q(fingerprint_version=request.fingerprint_version)
+        Q(request_hash=request.request_hash) | ~Q(fingerprint_version=request.fingerprint_version)
     )
     fresh = {k: v for k, v in row.items() if k not in ("account", "operation", "key")}
     with transaction.atomic(using=alias):

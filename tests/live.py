@@ -67,7 +67,7 @@ def request(
             headers={k.lower(): v for k, v in response.getheaders()},
             body=data,
         )
-    except (ConnectionError, http.client.HTTPException, socket.timeout):
+    except (TimeoutError, ConnectionError, http.client.HTTPException):
         return DISCONNECTED
     finally:
         conn.close()
@@ -97,9 +97,20 @@ def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Itera
     }
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "gunicorn", "tests.wsgi:application",
-            "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
-            "--timeout", "60", "--graceful-timeout", "2", "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "tests.wsgi:application",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            str(workers),
+            "--timeout",
+            "60",
+            "--graceful-timeout",
+            "2",
+            "--log-level",
+            "warning",
         ],
         cwd=ROOT,
         env=env,

@@ -165,6 +165,8 @@ def test_live_lease_is_never_taken_over(live_server, user):
             request, live_server.url, "POST", "/charges/short-lease/", CHARGE, slow
         )
         time.sleep(0.2)
-        assert request(live_server.url, "POST", "/charges/short-lease/", CHARGE, headers).status == 409
+        assert (
+            request(live_server.url, "POST", "/charges/short-lease/", CHARGE, headers).status == 409
+        )
         assert original.result(timeout=30).status == 201
     assert Charge.objects.count() == 1

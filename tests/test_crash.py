@@ -70,7 +70,8 @@ def test_retry_policy_runs_again_with_one_effect(server, user, stage):
     assert Charge.objects.count() == 1
     assert ProviderCharge.objects.count() == 1  # the provider deduplicated by downstream key
     replay = request(server, "POST", path, CHARGE, headers)
-    assert replay.replayed and replay.body == answer.body
+    assert replay.replayed
+    assert replay.body == answer.body
     assert IdempotencyRecord.objects.get().recovery_attempts == 1
 
 
@@ -83,7 +84,9 @@ def test_fail_policy_never_runs_twice(server, user):
     assert answer.status == 500
     assert answer.json()["code"] == "idempotency_outcome_unknown"
     again = request(server, "POST", path, CHARGE, headers)
-    assert again.status == 500 and again.body == answer.body and again.replayed
+    assert again.status == 500
+    assert again.body == answer.body
+    assert again.replayed
     assert Charge.objects.count() == 0
     assert ProviderCall.objects.count() == 1  # the crashed attempt's call, never repeated
     assert IdempotencyRecord.objects.get().status == RecordStatus.FAILED

@@ -9,6 +9,7 @@ mismatches refused, live leases respected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,10 +30,9 @@ from django_idempotency.fingerprint import default_fingerprint
 from django_idempotency.models import IdempotencyRecord
 from tests.testapp.models import Charge
 
-try:  # imported before the clock is frozen: psycopg's C module checks datetime's layout
+# Imported before the clock is frozen: psycopg's C module checks datetime's layout.
+with contextlib.suppress(ImportError):
     import django.db.backends.postgresql.psycopg_any  # noqa: F401
-except ImportError:
-    pass
 
 PATH = "/charges/tenant/"
 OPERATION = "POST charges/tenant/"
@@ -248,7 +248,8 @@ class EngineMachine(RuleBasedStateMachine):
             if slot.status is None:
                 assert record is None
             else:
-                assert record is not None and record.status == slot.status
+                assert record is not None
+                assert record.status == slot.status
 
 
 EngineMachine.TestCase.settings = settings(

@@ -56,12 +56,8 @@ def test_multipart_field_order_does_not_matter_file_content_does():
 
 
 def test_multipart_patch_is_parsed_too():
-    body_a = (
-        b"--AAA\r\nContent-Disposition: form-data; name=\"n\"\r\n\r\n1\r\n--AAA--\r\n"
-    )
-    body_b = (
-        b"--BBB\r\nContent-Disposition: form-data; name=\"n\"\r\n\r\n1\r\n--BBB--\r\n"
-    )
+    body_a = b'--AAA\r\nContent-Disposition: form-data; name="n"\r\n\r\n1\r\n--AAA--\r\n'
+    body_b = b'--BBB\r\nContent-Disposition: form-data; name="n"\r\n\r\n1\r\n--BBB--\r\n'
     a = rf.patch("/x/", body_a, content_type="multipart/form-data; boundary=AAA")
     b = rf.patch("/x/", body_b, content_type="multipart/form-data; boundary=BBB")
     assert fp(a) == fp(b)
@@ -70,7 +66,9 @@ def test_multipart_patch_is_parsed_too():
 def test_transport_headers_are_excluded():
     a = rf.post("/x/", "{}", content_type="application/json", headers={"User-Agent": "a"})
     b = rf.post(
-        "/x/", "{}", content_type="application/json",
+        "/x/",
+        "{}",
+        content_type="application/json",
         headers={"User-Agent": "b", "traceparent": "00-1-2-01", "Date": "now"},
     )
     assert fp(a) == fp(b)

@@ -323,12 +323,13 @@ def test_cross_tenant_key_collision(user, other_user):
     assert alice.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key).content == (
         a.content
     )
-    assert bob.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key).content == (
-        b.content
-    )
+    assert bob.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key).content == (b.content)
     # A different payload from Bob is Bob's own mismatch, not a view of Alice's record.
-    problem(bob.post("/charges/", {"amount": 5, "currency": "EUR"}, key=key),
-            "idempotency_key_reused", 422)
+    problem(
+        bob.post("/charges/", {"amount": 5, "currency": "EUR"}, key=key),
+        "idempotency_key_reused",
+        422,
+    )
 
 
 def test_account_from_a_custom_resolver(anon_api):

@@ -50,14 +50,22 @@ def test_meta_name():
     assert header_meta_name("Idempotency-Key") == "HTTP_IDEMPOTENCY_KEY"
 
 
-@given(st.text(min_size=1, max_size=255, alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E)))
+@given(
+    st.text(
+        min_size=1, max_size=255, alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+    )
+)
 def test_every_printable_key_round_trips_bare(key):
     if key.startswith('"') and key.endswith('"') and len(key) >= 2:
         return  # that is the structured-field form, covered below
     assert parse_key(key) == key
 
 
-@given(st.text(min_size=1, max_size=200, alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E)))
+@given(
+    st.text(
+        min_size=1, max_size=200, alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+    )
+)
 def test_structured_field_form_means_the_same_key(key):
     quoted = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
     assert parse_key(quoted) == key

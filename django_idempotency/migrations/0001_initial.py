@@ -5,40 +5,65 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='IdempotencyRecord',
+            name="IdempotencyRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('account', models.CharField(max_length=255)),
-                ('operation', models.CharField(max_length=255)),
-                ('key', models.CharField(max_length=255)),
-                ('request_hash', models.CharField(max_length=64)),
-                ('fingerprint_version', models.CharField(default='v1', max_length=64)),
-                ('status', models.CharField(choices=[('in_progress', 'in progress'), ('completed', 'completed'), ('failed', 'failed')], default='in_progress', max_length=16)),
-                ('lease_token', models.UUIDField(blank=True, null=True)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('recovery_policy', models.CharField(default='retry', max_length=255)),
-                ('recovery_attempts', models.PositiveIntegerField(default=0)),
-                ('response_status', models.PositiveSmallIntegerField(blank=True, null=True)),
-                ('response_headers', models.JSONField(blank=True, default=list)),
-                ('response_body', models.BinaryField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('completed_at', models.DateTimeField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField()),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("account", models.CharField(max_length=255)),
+                ("operation", models.CharField(max_length=255)),
+                ("key", models.CharField(max_length=255)),
+                ("request_hash", models.CharField(max_length=64)),
+                ("fingerprint_version", models.CharField(default="v1", max_length=64)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("in_progress", "in progress"),
+                            ("completed", "completed"),
+                            ("failed", "failed"),
+                        ],
+                        default="in_progress",
+                        max_length=16,
+                    ),
+                ),
+                ("lease_token", models.UUIDField(blank=True, null=True)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("recovery_policy", models.CharField(default="retry", max_length=255)),
+                ("recovery_attempts", models.PositiveIntegerField(default=0)),
+                ("response_status", models.PositiveSmallIntegerField(blank=True, null=True)),
+                ("response_headers", models.JSONField(blank=True, default=list)),
+                ("response_body", models.BinaryField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("completed_at", models.DateTimeField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField()),
             ],
             options={
-                'verbose_name': 'idempotency record',
-                'verbose_name_plural': 'idempotency records',
-                'db_table': 'django_idempotency_record',
-                'indexes': [models.Index(fields=['expires_at'], name='idempotency_expires_idx'), models.Index(fields=['status', 'lease_expires_at'], name='idempotency_lease_idx'), models.Index(fields=['operation', 'status'], name='idempotency_op_status_idx'), models.Index(fields=['created_at'], name='idempotency_created_idx')],
-                'constraints': [models.UniqueConstraint(fields=('account', 'operation', 'key'), name='idempotency_record_unique_key')],
+                "verbose_name": "idempotency record",
+                "verbose_name_plural": "idempotency records",
+                "db_table": "django_idempotency_record",
+                "indexes": [
+                    models.Index(fields=["expires_at"], name="idempotency_expires_idx"),
+                    models.Index(
+                        fields=["status", "lease_expires_at"], name="idempotency_lease_idx"
+                    ),
+                    models.Index(fields=["operation", "status"], name="idempotency_op_status_idx"),
+                    models.Index(fields=["created_at"], name="idempotency_created_idx"),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("account", "operation", "key"), name="idempotency_record_unique_key"
+                    )
+                ],
             },
         ),
     ]

@@ -60,7 +60,8 @@ class CustomOperationAPIView(IdempotencyMixin, APIView):
     idempotency_methods = ("POST", "PUT")
 
     def get_idempotency_account(self, request: Request) -> str | None:
-        return f"tenant:{request.headers.get('X-Tenant', '')}" or None
+        tenant = request.headers.get("X-Tenant")
+        return f"tenant:{tenant}" if tenant else None
 
     def post(self, request: Request) -> Response:
         Charge.objects.create(account="custom", amount=1, currency="EUR")

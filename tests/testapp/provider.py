@@ -17,8 +17,10 @@ def charge(key: str, amount: int, currency: str) -> int:
     ProviderCall.objects.using(ALIAS).create(key=key)
     try:
         with transaction.atomic(using=ALIAS):
-            return ProviderCharge.objects.using(ALIAS).create(
-                key=key, amount=amount, currency=currency
-            ).pk
+            return (
+                ProviderCharge.objects.using(ALIAS)
+                .create(key=key, amount=amount, currency=currency)
+                .pk
+            )
     except IntegrityError:
         return ProviderCharge.objects.using(ALIAS).get(key=key).pk

@@ -92,8 +92,9 @@ def recover_by_asking_provider(record):  # type: ignore[no-untyped-def]
     return None
 
 
-@idempotent(operation="charges.create-callable", lease=1, ttl=60,
-            recovery=recover_by_asking_provider)
+@idempotent(
+    operation="charges.create-callable", lease=1, ttl=60, recovery=recover_by_asking_provider
+)
 def charges_callable_policy(request: HttpRequest) -> HttpResponse:
     return make_charge(request)
 

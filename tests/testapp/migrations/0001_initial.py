@@ -4,38 +4,51 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Charge',
+            name="Charge",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('account', models.CharField(max_length=255)),
-                ('amount', models.PositiveIntegerField()),
-                ('currency', models.CharField(max_length=3)),
-                ('provider_charge', models.CharField(blank=True, max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("account", models.CharField(max_length=255)),
+                ("amount", models.PositiveIntegerField()),
+                ("currency", models.CharField(max_length=3)),
+                ("provider_charge", models.CharField(blank=True, max_length=64)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='ProviderCall',
+            name="ProviderCall",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=128)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=128)),
             ],
         ),
         migrations.CreateModel(
-            name='ProviderCharge',
+            name="ProviderCharge",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=128, unique=True)),
-                ('amount', models.PositiveIntegerField()),
-                ('currency', models.CharField(max_length=3)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=128, unique=True)),
+                ("amount", models.PositiveIntegerField()),
+                ("currency", models.CharField(max_length=3)),
             ],
         ),
     ]

@@ -1,0 +1,548 @@
+"""The maintenance module and its commands: purge in batches, the audit trail, recovery."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timedelta, timezone
+from io import StringIO
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import DatabaseError, transaction
+from django.http import HttpResponse, JsonResponse
+from django.test import override_settings
+
+from django_idempotency import checks, maintenance, signals
+from django_idempotency.models import (
+    IdempotencyAuditRecord,
+    IdempotencyRecord,
+    RecordStatus,
+)
+from tests.factories import RecordFactory
+
+pytestmark = pytest.mark.django_db
+
+NOW = datetime(2030, 1, 1, 12, 0, tzinfo=timezone.utc)
+AUDIT_ON = override_settings(IDEMPOTENCY={"AUDIT": True})
+
+
+def completed(*, expires_in: timedelta, now: datetime = NOW, **fields: Any) -> IdempotencyRecord:
+    """A completed record that expires ``expires_in`` after ``now`` (negative: expired)."""
+    return RecordFactory(created_at=now - timedelta(hours=1), expires_at=now + expires_in, **fields)
+
+
+def in_progress(
+    *,
+    lease_in: timedelta,
+    expires_in: timedelta = timedelta(hours=1),
+    policy: str = "retry",
+    now: datetime = NOW,
+    **fields: Any,
+) -> IdempotencyRecord:
+    """An in-progress record whose lease ends ``lease_in`` after ``now`` (negative: stale)."""
+    return RecordFactory(
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now + lease_in,
+        expires_at=now + expires_in,
+        created_at=now - timedelta(minutes=5),
+        recovery_policy=policy,
+        response_status=None,
+        response_headers=[],
+        response_body=None,
+        **fields,
+    )
+
+
+def bulk_records(count: int, *, expires_at: datetime, prefix: str) -> None:
+    """``count`` completed records in a few statements (factories one by one are slow)."""
+    records = RecordFactory.build_batch(
+        count, expires_at=expires_at, created_at=expires_at - timedelta(hours=24)
+    )
+    for n, record in enumerate(records):
+        record.key = f"{prefix}-{n}"
+    IdempotencyRecord.objects.bulk_create(records, batch_size=1000)
+
+
+def remaining_keys() -> set[str]:
+    return set(IdempotencyRecord.objects.values_list("key", flat=True))
+
+
+# -- purge ------------------------------------------------------------------------------------
+
+
+def test_purge_deletes_expired_records_and_keeps_the_rest():
+    completed(expires_in=-timedelta(seconds=1), key="old")
+    completed(expires_in=timedelta(seconds=1), key="young")
+    in_progress(lease_in=timedelta(seconds=30), expires_in=-timedelta(seconds=1), key="held")
+    in_progress(lease_in=-timedelta(seconds=1), expires_in=-timedelta(seconds=1), key="dead")
+    in_progress(lease_in=-timedelta(seconds=1), key="stale-but-young")
+
+    result = maintenance.purge_expired(now=NOW)
+
+    assert result.deleted == 2
+    assert result.batches == 1
+    assert result.complete
+    assert remaining_keys() == {"young", "held", "stale-but-young"}
+
+
+def test_purge_in_bounded_batches():
+    bulk_records(10_000, expires_at=NOW - timedelta(minutes=1), prefix="expired")
+    bulk_records(100, expires_at=NOW + timedelta(minutes=1), prefix="live")
+    seen: list[tuple[int, int]] = []
+
+    result = maintenance.purge_expired(
+        batch_size=500, now=NOW, progress=lambda b, r: seen.append((b, r))
+    )
+
+    assert result.deleted == 10_000
+    assert result.batches >= 20
+    assert result.longest_batch_seconds > 0
+    assert seen[-1] == (result.batches, 10_000)
+    assert remaining_keys() == {f"live-{n}" for n in range(100)}
+
+
+def test_max_batches_stops_the_run_and_says_so():
+    bulk_records(25, expires_at=NOW - timedelta(minutes=1), prefix="expired")
+
+    first = maintenance.purge_expired(batch_size=10, max_batches=2, now=NOW)
+    assert (first.deleted, first.batches, first.complete) == (20, 2, False)
+    second = maintenance.purge_expired(batch_size=10, max_batches=2, now=NOW)
+    assert (second.deleted, second.batches, second.complete) == (5, 1, True)
+
+
+@override_settings(IDEMPOTENCY={"PURGE_MAX_BATCHES": 1, "PURGE_BATCH_SIZE": 3})
+def test_settings_give_the_defaults():
+    bulk_records(10, expires_at=NOW - timedelta(minutes=1), prefix="expired")
+    result = maintenance.purge_expired(now=NOW)
+    assert (result.deleted, result.batches, result.complete) == (3, 1, False)
+
+
+def test_dry_run_counts_and_deletes_nothing():
+    bulk_records(25, expires_at=NOW - timedelta(minutes=1), prefix="expired")
+    received: list[Any] = []
+    signals.records_purged.connect(received.append, dispatch_uid="dry")
+    try:
+        result = maintenance.purge_expired(batch_size=10, dry_run=True, now=NOW)
+        capped = maintenance.purge_expired(batch_size=10, max_batches=2, dry_run=True, now=NOW)
+    finally:
+        signals.records_purged.disconnect(dispatch_uid="dry")
+    assert (result.deleted, result.batches, result.dry_run, result.complete) == (25, 3, True, True)
+    assert (capped.deleted, capped.batches, capped.complete) == (20, 2, False)
+    assert IdempotencyRecord.objects.count() == 25
+    assert received == []
+
+
+def test_purge_sends_records_purged():
+    completed(expires_in=-timedelta(seconds=1))
+    received: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        received.append(kwargs)
+
+    signals.records_purged.connect(receiver, dispatch_uid="test")
+    try:
+        maintenance.purge_expired(now=NOW)
+    finally:
+        signals.records_purged.disconnect(dispatch_uid="test")
+    assert len(received) == 1
+    assert received[0]["sender"] is IdempotencyRecord
+    assert (received[0]["count"], received[0]["audit"]) == (1, 0)
+
+
+def test_manager_delete_expired_is_the_same_purge():
+    completed(expires_in=-timedelta(seconds=1))
+    result = IdempotencyRecord.objects.delete_expired(now=NOW)
+    assert result.deleted == 1
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_bad_batch_size_is_refused():
+    with pytest.raises(ValueError, match="positive"):
+        maintenance.purge_expired(batch_size=0)
+
+
+# -- the audit trail --------------------------------------------------------------------------
+
+
+def test_purge_without_audit_copies_nothing():
+    completed(expires_in=-timedelta(seconds=1))
+    result = maintenance.purge_expired(now=NOW)
+    assert (result.deleted, result.archived) == (1, 0)
+    assert IdempotencyAuditRecord.objects.count() == 0
+
+
+@AUDIT_ON
+def test_purge_with_audit_copies_each_record_first():
+    old = completed(
+        expires_in=-timedelta(seconds=1),
+        key="audited",
+        response_headers=[["Content-Type", "application/json"], ["Location", "/charges/1/"]],
+        response_body=b'{"id": 1}',
+    )
+    dead = in_progress(lease_in=-timedelta(seconds=2), expires_in=-timedelta(seconds=1))
+    completed(expires_in=timedelta(seconds=1), key="young")
+
+    result = maintenance.purge_expired(batch_size=1, now=NOW)
+
+    assert (result.deleted, result.archived, result.batches) == (2, 2, 2)
+    assert remaining_keys() == {"young"}
+    audit = IdempotencyAuditRecord.objects.get(record_id=old.pk)
+    assert (audit.account, audit.operation, audit.key) == (old.account, old.operation, "audited")
+    assert audit.status == RecordStatus.COMPLETED
+    assert audit.response_status == 201
+    assert audit.response_headers == old.response_headers
+    assert bytes(audit.response_body) == b'{"id": 1}'
+    assert audit.expires_at == old.expires_at
+    assert (audit.archived_at, audit.reason) == (NOW, "purged")
+    stale = IdempotencyAuditRecord.objects.get(record_id=dead.pk)
+    assert stale.status == RecordStatus.IN_PROGRESS
+    assert stale.response_body is None
+
+
+@AUDIT_ON
+def test_archive_expired_copies_the_record_a_claim_replaces():
+    completed(expires_in=-timedelta(seconds=1), key="reused")
+    completed(expires_in=timedelta(seconds=1), key="alive")
+    with transaction.atomic():
+        copied = IdempotencyRecord.objects.archive_expired(
+            "user:1", "charges.create", "reused", now=NOW
+        )
+        untouched = IdempotencyRecord.objects.archive_expired(
+            "user:1", "charges.create", "alive", now=NOW
+        )
+    assert (copied, untouched) == (1, 0)
+    audit = IdempotencyAuditRecord.objects.get()
+    assert (audit.key, audit.reason) == ("reused", "replaced")
+
+
+def test_archive_expired_does_nothing_with_the_audit_off():
+    completed(expires_in=-timedelta(seconds=1), key="reused")
+    with transaction.atomic():
+        assert IdempotencyRecord.objects.archive_expired(
+            "user:1", "charges.create", "reused", now=NOW
+        ) == 0
+    assert IdempotencyAuditRecord.objects.count() == 0
+
+
+@override_settings(IDEMPOTENCY={"AUDIT": True, "AUDIT_RETENTION": timedelta(days=30)})
+def test_audit_records_are_purged_after_their_retention():
+    completed(expires_in=-timedelta(days=40), key="ancient")
+    maintenance.purge_expired(now=NOW - timedelta(days=31))
+    completed(expires_in=-timedelta(days=1), key="recent")
+    maintenance.purge_expired(now=NOW - timedelta(days=29))
+    assert IdempotencyAuditRecord.objects.count() == 2
+
+    result = maintenance.purge_expired(now=NOW, batch_size=1)
+
+    assert (result.deleted, result.audit_deleted, result.audit_batches) == (0, 1, 1)
+    assert list(IdempotencyAuditRecord.objects.values_list("key", flat=True)) == ["recent"]
+
+
+def test_audit_records_are_append_only():
+    audit = IdempotencyAuditRecord.objects.create(
+        record_id=1,
+        account="a",
+        operation="o",
+        key="k",
+        request_hash="0" * 64,
+        fingerprint_version="v1",
+        status=RecordStatus.COMPLETED,
+        recovery_policy="retry",
+        recovery_attempts=0,
+        created_at=NOW,
+        expires_at=NOW,
+        reason="purged",
+    )
+    audit.key = "changed"
+    with pytest.raises(TypeError, match="append-only"):
+        audit.save()
+
+
+# -- recovery ---------------------------------------------------------------------------------
+
+CALLS: list[str] = []
+
+
+def answer_ok(record: IdempotencyRecord) -> HttpResponse:
+    """A recovery callable that found the outcome at the provider."""
+    CALLS.append(record.key)
+    return JsonResponse({"recovered": record.key}, status=201, headers={"Location": "/x/"})
+
+
+def answer_none(record: IdempotencyRecord) -> None:
+    """A recovery callable that found nothing: the operation may run again."""
+    CALLS.append(record.key)
+
+
+def answer_error(record: IdempotencyRecord) -> HttpResponse:
+    """A recovery callable whose provider is down."""
+    CALLS.append(record.key)
+    raise ConnectionError("provider down")
+
+
+def answer_5xx(record: IdempotencyRecord) -> HttpResponse:
+    """A recovery callable that answers something that must not be replayed."""
+    CALLS.append(record.key)
+    return HttpResponse(status=502)
+
+
+def answer_after_takeover(record: IdempotencyRecord) -> HttpResponse:
+    """A retry takes the lease over while the callable asks the provider."""
+    CALLS.append(record.key)
+    IdempotencyRecord.objects.filter(pk=record.pk).update(lease_token=uuid.uuid4())
+    return JsonResponse({}, status=201)
+
+
+@pytest.fixture
+def calls() -> list[str]:
+    CALLS.clear()
+    return CALLS
+
+
+@pytest.fixture
+def recovered() -> Any:
+    events: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        events.append(kwargs)
+
+    signals.lease_recovered.connect(receiver, dispatch_uid="test-recovered")
+    yield events
+    signals.lease_recovered.disconnect(dispatch_uid="test-recovered")
+
+
+STALE = -timedelta(seconds=1)
+LIVE = timedelta(seconds=30)
+
+
+def test_retry_policy_releases_stale_leases(recovered):
+    in_progress(lease_in=STALE, key="stale", policy="retry")
+    in_progress(lease_in=LIVE, key="live", policy="retry")
+    completed(expires_in=timedelta(hours=1), key="done")
+
+    result = maintenance.recover_stale_leases(now=NOW)
+
+    assert (result.found, result.released, result.skipped, result.errors) == (1, 1, 0, 0)
+    assert remaining_keys() == {"live", "done"}
+    assert [(e["key"], e["policy"], e["outcome"]) for e in recovered] == [
+        ("stale", "retry", "released")
+    ]
+
+
+def test_fail_policy_stores_the_outcome_unknown_problem(recovered):
+    record = in_progress(lease_in=STALE, key="stale", policy="fail")
+
+    result = maintenance.recover_stale_leases(now=NOW)
+
+    assert (result.found, result.failed) == (1, 1)
+    record.refresh_from_db()
+    assert record.status == RecordStatus.FAILED
+    assert record.recovery_attempts == 1
+    assert record.lease_token is None
+    assert record.completed_at == NOW
+    assert record.response_headers == [["Content-Type", "application/problem+json"]]
+    body = json.loads(bytes(record.response_body))
+    assert body["code"] == "idempotency_outcome_unknown"
+    assert record.response_status == body["status"]
+    assert [e["outcome"] for e in recovered] == ["failed"]
+
+
+def test_callable_answer_completes_the_record(calls, recovered):
+    path = f"{__name__}.answer_ok"
+    record = in_progress(lease_in=STALE, key="stale", policy=path)
+
+    result = maintenance.recover_stale_leases(now=NOW)
+
+    assert (result.completed, calls) == (1, ["stale"])
+    record.refresh_from_db()
+    assert (record.status, record.response_status) == (RecordStatus.COMPLETED, 201)
+    assert json.loads(bytes(record.response_body)) == {"recovered": "stale"}
+    assert ["Location", "/x/"] in record.response_headers
+    assert record.recovery_attempts == 1
+    assert [(e["policy"], e["outcome"]) for e in recovered] == [(path, "completed")]
+
+
+def test_callable_none_releases_the_record(calls, recovered):
+    in_progress(lease_in=STALE, key="stale", policy=f"{__name__}.answer_none")
+    result = maintenance.recover_stale_leases(now=NOW)
+    assert (result.released, calls) == (1, ["stale"])
+    assert remaining_keys() == set()
+    assert [e["outcome"] for e in recovered] == ["released"]
+
+
+@pytest.mark.parametrize("policy", ["answer_error", "answer_5xx", "no_such_function"])
+def test_a_policy_that_cannot_answer_counts_an_attempt_and_keeps_the_record(
+    policy, calls, recovered
+):
+    record = in_progress(lease_in=STALE, key="stale", policy=f"{__name__}.{policy}")
+
+    first = maintenance.recover_stale_leases(now=NOW)
+    second = maintenance.recover_stale_leases(now=NOW)
+
+    assert (first.errors, second.errors) == (1, 1)
+    record.refresh_from_db()
+    assert record.status == RecordStatus.IN_PROGRESS
+    assert record.recovery_attempts == 2
+    assert recovered == []
+
+
+def test_a_record_taken_over_meanwhile_is_left_alone(calls):
+    record = in_progress(lease_in=STALE, key="stale", policy=f"{__name__}.answer_after_takeover")
+    result = maintenance.recover_stale_leases(now=NOW)
+    assert (result.found, result.skipped, result.completed) == (1, 1, 0)
+    record.refresh_from_db()
+    assert record.status == RecordStatus.IN_PROGRESS
+    assert record.recovery_attempts == 0
+
+
+def test_recovery_leaves_stale_records_past_their_ttl_to_the_purge():
+    in_progress(lease_in=-timedelta(seconds=2), expires_in=-timedelta(seconds=1), policy="fail")
+    result = maintenance.recover_stale_leases(now=NOW)
+    assert result.found == 0
+
+
+def test_recovery_dry_run_and_limit(calls, recovered):
+    for n in range(3):
+        in_progress(lease_in=STALE, key=f"retry-{n}", policy="retry")
+    in_progress(lease_in=STALE, key="fail", policy="fail")
+
+    dry = maintenance.recover_stale_leases(now=NOW, dry_run=True)
+    assert (dry.found, dry.released, dry.dry_run) == (4, 0, True)
+    assert dry.policies == {"retry": 3, "fail": 1}
+    assert IdempotencyRecord.objects.count() == 4
+    assert recovered == []
+
+    limited = maintenance.recover_stale_leases(now=NOW, limit=2)
+    assert limited.found == 2
+    rest = maintenance.recover_stale_leases(now=NOW)
+    assert rest.found == 2
+    assert IdempotencyRecord.objects.get().status == RecordStatus.FAILED
+
+
+@override_settings(IDEMPOTENCY={"PURGE_BATCH_SIZE": 2})
+def test_recovery_pages_through_many_records():
+    for n in range(5):
+        in_progress(lease_in=STALE, key=f"stale-{n}", policy=f"{__name__}.answer_error")
+    result = maintenance.recover_stale_leases(now=NOW)
+    assert (result.found, result.errors) == (5, 5)
+
+
+def test_admin_helpers_touch_only_stale_in_progress_records(recovered):
+    in_progress(lease_in=-timedelta(seconds=1), now=datetime.now(timezone.utc), key="a")
+    in_progress(lease_in=-timedelta(seconds=1), now=datetime.now(timezone.utc), key="b")
+    in_progress(lease_in=timedelta(minutes=5), now=datetime.now(timezone.utc), key="live")
+    completed(expires_in=timedelta(hours=1), now=datetime.now(timezone.utc), key="done")
+
+    assert maintenance.release_stale(IdempotencyRecord.objects.filter(key__in=["a", "live"])) == 1
+    assert maintenance.mark_failed(IdempotencyRecord.objects.all()) == 1
+
+    statuses = dict(IdempotencyRecord.objects.values_list("key", "status"))
+    assert statuses == {
+        "b": RecordStatus.FAILED,
+        "live": RecordStatus.IN_PROGRESS,
+        "done": RecordStatus.COMPLETED,
+    }
+    assert [(e["key"], e["policy"], e["outcome"]) for e in recovered] == [
+        ("a", "retry", "released"),
+        ("b", "fail", "failed"),
+    ]
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+
+def run(command: str, *args: str) -> str:
+    out = StringIO()
+    call_command(command, *args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_purge_command():
+    bulk_records(25, expires_at=NOW - timedelta(days=1), prefix="expired")
+    completed(expires_in=timedelta(days=365), key="young")
+
+    dry = run("purge_idempotency", "--dry-run", "--batch-size", "10")
+    assert dry.strip() == (
+        "Would purge 25 expired idempotency records in 3 batches and 0 audit records in 0 batches."
+    )
+    assert IdempotencyRecord.objects.count() == 26
+
+    out = run("purge_idempotency", "--batch-size", "10", "--max-batches", "2", "-v", "2")
+    lines = out.splitlines()
+    assert lines[:2] == ["batch 1: 10 rows deleted so far", "batch 2: 20 rows deleted so far"]
+    assert lines[2].startswith("Purged 20 expired idempotency records in 2 batches")
+    assert lines[2].endswith("More remain: --max-batches stopped the run.")
+
+    assert run("purge_idempotency", "--database", "default", "-v", "0") == ""
+    assert remaining_keys() == {"young"}
+
+
+def test_purge_command_fails_loudly():
+    with mock.patch.object(maintenance, "purge_expired", side_effect=DatabaseError("gone")):
+        with pytest.raises(CommandError, match="purge failed: gone"):
+            run("purge_idempotency")
+    with pytest.raises(CommandError, match="no-such-db"):
+        run("purge_idempotency", "--database", "no-such-db")
+    with pytest.raises(CommandError):
+        run("purge_idempotency", "--batch-size", "0")
+
+
+def test_recover_command(calls):
+    now = datetime.now(timezone.utc)
+    in_progress(lease_in=-timedelta(seconds=1), now=now, key="retry", policy="retry")
+    in_progress(lease_in=-timedelta(seconds=1), now=now, key="fail", policy="fail")
+
+    dry = run("recover_idempotency", "--dry-run", "-v", "2")
+    assert dry.splitlines() == [
+        "policy fail: 1 stale leases",
+        "policy retry: 1 stale leases",
+        "Would recover 2 stale leases.",
+    ]
+    out = run("recover_idempotency", "--limit", "5")
+    assert out.strip() == (
+        "Recovered 2 stale leases: 1 released, 1 failed, 0 completed, 0 changed meanwhile, "
+        "0 errors."
+    )
+    assert remaining_keys() == {"fail"}
+
+
+def test_recover_command_exits_non_zero_on_errors(calls):
+    now = datetime.now(timezone.utc)
+    in_progress(lease_in=-timedelta(seconds=1), now=now, policy=f"{__name__}.answer_error")
+    with pytest.raises(CommandError, match="1 stale leases could not be recovered"):
+        run("recover_idempotency")
+
+
+# -- system checks ----------------------------------------------------------------------------
+
+
+def check_ids() -> list[str]:
+    return [message.id for message in checks.check_maintenance_settings()]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, []),
+        ({"AUDIT": True, "AUDIT_RETENTION": 3600, "PURGE_MAX_BATCHES": 10}, []),
+        ({"AUDIT": "yes"}, ["django_idempotency.E020"]),
+        ({"AUDIT_RETENTION": timedelta(0)}, ["django_idempotency.E021"]),
+        ({"AUDIT_RETENTION": "90d"}, ["django_idempotency.E021"]),
+        ({"PURGE_MAX_BATCHES": 0}, ["django_idempotency.E022"]),
+        ({"PURGE_MAX_BATCHES": True}, ["django_idempotency.E022"]),
+    ],
+)
+def test_maintenance_checks(settings, expected):
+    with override_settings(IDEMPOTENCY=settings):
+        assert check_ids() == expected
+
+
+def test_check_command_reports_maintenance_errors():
+    with override_settings(IDEMPOTENCY={"AUDIT": 1}):
+        with pytest.raises(Exception, match="E020"):
+            call_command("check", stdout=StringIO(), stderr=StringIO())
