@@ -154,3 +154,31 @@ def _check_database(alias: str) -> Iterable[CheckMessage]:
                 "writes to this database; writes to other databases are not covered."
             ),
         )
+
+
+@register(Tags.compatibility)
+def check_maintenance_settings(**kwargs: Any) -> list[CheckMessage]:
+    """Validate the purge and audit-trail entries of ``IDEMPOTENCY`` (ids E020-E029)."""
+    raw = getattr(settings, "IDEMPOTENCY", None)
+    if raw is not None and not isinstance(raw, dict):
+        return []  # E001 already says so
+    messages: list[CheckMessage] = []
+    audit = conf.get("AUDIT")
+    if not isinstance(audit, bool):
+        messages.append(_error(20, "IDEMPOTENCY['AUDIT'] must be True or False."))
+    retention = _duration(conf.get("AUDIT_RETENTION"))
+    if retention is None or retention <= timedelta(0):
+        messages.append(
+            _error(
+                21,
+                "IDEMPOTENCY['AUDIT_RETENTION'] must be a positive timedelta or number of seconds.",
+            )
+        )
+    max_batches = conf.get("PURGE_MAX_BATCHES")
+    if max_batches is not None and (
+        not isinstance(max_batches, int) or isinstance(max_batches, bool) or max_batches <= 0
+    ):
+        messages.append(
+            _error(22, "IDEMPOTENCY['PURGE_MAX_BATCHES'] must be a positive integer or None.")
+        )
+    return messages

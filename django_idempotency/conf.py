@@ -33,6 +33,9 @@ DEFAULTS: dict[str, Any] = {
     "IN_PROGRESS_WAIT": timedelta(0),
     "RETRY_AFTER": 1,
     "PURGE_BATCH_SIZE": 1000,
+    "PURGE_MAX_BATCHES": None,
+    "AUDIT": False,
+    "AUDIT_RETENTION": timedelta(days=90),
 }
 
 # Never stored, never replayed, whatever REPLAY_HEADERS says: they describe one hop or one
@@ -147,3 +150,19 @@ def retry_after() -> int:
 
 def purge_batch_size() -> int:
     return int(get("PURGE_BATCH_SIZE"))
+
+
+def purge_max_batches() -> int | None:
+    """How many batches one purge run may take per table; ``None``: until done."""
+    value = get("PURGE_MAX_BATCHES")
+    return None if value is None else int(value)
+
+
+def audit() -> bool:
+    """Whether records leaving the deduplication window are first copied to the audit trail."""
+    return bool(get("AUDIT"))
+
+
+def audit_retention() -> timedelta:
+    """How long an audit record is kept after it was archived."""
+    return as_timedelta(get("AUDIT_RETENTION"))

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from django.db import models
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, models
+from django.db.models import Q, Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+from django_idempotency import conf
+
+if TYPE_CHECKING:
+    from django_idempotency.maintenance import PurgeResult
 
 
 class RecordStatus(models.TextChoices):
@@ -13,6 +22,105 @@ class RecordStatus(models.TextChoices):
     IN_PROGRESS = "in_progress", _("in progress")
     COMPLETED = "completed", _("completed")
     FAILED = "failed", _("failed")
+
+
+# Why a record left the deduplication window and was copied to the audit trail.
+PURGED = "purged"
+REPLACED = "replaced"
+ARCHIVE_REASONS = [(PURGED, _("purged")), (REPLACED, _("replaced by a new request"))]
+
+
+def expired_q(now: datetime) -> Q:
+    """Past its TTL and not held by a live lease: what the purge may delete.
+
+    An expired record whose owner still holds a live lease stays, so that its owner can
+    complete it; the purge takes it once the lease has run out too.
+    """
+    live = Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__gt=now)
+    return Q(expires_at__lte=now) & ~live
+
+
+def stale_q(now: datetime) -> Q:
+    """In progress inside its TTL, but the lease ran out: what the recovery job handles.
+
+    A stale record past its TTL is left to the purge (and so to the audit trail).
+    """
+    return Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now, expires_at__gt=now)
+
+
+def column(model: type[models.Model], name: str) -> str:
+    """The database column of one of ``model``'s concrete fields."""
+    field = model._meta.get_field(name)
+    assert isinstance(field, models.Field)
+    return str(field.column)
+
+
+class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
+    """Selections that the engine, the maintenance jobs and the admin share."""
+
+    def expired(self, now: datetime) -> IdempotencyRecordQuerySet:
+        """Records the purge may delete at ``now`` (see :func:`expired_q`)."""
+        return self.filter(expired_q(now))  # type: ignore[no-any-return]
+
+    def stale(self, now: datetime) -> IdempotencyRecordQuerySet:
+        """Records the recovery job handles at ``now`` (see :func:`stale_q`)."""
+        return self.filter(stale_q(now))  # type: ignore[no-any-return]
+
+    def archive(self, reason: str, *, now: datetime, lock: bool = False) -> int:
+        """Copy these records to the audit trail in one ``INSERT ... SELECT``.
+
+        The rows never travel through Python, so a batch of large stored bodies costs no
+        memory here. ``lock``: take row locks (``FOR UPDATE``) so the rows cannot change
+        before the caller deletes or replaces them in the same transaction.
+        """
+        sources = [source for _target, source in IdempotencyAuditRecord.copied_columns()]
+        selection = self.annotate(
+            _archived_at=Value(now, output_field=models.DateTimeField()),
+            _reason=Value(reason, output_field=models.CharField()),
+        ).values_list(*sources, "_archived_at", "_reason")
+        if lock:
+            selection = selection.select_for_update()
+        select_sql, params = selection.query.get_compiler(self.db).as_sql()
+        connection = connections[self.db]
+        with connection.cursor() as cursor:
+            cursor.execute(f"{IdempotencyAuditRecord.insert_sql(connection)} {select_sql}", params)
+            return max(int(cursor.rowcount), 0)
+
+
+class IdempotencyRecordManager(models.Manager["IdempotencyRecord"]):
+    """The default manager: the shared selections, the purge and the audit copy."""
+
+    def get_queryset(self) -> IdempotencyRecordQuerySet:
+        return IdempotencyRecordQuerySet(self.model, using=self._db)
+
+    def expired(self, now: datetime) -> IdempotencyRecordQuerySet:
+        """See :meth:`IdempotencyRecordQuerySet.expired`."""
+        return self.get_queryset().expired(now)
+
+    def stale(self, now: datetime) -> IdempotencyRecordQuerySet:
+        """See :meth:`IdempotencyRecordQuerySet.stale`."""
+        return self.get_queryset().stale(now)
+
+    def delete_expired(self, **options: Any) -> PurgeResult:
+        """The batched purge on this manager's database; see ``maintenance.purge_expired``."""
+        from django_idempotency import maintenance
+
+        options.setdefault("using", self.db)
+        return maintenance.purge_expired(**options)
+
+    def archive_expired(self, account: str, operation: str, key: str, *, now: datetime) -> int:
+        """Before a claim replaces an expired record: copy it to the audit trail.
+
+        Does nothing unless ``IDEMPOTENCY["AUDIT"]`` is on. Call it inside the claim's
+        transaction, just before the statement that replaces the record: the copy locks the
+        expired row, so a concurrent claim of the same key waits for this transaction and
+        then no longer finds it expired; the record is copied exactly once.
+        """
+        if not conf.audit():
+            return 0
+        identity = self.get_queryset().filter(account=account, operation=operation, key=key)
+        assert isinstance(identity, IdempotencyRecordQuerySet)
+        return identity.expired(now).archive(REPLACED, now=now, lock=True)
 
 
 class IdempotencyRecord(models.Model):
@@ -42,6 +150,8 @@ class IdempotencyRecord(models.Model):
     completed_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField()
 
+    objects = IdempotencyRecordManager()
+
     class Meta:
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
@@ -61,3 +171,70 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.operation} {self.key} ({self.status})"
+
+
+class IdempotencyAuditRecord(models.Model):
+    """A copy of a record taken when it left the deduplication window (append-only).
+
+    Written only when ``IDEMPOTENCY["AUDIT"]`` is on: by the purge, and by a claim that
+    replaces an expired record. Kept for ``AUDIT_RETENTION`` after ``archived_at``, then
+    deleted by the same purge, in the same bounded batches.
+    """
+
+    record_id = models.BigIntegerField(help_text=_("The id the record had in its own table."))
+    account = models.CharField(max_length=255)
+    operation = models.CharField(max_length=255)
+    key = models.CharField(max_length=255)
+    request_hash = models.CharField(max_length=64)
+    fingerprint_version = models.CharField(max_length=64)
+    status = models.CharField(max_length=16, choices=RecordStatus.choices)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    recovery_policy = models.CharField(max_length=255)
+    recovery_attempts = models.PositiveIntegerField()
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_headers = models.JSONField(default=list, blank=True)
+    response_body = models.BinaryField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    completed_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField()
+    archived_at = models.DateTimeField(default=timezone.now)
+    reason = models.CharField(max_length=16, choices=ARCHIVE_REASONS)
+
+    class Meta:
+        verbose_name = _("idempotency audit record")
+        verbose_name_plural = _("idempotency audit records")
+        db_table = "django_idempotency_audit"
+        indexes = [
+            # The retention purge scans by archive time; audits look a key up.
+            models.Index(fields=["archived_at"], name="idempotency_audit_arch_idx"),
+            models.Index(fields=["account", "operation", "key"], name="idempotency_audit_key_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.operation} {self.key} ({self.reason})"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # Append-only: an audit trail that can be edited proves nothing.
+        if not self._state.adding:
+            raise TypeError("idempotency audit records are append-only")
+        super().save(*args, **kwargs)
+
+    @classmethod
+    def insert_sql(cls, connection: Any) -> str:
+        """``INSERT INTO <audit> (<copied columns>, archived_at, reason)``, ready for a SELECT.
+
+        The SELECT yields the record's columns of :meth:`copied_columns`, then the archive
+        time and the reason.
+        """
+        quote = connection.ops.quote_name
+        targets = [target for target, _source in cls.copied_columns()] + ["archived_at", "reason"]
+        columns = ", ".join(quote(column(cls, name)) for name in targets)
+        return f"INSERT INTO {quote(cls._meta.db_table)} ({columns})"
+
+    @classmethod
+    def copied_columns(cls) -> list[tuple[str, str]]:
+        """``(audit field, record field)`` pairs copied from :class:`IdempotencyRecord`."""
+        own = {"id", "record_id", "archived_at", "reason"}
+        pairs = [("record_id", "id")]
+        pairs += [(f.name, f.name) for f in cls._meta.concrete_fields if f.name not in own]
+        return pairs

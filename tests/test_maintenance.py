@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 from django.core.management import call_command
-from django.core.management.base import CommandError
+from django.core.management.base import CommandError, SystemCheckError
 from django.db import DatabaseError, transaction
 from django.http import HttpResponse, JsonResponse
 from django.test import override_settings
@@ -223,9 +223,10 @@ def test_archive_expired_copies_the_record_a_claim_replaces():
 def test_archive_expired_does_nothing_with_the_audit_off():
     completed(expires_in=-timedelta(seconds=1), key="reused")
     with transaction.atomic():
-        assert IdempotencyRecord.objects.archive_expired(
-            "user:1", "charges.create", "reused", now=NOW
-        ) == 0
+        assert (
+            IdempotencyRecord.objects.archive_expired("user:1", "charges.create", "reused", now=NOW)
+            == 0
+        )
     assert IdempotencyAuditRecord.objects.count() == 0
 
 
@@ -233,7 +234,7 @@ def test_archive_expired_does_nothing_with_the_audit_off():
 def test_audit_records_are_purged_after_their_retention():
     completed(expires_in=-timedelta(days=40), key="ancient")
     maintenance.purge_expired(now=NOW - timedelta(days=31))
-    completed(expires_in=-timedelta(days=1), key="recent")
+    completed(expires_in=-timedelta(days=30), key="recent")
     maintenance.purge_expired(now=NOW - timedelta(days=29))
     assert IdempotencyAuditRecord.objects.count() == 2
 
@@ -463,7 +464,7 @@ def run(command: str, *args: str) -> str:
 
 
 def test_purge_command():
-    bulk_records(25, expires_at=NOW - timedelta(days=1), prefix="expired")
+    bulk_records(25, expires_at=datetime.now(timezone.utc) - timedelta(days=1), prefix="expired")
     completed(expires_in=timedelta(days=365), key="young")
 
     dry = run("purge_idempotency", "--dry-run", "--batch-size", "10")
@@ -483,9 +484,9 @@ def test_purge_command():
 
 
 def test_purge_command_fails_loudly():
-    with mock.patch.object(maintenance, "purge_expired", side_effect=DatabaseError("gone")):
-        with pytest.raises(CommandError, match="purge failed: gone"):
-            run("purge_idempotency")
+    broken = mock.patch.object(maintenance, "purge_expired", side_effect=DatabaseError("gone"))
+    with broken, pytest.raises(CommandError, match="purge failed: gone"):
+        run("purge_idempotency")
     with pytest.raises(CommandError, match="no-such-db"):
         run("purge_idempotency", "--database", "no-such-db")
     with pytest.raises(CommandError):
@@ -543,6 +544,6 @@ def test_maintenance_checks(settings, expected):
 
 
 def test_check_command_reports_maintenance_errors():
-    with override_settings(IDEMPOTENCY={"AUDIT": 1}):
-        with pytest.raises(Exception, match="E020"):
-            call_command("check", stdout=StringIO(), stderr=StringIO())
+    invalid = override_settings(IDEMPOTENCY={"AUDIT": 1})
+    with invalid, pytest.raises(SystemCheckError, match="E020"):
+        call_command("check", stdout=StringIO(), stderr=StringIO())

@@ -1,0 +1,57 @@
+"""``manage.py recover_idempotency``: apply the recovery policy of every stale lease."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_idempotency import maintenance
+from django_idempotency.management.commands.purge_idempotency import (
+    add_common_arguments,
+    positive_int,
+    run_job,
+)
+
+
+class Command(BaseCommand):
+    """A thin wrapper around :func:`django_idempotency.maintenance.recover_stale_leases`."""
+
+    help = (
+        "Find in-progress idempotency records whose lease ran out and apply each one's "
+        "recovery policy: retry (release), fail, or the configured callable."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        add_common_arguments(parser, "Count stale leases by policy; change nothing.")
+        parser.add_argument(
+            "--limit", type=positive_int, default=None, help="Handle at most this many records."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        result = run_job(
+            "recovery",
+            maintenance.recover_stale_leases,
+            using=options["database"],
+            limit=options["limit"],
+            dry_run=options["dry_run"],
+        )
+        verbosity = int(options["verbosity"])
+        if verbosity >= 2:
+            for policy, count in sorted(result.policies.items()):
+                self.stdout.write(f"policy {policy}: {count} stale leases")
+        if verbosity >= 1:
+            self.stdout.write(self.summary(result))
+        if result.errors:
+            raise CommandError(f"{result.errors} stale leases could not be recovered; see the log.")
+
+    @staticmethod
+    def summary(result: maintenance.RecoveryResult) -> str:
+        """The final line: what was (or would be) done."""
+        if result.dry_run:
+            return f"Would recover {result.found} stale leases."
+        return (
+            f"Recovered {result.found} stale leases: {result.released} released, "
+            f"{result.failed} failed, {result.completed} completed, {result.skipped} changed "
+            f"meanwhile, {result.errors} errors."
+        )
