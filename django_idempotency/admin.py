@@ -1,0 +1,348 @@
+"""A read-only admin for inspecting idempotency records, with a few maintenance actions.
+
+Nobody adds, edits or deletes a single record here: a record belongs to the request that
+claimed it, and hand edits would break the guarantees the engine gives. What an operator
+may do goes through :mod:`django_idempotency.maintenance`, the same code the management
+commands and the Celery tasks run:
+
+- *Release stale claims* and *Mark as failed* need the model's ``change`` permission;
+- *Purge expired records* needs its ``delete`` permission.
+
+The changelist is built for tables of millions of rows: every filter is served by an
+index, the full count is never taken, and the list never loads stored response bodies.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.timesince import timesince
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from django_idempotency import conf, maintenance, stats, store
+from django_idempotency.models import IdempotencyRecord, RecordStatus, expired_q
+
+# Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
+# most this much of one, so a large body never makes the page itself huge.
+BODY_PREVIEW_BYTES = 64 * 1024
+
+
+def _qs(queryset: Any) -> QuerySet[IdempotencyRecord]:
+    # The stubs type a filtered QuerySet[Any] as Any; this names what it is.
+    return cast("QuerySet[IdempotencyRecord]", queryset)
+
+
+class OperationFilter(admin.SimpleListFilter):
+    """Filter by operation; the choices are read through an index, bounded in number."""
+
+    title = _("operation")
+    parameter_name = "operation"
+    # The choices are computed on every changelist view; past this many the list is cut
+    # (a name can still be filtered on through the URL or the search box).
+    max_choices = 100
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = stats.operations(limit=self.max_choices)
+        current = self.value()
+        if current and current not in names:
+            names.append(current)
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        return _qs(queryset.filter(operation=value)) if value else None
+
+
+class ExpiredFilter(admin.SimpleListFilter):
+    """What the purge would delete now: past ``expires_at`` and not held by a live lease."""
+
+    title = _("expired")
+    parameter_name = "expired"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("yes", _("Expired, not yet purged")), ("no", _("Not expired"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return _qs(queryset.filter(expired_q(timezone.now())))
+        if self.value() == "no":
+            return _qs(queryset.exclude(expired_q(timezone.now())))
+        return None
+
+
+class LeaseFilter(admin.SimpleListFilter):
+    """In-progress records whose lease is still running, or has run out (stale)."""
+
+    title = _("lease")
+    parameter_name = "lease"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("live", _("Live lease")), ("stale", _("Stale lease"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        now = timezone.now()
+        in_progress = queryset.filter(status=RecordStatus.IN_PROGRESS)
+        if self.value() == "live":
+            return _qs(in_progress.filter(lease_expires_at__gt=now))
+        if self.value() == "stale":
+            return _qs(in_progress.filter(lease_expires_at__lte=now))
+        return None
+
+
+def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
+    """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
+    if record.status != store.IN_PROGRESS or record.lease_expires_at is None:
+        return "-"
+    now = now or timezone.now()
+    if record.lease_expires_at > now:
+        return str(_("live, %(left)s left") % {"left": timesince(now, record.lease_expires_at)})
+    return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now)})
+
+
+def render_body(body: bytes | memoryview | None, headers: list[list[str]]) -> SafeString:
+    """The stored body for display: indented JSON, escaped text, or the size of binary data."""
+    if body is None:
+        return format_html("<em>{}</em>", _("no response stored"))
+    data = bytes(body)
+    if not data:
+        return format_html("<em>{}</em>", _("empty body"))
+    shown = data[:BODY_PREVIEW_BYTES]
+    cut = len(data) > len(shown)
+    try:
+        text = shown.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # Cutting the preview may split the last multi-byte character: drop that one.
+        # Anything else that is not UTF-8 is binary.
+        if not (cut and exc.start >= len(shown) - 3):
+            return _binary(data)
+        text = shown[: exc.start].decode("utf-8")
+    if "\x00" in text:
+        return _binary(data)
+    if not cut and _is_json(headers, text):
+        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=False)
+    if cut:
+        note = _("first %(shown)s of %(total)s bytes shown") % {
+            "shown": len(shown),
+            "total": len(data),
+        }
+        return format_html('<pre class="idempotency-body">{}</pre><p>{}</p>', text, note)
+    return format_html('<pre class="idempotency-body">{}</pre>', text)
+
+
+def _binary(data: bytes) -> SafeString:
+    return format_html("{} {}", len(data), _("bytes of binary data (not shown)"))
+
+
+def _is_json(headers: list[list[str]], text: str) -> bool:
+    content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
+    media = content_type.split(";")[0].strip().lower()
+    if media and not (media == "application/json" or media.endswith("+json")):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[IdempotencyRecord]
+else:  # ModelAdmin is generic only in the type stubs
+    _ModelAdmin = admin.ModelAdmin
+
+
+@admin.register(IdempotencyRecord)
+class IdempotencyRecordAdmin(_ModelAdmin):
+    """View-only admin of :class:`IdempotencyRecord` with maintenance actions."""
+
+    list_display = (
+        "key",
+        "account",
+        "operation",
+        "status",
+        "response_status",
+        "age",
+        "expires_at",
+        "lease",
+    )
+    list_display_links = ("key",)
+    list_filter = ("status", OperationFilter, ExpiredFilter, LeaseFilter)
+    search_fields = ("key", "account")
+    search_help_text = _("An exact key or account, e.g. user:42.")
+    date_hierarchy = "created_at"
+    ordering = ("-created_at",)
+    # Counting a million rows on every page view is what makes big changelists slow.
+    show_full_result_count = False
+    # Facet counts run one COUNT per filter choice over the table: never on this one.
+    show_facets = admin.ShowFacets.NEVER
+    actions = ("release_stale_claims", "mark_as_failed", "purge_expired_records")
+    # Each click purges at most this many batches of PURGE_BATCH_SIZE rows, so the request
+    # stays short; the purge command or task handles any backlog.
+    purge_max_batches = 20
+
+    readonly_fields = (
+        "lease",
+        "age",
+        "response_headers_pretty",
+        "response_body_pretty",
+    )
+    fieldsets = (
+        (None, {"fields": ("account", "operation", "key", "status")}),
+        (
+            _("Response"),
+            {"fields": ("response_status", "response_headers_pretty", "response_body_pretty")},
+        ),
+        (
+            _("Lease"),
+            {
+                "fields": (
+                    "lease",
+                    "lease_expires_at",
+                    "lease_token",
+                    "recovery_policy",
+                    "recovery_attempts",
+                )
+            },
+        ),
+        (_("Times"), {"fields": ("created_at", "age", "completed_at", "expires_at")}),
+        (_("Fingerprint"), {"fields": ("request_hash", "fingerprint_version")}),
+    )
+
+    # -- permissions: view, plus the maintenance actions ----------------------------------
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def _has_model_perm(self, request: HttpRequest, action: str) -> bool:
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
+
+    def has_maintain_permission(self, request: HttpRequest) -> bool:
+        """Release and mark failed: the model's ``change`` permission, never used for edits."""
+        return self._has_model_perm(request, "change")
+
+    def has_purge_permission(self, request: HttpRequest) -> bool:
+        """Purge expired records: the model's ``delete`` permission."""
+        return self._has_model_perm(request, "delete")
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
+        # Records live on the IDEMPOTENCY database, whatever the project's routers say.
+        # Bodies can be a megabyte each: only the detail page reads one.
+        return _qs(super().get_queryset(request).using(conf.database()).defer("response_body"))
+
+    def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
+        # Expired records are the oldest ones: listing them newest-created first would walk
+        # the created_at index through every live record. By expiry, most recent first, the
+        # expires_at index finds them at once (and the order is nearly the same).
+        if request.GET.get(ExpiredFilter.parameter_name) == "yes":
+            return ("-expires_at",)
+        return tuple(self.ordering or ())
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord], search_term: str
+    ) -> tuple[QuerySet[IdempotencyRecord], bool]:
+        # Exact matches only: keys are case-sensitive, and a substring search would read
+        # every row of a big table.
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(key=term) | queryset.filter(account=term), False
+
+    # -- columns and fields ---------------------------------------------------------------
+
+    @admin.display(description=_("age"), ordering="-created_at")
+    def age(self, record: IdempotencyRecord) -> str:
+        """Time since the claim."""
+        return timesince(record.created_at)
+
+    @admin.display(description=_("lease"))
+    def lease(self, record: IdempotencyRecord) -> str:
+        """Live or stale, for in-progress records."""
+        return lease_state(record)
+
+    @admin.display(description=_("response headers"))
+    def response_headers_pretty(self, record: IdempotencyRecord) -> SafeString:
+        """The stored headers, one per line."""
+        lines = "\n".join(f"{name}: {value}" for name, value in record.response_headers or [])
+        return format_html('<pre class="idempotency-headers">{}</pre>', lines or "-")
+
+    @admin.display(description=_("response body"))
+    def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
+        """The stored body: indented JSON, escaped text, or a size for binary data."""
+        return render_body(record.response_body, record.response_headers or [])
+
+    # -- actions: all through the maintenance module --------------------------------------
+
+    @admin.action(permissions=["maintain"], description=_("Release stale claims"))
+    def release_stale_claims(
+        self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]
+    ) -> None:
+        """Delete the selected in-progress records whose lease ran out, so a retry runs."""
+        selected = queryset.count()
+        released = maintenance.release_stale(queryset)
+        self._report(request, released, selected, _("released"))
+
+    @admin.action(permissions=["maintain"], description=_("Mark as failed"))
+    def mark_as_failed(self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]) -> None:
+        """Close the selected stale claims with an "outcome unknown" answer, never run again."""
+        selected = queryset.count()
+        failed = maintenance.mark_failed(queryset)
+        self._report(request, failed, selected, _("marked as failed"))
+
+    @admin.action(
+        permissions=["purge"],
+        description=_("Purge expired records (all of them, not only the selected)"),
+    )
+    def purge_expired_records(
+        self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]
+    ) -> None:
+        """Delete expired records in bounded batches; the selection only starts the action."""
+        result = maintenance.purge_expired(
+            using=conf.database(), max_batches=self.purge_max_batches
+        )
+        message = ngettext(
+            "Purged %(count)d expired record.",
+            "Purged %(count)d expired records.",
+            result.deleted,
+        ) % {"count": result.deleted}
+        if result.audit_deleted:
+            message += " " + ngettext(
+                "Purged %(count)d audit record past its retention.",
+                "Purged %(count)d audit records past their retention.",
+                result.audit_deleted,
+            ) % {"count": result.audit_deleted}
+        if not result.complete:
+            message += " " + str(
+                _("More may remain: run manage.py purge_idempotency or the purge task.")
+            )
+        self.message_user(request, message, messages.SUCCESS)
+
+    def _report(self, request: HttpRequest, done: int, selected: int, verb: Any) -> None:
+        skipped = selected - done
+        message = _("%(done)d of %(selected)d selected records %(verb)s.") % {
+            "done": done,
+            "selected": selected,
+            "verb": verb,
+        }
+        if skipped:
+            message += " " + str(
+                _("The others were not in progress with a stale lease, and were left alone.")
+            )
+        self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)

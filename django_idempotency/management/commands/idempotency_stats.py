@@ -1,0 +1,78 @@
+"""``manage.py idempotency_stats``: how big the records table is and how healthy."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_idempotency import conf, stats
+from django_idempotency.models import RecordStatus
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    if minutes:
+        return f"{minutes} min {secs} s"
+    return f"{seconds:.1f} s"
+
+
+class Command(BaseCommand):
+    help = (
+        "Show the size of the idempotency records table, records by status, the oldest "
+        "in-progress record, stale leases and expired records not yet purged."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="Database alias to inspect (default: IDEMPOTENCY['DATABASE'], or 'default').",
+        )
+        parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"] or conf.database()
+        if alias not in settings.DATABASES:
+            raise CommandError(f"Unknown database {alias!r}.")
+        snapshot = stats.collect(using=alias)
+        if options["json"]:
+            self.stdout.write(json.dumps(snapshot.as_dict(), indent=2))
+            return
+        rows = [
+            ("database", alias),
+            ("rows", f"{snapshot.rows:,}"),
+            (
+                "table size",
+                _size(snapshot.table_bytes) if snapshot.table_bytes is not None else "n/a",
+            ),
+        ]
+        rows += [
+            (f"  {RecordStatus(status).label}", f"{n:,}")
+            for status, n in snapshot.by_status.items()
+        ]
+        rows += [
+            ("oldest in progress", _duration(snapshot.oldest_in_progress_seconds)),
+            ("stale leases", f"{snapshot.stale_leases:,}"),
+            ("expired, not purged", f"{snapshot.expired:,}"),
+        ]
+        width = max(len(label) for label, _ in rows)
+        for label, value in rows:
+            self.stdout.write(f"{label.ljust(width)}  {value}")

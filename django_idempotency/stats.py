@@ -1,0 +1,151 @@
+"""Read-only figures about the records table, for ``idempotency_stats``, the admin and metrics.
+
+Every query here is meant to stay quick on a table of millions of rows: each one is served
+by an index of :class:`~django_idempotency.models.IdempotencyRecord` (status, expiry,
+``(operation, status)``), and nothing counts the whole table row by row more than once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import connections
+from django.db.models import Count, Min
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from django_idempotency import conf
+from django_idempotency.models import IdempotencyRecord, RecordStatus, expired_q
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """A snapshot of the records table on one database."""
+
+    database: str
+    rows: int
+    by_status: dict[str, int]
+    # ``pg_total_relation_size`` (table, indexes and TOAST) on PostgreSQL; ``None`` elsewhere.
+    table_bytes: int | None
+    oldest_in_progress_seconds: float | None
+    # In progress with a lease that ran out (taken over by the next retry or the recovery job).
+    stale_leases: int
+    # What the purge would delete now: past the TTL and not held by a live lease.
+    expired: int
+    taken_at: datetime = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form: the timestamp as ISO 8601."""
+        data = asdict(self)
+        data["taken_at"] = self.taken_at.isoformat()
+        return data
+
+
+def _alias(using: str | None) -> str:
+    return using or conf.database()
+
+
+def records(using: str | None = None) -> Any:
+    """The records manager's queryset on the idempotency database (or ``using``)."""
+    return IdempotencyRecord.objects.using(_alias(using))
+
+
+def count_by_status(using: str | None = None) -> dict[str, int]:
+    """Rows per status, every status present (zero when none).
+
+    Grouping by ``status`` reads the ``(status, lease_expires_at)`` index only.
+    """
+    counts = dict.fromkeys(RecordStatus.values, 0)
+    rows = records(using).order_by().values_list("status").annotate(n=Count("*"))
+    for status, n in rows:
+        counts[status] = n
+    return counts
+
+
+def oldest_in_progress_seconds(
+    using: str | None = None, now: datetime | None = None
+) -> float | None:
+    """How long ago the oldest ``in_progress`` record was claimed; ``None`` when there is none.
+
+    A record taken over after a stale lease counts from the takeover, which is when its
+    current attempt began.
+    """
+    # MIN(created_at) alone lets PostgreSQL walk the created_at index from the oldest row
+    # until it meets an in-progress one: nearly the whole table, as in-progress records are
+    # the newest. Wrapping the column hides that index, so the (status, ...) index picks the
+    # in-progress rows, usually few, and only those are read.
+    oldest: datetime | None = (
+        records(using)
+        .filter(status=RecordStatus.IN_PROGRESS)
+        .aggregate(oldest=Min(Coalesce("created_at", "created_at")))["oldest"]
+    )
+    if oldest is None:
+        return None
+    return max(0.0, ((now or timezone.now()) - oldest).total_seconds())
+
+
+def table_bytes(using: str | None = None) -> int | None:
+    """The table's size on disk with its indexes, on PostgreSQL; ``None`` on other databases."""
+    connection = connections[_alias(using)]
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_total_relation_size(%s::regclass)",
+            [connection.ops.quote_name(IdempotencyRecord._meta.db_table)],
+        )
+        (size,) = cursor.fetchone()
+    return int(size)
+
+
+def collect(using: str | None = None, now: datetime | None = None) -> TableStats:
+    """Every figure of ``idempotency_stats`` in one snapshot."""
+    now = now or timezone.now()
+    qs = records(using)
+    by_status = count_by_status(using)
+    return TableStats(
+        database=_alias(using),
+        rows=sum(by_status.values()),
+        by_status=by_status,
+        table_bytes=table_bytes(using),
+        oldest_in_progress_seconds=oldest_in_progress_seconds(using, now),
+        stale_leases=qs.filter(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now).count(),
+        expired=qs.filter(expired_q(now)).count(),
+        taken_at=now,
+    )
+
+
+def operations(using: str | None = None, limit: int = 100) -> list[str]:
+    """The distinct operation names, sorted, at most ``limit`` of them.
+
+    On PostgreSQL a recursive query hops through the ``(operation, status)`` index from one
+    name to the next (a "loose index scan"), so the cost grows with the number of names, not
+    of rows: a plain ``SELECT DISTINCT`` reads every index entry. Other databases get the
+    plain query, bounded by ``limit``.
+    """
+    alias = _alias(using)
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        names = (
+            records(alias)
+            .order_by("operation")
+            .values_list("operation", flat=True)
+            .distinct()[:limit]
+        )
+        return list(names)
+    table = connection.ops.quote_name(IdempotencyRecord._meta.db_table)
+    sql = f"""
+        WITH RECURSIVE ops(operation) AS (
+            (SELECT operation FROM {table} ORDER BY operation LIMIT 1)
+            UNION ALL
+            SELECT (SELECT t.operation FROM {table} t
+                    WHERE t.operation > ops.operation ORDER BY t.operation LIMIT 1)
+            FROM ops WHERE ops.operation IS NOT NULL
+        )
+        SELECT operation FROM ops WHERE operation IS NOT NULL LIMIT %s
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [limit])
+        return [row[0] for row in cursor.fetchall()]
