@@ -1,0 +1,148 @@
+"""Purges beside each other and beside live transactions, each on its own connection."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_idempotency import maintenance
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
+from tests.conftest import postgres_only
+from tests.test_maintenance import bulk_records, completed
+
+pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
+
+WAIT = 30  # seconds: a bound on every wait, far above what any step needs
+
+
+def in_thread(call: Any) -> Any:
+    """Run ``call`` in a thread of its own, so on a database connection of its own."""
+
+    def wrapped(*args: Any) -> Any:
+        try:
+            return call(*args)
+        finally:
+            connections.close_all()
+
+    return wrapped
+
+
+def wait_for_a_blocked_backend() -> None:
+    """Until another connection waits for a row lock, so that a race is really run."""
+    deadline = time.monotonic() + WAIT
+    with connections["provider"].cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError("no connection ever waited for the lock")
+
+
+@override_settings(IDEMPOTENCY={"AUDIT": True})
+def test_two_purgers_at_once_delete_each_row_once():
+    total = 6000
+    bulk_records(total, expires_at=timezone.now() - timedelta(minutes=1), prefix="expired")
+    # Each purger, after its first batch, waits until the other has done one too: both are
+    # then known to run at the same time, whatever the thread scheduling.
+    first_batch = {name: threading.Event() for name in ("a", "b")}
+
+    def purge(name: str) -> maintenance.PurgeResult:
+        other = "b" if name == "a" else "a"
+
+        def progress(batches: int, rows: int) -> None:
+            first_batch[name].set()
+            first_batch[other].wait(WAIT)
+
+        return maintenance.purge_expired(batch_size=100, progress=progress)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        a, b = pool.map(in_thread(purge), ["a", "b"])
+
+    assert a.deleted > 0
+    assert b.deleted > 0
+    assert a.deleted + b.deleted == total
+    assert IdempotencyRecord.objects.count() == 0
+    # Every row was copied to the audit trail by the purger that deleted it, exactly once.
+    archived = IdempotencyAuditRecord.objects.values_list("record_id", flat=True)
+    assert len(archived) == len(set(archived)) == total
+
+
+def test_purge_skips_rows_a_live_transaction_holds_and_does_not_wait():
+    bulk_records(500, expires_at=timezone.now() - timedelta(minutes=1), prefix="expired")
+    held = list(IdempotencyRecord.objects.order_by("expires_at").values_list("pk", flat=True)[:10])
+    locked, purged = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        with transaction.atomic():
+            list(IdempotencyRecord.objects.select_for_update().filter(pk__in=held))
+            locked.set()
+            # Released only once the purge has returned: a purge that waited would wait
+            # here for WAIT seconds and then delete these rows too.
+            return purged.wait(WAIT)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold))
+        assert locked.wait(WAIT)
+        result = maintenance.purge_expired(batch_size=100)
+        purged.set()
+        assert holder.result(WAIT) is True
+
+    assert result.deleted == 490
+    assert set(IdempotencyRecord.objects.values_list("pk", flat=True)) == set(held)
+    assert maintenance.purge_expired().deleted == 10
+
+
+@pytest.mark.parametrize("audit", [False, True])
+def test_a_postgres_batch_is_one_statement_that_skips_locked_rows(audit):
+    completed(expires_in=-timedelta(minutes=1), now=timezone.now())
+    with override_settings(IDEMPOTENCY={"AUDIT": audit}), CaptureQueriesContext(connection) as q:
+        assert maintenance.purge_expired(batch_size=10).deleted == 1
+    deletes = [query["sql"] for query in q.captured_queries if "DELETE" in query["sql"]]
+    assert len(deletes) == 2  # the batch, then the audit table's (empty) batch
+    batch = deletes[0]
+    assert "FOR UPDATE SKIP LOCKED" in batch
+    assert "LIMIT 10" in batch
+    assert batch.startswith("WITH gone AS (DELETE") is audit
+
+
+def test_a_concurrent_claim_archives_a_replaced_record_once(settings):
+    settings.IDEMPOTENCY = {"AUDIT": True}
+    now = timezone.now()
+    completed(expires_in=-timedelta(seconds=1), now=now, key="reused")
+    first_copied = threading.Event()
+
+    def claim(name: str) -> int:
+        # What the claim does with the audit trail on: copy the expired row (locking it),
+        # then replace it, in one transaction.
+        if name == "second":
+            assert first_copied.wait(WAIT)
+        with transaction.atomic():
+            copied = IdempotencyRecord.objects.archive_expired(
+                "user:1", "charges.create", "reused", now=now
+            )
+            if name == "first":
+                first_copied.set()
+                wait_for_a_blocked_backend()
+            IdempotencyRecord.objects.filter(key="reused").expired(now).update(
+                expires_at=now + timedelta(hours=24)
+            )
+        return copied
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        copies = list(pool.map(in_thread(claim), ["first", "second"]))
+
+    assert copies == [1, 0]
+    assert IdempotencyAuditRecord.objects.count() == 1
