@@ -1,13 +1,15 @@
-"""``@idempotent`` for Django function views, DRF ``@api_view`` views and, through
-``method_decorator``, class-based views."""
+"""``@idempotent`` for Django function views (sync and ``async def``), DRF ``@api_view`` views
+and, through ``method_decorator``, class-based views."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
+from asgiref.sync import async_to_sync, sync_to_async
 from django.http.response import HttpResponseBase
 
 from django_idempotency import engine
@@ -68,20 +70,44 @@ def idempotent(
     )
 
     def decorate(func: ViewFunc) -> ViewFunc:
-        @functools.wraps(func)
-        def wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        def handle(request: Any, args: Any, kwargs: Any, view: Any) -> HttpResponseBase:
             if _is_drf_request(request):
                 from django_idempotency.drf import drf_call
 
-                call = drf_call(request, func, args, kwargs)
+                call = drf_call(request, view, args, kwargs)
             else:
 
                 def call() -> HttpResponseBase:
-                    return func(request, *args, **kwargs)
+                    response: HttpResponseBase = view(request, *args, **kwargs)
+                    return response
 
             return engine.handle(
                 request, call, options, lambda: engine.route_operation(request, func)
             )
+
+        wrapper: Callable[..., Any]
+        if inspect.iscoroutinefunction(func):
+            # The engine is synchronous: the claim, the view's transaction and the completion
+            # must share one connection. It runs in the request's thread-sensitive thread, and
+            # the async view runs back on the event loop from there; its async ORM calls then
+            # come back to that same thread, inside the transaction.
+            sync_view = async_to_sync(func)
+
+            @functools.wraps(func)
+            async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+                response: HttpResponseBase = await sync_to_async(handle, thread_sensitive=True)(
+                    request, args, kwargs, sync_view
+                )
+                return response
+
+            wrapper = async_wrapper
+        else:
+
+            @functools.wraps(func)
+            def sync_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+                return handle(request, args, kwargs, func)
+
+            wrapper = sync_wrapper
 
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.

@@ -79,12 +79,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@contextmanager
-def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Iterator[str]:
-    """A real multi-process server on the test database; yields its base URL."""
-    port = free_port()
+def _server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     settings = connection.settings_dict
-    env = {
+    return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "TEST_DB": "postgres",
@@ -95,38 +92,68 @@ def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Itera
         "PYTHONPATH": str(ROOT),
         **(extra_env or {}),
     }
+
+
+@contextmanager
+def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real multi-process WSGI server on the test database; yields its base URL."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "tests.wsgi:application",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(workers),
+        "--timeout",
+        "60",
+        "--graceful-timeout",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    with _serve(command, port, extra_env) as url:
+        yield url
+
+
+@contextmanager
+def uvicorn(extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real ASGI server (uvicorn) on the test database; yields its base URL."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "tests.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    with _serve(command, port, extra_env) as url:
+        yield url
+
+
+@contextmanager
+def _serve(command: list[str], port: int, extra_env: dict[str, str] | None) -> Iterator[str]:
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "tests.wsgi:application",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            str(workers),
-            "--timeout",
-            "60",
-            "--graceful-timeout",
-            "2",
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
+        command, cwd=ROOT, env=_server_env(extra_env), start_new_session=True
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError("gunicorn exited during start-up")
+                raise RuntimeError(f"{command[2]} exited during start-up")
             if request(base_url, "GET", "/charges/", timeout=2).status:
                 break
             time.sleep(0.1)
         else:
-            raise RuntimeError("gunicorn did not start within 30 s")
+            raise RuntimeError(f"{command[2]} did not start within 30 s")
         yield base_url
     finally:
         os.killpg(process.pid, signal.SIGTERM)

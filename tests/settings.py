@@ -17,6 +17,8 @@ STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 TEST_DB = os.environ.get("TEST_DB", "sqlite")
+# One test database per run, so that runs (tox envs, a developer and CI) never collide.
+TEST_DB_NAME = os.environ.get("TEST_DB_NAME", f"test_django_idempotency_{os.getpid()}")
 
 if TEST_DB == "postgres":
     DATABASES = {
@@ -26,7 +28,7 @@ if TEST_DB == "postgres":
             "USER": os.environ.get("PGUSER", "postgres"),
             "HOST": os.environ.get("PGHOST", "127.0.0.1"),
             "PORT": os.environ.get("PGPORT", "5432"),
-            "TEST": {"NAME": os.environ.get("TEST_DB_NAME", "test_django_idempotency")},
+            "TEST": {"NAME": TEST_DB_NAME},
         }
     }
 elif TEST_DB == "mysql":
@@ -37,7 +39,7 @@ elif TEST_DB == "mysql":
             "USER": os.environ.get("MYSQL_USER", "root"),
             "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
             "PORT": os.environ.get("MYSQL_PORT", "3306"),
-            "TEST": {"NAME": os.environ.get("TEST_DB_NAME", "test_django_idempotency")},
+            "TEST": {"NAME": TEST_DB_NAME},
         }
     }
 elif TEST_DB == "sqlite":

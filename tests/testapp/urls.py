@@ -18,6 +18,8 @@ urlpatterns = [
     path("cbv/charges/", views.ChargeView.as_view()),
     path("outcome/", views.outcome),
     path("peek/", views.peek),
+    path("async/charges/", views.async_charges),
+    path("async/charges/short-lease/", views.async_charges_short_lease),
 ]
 
 if settings.HAS_DRF:

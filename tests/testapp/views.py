@@ -156,3 +156,39 @@ def peek(request: HttpRequest) -> HttpResponse:
     )
     Charge.objects.create(account=ctx.account, amount=1, currency="EUR")
     return JsonResponse({"seen": seen, "atomic": connection.in_atomic_block})
+
+
+async def make_async_charge(request: HttpRequest) -> HttpResponse:
+    """An ``async def`` view body: the provider call and the local write through the async ORM."""
+    from asgiref.sync import sync_to_async
+
+    ctx = request.idempotency  # type: ignore[attr-defined]
+    payload = json.loads(request.body or b"{}")
+    provider_id = await sync_to_async(provider.charge)(
+        ctx.downstream_key("provider"), int(payload["amount"]), str(payload["currency"])
+    )
+    if "sleep-after-provider" in request.headers.get("X-Test", ""):
+        import asyncio
+
+        await asyncio.sleep(float(request.headers["X-Test"].split(":")[1]))
+    charge = await Charge.objects.acreate(
+        account=ctx.account,
+        amount=int(payload["amount"]),
+        currency=str(payload["currency"]),
+        provider_charge=str(provider_id),
+    )
+    if payload.get("fail"):
+        return JsonResponse({"error": "asked to fail"}, status=500)
+    response = JsonResponse({"id": charge.pk}, status=201)
+    response["Location"] = f"/async/charges/{charge.pk}/"
+    return response
+
+
+@idempotent(operation="async.charges")
+async def async_charges(request: HttpRequest) -> HttpResponse:
+    return await make_async_charge(request)
+
+
+@idempotent(operation="async.charges-short-lease", lease=1, ttl=60)
+async def async_charges_short_lease(request: HttpRequest) -> HttpResponse:
+    return await make_async_charge(request)

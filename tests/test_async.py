@@ -1,0 +1,135 @@
+"""``@idempotent`` on ``async def`` views, in-process and under a real ASGI server (uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
+from django.test import AsyncClient
+
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.conftest import new_key, postgres_only
+from tests.live import request, uvicorn
+from tests.testapp.models import Charge, ProviderCharge
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+CHARGE = {"amount": 70, "currency": "EUR"}
+
+
+@pytest.fixture
+def async_client(user):
+    client = AsyncClient()
+    client.force_login(user)
+    return client
+
+
+def run(coroutine):
+    """Runs a scenario, then closes the connections its requests opened.
+
+    The async test client keeps them open (it disconnects close_old_connections), and they
+    live in the scenario's context, out of reach of the test's own thread.
+    """
+
+    async def scenario():
+        try:
+            return await coroutine
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    return asyncio.run(scenario())
+
+
+async def post(client, payload, key):
+    return await client.post(
+        "/async/charges/",
+        payload,
+        content_type="application/json",
+        headers={"Idempotency-Key": key},
+    )
+
+
+def test_async_view_runs_once_and_replays(async_client):
+    key = new_key()
+
+    async def scenario():
+        first = await post(async_client, CHARGE, key)
+        retry = await post(async_client, CHARGE, key)
+        other = await post(async_client, {"amount": 1, "currency": "EUR"}, key)
+        return first, retry, other
+
+    first, retry, other = run(scenario())
+    assert first.status_code == 201
+    assert retry.content == first.content
+    assert retry["Idempotent-Replayed"] == "true"
+    assert retry["Location"] == first["Location"]
+    assert other.status_code == 422
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+def test_async_view_5xx_rolls_back_its_async_writes(async_client):
+    key = new_key()
+    response = run(post(async_client, {**CHARGE, "fail": True}, key))
+    assert response.status_code == 500
+    assert Charge.objects.count() == 0  # the acreate() ran inside the engine's transaction
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.fixture(scope="module")
+def asgi_server(django_db_blocker):
+    with django_db_blocker.unblock(), uvicorn() as url:
+        yield url
+
+
+@postgres_only
+def test_async_storm_under_uvicorn_has_one_effect(asgi_server, user):
+    from tests.test_concurrency import session_headers
+
+    rounds, n = 3, 16
+    for _ in range(rounds):
+        headers = {**session_headers(user), "Idempotency-Key": new_key()}
+        barrier = threading.Barrier(n, timeout=10)
+
+        def one(_):
+            barrier.wait()
+            return request(asgi_server, "POST", "/async/charges/", CHARGE, headers)
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            answers = list(pool.map(one, range(n)))
+        statuses = [a.status for a in answers]
+        assert set(statuses) <= {201, 409}, statuses
+        assert sum(1 for a in answers if a.status == 201 and not a.replayed) == 1
+    assert Charge.objects.count() == rounds
+    assert ProviderCharge.objects.count() == rounds
+
+
+@postgres_only
+def test_async_slow_original_loses_its_lease_under_uvicorn(asgi_server, user):
+    """The async path is fenced like the sync one: a takeover wins, the original rolls back."""
+    from tests.test_concurrency import session_headers
+
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    path = "/async/charges/short-lease/"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(
+            request,
+            asgi_server,
+            "POST",
+            path,
+            CHARGE,
+            {**headers, "X-Test": "sleep-after-provider:2.5"},
+        )
+        time.sleep(1.5)
+        retry = request(asgi_server, "POST", path, CHARGE, headers)
+        late = pending.result(timeout=30)
+    assert retry.status == 201
+    assert late.status == 409
+    assert late.json()["code"] == "idempotency_lease_lost"
+    assert Charge.objects.count() == 1
+    assert ProviderCharge.objects.count() == 1
