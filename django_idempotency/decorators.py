@@ -112,7 +112,7 @@ def idempotent(
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
-        wrapper._non_atomic_requests = engine.IdempotencyDatabase(existing)  # type: ignore[attr-defined]
+        wrapper.__dict__["_non_atomic_requests"] = engine.IdempotencyDatabase(existing)
         return wrapper  # type: ignore[return-value]
 
     if view is not None:

@@ -96,7 +96,7 @@ def test_async_storm_under_uvicorn_has_one_effect(asgi_server, user):
         headers = {**session_headers(user), "Idempotency-Key": new_key()}
         barrier = threading.Barrier(n, timeout=10)
 
-        def one(_):
+        def one(_, barrier=barrier, headers=headers):
             barrier.wait()
             return request(asgi_server, "POST", "/async/charges/", CHARGE, headers)
 
