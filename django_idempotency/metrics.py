@@ -1,0 +1,146 @@
+"""Prometheus metrics, fed by the signals of :mod:`django_idempotency.signals`.
+
+Importing this module needs ``prometheus_client`` (``pip install
+"django-idempotency[prometheus]"``); the app config imports it only when that package is
+installed. The counters are registered in ``prometheus_client``'s default registry, so
+whatever already exposes that registry (``prometheus_client.start_http_server``,
+``django-prometheus``' ``/metrics`` view, a multiprocess collector) exposes them too.
+
+Labels stay bounded: an operation is a name chosen in code (a route, a viewset action,
+``task:<name>``), never anything a client sends; keys and accounts are never labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import DatabaseError, connections
+from django.dispatch import receiver
+from prometheus_client import REGISTRY, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from django_idempotency import conf, signals, stats
+
+logger = logging.getLogger("django_idempotency")
+
+claims = Counter(
+    "django_idempotency_claims",
+    "Keys claimed by a request, which then ran its view. takeover: a stale lease was taken over.",
+    ["operation", "takeover"],
+)
+replays = Counter(
+    "django_idempotency_replays",
+    "Stored responses replayed to a retry.",
+    ["operation"],
+)
+conflicts = Counter(
+    "django_idempotency_conflicts",
+    "Retries answered 409 because the original was still in progress.",
+    ["operation"],
+)
+mismatches = Counter(
+    "django_idempotency_mismatches",
+    "Keys reused with a different request, answered 422.",
+    ["operation"],
+)
+recoveries = Counter(
+    "django_idempotency_recoveries",
+    "Stale leases handled by a recovery policy, on a retry, by the recovery job or the admin.",
+    ["policy", "outcome"],
+)
+lease_losses = Counter(
+    "django_idempotency_lease_losses",
+    "Attempts rolled back because a newer attempt took their lease over.",
+    ["operation"],
+)
+purged = Counter(
+    "django_idempotency_purged_records",
+    "Records deleted by the purge, from the records table (table=records) or the audit trail.",
+    ["table"],
+)
+
+
+def oldest_in_progress_seconds() -> float:
+    """The gauge's value: one indexed query per scrape; NaN when the database cannot answer.
+
+    A scrape usually runs in a thread of the metrics server, outside any request, where
+    nothing would close a connection this query opens: it is closed again here.
+    """
+    connection = connections[conf.database()]
+    opened_here = connection.connection is None
+    try:
+        age = stats.oldest_in_progress_seconds()
+    except DatabaseError:
+        logger.warning("could not read the oldest in-progress idempotency record", exc_info=True)
+        return math.nan
+    finally:
+        if opened_here and not connection.in_atomic_block:
+            connection.close()
+    return age or 0.0
+
+
+class OldestInProgressCollector(Collector):
+    """``django_idempotency_oldest_in_progress_seconds``, read from the database on scrape.
+
+    A collector rather than a process-local gauge, so that it reports the database's state
+    whichever process is scraped; in ``prometheus_client``'s multiprocess mode, register it
+    in the registry that serves ``/metrics`` next to the ``MultiProcessCollector``.
+    """
+
+    name = "django_idempotency_oldest_in_progress_seconds"
+    documentation = "Age of the oldest in-progress record (0 when none), read on scrape."
+
+    def describe(self) -> Iterable[Metric]:
+        # Registration asks for the names: answering here keeps it from running the query.
+        return [GaugeMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, value=oldest_in_progress_seconds())
+
+
+oldest_in_progress = OldestInProgressCollector()
+REGISTRY.register(oldest_in_progress)
+
+
+def _operation(kwargs: dict[str, Any]) -> str:
+    return str(kwargs.get("operation", ""))
+
+
+@receiver(signals.record_claimed, dispatch_uid="django_idempotency.metrics.claimed")
+def _claimed(**kwargs: Any) -> None:
+    claims.labels(_operation(kwargs), str(bool(kwargs.get("takeover"))).lower()).inc()
+
+
+@receiver(signals.response_replayed, dispatch_uid="django_idempotency.metrics.replayed")
+def _replayed(**kwargs: Any) -> None:
+    replays.labels(_operation(kwargs)).inc()
+
+
+@receiver(signals.request_conflicted, dispatch_uid="django_idempotency.metrics.conflicted")
+def _conflicted(**kwargs: Any) -> None:
+    conflicts.labels(_operation(kwargs)).inc()
+
+
+@receiver(signals.payload_mismatched, dispatch_uid="django_idempotency.metrics.mismatched")
+def _mismatched(**kwargs: Any) -> None:
+    mismatches.labels(_operation(kwargs)).inc()
+
+
+@receiver(signals.lease_recovered, dispatch_uid="django_idempotency.metrics.recovered")
+def _recovered(**kwargs: Any) -> None:
+    recoveries.labels(str(kwargs.get("policy", "")), str(kwargs.get("outcome", ""))).inc()
+
+
+@receiver(signals.lease_lost, dispatch_uid="django_idempotency.metrics.lease_lost")
+def _lease_lost(**kwargs: Any) -> None:
+    lease_losses.labels(_operation(kwargs)).inc()
+
+
+@receiver(signals.records_purged, dispatch_uid="django_idempotency.metrics.purged")
+def _purged(**kwargs: Any) -> None:
+    purged.labels("records").inc(int(kwargs.get("count") or 0))
+    purged.labels("audit").inc(int(kwargs.get("audit") or 0))

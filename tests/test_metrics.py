@@ -1,0 +1,225 @@
+"""Prometheus metrics: counters fed by the signals, and the oldest in-progress gauge."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.db import DatabaseError, connection
+from django.utils import timezone
+
+prometheus_client = pytest.importorskip(
+    "prometheus_client", reason="the [prometheus] extra is not installed"
+)
+
+from django_idempotency import maintenance, metrics, signals, stats  # noqa: E402
+from django_idempotency.models import IdempotencyRecord, RecordStatus  # noqa: E402
+from tests.conftest import new_key  # noqa: E402
+from tests.factories import RecordFactory  # noqa: E402
+
+REGISTRY = prometheus_client.REGISTRY
+CHARGE = {"amount": 100, "currency": "EUR"}
+
+
+def value(name: str, **labels: str) -> float:
+    """One sample, read from its own metric: a registry-wide read would run the gauge's query."""
+    for metric in (
+        metrics.claims,
+        metrics.replays,
+        metrics.conflicts,
+        metrics.mismatches,
+        metrics.recoveries,
+        metrics.lease_losses,
+        metrics.purged,
+    ):
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+    return 0.0
+
+
+def gauge() -> float | None:
+    return REGISTRY.get_sample_value("django_idempotency_oldest_in_progress_seconds")
+
+
+def send(signal, **kwargs) -> None:
+    signal.send(sender=IdempotencyRecord, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("signal", "metric", "labels", "extra"),
+    [
+        (
+            signals.record_claimed,
+            "django_idempotency_claims_total",
+            {"operation": "t.op", "takeover": "false"},
+            {"takeover": False},
+        ),
+        (
+            signals.record_claimed,
+            "django_idempotency_claims_total",
+            {"operation": "t.op", "takeover": "true"},
+            {"takeover": True},
+        ),
+        (
+            signals.response_replayed,
+            "django_idempotency_replays_total",
+            {"operation": "t.op"},
+            {"status": 201},
+        ),
+        (
+            signals.request_conflicted,
+            "django_idempotency_conflicts_total",
+            {"operation": "t.op"},
+            {},
+        ),
+        (
+            signals.payload_mismatched,
+            "django_idempotency_mismatches_total",
+            {"operation": "t.op"},
+            {},
+        ),
+        (signals.lease_lost, "django_idempotency_lease_losses_total", {"operation": "t.op"}, {}),
+    ],
+)
+def test_request_signals_count(signal, metric, labels, extra):
+    before = value(metric, **labels)
+    send(signal, request=None, account="user:1", operation="t.op", key="k", **extra)
+    assert value(metric, **labels) == before + 1
+
+
+def test_recoveries_count_by_policy_and_outcome():
+    labels = {"policy": "fail", "outcome": "failed"}
+    before = value("django_idempotency_recoveries_total", **labels)
+    send(
+        signals.lease_recovered,
+        account="user:1",
+        operation="t.op",
+        key="k",
+        policy="fail",
+        outcome="failed",
+    )
+    assert value("django_idempotency_recoveries_total", **labels) == before + 1
+
+
+def test_purged_rows_count_per_table():
+    records = value("django_idempotency_purged_records_total", table="records")
+    audit = value("django_idempotency_purged_records_total", table="audit")
+    send(signals.records_purged, count=5, audit=2)
+    assert value("django_idempotency_purged_records_total", table="records") == records + 5
+    assert value("django_idempotency_purged_records_total", table="audit") == audit + 2
+
+
+@pytest.mark.django_db
+def test_keys_and_accounts_are_never_labels():
+    send(
+        signals.record_claimed,
+        request=None,
+        account="user:secret-account",
+        operation="t.op",
+        key="secret-key",
+        takeover=False,
+    )
+    exposed = prometheus_client.generate_latest(REGISTRY).decode()
+    assert "secret-key" not in exposed
+    assert "secret-account" not in exposed
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_counters_follow_real_requests(api):
+    operation = {"operation": "POST charges/"}
+    claims = value("django_idempotency_claims_total", **operation, takeover="false")
+    replays = value("django_idempotency_replays_total", **operation)
+    mismatches = value("django_idempotency_mismatches_total", **operation)
+    key = new_key()
+    api.post("/charges/", CHARGE, key=key)
+    api.post("/charges/", CHARGE, key=key)
+    api.post("/charges/", {**CHARGE, "amount": 5}, key=key)
+    assert value("django_idempotency_claims_total", **operation, takeover="false") == claims + 1
+    assert value("django_idempotency_replays_total", **operation) == replays + 1
+    assert value("django_idempotency_mismatches_total", **operation) == mismatches + 1
+
+
+@pytest.mark.django_db
+def test_counters_follow_the_maintenance_jobs():
+    now = timezone.now()
+    purged = value("django_idempotency_purged_records_total", table="records")
+    recovered = value("django_idempotency_recoveries_total", policy="retry", outcome="released")
+    RecordFactory.create_batch(2, expires_at=now - timedelta(hours=1))
+    RecordFactory(
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now - timedelta(seconds=1),
+    )
+    maintenance.purge_expired()
+    maintenance.recover_stale_leases()
+    assert value("django_idempotency_purged_records_total", table="records") == purged + 2
+    assert (
+        value("django_idempotency_recoveries_total", policy="retry", outcome="released")
+        == recovered + 1
+    )
+
+
+# -- the gauge ---------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_oldest_in_progress_gauge_reads_the_database():
+    assert gauge() == 0.0
+    RecordFactory(
+        status=RecordStatus.IN_PROGRESS,
+        created_at=timezone.now() - timedelta(minutes=3),
+        lease_expires_at=timezone.now() + timedelta(minutes=1),
+    )
+    RecordFactory(created_at=timezone.now() - timedelta(hours=3))  # completed: not counted
+    assert gauge() == pytest.approx(180, abs=5)
+
+
+@pytest.mark.django_db
+def test_oldest_in_progress_gauge_is_nan_when_the_database_fails(monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise DatabaseError("connection refused")
+
+    monkeypatch.setattr(stats, "oldest_in_progress_seconds", unreachable)
+    assert math.isnan(gauge())
+
+
+@pytest.mark.skipif(
+    connection.vendor == "sqlite", reason="Django never closes SQLite's in-memory test database"
+)
+@pytest.mark.django_db(transaction=True)
+def test_a_scrape_closes_the_connection_it_opened():
+    # A metrics server thread has no request cycle to close its connection.
+    connection.close()
+    assert metrics.oldest_in_progress_seconds() == 0.0
+    assert connection.connection is None
+
+
+@pytest.mark.django_db
+def test_a_scrape_keeps_a_connection_it_did_not_open():
+    connection.ensure_connection()
+    metrics.oldest_in_progress_seconds()
+    assert connection.connection is not None
+
+
+def test_registering_the_gauge_runs_no_query():
+    # No django_db mark: a query here would fail the test.
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.OldestInProgressCollector())
+
+
+@pytest.mark.django_db
+def test_the_gauge_serves_another_registry_too():
+    # As in multiprocess mode, next to a MultiProcessCollector.
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.OldestInProgressCollector())
+    RecordFactory(
+        status=RecordStatus.IN_PROGRESS,
+        created_at=timezone.now() - timedelta(seconds=90),
+        lease_expires_at=timezone.now() + timedelta(minutes=1),
+    )
+    sample = registry.get_sample_value("django_idempotency_oldest_in_progress_seconds")
+    assert sample == pytest.approx(90, abs=5)

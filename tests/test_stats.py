@@ -1,0 +1,168 @@
+"""``idempotency_stats`` and the queries behind it (``django_idempotency.stats``)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django.utils import timezone
+
+from django_idempotency import stats
+from django_idempotency.models import RecordStatus
+from tests.factories import RecordFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def table():
+    """Two completed, one failed, one live claim (claimed 30 s ago), one stale claim
+    (claimed 10 min ago), and one completed record past its TTL."""
+    now = timezone.now()
+    RecordFactory.create_batch(2)
+    RecordFactory(status=RecordStatus.FAILED, response_status=200)
+    in_progress = {"status": RecordStatus.IN_PROGRESS, "response_status": None}
+    RecordFactory(
+        **in_progress,
+        created_at=now - timedelta(seconds=30),
+        lease_expires_at=now + timedelta(seconds=30),
+    )
+    RecordFactory(
+        **in_progress,
+        created_at=now - timedelta(minutes=10),
+        lease_expires_at=now - timedelta(minutes=9),
+    )
+    RecordFactory(created_at=now - timedelta(days=2), expires_at=now - timedelta(days=1))
+    return now
+
+
+def test_collect(table):
+    snapshot = stats.collect(now=table)
+    assert snapshot.database == "default"
+    assert snapshot.rows == 6
+    assert snapshot.by_status == {"in_progress": 2, "completed": 3, "failed": 1}
+    assert snapshot.oldest_in_progress_seconds == pytest.approx(600, abs=1)
+    assert snapshot.stale_leases == 1
+    assert snapshot.expired == 1
+    if connection.vendor == "postgresql":
+        assert snapshot.table_bytes > 0
+    else:
+        assert snapshot.table_bytes is None
+
+
+def test_collect_on_an_empty_table():
+    snapshot = stats.collect()
+    assert snapshot.rows == 0
+    assert snapshot.by_status == {"in_progress": 0, "completed": 0, "failed": 0}
+    assert snapshot.oldest_in_progress_seconds is None
+    assert snapshot.stale_leases == 0
+    assert snapshot.expired == 0
+
+
+def test_an_expired_claim_with_a_live_lease_is_not_counted_as_expired():
+    # The purge leaves it to its owner, so it is not "waiting for the purge".
+    now = timezone.now()
+    RecordFactory(
+        status=RecordStatus.IN_PROGRESS,
+        lease_expires_at=now + timedelta(seconds=30),
+        expires_at=now - timedelta(seconds=1),
+    )
+    assert stats.collect(now=now).expired == 0
+
+
+def test_command_prints_a_table(table):
+    out = StringIO()
+    call_command("idempotency_stats", stdout=out)
+    lines = dict(line.rsplit("  ", 1) for line in out.getvalue().splitlines())
+    lines = {label.strip(): value.strip() for label, value in lines.items()}
+    assert lines["database"] == "default"
+    assert lines["rows"] == "6"
+    assert lines["in progress"] == "2"
+    assert lines["completed"] == "3"
+    assert lines["failed"] == "1"
+    assert lines["oldest in progress"].startswith("10 min")
+    assert lines["stale leases"] == "1"
+    assert lines["expired, not purged"] == "1"
+    if connection.vendor == "postgresql":
+        assert lines["table size"].endswith(("KiB", "MiB"))
+    else:
+        assert lines["table size"] == "n/a"
+
+
+def test_command_json(table):
+    out = StringIO()
+    call_command("idempotency_stats", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["rows"] == 6
+    assert data["by_status"] == {"in_progress": 2, "completed": 3, "failed": 1}
+    assert data["stale_leases"] == 1
+    assert data["expired"] == 1
+    assert data["oldest_in_progress_seconds"] == pytest.approx(600, abs=5)
+    assert set(data) == {
+        "database",
+        "rows",
+        "by_status",
+        "table_bytes",
+        "oldest_in_progress_seconds",
+        "stale_leases",
+        "expired",
+        "taken_at",
+    }
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "provider"])
+def test_command_database_option():
+    # "provider" mirrors "default" in the tests: same tables, same rows.
+    RecordFactory()
+    out = StringIO()
+    call_command("idempotency_stats", "--json", "--database", "provider", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["database"] == "provider"
+    assert data["rows"] == 1
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "provider"])
+def test_command_follows_the_idempotency_database_setting(settings):
+    settings.IDEMPOTENCY = {"DATABASE": "provider"}
+    out = StringIO()
+    call_command("idempotency_stats", "--json", stdout=out)
+    assert json.loads(out.getvalue())["database"] == "provider"
+
+
+def test_command_rejects_an_unknown_database():
+    with pytest.raises(CommandError, match="Unknown database 'nope'"):
+        call_command("idempotency_stats", "--database", "nope")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(None, "-"), (4.25, "4.2 s"), (125, "2 min 5 s"), (3 * 3600 + 60, "3 h 1 min")],
+)
+def test_durations(seconds, shown):
+    from django_idempotency.management.commands.idempotency_stats import _duration
+
+    assert _duration(seconds) == shown
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"), [(512, "512 B"), (2048, "2.0 KiB"), (5 * 1024**3, "5.0 GiB")]
+)
+def test_sizes(size, shown):
+    from django_idempotency.management.commands.idempotency_stats import _size
+
+    assert _size(size) == shown
+
+
+def test_operations_are_distinct_sorted_and_bounded():
+    for name in ("refunds.create", "charges.create", "charges.create", "b.op", "a.op"):
+        RecordFactory(operation=name)
+    assert stats.operations() == ["a.op", "b.op", "charges.create", "refunds.create"]
+    assert stats.operations(limit=2) == ["a.op", "b.op"]
+
+
+def test_operations_of_an_empty_table():
+    assert stats.operations() == []
