@@ -104,8 +104,10 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
         return "-"
     now = now or timezone.now()
     if record.lease_expires_at > now:
-        return str(_("live, %(left)s left") % {"left": timesince(now, record.lease_expires_at)})
-    return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now)})
+        return str(
+            _("live, %(left)s left") % {"left": timesince(now, record.lease_expires_at, depth=1)}
+        )
+    return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
 
 
 def render_body(body: bytes | memoryview | None, headers: list[list[str]]) -> SafeString:
@@ -171,7 +173,7 @@ class IdempotencyRecordAdmin(_ModelAdmin):
         "status",
         "response_status",
         "age",
-        "expires_at",
+        "expiry",
         "lease",
     )
     list_display_links = ("key",)
@@ -270,7 +272,17 @@ class IdempotencyRecordAdmin(_ModelAdmin):
     @admin.display(description=_("age"), ordering="-created_at")
     def age(self, record: IdempotencyRecord) -> str:
         """Time since the claim."""
-        return timesince(record.created_at)
+        return timesince(record.created_at, depth=1)
+
+    @admin.display(description=_("expiry"), ordering="expires_at")
+    def expiry(self, record: IdempotencyRecord) -> str:
+        """When the record stops deduplicating, relative to now."""
+        now = timezone.now()
+        if record.expires_at <= now:
+            return str(
+                _("expired %(ago)s ago") % {"ago": timesince(record.expires_at, now, depth=1)}
+            )
+        return str(_("in %(left)s") % {"left": timesince(now, record.expires_at, depth=1)})
 
     @admin.display(description=_("lease"))
     def lease(self, record: IdempotencyRecord) -> str:

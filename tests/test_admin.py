@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import timedelta
+from typing import Any, cast
 
 import pytest
 from django.contrib.auth.models import Permission
@@ -15,12 +16,17 @@ from django.utils import timezone
 from django.utils.html import escape
 
 from django_idempotency import admin as records_admin
+from django_idempotency import store
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
 URL = "/admin/django_idempotency/idempotencyrecord/"
+
+
+def make(**kwargs: Any) -> IdempotencyRecord:
+    return cast(IdempotencyRecord, RecordFactory(**kwargs))
 
 
 def detail_url(record: IdempotencyRecord) -> str:
@@ -56,7 +62,7 @@ def listed_keys(response) -> set[str]:
 
 def stale(**kwargs) -> IdempotencyRecord:
     now = timezone.now()
-    return RecordFactory(
+    return make(
         status=RecordStatus.IN_PROGRESS,
         lease_token="3f1b0e9c-9a57-4f2e-8a3c-0d7c1f0b2a11",
         lease_expires_at=now - timedelta(minutes=5),
@@ -70,7 +76,7 @@ def stale(**kwargs) -> IdempotencyRecord:
 
 def live(**kwargs) -> IdempotencyRecord:
     now = timezone.now()
-    return RecordFactory(
+    return make(
         status=RecordStatus.IN_PROGRESS,
         lease_token="6c3f4d1e-2b8a-4c9d-9e0f-1a2b3c4d5e6f",
         lease_expires_at=now + timedelta(seconds=45),
@@ -83,16 +89,14 @@ def live(**kwargs) -> IdempotencyRecord:
 
 def expired(**kwargs) -> IdempotencyRecord:
     now = timezone.now()
-    return RecordFactory(
-        created_at=now - timedelta(hours=30), expires_at=now - timedelta(hours=6), **kwargs
-    )
+    return make(created_at=now - timedelta(hours=30), expires_at=now - timedelta(hours=6), **kwargs)
 
 
 # -- the changelist ---------------------------------------------------------------------
 
 
 def test_changelist_lists_records_with_their_columns(admin_client):
-    done = RecordFactory(key="done-1", account="user:7", operation="charges.create")
+    done = make(key="done-1", account="user:7", operation="charges.create")
     running = live(key="running-1")
     old = stale(key="stale-1")
     response = admin_client.get(URL)
@@ -106,7 +110,7 @@ def test_changelist_lists_records_with_their_columns(admin_client):
         "status",
         "response_status",
         "age",
-        "expires_at",
+        "expiry",
         "lease",
     ):
         assert f'column-{column}"' in html, column
@@ -114,12 +118,13 @@ def test_changelist_lists_records_with_their_columns(admin_client):
     assert "charges.create" in html
     assert "live, " in html
     assert "stale for 5" in html
+    assert "in 23" in html  # hours left of the default 24 h TTL
     # The full count is never taken on a big table: no "(N total)" link.
     assert "total)" not in html
 
 
 def test_changelist_never_loads_stored_bodies(admin_client):
-    RecordFactory.create_batch(3)
+    [make() for _ in range(3)]
     with CaptureQueriesContext(connection) as queries:
         assert admin_client.get(URL).status_code == 200
     listing = [q["sql"] for q in queries if "response_status" in q["sql"]]
@@ -128,8 +133,8 @@ def test_changelist_never_loads_stored_bodies(admin_client):
 
 
 def test_changelist_runs_no_select_distinct_over_the_rows(admin_client):
-    RecordFactory(created_at=timezone.now() - timedelta(days=40))
-    RecordFactory()
+    make(created_at=timezone.now() - timedelta(days=40))
+    make()
     with CaptureQueriesContext(connection) as queries:
         assert admin_client.get(URL).status_code == 200
         assert admin_client.get(f"{URL}?status__exact=completed").status_code == 200
@@ -146,22 +151,22 @@ def test_changelist_runs_no_select_distinct_over_the_rows(admin_client):
 
 
 def test_search_by_exact_key(admin_client):
-    wanted = RecordFactory(key="Key-ABC")
-    RecordFactory(key="Key-ABCD")
-    RecordFactory(key="key-abc")
+    wanted = make(key="Key-ABC")
+    make(key="Key-ABCD")
+    make(key="key-abc")
     response = admin_client.get(URL, {"q": "Key-ABC"})
     assert listed_keys(response) == {wanted.key}
 
 
 def test_search_by_exact_account(admin_client):
-    mine = RecordFactory.create_batch(2, account="user:42")
-    RecordFactory(account="user:420")
+    mine = [make(account="user:42") for _ in range(2)]
+    make(account="user:420")
     response = admin_client.get(URL, {"q": " user:42 "})
     assert listed_keys(response) == {r.key for r in mine}
 
 
 def test_search_without_match_lists_nothing(admin_client):
-    RecordFactory(key="abc")
+    make(key="abc")
     assert listed_keys(admin_client.get(URL, {"q": "ab"})) == set()
 
 
@@ -171,8 +176,8 @@ def test_search_without_match_lists_nothing(admin_client):
 @pytest.mark.parametrize("status", RecordStatus.values)
 def test_filter_by_status(admin_client, status):
     records = {
-        RecordStatus.COMPLETED: RecordFactory(),
-        RecordStatus.FAILED: RecordFactory(status=RecordStatus.FAILED, response_status=500),
+        RecordStatus.COMPLETED: make(),
+        RecordStatus.FAILED: make(status=RecordStatus.FAILED, response_status=500),
         RecordStatus.IN_PROGRESS: live(),
     }
     response = admin_client.get(URL, {"status__exact": status})
@@ -180,8 +185,8 @@ def test_filter_by_status(admin_client, status):
 
 
 def test_filter_by_operation_offers_each_operation_once(admin_client):
-    RecordFactory.create_batch(2, operation="charges.create")
-    refund = RecordFactory(operation="refunds.create")
+    [make(operation="charges.create") for _ in range(2)]
+    refund = make(operation="refunds.create")
     response = admin_client.get(URL)
     html = response.content.decode()
     assert html.count("?operation=charges.create") == 1
@@ -192,7 +197,7 @@ def test_filter_by_operation_offers_each_operation_once(admin_client):
 def test_operation_choices_are_bounded_and_keep_the_chosen_one(admin_client, monkeypatch):
     monkeypatch.setattr(records_admin.OperationFilter, "max_choices", 2)
     for name in ("a.op", "b.op", "c.op", "d.op"):
-        RecordFactory(operation=name)
+        make(operation=name)
     html = admin_client.get(URL).content.decode()
     assert "?operation=a.op" in html
     assert "?operation=b.op" in html
@@ -204,9 +209,14 @@ def test_operation_choices_are_bounded_and_keep_the_chosen_one(admin_client, mon
 
 def test_filter_expired(admin_client):
     gone = expired()
-    fresh = RecordFactory()
+    fresh = make()
     assert listed_keys(admin_client.get(URL, {"expired": "yes"})) == {gone.key}
     assert listed_keys(admin_client.get(URL, {"expired": "no"})) == {fresh.key}
+
+
+def test_expiry_column_says_how_long_ago_a_record_expired(admin_client):
+    expired()
+    assert "expired 6" in admin_client.get(URL).content.decode()
 
 
 def test_expired_claim_with_a_live_lease_is_not_listed_as_expired(admin_client):
@@ -218,8 +228,8 @@ def test_expired_claim_with_a_live_lease_is_not_listed_as_expired(admin_client):
 
 def test_filter_expired_lists_by_expiry_most_recent_first(admin_client):
     now = timezone.now()
-    older = RecordFactory(expires_at=now - timedelta(hours=2))
-    newer = RecordFactory(expires_at=now - timedelta(hours=1))
+    older = make(expires_at=now - timedelta(hours=2))
+    newer = make(expires_at=now - timedelta(hours=1))
     html = admin_client.get(URL, {"expired": "yes"}).content.decode()
     assert html.index(f">{newer.key}<") < html.index(f">{older.key}<")
 
@@ -227,7 +237,7 @@ def test_filter_expired_lists_by_expiry_most_recent_first(admin_client):
 def test_filter_by_lease(admin_client):
     running = live()
     old = stale()
-    RecordFactory()
+    make()
     assert listed_keys(admin_client.get(URL, {"lease": "live"})) == {running.key}
     assert listed_keys(admin_client.get(URL, {"lease": "stale"})) == {old.key}
 
@@ -242,8 +252,8 @@ def test_filters_combine(admin_client):
 
 def test_date_hierarchy_drills_down_from_the_table_range(admin_client):
     now = timezone.now()
-    last_year = RecordFactory(created_at=now - timedelta(days=400))
-    recent = RecordFactory(created_at=now)
+    last_year = make(created_at=now - timedelta(days=400))
+    recent = make(created_at=now)
     html = admin_client.get(URL).content.decode()
     assert f"created_at__year={now.year}" in html
     assert f"created_at__year={(now - timedelta(days=400)).year}" in html
@@ -266,7 +276,7 @@ def test_date_hierarchy_hidden_on_an_empty_table(admin_client):
 
 
 def test_detail_shows_a_json_body_indented(admin_client):
-    record = RecordFactory(response_body=b'{"id":7,"note":"<b>hi</b>","items":[1,2]}')
+    record = make(response_body=b'{"id":7,"note":"<b>hi</b>","items":[1,2]}')
     response = admin_client.get(detail_url(record))
     assert response.status_code == 200
     html = response.content.decode()
@@ -277,7 +287,7 @@ def test_detail_shows_a_json_body_indented(admin_client):
 
 
 def test_detail_shows_a_binary_body_as_its_size(admin_client):
-    record = RecordFactory(
+    record = make(
         response_body=bytes(range(256)) * 4,
         response_headers=[["Content-Type", "application/octet-stream"]],
     )
@@ -286,7 +296,7 @@ def test_detail_shows_a_binary_body_as_its_size(admin_client):
 
 
 def test_detail_escapes_a_text_body(admin_client):
-    record = RecordFactory(
+    record = make(
         response_body=b"<script>alert(1)</script>",
         response_headers=[["Content-Type", "text/html"]],
     )
@@ -296,16 +306,14 @@ def test_detail_escapes_a_text_body(admin_client):
 
 
 def test_detail_shows_json_text_as_text_when_not_served_as_json(admin_client):
-    record = RecordFactory(
-        response_body=b'{"a":1}', response_headers=[["Content-Type", "text/plain"]]
-    )
+    record = make(response_body=b'{"a":1}', response_headers=[["Content-Type", "text/plain"]])
     html = admin_client.get(detail_url(record)).content.decode()
     assert escape('{"a":1}') in html
 
 
 def test_detail_cuts_a_large_body(admin_client):
     body = b"x" * (records_admin.BODY_PREVIEW_BYTES + 10)
-    record = RecordFactory(response_body=body, response_headers=[["Content-Type", "text/plain"]])
+    record = make(response_body=body, response_headers=[["Content-Type", "text/plain"]])
     html = admin_client.get(detail_url(record)).content.decode()
     assert f"first {records_admin.BODY_PREVIEW_BYTES} of {len(body)} bytes shown" in html
     assert "x" * (records_admin.BODY_PREVIEW_BYTES + 1) not in html
@@ -319,18 +327,18 @@ def test_detail_of_an_in_progress_record(admin_client):
 
 
 def test_detail_is_read_only(admin_client):
-    record = RecordFactory()
+    record = make()
     html = admin_client.get(detail_url(record)).content.decode()
     assert 'name="_save"' not in html
     assert "deletelink" not in html
     response = admin_client.post(detail_url(record), {"status": RecordStatus.FAILED})
     assert response.status_code == 403
     record.refresh_from_db()
-    assert record.status == RecordStatus.COMPLETED
+    assert record.status == store.COMPLETED
 
 
 def test_no_add_and_no_delete(admin_client):
-    record = RecordFactory()
+    record = make()
     assert admin_client.get(f"{URL}add/").status_code == 403
     assert admin_client.post(f"{URL}{record.pk}/delete/", {"post": "yes"}).status_code == 403
     assert IdempotencyRecord.objects.filter(pk=record.pk).exists()
@@ -365,7 +373,7 @@ def messages_of(response) -> list[str]:
 def test_release_stale_claims(admin_client):
     old = stale()
     running = live()
-    done = RecordFactory()
+    done = make()
     response = run_action(admin_client, "release_stale_claims", old, running, done)
     assert response.status_code == 200
     assert not IdempotencyRecord.objects.filter(pk=old.pk).exists()
@@ -381,14 +389,14 @@ def test_mark_as_failed(admin_client):
     response = run_action(admin_client, "mark_as_failed", old, running)
     old.refresh_from_db()
     running.refresh_from_db()
-    assert old.status == RecordStatus.FAILED
+    assert old.status == store.FAILED
     assert json.loads(old.response_body)["code"] == "idempotency_outcome_unknown"
-    assert running.status == RecordStatus.IN_PROGRESS
+    assert running.status == store.IN_PROGRESS
     assert messages_of(response)[0].startswith("1 of 2 selected records marked as failed.")
 
 
 def test_action_that_changes_nothing_warns(admin_client):
-    done = RecordFactory()
+    done = make()
     response = run_action(admin_client, "mark_as_failed", done)
     (message,) = response.context["messages"]
     assert message.level_tag == "warning"
@@ -397,7 +405,7 @@ def test_action_that_changes_nothing_warns(admin_client):
 
 def test_purge_expired_records_purges_all_expired_whatever_the_selection(admin_client):
     gone = [expired(), expired()]
-    kept = RecordFactory()
+    kept = make()
     response = run_action(admin_client, "purge_expired_records", kept)
     assert list(IdempotencyRecord.objects.values_list("pk", flat=True)) == [kept.pk]
     assert all(not IdempotencyRecord.objects.filter(pk=r.pk).exists() for r in gone)
@@ -409,7 +417,7 @@ def test_purge_is_bounded_per_click(admin_client, settings, monkeypatch):
     monkeypatch.setattr(records_admin.IdempotencyRecordAdmin, "purge_max_batches", 2)
     for _ in range(5):
         expired()
-    kept = RecordFactory()
+    kept = make()
     response = run_action(admin_client, "purge_expired_records", kept)
     assert IdempotencyRecord.objects.count() == 2
     (message,) = messages_of(response)
@@ -420,7 +428,7 @@ def test_purge_is_bounded_per_click(admin_client, settings, monkeypatch):
 
 
 def test_anonymous_is_sent_to_the_login_page():
-    RecordFactory()
+    make()
     response = Client().get(URL)
     assert response.status_code == 302
     assert "/admin/login/" in response["Location"]
@@ -429,7 +437,7 @@ def test_anonymous_is_sent_to_the_login_page():
 def test_non_staff_is_refused_even_with_the_permissions():
     user = UserFactory(is_staff=False)
     user.user_permissions.add(*Permission.objects.filter(codename__endswith="idempotencyrecord"))
-    record = RecordFactory()
+    record = make()
     client = logged_in(user)
     for url in (URL, detail_url(record)):
         response = client.get(url)
@@ -439,7 +447,7 @@ def test_non_staff_is_refused_even_with_the_permissions():
 
 def test_staff_without_the_view_permission_is_refused():
     client = logged_in(UserFactory(is_staff=True))
-    record = RecordFactory()
+    record = make()
     assert client.get(URL).status_code == 403
     assert client.get(detail_url(record)).status_code == 403
     response = client.post(
@@ -460,7 +468,7 @@ def test_staff_with_the_view_permission_sees_but_cannot_act():
         run_action(client, action, old, gone)
     assert IdempotencyRecord.objects.filter(pk__in=[old.pk, gone.pk]).count() == 2
     old.refresh_from_db()
-    assert old.status == RecordStatus.IN_PROGRESS
+    assert old.status == store.IN_PROGRESS
 
 
 def test_change_permission_allows_release_and_mark_failed_but_not_purge():
@@ -480,6 +488,6 @@ def test_delete_permission_allows_purge_only():
     assert 'value="purge_expired_records"' in html
     assert 'value="release_stale_claims"' not in html
     expired()
-    kept = RecordFactory()
+    kept = make()
     run_action(client, "purge_expired_records", kept)
     assert IdempotencyRecord.objects.count() == 1

@@ -1,0 +1,115 @@
+"""The records admin in a real browser: headless Chromium driven by Playwright.
+
+Needs the ``playwright`` Python package and Debian's ``chromium`` at ``/usr/bin/chromium``
+(Playwright's own browser downloads are not used). Without them the test is skipped on a
+developer's machine, and fails under CI (``CI`` set), so a CI run can never pass without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import django.contrib.admin
+import pytest
+
+from django_idempotency.models import RecordStatus
+from tests.factories import RecordFactory, UserFactory
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ADMIN_STATIC = Path(django.contrib.admin.__file__).parent / "static"
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}: CI must run the browser test", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("the playwright package is not installed")
+    if not CHROMIUM.exists():
+        unavailable(f"{CHROMIUM} is missing (Debian package chromium)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+        )
+        yield launched
+        launched.close()
+
+
+def serve_admin_static(route: Any) -> None:
+    """The test settings have no staticfiles app: the browser gets the admin's CSS from disk."""
+    relative = route.request.url.split("/static/", 1)[1].split("?")[0]
+    path = (ADMIN_STATIC / relative).resolve()
+    if ADMIN_STATIC.resolve() in path.parents and path.is_file():
+        route.fulfill(path=str(path))
+    else:
+        route.fulfill(status=404)
+
+
+@pytest.fixture
+def records() -> dict[str, Any]:
+    """Requested before ``browser``: once Playwright's event loop runs in this thread,
+    Django refuses synchronous queries in it."""
+    admin = UserFactory(username="ops", is_staff=True, is_superuser=True)
+    RecordFactory(key="done-key", operation="charges.create")
+    failed = RecordFactory(
+        key="failed-key",
+        operation="refunds.create",
+        status=RecordStatus.FAILED,
+        response_status=200,
+        response_headers=[["Content-Type", "application/problem+json"]],
+        response_body=b'{"type":"about:blank","title":"Outcome unknown","status":200,'
+        b'"code":"idempotency_outcome_unknown","detail":"<needs reconciliation>"}',
+    )
+    return {"admin": admin, "failed": failed}
+
+
+def test_log_in_filter_by_status_and_open_a_record(records, live_server, browser, tmp_path):
+    admin, failed = records["admin"], records["failed"]
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(15_000)
+    page.route("**/static/**", serve_admin_static)
+
+    changelist = "/admin/django_idempotency/idempotencyrecord/"
+    page.goto(f"{live_server.url}/admin/login/?next={changelist}")
+    page.fill("#id_username", admin.username)
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{changelist}")
+    assert page.locator("#result_list tbody tr").count() == 2
+
+    page.locator("#changelist-filter a", has_text="failed").first.click()
+    page.wait_for_url("**status__exact=failed**")
+    rows = page.locator("#result_list tbody tr")
+    assert rows.count() == 1
+    assert "failed-key" in rows.first.inner_text()
+    page.screenshot(path=tmp_path / "changelist-failed.png", full_page=True)
+
+    rows.first.locator("th a").click()
+    page.wait_for_url(f"**{changelist}{failed.pk}/change/**")
+    body = page.locator("pre.idempotency-body").inner_text()
+    assert '"code": "idempotency_outcome_unknown"' in body
+    assert "<needs reconciliation>" in body  # shown as text, not parsed as markup
+    assert page.locator("input[name=_save]").count() == 0
+    shot = tmp_path / "record.png"
+    page.screenshot(path=shot, full_page=True)
+    assert shot.stat().st_size > 10_000
