@@ -136,6 +136,7 @@ def main() -> int:
     from django.contrib.auth.models import User
     from django.core.management import call_command
     from django.test import Client
+    from django.utils import timezone
 
     from django_idempotency.models import IdempotencyRecord, RecordStatus
 
@@ -152,6 +153,9 @@ def main() -> int:
     binary = IdempotencyRecord.objects.filter(key=hashlib.md5(b"2key").hexdigest()).first()
     assert some is not None
     assert binary is not None
+
+    now = timezone.localtime()
+    today = f"created_at__year={now.year}&created_at__month={now.month}&created_at__day={now.day}"
 
     def page(url: str) -> Callable[[], Any]:
         def get() -> Any:
@@ -170,7 +174,14 @@ def main() -> int:
         ("changelist ?status=failed", page(f"{base}?status__exact=failed")),
         ("changelist ?operation=op-07.create", page(f"{base}?operation=op-07.create")),
         ("changelist ?expired=yes", page(f"{base}?expired=yes")),
+        ("changelist ?expired=no", page(f"{base}?expired=no")),
         ("changelist ?lease=stale", page(f"{base}?lease=stale")),
+        ("changelist ?lease=live", page(f"{base}?lease=live")),
+        ("changelist ?created_at=today", page(f"{base}?{today}")),
+        (
+            "changelist ?status=failed&operation",
+            page(f"{base}?status__exact=failed&operation=op-01.create"),
+        ),
         ("changelist ?q=<key>", page(f"{base}?q={some.key}")),
         ("changelist ?q=user:42", page(f"{base}?q=user:42")),
         ("changelist page 50", page(f"{base}?p=50")),
