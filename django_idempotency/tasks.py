@@ -1,0 +1,223 @@
+"""Celery: the periodic maintenance tasks, deduplicated task consumers, enqueue on commit.
+
+The only module of the app that imports Celery (an optional dependency). It never imports
+a project's Celery app: ``shared_task`` binds to whichever app the project configures.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime, timedelta
+from typing import Any, TypeVar, cast
+
+from celery import current_task, shared_task
+from celery.app.task import Task
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DatabaseError, transaction
+from django.utils import timezone
+
+from django_idempotency import conf, maintenance, store
+from django_idempotency.engine import RETRY, IdempotencyContext
+
+logger = logging.getLogger("django_idempotency")
+
+F = TypeVar("F", bound=Callable[..., Any])
+DeliveryKey = Callable[..., object]
+
+# Task records share the table with request records, in an account of their own: no
+# request's account is ever "task", so the two can never collide.
+TASK_ACCOUNT = "task"
+TASK_FINGERPRINT_VERSION = "task-v1"
+
+
+@shared_task(name="django_idempotency.purge_expired")
+def purge_expired(
+    batch_size: int | None = None, max_batches: int | None = None, using: str | None = None
+) -> dict[str, Any]:
+    """Celery beat task: :func:`django_idempotency.maintenance.purge_expired`."""
+    result = maintenance.purge_expired(using=using, batch_size=batch_size, max_batches=max_batches)
+    return asdict(result)
+
+
+@shared_task(name="django_idempotency.recover_stale_leases")
+def recover_stale_leases(limit: int | None = None, using: str | None = None) -> dict[str, Any]:
+    """Celery beat task: :func:`django_idempotency.maintenance.recover_stale_leases`."""
+    return asdict(maintenance.recover_stale_leases(using=using, limit=limit))
+
+
+class DeliveryInProgress(Exception):
+    """Another delivery holds the key's live lease, and this run cannot be retried later.
+
+    Raised only outside a worker (an eager ``apply()`` or a plain call with a key callable);
+    a worker's delivery is retried instead.
+    """
+
+
+class _LeaseLost(Exception):
+    """The fenced completion matched no row: another delivery took the lease over."""
+
+
+def idempotent_task(
+    key: DeliveryKey | None = None,
+    *,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+) -> Callable[[F], F]:
+    """Run a Celery task's body at most once per delivery key, however often it is delivered.
+
+    Put it directly beneath ``@shared_task`` (or ``@app.task``), with parentheses. The key is
+    the task id by default, or ``key(*args, **kwargs)``. The record lives in the idempotency
+    table under account ``"task"`` and operation ``"task:<task name>"``, claimed and
+    completed by the same statements as a request's, for ``ttl`` (default ``TTL``).
+
+    - The body and the completion of the record commit in one transaction: a delivery that
+      dies midway leaves neither, and the next delivery runs the body afresh.
+    - Completed already: the body is skipped and the stored return value (JSON) returned.
+    - In progress under a live lease: the delivery is retried once that lease has run out
+      (``lease``, default ``LEASE``: make it longer than the task ever runs).
+    - The body raises: the claim is released, so a redelivery or a retry runs again.
+    """
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            task = current_task if current_task else None
+            delivery = key(*args, **kwargs) if key is not None else _task_id(task)
+            if delivery is None:
+                # A plain call of the task's function is not a delivery: nothing to dedupe.
+                return func(*args, **kwargs)
+            name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
+            claim = _claim(name, str(delivery), ttl, lease)
+            if not claim.claimed:
+                return _duplicate(task, name, claim.state)
+            return _run(func, args, kwargs, claim.state)
+
+        return cast(F, wrapper)
+
+    return decorate
+
+
+def _task_id(task: Task[Any, Any] | None) -> str | None:
+    if task is None:
+        return None
+    task_id: str | None = task.request.id
+    return task_id
+
+
+def _claim(
+    name: str, delivery: str, ttl: timedelta | int | None, lease: timedelta | int | None
+) -> store.ClaimResult:
+    operation = f"task:{name}"
+    return store.claim(
+        conf.database(),
+        store.ClaimRequest(
+            account=TASK_ACCOUNT,
+            operation=operation,
+            key=delivery,
+            # Every delivery of a key is the same request, so a redelivery may take a
+            # stale lease over (after a worker died) and is never refused as a mismatch.
+            request_hash=hashlib.sha256(f"{operation}\x1f{delivery}".encode()).hexdigest(),
+            fingerprint_version=TASK_FINGERPRINT_VERSION,
+            recovery_policy=RETRY,
+            now=timezone.now(),
+            lease=conf.as_timedelta(lease) if lease is not None else conf.lease(),
+            ttl=conf.as_timedelta(ttl) if ttl is not None else conf.ttl(),
+        ),
+    )
+
+
+def _duplicate(task: Task[Any, Any] | None, name: str, state: store.RecordState) -> Any:
+    if state.status == store.COMPLETED:
+        logger.info("skipped a duplicate delivery of %s: already done", name)
+        body = state.response_body
+        return json.loads(body) if body else None
+    if state.status == store.FAILED:
+        # Closed by hand (the admin's "mark as failed"): never run again.
+        logger.warning("skipped a delivery of %s: its record was marked failed", name)
+        return None
+    # The other delivery may die: come back when its lease has run out, and either find its
+    # result or take its lease over.
+    countdown = _seconds_left(state.lease_expires_at)
+    if task is None or task.request.is_eager:
+        raise DeliveryInProgress(f"a delivery of {name} holds the lease for {countdown} s more")
+    logger.info("delivery of %s in progress elsewhere; retrying in %s s", name, countdown)
+    # Waiting on a live lease is not a failure of this task: it does not use up its retries.
+    raise task.retry(countdown=countdown, max_retries=task.request.retries + 1)
+
+
+def _seconds_left(lease_expires_at: datetime | None) -> int:
+    if lease_expires_at is None:
+        return 1
+    return max(1, math.ceil((lease_expires_at - timezone.now()).total_seconds()))
+
+
+def _run(func: F, args: Any, kwargs: Any, state: store.RecordState) -> Any:
+    alias = conf.database()
+    token = state.lease_token
+    assert token is not None
+    try:
+        with transaction.atomic(using=alias):
+            result = func(*args, **kwargs)
+            completed = store.finish(
+                alias,
+                state.id,
+                token,
+                status=store.COMPLETED,
+                response_status=200,
+                response_headers=[],
+                response_body=_stored(result),
+                now=timezone.now(),
+            )
+            if not completed:
+                raise _LeaseLost
+    except _LeaseLost:
+        logger.warning("a task delivery lost its lease; its work was rolled back")
+        return None
+    except BaseException:
+        try:
+            store.release(alias, state.id, token)
+        except DatabaseError:
+            logger.exception("could not release a task's claim; its lease will expire")
+        raise
+    return result
+
+
+def _stored(result: Any) -> bytes:
+    # The return value is kept for duplicates when it is JSON, as Celery's default
+    # serializer needs anyway; otherwise duplicates get None.
+    try:
+        return json.dumps(result, cls=DjangoJSONEncoder).encode()
+    except (TypeError, ValueError):
+        return b""
+
+
+def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs: Any) -> str:
+    """Send ``task`` once the current transaction commits, with a deterministic task id.
+
+    ``source`` is a protected request (``request.idempotency``) or its
+    :class:`~django_idempotency.engine.IdempotencyContext`. The task id is
+    ``context.downstream_key("task:<task name>")``: the same on every retry, takeover and
+    recovery run of the operation, so a consumer deduplicated by
+    :func:`idempotent_task` (keyed by the task id) runs once whatever is sent twice. Nothing
+    is sent when the view's transaction rolls back. Returns the task id.
+    """
+    context = source if isinstance(source, IdempotencyContext) else None
+    if context is None:
+        context = getattr(source, "idempotency", None)
+    if not isinstance(context, IdempotencyContext):
+        raise ValueError(
+            "enqueue_on_commit needs a request protected by an idempotency key, or its "
+            "request.idempotency context"
+        )
+    task_id = context.downstream_key(f"task:{task.name}")
+    transaction.on_commit(
+        lambda: task.apply_async(args=args, kwargs=kwargs, task_id=task_id),
+        using=conf.database(),
+    )
+    return task_id

@@ -1,0 +1,70 @@
+"""Celery tasks that the worker tests run: a deduplicated body whose runs are counted.
+
+Counters are ``ProviderCall`` rows with distinctive keys:
+
+- ``effect:<tag>`` is written on the default connection inside the task's transaction, so
+  it exists once per run that *completed* (committed with the idempotency record);
+- ``start:<tag>:<pid>`` is written through the ``provider`` connection (autocommit), so it
+  survives a crash: one per run that *started*.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import shared_task
+
+from django_idempotency.tasks import idempotent_task
+from tests.testapp.models import ProviderCall
+
+LEASE_SECONDS = 3
+# Longer than a killed run takes to be redelivered, so the redelivery meets a live lease.
+LONG_LEASE_SECONDS = 10
+
+
+def _body(tag: str, hold: float) -> dict[str, Any]:
+    starts = ProviderCall.objects.using("provider").filter(key__startswith=f"start:{tag}:")
+    first = not starts.exists()
+    ProviderCall.objects.using("provider").create(key=f"start:{tag}:{os.getpid()}")
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    if first and hold:
+        # Only the first run lingers: the tests kill its worker meanwhile, or send a
+        # duplicate that must find the lease held.
+        time.sleep(hold)
+    return {"tag": tag, "pid": os.getpid()}
+
+
+@shared_task(name="tests.record_effect", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(lease=LEASE_SECONDS)
+def record_effect(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the task id."""
+    return _body(tag, hold)
+
+
+@shared_task(name="tests.record_effect_long_lease", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(lease=LONG_LEASE_SECONDS)
+def record_effect_long_lease(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the task id, with a lease that outlives a quick redelivery."""
+    return _body(tag, hold)
+
+
+@shared_task(name="tests.record_effect_by_tag", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(key=lambda tag, hold=0.0: f"tag:{tag}", lease=LEASE_SECONDS)
+def record_effect_by_tag(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the tag, whatever the task id."""
+    return _body(tag, hold)
+
+
+@shared_task(name="tests.fail_once")
+@idempotent_task()
+def fail_once(tag: str) -> str:
+    """Raises on its first run (after writing its effect, which is rolled back)."""
+    first = not ProviderCall.objects.using("provider").filter(key=f"failed:{tag}").exists()
+    if first:
+        ProviderCall.objects.using("provider").create(key=f"failed:{tag}")
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    if first:
+        raise RuntimeError("first run fails")
+    return "ok"
