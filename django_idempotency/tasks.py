@@ -205,7 +205,9 @@ def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs
     ``context.downstream_key("task:<task name>")``: the same on every retry, takeover and
     recovery run of the operation, so a consumer deduplicated by
     :func:`idempotent_task` (keyed by the task id) runs once whatever is sent twice. Nothing
-    is sent when the view's transaction rolls back. Returns the task id.
+    is sent when the view's transaction rolls back. A send that fails after the commit is
+    logged, not raised (the task is then lost: for at-least-once sending use an outbox).
+    Returns the task id.
     """
     context = source if isinstance(source, IdempotencyContext) else None
     if context is None:
@@ -216,8 +218,11 @@ def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs
             "request.idempotency context"
         )
     task_id = context.downstream_key(f"task:{task.name}")
+    # Robust: once the view's work has committed, a broker that cannot be reached must not
+    # turn the committed outcome into an error response; the failure is logged instead.
     transaction.on_commit(
         lambda: task.apply_async(args=args, kwargs=kwargs, task_id=task_id),
         using=conf.database(),
+        robust=True,
     )
     return task_id

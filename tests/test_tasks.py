@@ -189,6 +189,14 @@ def test_enqueue_on_commit_sends_nothing_when_the_transaction_rolls_back():
         assert not send.called
 
 
+def test_a_broker_failure_after_the_commit_is_logged_not_raised(caplog):
+    down = ConnectionError("down")
+    broker_down = mock.patch.object(record_effect, "apply_async", side_effect=down)
+    with broker_down, transaction.atomic():
+        tasks.enqueue_on_commit(CONTEXT, record_effect, "receipt")
+    assert "down" in caplog.text
+
+
 def test_enqueue_on_commit_needs_a_protected_request():
     class Unprotected:
         idempotency = None
