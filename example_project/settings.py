@@ -120,6 +120,26 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 20,
 }
 
+# Celery: receipts are sent by a task. By default it runs eagerly, in the web process right
+# after the charge commits, so the demo needs no worker; EXAMPLE_CELERY_EAGER=0 sends it to
+# the broker for `celery -A example_project worker`.
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+CELERY_TASK_ALWAYS_EAGER = os.environ.get("EXAMPLE_CELERY_EAGER", "1") == "1"
+CELERY_BEAT_SCHEDULE = {
+    "purge-expired-idempotency-records": {
+        "task": "django_idempotency.purge_expired",
+        "schedule": 60 * 60,
+    },
+    "recover-stale-idempotency-leases": {
+        "task": "django_idempotency.recover_stale_leases",
+        "schedule": 60,
+    },
+}
+
+# Receipts are printed on the server's console instead of being mailed.
+EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+DEFAULT_FROM_EMAIL = "payments@example.com"
+
 # How long the fake payment provider takes to answer, in seconds: long enough that a storm
 # of retries arrives while the first request is still in flight.
 FAKE_PROVIDER_LATENCY = float(os.environ.get("EXAMPLE_PROVIDER_LATENCY", "0.5"))

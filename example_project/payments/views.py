@@ -12,9 +12,11 @@ from rest_framework.response import Response
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.tasks import enqueue_on_commit
 from example_project.payments import provider
 from example_project.payments.models import Charge
 from example_project.payments.serializers import ChargeSerializer, RefundSerializer
+from example_project.payments.tasks import send_receipt
 
 
 class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
@@ -44,7 +46,12 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
             currency=data["currency"],
             description=data.get("description", ""),
         )
-        serializer.save(user=self.request.user, provider_charge_id=provider_charge.reference)
+        charge = serializer.save(
+            user=self.request.user, provider_charge_id=provider_charge.reference
+        )
+        # Sent only if this request's transaction commits, with a task id derived from the
+        # key: a second run of this operation (after a crash) cannot send a second receipt.
+        enqueue_on_commit(self.request, send_receipt, charge.pk)
 
 
 @api_view(["POST"])
