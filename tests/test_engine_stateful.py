@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -116,8 +117,7 @@ class EngineMachine(RuleBasedStateMachine):
             self._fresh_generation(slot)
         slot.status, slot.owner, slot.payload = "in_progress", owner, payload
         slot.lease_expires = self.now() + LEASE
-        if outcome == "new":
-            slot.expires = self.now() + TTL
+        slot.expires = self.now() + TTL  # a takeover is a new claim: the TTL starts again
 
     @rule(account=st.sampled_from(ACCOUNTS), key=st.sampled_from(KEYS), payload=st.integers(0, 1))
     def full_request(self, account, key, payload):
@@ -253,7 +253,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=40,
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", "40")),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
