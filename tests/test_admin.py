@@ -123,6 +123,18 @@ def test_changelist_lists_records_with_their_columns(admin_client):
     assert "total)" not in html
 
 
+def test_only_indexed_columns_are_sortable(admin_client):
+    make()
+    html = admin_client.get(URL).content.decode()
+    sortable = set(re.findall(r'class="sortable column-(\w+)', html))
+    assert sortable == {"account", "age", "expiry"}
+    older = make(created_at=timezone.now() - timedelta(hours=1))
+    newest_first = admin_client.get(URL).content.decode()
+    age_column = list(records_admin.IdempotencyRecordAdmin.list_display).index("age") + 1
+    oldest_first = admin_client.get(URL, {"o": f"-{age_column}"}).content.decode()
+    assert newest_first.index(older.key) > oldest_first.index(older.key)
+
+
 def test_changelist_never_loads_stored_bodies(admin_client):
     [make() for _ in range(3)]
     with CaptureQueriesContext(connection) as queries:
