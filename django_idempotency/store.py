@@ -8,12 +8,14 @@ lease token. Nothing here relies on process memory or a local lock.
 from __future__ import annotations
 
 import json
+import random
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, OperationalError, connections, transaction
 from django.db.models import F, Q
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -204,8 +206,36 @@ def _plus_one() -> Any:
     return F("recovery_attempts") + 1
 
 
+# Deadlock and serialization failures: the database rolled the statement back and asks for a
+# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
+_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
+_CLAIM_ATTEMPTS = 5
+
+
+def _retryable(exc: OperationalError) -> bool:
+    cause = exc.__cause__
+    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+        return True
+    args = getattr(cause, "args", ())
+    return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
+
+
 def claim(alias: str, request: ClaimRequest) -> ClaimResult:
     """Claim ``(account, operation, key)`` in one short transaction of its own."""
+    for attempt in range(_CLAIM_ATTEMPTS):
+        try:
+            return _claim_once(alias, request)
+        except OperationalError as exc:
+            # InnoDB can pick a concurrent duplicate insert as a deadlock victim; the claim
+            # is one short transaction, so running it again is safe.
+            if not _retryable(exc) or attempt == _CLAIM_ATTEMPTS - 1:
+                raise
+            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _claim_once(alias: str, request: ClaimRequest) -> ClaimResult:
     token = uuid.uuid4()
     connection = connections[alias]
     attempt = _postgres_claim if connection.vendor == "postgresql" else _portable_claim

@@ -84,8 +84,8 @@ def _server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "TEST_DB": "postgres",
-        "PGDATABASE": settings["NAME"],
+        "TEST_DB": {"postgresql": "postgres", "mysql": "mysql"}[connection.vendor],
+        "DB_NAME": settings["NAME"],
         "PGHOST": settings["HOST"] or "127.0.0.1",
         "PGPORT": str(settings["PORT"] or 5432),
         "PGUSER": settings["USER"],

@@ -24,7 +24,7 @@ if TEST_DB == "postgres":
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.postgresql",
-            "NAME": os.environ.get("PGDATABASE", "django_idempotency"),
+            "NAME": os.environ.get("DB_NAME", "django_idempotency"),
             "USER": os.environ.get("PGUSER", "postgres"),
             "HOST": os.environ.get("PGHOST", "127.0.0.1"),
             "PORT": os.environ.get("PGPORT", "5432"),
@@ -35,7 +35,7 @@ elif TEST_DB == "mysql":
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.mysql",
-            "NAME": "django_idempotency",
+            "NAME": os.environ.get("DB_NAME", "django_idempotency"),
             "USER": os.environ.get("MYSQL_USER", "root"),
             "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
             "PORT": os.environ.get("MYSQL_PORT", "3306"),
