@@ -217,7 +217,7 @@ def _retryable(exc: OperationalError) -> bool:
     cause = exc.__cause__
     if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
         return True
-    args = getattr(cause, "args", ())
+    args: tuple[Any, ...] = getattr(cause, "args", ())
     return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
 
 
