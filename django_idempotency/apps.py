@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib.util
+
 from django.apps import AppConfig
 
 
@@ -13,3 +15,6 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import checks  # noqa: F401  (registers the checks)
+
+        if importlib.util.find_spec("prometheus_client") is not None:
+            from django_idempotency import metrics  # noqa: F401  (connects the receivers)

@@ -233,6 +233,7 @@ class _Attempt:
         allow_wait: bool,
     ) -> HttpResponseBase:
         if state.fingerprint_version == self.version and state.request_hash != self.request_hash:
+            logger.debug("payload mismatch on record %s (%s)", state.id, self.context.operation)
             self._send(signals.payload_mismatched)
             return _problem(
                 problems.KEY_REUSED,
@@ -300,7 +301,14 @@ class _Attempt:
         self.context.record_id = state.id
         takeover = result.took_over_stale_lease
         self._send(signals.record_claimed, takeover=takeover)
+        logger.debug("claimed record %s (%s)", state.id, self.context.operation)
         if takeover:
+            logger.info(
+                "took over the stale lease of record %s (%s, attempt %d)",
+                state.id,
+                self.context.operation,
+                state.recovery_attempts,
+            )
             recovered = self._recover(state)
             if recovered is not None:
                 return recovered
@@ -332,6 +340,13 @@ class _Attempt:
         return answer
 
     def _recovered(self, policy: str, outcome: str) -> None:
+        logger.info(
+            "recovery policy %s on record %s (%s): %s",
+            policy,
+            self.context.record_id,
+            self.context.operation,
+            outcome,
+        )
         signals.lease_recovered.send(
             sender=IdempotencyRecord,
             account=self.context.account,
@@ -403,7 +418,8 @@ class _Attempt:
     def _lease_lost(self) -> HttpResponse:
         self._send(signals.lease_lost)
         logger.warning(
-            "idempotency lease lost for operation %s; the attempt was rolled back",
+            "lease lost on record %s (%s); the attempt was rolled back",
+            self.context.record_id,
             self.context.operation,
         )
         return _problem(
@@ -416,6 +432,7 @@ class _Attempt:
     # -- replay ------------------------------------------------------------------------
 
     def _replay(self, state: store.RecordState) -> HttpResponse:
+        logger.debug("replaying record %s (%s)", state.id, self.context.operation)
         self.context.replayed = True
         self.context.record_id = state.id
         self._send(signals.response_replayed, status=state.response_status)

@@ -26,7 +26,8 @@ payload_mismatched = Signal()
 # work was rolled back. Arguments: request, account, operation, key.
 lease_lost = Signal()
 
-# A stale lease was handled by a recovery policy, on a retry or by the recovery job.
+# A stale lease was handled by a recovery policy, on a retry, by the recovery job or by an
+# admin action.
 # Arguments: account, operation, key, policy ("retry", "fail" or the callable's path),
 # outcome ("retried", "released", "failed" or "completed").
 lease_recovered = Signal()
