@@ -267,8 +267,9 @@ def recover_stale_leases(
         try:
             outcome = _apply(alias, row, engine.resolve_recovery(row.policy), now)
         except Exception:
+            # The record is named by its id: the client's key does not belong in logs.
             logger.exception(
-                "recovery policy %s failed for %s %s", row.policy, row.operation, row.key
+                "recovery policy %s failed for record %s (%s)", row.policy, row.id, row.operation
             )
             _count_attempt(alias, row)
             result.errors += 1

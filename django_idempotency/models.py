@@ -86,28 +86,6 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
             cursor.execute(f"{IdempotencyAuditRecord.insert_sql(connection)} {select_sql}", params)
             return max(int(cursor.rowcount), 0)
 
-
-class IdempotencyRecordManager(models.Manager["IdempotencyRecord"]):
-    """The default manager: the shared selections, the purge and the audit copy."""
-
-    def get_queryset(self) -> IdempotencyRecordQuerySet:
-        return IdempotencyRecordQuerySet(self.model, using=self._db)
-
-    def expired(self, now: datetime) -> IdempotencyRecordQuerySet:
-        """See :meth:`IdempotencyRecordQuerySet.expired`."""
-        return self.get_queryset().expired(now)
-
-    def stale(self, now: datetime) -> IdempotencyRecordQuerySet:
-        """See :meth:`IdempotencyRecordQuerySet.stale`."""
-        return self.get_queryset().stale(now)
-
-    def delete_expired(self, **options: Any) -> PurgeResult:
-        """The batched purge on this manager's database; see ``maintenance.purge_expired``."""
-        from django_idempotency import maintenance
-
-        options.setdefault("using", self.db)
-        return maintenance.purge_expired(**options)
-
     def archive_expired(self, account: str, operation: str, key: str, *, now: datetime) -> int:
         """Before a claim replaces an expired record: copy it to the audit trail.
 
@@ -118,9 +96,17 @@ class IdempotencyRecordManager(models.Manager["IdempotencyRecord"]):
         """
         if not conf.audit():
             return 0
-        identity = self.get_queryset().filter(account=account, operation=operation, key=key)
-        assert isinstance(identity, IdempotencyRecordQuerySet)
+        identity: IdempotencyRecordQuerySet = self.filter(
+            account=account, operation=operation, key=key
+        )
         return identity.expired(now).archive(REPLACED, now=now, lock=True)
+
+    def delete_expired(self, **options: Any) -> PurgeResult:
+        """The batched purge on this queryset's database; see ``maintenance.purge_expired``."""
+        from django_idempotency import maintenance
+
+        options.setdefault("using", self.db)
+        return maintenance.purge_expired(**options)
 
 
 class IdempotencyRecord(models.Model):
@@ -150,7 +136,9 @@ class IdempotencyRecord(models.Model):
     completed_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField()
 
-    objects = IdempotencyRecordManager()
+    # The shared selections, the purge and the audit copy, on the manager and on querysets
+    # alike: ``IdempotencyRecord.objects.using(alias).archive_expired(...)``.
+    objects = IdempotencyRecordQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("idempotency record")

@@ -5,10 +5,13 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from django.urls import get_resolver
+from django.utils import timezone as django_tz
 from freezegun import freeze_time
 
 from django_idempotency import maintenance
-from django_idempotency.models import IdempotencyRecord, RecordStatus
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
+from tests.conftest import new_key
 from tests.test_maintenance import completed, in_progress
 
 pytestmark = pytest.mark.django_db
@@ -67,3 +70,33 @@ def test_audit_retention_boundary(moment, purged, settings):
     with freeze_time(moment):
         result = maintenance.purge_expired()
     assert result.audit_deleted == purged
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.xfail(
+    strict=True,
+    reason="store.claim must call IdempotencyRecord.objects.archive_expired (see the README)",
+)
+def test_a_request_reusing_a_key_after_the_ttl_archives_the_record_it_replaces(api, settings):
+    settings.IDEMPOTENCY = {"AUDIT": True, "TTL": timedelta(hours=1)}
+    # The URLconf (and what it imports) is loaded before the clock is frozen: some C
+    # extensions refuse freezegun's datetime classes at import.
+    get_resolver().url_patterns  # noqa: B018
+    key = new_key()
+    start = django_tz.now()  # near the login: a session frozen years ahead has expired
+    with freeze_time(start):
+        first = api.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key)
+    with freeze_time(start + timedelta(hours=1) - TICK):
+        assert api.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key).status_code == 201
+    assert IdempotencyAuditRecord.objects.count() == 0
+    with freeze_time(start + timedelta(hours=1)):
+        again = api.post("/charges/", {"amount": 100, "currency": "EUR"}, key=key)
+    assert "Idempotent-Replayed" not in again
+    audit = IdempotencyAuditRecord.objects.get()
+    assert (audit.key, audit.reason, audit.archived_at) == (
+        key,
+        "replaced",
+        start + timedelta(hours=1),
+    )
+    assert bytes(audit.response_body) == first.content
+    assert IdempotencyRecord.objects.get().created_at == start + timedelta(hours=1)
