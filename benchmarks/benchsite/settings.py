@@ -1,0 +1,99 @@
+"""Settings of the benchmark site. ``BENCH_VARIANT`` and ``BENCH_DB`` choose what runs where.
+
+Each variant has its own PostgreSQL database (``django_idempotency_bench_<variant>``), so the
+side effects of one never mix with another's and the test databases are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+VARIANT = os.environ.get("BENCH_VARIANT", "plain")
+if VARIANT not in ("plain", "ours", "dik", "dfi"):
+    raise RuntimeError(f"BENCH_VARIANT must be plain, ours, dik or dfi, not {VARIANT!r}")
+
+SECRET_KEY = "django-idempotency-benchmarks"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "benchmarks.benchsite.urls"
+WSGI_APPLICATION = "benchmarks.benchsite.wsgi.application"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "benchmarks.benchsite",
+]
+# A typical token-authenticated JSON API: no sessions, no CSRF, no templates.
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.middleware.common.CommonMiddleware",
+]
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": os.environ.get("BENCH_DB", f"django_idempotency_bench_{VARIANT}"),
+        "USER": os.environ.get("PGUSER", "postgres"),
+        "PASSWORD": os.environ.get("PGPASSWORD", ""),
+        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+        "PORT": os.environ.get("PGPORT", "5432"),
+        # Persistent connections, as a production deployment would have them.
+        "CONN_MAX_AGE": 600,
+    }
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.TokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+
+LOGGING: dict[str, Any] = {"version": 1, "disable_existing_loggers": False}
+
+if VARIANT == "ours":
+    INSTALLED_APPS.append("django_idempotency")
+    # Every key at its default: 24 h TTL, 60 s lease, key required on POST and PATCH.
+    IDEMPOTENCY: dict[str, Any] = {}
+elif VARIANT == "dik":
+    # django-idempotency-key: its multi-process configuration from its README. Responses in
+    # a Redis cache (django-redis, its own dependency) rather than the per-process memory
+    # default, the cross-process Redis lock rather than the per-process thread lock, and
+    # replays with the original status instead of 409. Opt-in per view
+    # (ExemptIdempotencyKeyMiddleware + @idempotency_key), like our mixin.
+    REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    MIDDLEWARE.append("idempotency_key.middleware.ExemptIdempotencyKeyMiddleware")
+    CACHES = {
+        "default": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+        }
+    }
+    IDEMPOTENCY_KEY = {
+        "CONFLICT_STATUS_CODE": None,
+        "STORAGE": {"CLASS": "idempotency_key.storage.CacheKeyStorage", "CACHE_NAME": "default"},
+        "LOCK": {
+            "CLASS": "idempotency_key.locks.redis.MultiProcessRedisLock",
+            "LOCATION": REDIS_URL,
+            "NAME": "django-idempotency-bench-lock",
+            "TTL": 60,
+            "ENABLE": True,
+            "TIMEOUT": 0.1,
+        },
+    }
+elif VARIANT == "dfi":
+    # drf-idempotency: its default and Quick Start backend, the database (a unique key plus
+    # get_or_create), on the same PostgreSQL; per-view opt-in with its @idempotent decorator.
+    INSTALLED_APPS.append("drf_idempotency")
+    IDEMPOTENCY = {
+        "BACKEND": "drf_idempotency.backends.database.DatabaseBackend",
+        "REQUIRE_KEY": True,
+        "METHODS": ["POST", "PATCH"],
+    }

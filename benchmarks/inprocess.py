@@ -1,0 +1,176 @@
+"""In-process worker: one variant, Django's test client, driven by ``run.py`` over stdin/stdout.
+
+Runs in the variant's venv: ``python -m benchmarks.inprocess <variant>``. Each line on stdin
+is a JSON command; each answer is one JSON line on stdout. The coordinator sends the same
+batches to every variant in turn (A/B/A/B), so slow phases of the machine hit all of them.
+
+Commands: ``{"cmd": "create", "n": N}`` times N first requests (new keys);
+``{"cmd": "replay", "n": N}`` times N retries of keys created beforehand;
+``{"cmd": "noop", "n": N}`` times N calls of the authenticated no-op endpoint;
+``{"cmd": "sql"}`` records the statements of one first request and one replay;
+``{"cmd": "profile", "kind": "create"|"replay", "n": N, "out": PATH}`` runs cProfile;
+``{"cmd": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+from benchmarks import site_setup
+
+BODY = {"amount": 1000, "currency": "EUR", "description": "bench"}
+REPLAY_POOL = 200
+
+
+class Worker:
+    def __init__(self, variant: str) -> None:
+        self.variant = variant
+        token = site_setup.prepare(variant)
+        from django.test import Client
+
+        self.client = Client(HTTP_AUTHORIZATION=f"Token {token}")
+        self.body = json.dumps(BODY)
+        self.replay_keys: list[str] = []
+        self.next_replay = 0
+        # Warm up: imports, URL resolver, first connection, prepared caches.
+        for _ in range(20):
+            self._post(self._new_key())
+
+    @staticmethod
+    def _new_key() -> str:
+        return str(uuid.uuid4())
+
+    def _post(self, key: str, path: str = "/charges/") -> int:
+        response = self.client.post(
+            path, self.body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=key
+        )
+        return int(response.status_code)
+
+    def _timed(self, keys: list[str], path: str = "/charges/") -> dict[str, Any]:
+        latencies = []
+        statuses: Counter[int] = Counter()
+        clock = time.perf_counter
+        for key in keys:
+            started = clock()
+            status = self._post(key, path)
+            latencies.append((clock() - started) * 1000)
+            statuses[status] += 1
+        return {"latencies_ms": latencies, "statuses": dict(statuses)}
+
+    def _replay_keys(self, n: int) -> list[str]:
+        if not self.replay_keys:
+            self.replay_keys = [self._new_key() for _ in range(REPLAY_POOL)]
+            for key in self.replay_keys:
+                self._post(key)
+        keys = []
+        for _ in range(n):
+            keys.append(self.replay_keys[self.next_replay % len(self.replay_keys)])
+            self.next_replay += 1
+        return keys
+
+    def create(self, n: int) -> dict[str, Any]:
+        return self._timed([self._new_key() for _ in range(n)])
+
+    def replay(self, n: int) -> dict[str, Any]:
+        return self._timed(self._replay_keys(n))
+
+    def noop(self, n: int) -> dict[str, Any]:
+        return self._timed([self._new_key() for _ in range(n)], "/noop/")
+
+    def sql(self) -> dict[str, Any]:
+        first_key = self._new_key()
+        self._replay_keys(1)
+        return {
+            "create": _statements(lambda: self._post(first_key)),
+            "replay": _statements(lambda: self._post(first_key)),
+        }
+
+    def profile(self, kind: str, n: int, out: str) -> dict[str, Any]:
+        keys = self._replay_keys(n) if kind == "replay" else [self._new_key() for _ in range(n)]
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        for key in keys:
+            self._post(key)
+        profiler.disable()
+        elapsed = time.perf_counter() - started
+        profiler.dump_stats(out)
+        return {"seconds": elapsed, "n": n}
+
+
+def _statements(call: Any) -> dict[str, Any]:
+    """What one request sends to PostgreSQL, seen by Django and on the wire.
+
+    Django's ``execute_wrapper`` sees the statements Django executes (SAVEPOINTs included);
+    psycopg sends ``BEGIN`` and ``COMMIT`` itself, so the libpq protocol trace is read too:
+    every ``ReadyForQuery`` the server sends ends one round trip.
+    """
+    from django.db import connection
+
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(" ".join(sql.split()))
+        return execute(sql, params, many, context)
+
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        try:
+            with connection.execute_wrapper(wrapper):
+                status = call()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        wire = _wire(trace.read())
+    return {"status": status, "django": seen, "wire": wire}
+
+
+def _wire(text: str) -> list[str]:
+    # One entry per statement the client sent: a simple Query's text or an extended-protocol
+    # Parse's text (psycopg's client-side binding sends Query; server-side sends Parse).
+    sent = []
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) < 5 or parts[1] != "F":
+            continue
+        message = parts[3]
+        if message in ("Query", "Parse"):
+            rest = parts[4].strip()
+            if message == "Parse":
+                rest = rest.split('"', 2)[-1]
+            sent.append(" ".join(rest.strip().strip('"').split())[:4000])
+    return sent
+
+
+def main() -> None:
+    variant = sys.argv[1]
+    # Answers go to the real stdout; anything Django prints goes to stderr.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    worker = Worker(variant)
+    out.write(json.dumps({"ready": variant}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        name = command.pop("cmd")
+        if name == "quit":
+            break
+        answer = getattr(worker, name)(**command)
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

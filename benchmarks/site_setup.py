@@ -1,0 +1,73 @@
+"""Create, migrate and reset a variant's benchmark database; runs in either venv.
+
+Usage: ``python -m benchmarks.site_setup <variant>`` prints the API token of the bench user.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TOKEN = "b3nchb3nchb3nchb3nchb3nchb3nchb3nchb3nc"  # 40 characters, like DRF's tokens
+USERNAME = "bench"
+
+
+def database_name(variant: str) -> str:
+    return f"django_idempotency_bench_{variant}"
+
+
+def ensure_database(name: str) -> None:
+    """Create the database ``name`` when missing (never a test database)."""
+    assert name.startswith("django_idempotency_bench_"), name
+    import psycopg
+
+    params = {
+        "host": os.environ.get("PGHOST", "127.0.0.1"),
+        "port": os.environ.get("PGPORT", "5432"),
+        "user": os.environ.get("PGUSER", "postgres"),
+    }
+    with psycopg.connect(dbname="postgres", autocommit=True, **params) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def configure(variant: str) -> None:
+    """Point Django at the variant's settings and database; call before ``django.setup()``."""
+    os.environ["BENCH_VARIANT"] = variant
+    os.environ.setdefault("BENCH_DB", database_name(variant))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "benchmarks.benchsite.settings")
+
+
+def prepare(variant: str, reset: bool = True) -> str:
+    """Migrate, empty the tables the benchmarks fill, and make the bench user; its token."""
+    configure(variant)
+    ensure_database(os.environ["BENCH_DB"])
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connection
+
+    call_command("migrate", verbosity=0)
+    if reset:
+        tables = ["benchsite_charge"]
+        if variant == "ours":
+            tables.append("django_idempotency_record")
+        if variant == "dfi":
+            tables.append("drf_idempotency_idempotencyrecord")
+        with connection.cursor() as cursor:
+            cursor.execute(f"TRUNCATE {', '.join(tables)}")
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM ANALYZE {', '.join(tables)}")
+    from django.contrib.auth.models import User
+    from rest_framework.authtoken.models import Token
+
+    user, _ = User.objects.get_or_create(username=USERNAME)
+    Token.objects.filter(user=user).exclude(key=TOKEN).delete()
+    Token.objects.get_or_create(user=user, defaults={"key": TOKEN})
+    return TOKEN
+
+
+if __name__ == "__main__":
+    print(prepare(sys.argv[1], reset="--keep" not in sys.argv))
