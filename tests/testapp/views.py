@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
-from django.db import transaction
+from django.core.signals import request_finished
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.utils.decorators import method_decorator
 from django.views import View
@@ -34,6 +36,23 @@ def steer(request: HttpRequest, stage: str) -> None:
             deadline = time.monotonic() + 30
             while not Path(arg).exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
+        elif name == f"pid-{stage}":
+            # The database backend serving this request, for pg_terminate_backend.
+            _write_backend_pid(arg)
+        elif name == f"statement-timeout-{stage}":
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET LOCAL statement_timeout = {int(arg)}")
+        elif name == f"pg-sleep-{stage}":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_sleep(%s)", [float(arg)])
+
+
+def _write_backend_pid(path: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    Path(path + ".tmp").write_text(str(pid))
+    Path(path + ".tmp").rename(path)  # the test never reads a half-written file
 
 
 def make_charge(request: HttpRequest) -> HttpResponse:
@@ -192,3 +211,108 @@ async def async_charges(request: HttpRequest) -> HttpResponse:
 @idempotent(operation="async.charges-short-lease", lease=1, ttl=60)
 async def async_charges_short_lease(request: HttpRequest) -> HttpResponse:
     return await make_async_charge(request)
+
+
+# -- fault injection and hostile input (tests/test_faults_*.py, test_hostile_input.py, ...) --
+#
+# The tenant comes from ``X-Tenant`` so that tests against a private database server need
+# no users or sessions there. ``X-Test`` directives for the completion (the engine completes
+# the record after the view returned, in the view's transaction):
+#
+# - ``kill-before-commit``: SIGKILL right after the fenced completion UPDATE ran, before the
+#   COMMIT; ``kill-after-commit``: SIGKILL right after the COMMIT, before the answer is sent;
+# - ``pid-completion:<path>`` then ``wait-completion:<path>``: after the completion UPDATE,
+#   write this request's backend pid and wait (bounded) for a file, so that a test can
+#   terminate the backend or hold a lock between the UPDATE and the COMMIT.
+
+
+def tenant_account(request: HttpRequest) -> str | None:
+    return request.headers.get("X-Tenant")
+
+
+def _is_completion(sql: str) -> bool:
+    # Only store.finish writes completed_at on the record table.
+    return sql.startswith('UPDATE "django_idempotency_record"') and '"completed_at"' in sql
+
+
+def arm_completion(request: HttpRequest) -> None:
+    """Installs the completion directives of ``X-Test`` on this thread's connection."""
+    directives = dict(
+        d.strip().partition(":")[::2] for d in request.headers.get("X-Test", "").split(",")
+    )
+    wanted = {"kill-before-commit", "kill-after-commit", "pid-completion"} & set(directives)
+    if not wanted:
+        return
+    owner = threading.get_ident()
+    db = connections[DEFAULT_DB_ALIAS]  # this thread's connection, not the proxy
+
+    def after_update() -> None:
+        if "pid-completion" in directives:
+            _write_backend_pid(directives["pid-completion"])
+        if "wait-completion" in directives:
+            deadline = time.monotonic() + 30
+            while not Path(directives["wait-completion"]).exists():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        if "kill-before-commit" in directives:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "kill-after-commit" in directives:
+            commit = db.commit
+
+            def commit_then_die() -> None:
+                commit()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            db.commit = commit_then_die  # type: ignore[method-assign]
+
+    def wrapper(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        result = execute(sql, params, many, context)
+        if _is_completion(sql):
+            disarm()
+            after_update()
+        return result
+
+    def disarm(**kwargs: object) -> None:
+        if threading.get_ident() != owner:
+            return
+        if wrapper in db.execute_wrappers:
+            db.execute_wrappers.remove(wrapper)
+        db.__dict__.pop("commit", None)
+        request_finished.disconnect(disarm)
+
+    db.execute_wrappers.append(wrapper)
+    # A request that never completes (a 5xx, an exception) must not leave the hook behind.
+    request_finished.connect(disarm, weak=False)
+
+
+@idempotent(operation="faults.charge", account=tenant_account, lease=2, ttl=3600)
+def fault_charges(request: HttpRequest) -> HttpResponse:
+    arm_completion(request)
+    return make_charge(request)
+
+
+@idempotent(
+    operation="faults.charge-fail", account=tenant_account, lease=2, ttl=3600, recovery="fail"
+)
+def fault_charges_fail_policy(request: HttpRequest) -> HttpResponse:
+    arm_completion(request)
+    return make_charge(request)
+
+
+@idempotent(operation="faults.charge-short-ttl", account=tenant_account, lease=1, ttl=3)
+def fault_charges_short_ttl(request: HttpRequest) -> HttpResponse:
+    return make_charge(request)
+
+
+@idempotent(operation="uploads")
+def uploads(request: HttpRequest) -> HttpResponse:
+    """A multipart view: answers the SHA-256 of every uploaded file, as the view read it."""
+    import hashlib
+
+    Charge.objects.create(account="uploads", amount=1, currency="EUR")
+    files = {
+        name: [hashlib.sha256(upload.read()).hexdigest() for upload in request.FILES.getlist(name)]
+        for name in request.FILES
+    }
+    return JsonResponse({"form": sorted(request.POST.items()), "files": files}, status=201)
