@@ -1,0 +1,317 @@
+"""drf-spectacular support: protected operations document the ``Idempotency-Key`` header.
+
+Loaded by the app's ``ready()`` only when drf-spectacular is installed; this is the only module
+that imports it. Nothing needs configuring:
+
+- DRF views with :class:`~django_idempotency.drf.IdempotencyMixin` are found by
+  :class:`IdempotencyViewExtension`, which hands the schema generator a stand-in of the view
+  whose schema is an :class:`IdempotencyAutoSchema`;
+- ``@api_view`` functions under ``@idempotent`` carry an :class:`IdempotentViewSchema`, which
+  DRF's ``@api_view`` copies onto the view class it makes.
+
+A protected operation (``POST`` and ``PATCH`` by default, else the view's methods) gets the key
+header parameter (required as the view or the ``REQUIRED`` setting says), the ``400``, ``409``,
+``422`` and ``503`` ``application/problem+json`` answers of this package, and the
+``Idempotent-Replayed`` header on every response that can be replayed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, cast
+
+from drf_spectacular.extensions import OpenApiViewExtension
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.plumbing import ComponentRegistry, ResolvedComponent, get_class, get_doc
+from drf_spectacular.settings import spectacular_settings
+from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
+from rest_framework.settings import api_settings
+from rest_framework.views import APIView
+
+from django_idempotency import conf, engine, problems
+from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.keys import MAX_KEY_LENGTH
+
+#: The names of the shared problem schema and of its ``code`` enum under ``components/schemas``
+#: (the enum is a component of its own, so drf-spectacular's enum hoisting leaves it alone
+#: instead of naming it after the property, ``CodeEnum``).
+PROBLEM_COMPONENT = "IdempotencyProblem"
+CODE_COMPONENT = "IdempotencyProblemCode"
+
+#: The statuses documented on every protected operation (``403`` and the ``500`` codes are in
+#: the ``code`` enum, but an identified client that follows the protocol never meets them).
+DOCUMENTED_STATUSES = (400, 409, 422, 503)
+
+# Answers that tell the client when to come back.
+_RETRY_AFTER_STATUSES = frozenset({409, 503})
+
+_KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+
+def code_schema() -> dict[str, Any]:
+    """The ``code`` member of this package's problems: every code it can answer with."""
+    return {
+        "type": "string",
+        "enum": [p.code for p in problems.ALL_PROBLEMS],
+        "description": "The stable, machine-readable reason of a django-idempotency problem.",
+    }
+
+
+def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
+    """The RFC 9457 problem object this package answers with; ``code_ref`` points at its code."""
+    return {
+        "type": "object",
+        "description": (
+            "An RFC 9457 problem from django-idempotency. `code` is stable and tells this "
+            "package's answers apart from the view's own errors with the same status."
+        ),
+        "properties": {
+            "type": {
+                "type": "string",
+                "description": "`urn:django-idempotency:<code>`.",
+                "example": problems.KEY_IN_USE.type,
+            },
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            "code": code_ref,
+        },
+        "required": ["type", "title", "status", "detail", "code"],
+    }
+
+
+def key_parameter(required: bool) -> dict[str, Any]:
+    """The ``Idempotency-Key`` header parameter (its name from the ``HEADER`` setting)."""
+    return {
+        "in": "header",
+        "name": conf.header(),
+        "required": required,
+        "description": (
+            "One key per logical operation: make it when the user acts (a UUID is fine) and "
+            "send the same key with every retry of that operation. A retry gets the original "
+            f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
+            "printable ASCII characters, sent bare or as a structured-field string."
+        ),
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_KEY_LENGTH,
+            "pattern": "^[!-~]+$",
+        },
+        "example": _KEY_EXAMPLE,
+    }
+
+
+def replayed_header() -> dict[str, Any]:
+    """The ``Idempotent-Replayed`` response header."""
+    return {
+        "description": (
+            "`true` when this is the stored response of an earlier request with the same "
+            "key, sent again; absent on the original response."
+        ),
+        "schema": {"type": "string", "enum": ["true"]},
+    }
+
+
+def retry_after_header() -> dict[str, Any]:
+    """The ``Retry-After`` header of the ``409`` and ``503`` answers."""
+    return {
+        "description": "Seconds to wait before retrying with the same key.",
+        "schema": {"type": "integer", "minimum": 0},
+    }
+
+
+def _problem_description(status: int, required: bool) -> str:
+    found = [
+        f"`{p.code}`: {p.title}."
+        for p in problems.ALL_PROBLEMS
+        if p.status == status and (required or p is not problems.KEY_MISSING)
+    ]
+    return " ".join(found)
+
+
+def _is_replayable(code: str) -> bool:
+    # Stored and replayed: the view's statuses below 500 but the transient ones (409, 429).
+    return code.isdigit() and int(code) < 500 and int(code) not in conf.transient_statuses()
+
+
+def document_operation(
+    operation: dict[str, Any], options: engine.Options, registry: ComponentRegistry
+) -> None:
+    """Add the key header, the problem answers and the replay header to ``operation``."""
+    required = conf.required() if options.required is None else options.required
+    header = conf.header()
+    parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
+    if not any(
+        p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()
+        for p in parameters
+    ):
+        parameters.append(key_parameter(required))
+
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+    # The view's own answers below 500 are stored and replayed with the marker header.
+    for code, response in responses.items():
+        if _is_replayable(code) and "$ref" not in response:
+            response.setdefault("headers", {})[engine.REPLAYED_HEADER] = replayed_header()
+
+    code_ref = _schema_component(registry, CODE_COMPONENT, code_schema())
+    problem_ref = _schema_component(registry, PROBLEM_COMPONENT, problem_schema(code_ref))
+    for status in DOCUMENTED_STATUSES:
+        description = _problem_description(status, required)
+        if not description:
+            continue
+        response = responses.setdefault(str(status), {"description": ""})
+        if "$ref" in response:  # a response component of the view's: leave it alone
+            continue
+        response["description"] = " ".join(filter(None, [response.get("description"), description]))
+        response.setdefault("content", {})[problems.PROBLEM_CONTENT_TYPE] = {"schema": problem_ref}
+        if status in _RETRY_AFTER_STATUSES:
+            response.setdefault("headers", {})["Retry-After"] = retry_after_header()
+
+
+def _schema_component(
+    registry: ComponentRegistry, name: str, schema: dict[str, Any]
+) -> dict[str, str]:
+    # Registered once per schema generation; the reference to it.
+    component = ResolvedComponent(  # type: ignore[no-untyped-call]
+        name=name, type=ResolvedComponent.SCHEMA, schema=schema, object=name
+    )
+    registry.register_on_missing(component)
+    ref: dict[str, str] = component.ref
+    return ref
+
+
+def view_options(view: Any) -> engine.Options | None:
+    """The idempotency options of a view instance, ``None`` if it is not protected at all."""
+    if isinstance(view, IdempotencyMixin):
+        return view._idempotency_options()
+    slot = inspect.getattr_static(type(view), "schema", None)
+    if isinstance(slot, IdempotentViewSchema):
+        return slot.options
+    return None
+
+
+class IdempotencyAutoSchema(AutoSchema):
+    """drf-spectacular's ``AutoSchema``, plus the idempotency parts of protected operations.
+
+    It can serve as ``DEFAULT_SCHEMA_CLASS`` itself, but need not: the extension and
+    ``@idempotent`` put it in front of whatever schema class a view already has.
+    """
+
+    def get_operation(
+        self,
+        path: str,
+        path_regex: str,
+        path_prefix: str,
+        method: str,
+        registry: ComponentRegistry,
+    ) -> dict[str, Any] | None:
+        """The operation as drf-spectacular builds it, documented when the method is protected."""
+        operation = super().get_operation(path, path_regex, path_prefix, method, registry)
+        options = view_options(self.view)
+        if operation is not None and options is not None and options.protects(method):
+            document_operation(operation, options, registry)
+        return operation
+
+    # drf-spectacular's AutoSchema overrides DRF's get_description(path, method) the same way.
+    def get_description(self) -> str:  # type: ignore[override]
+        """The view's description, never the docstring of :class:`IdempotencyMixin`.
+
+        drf-spectacular falls back on the first docstring in the view's bases, and the mixin
+        comes first in them: an undocumented view would be described by the mixin.
+        """
+        description = super().get_description()
+        if isinstance(self.view, IdempotencyMixin) and description == get_doc(IdempotencyMixin):
+            return _doc_without_mixin(type(self.view))
+        return description
+
+    def __set__(self, instance: Any, other: ViewInspector | None) -> None:
+        # For an action with its own @extend_schema, drf-spectacular sets that action's schema
+        # on the view instance, built on the view's original schema class, not on ours: put
+        # ours in front of it, keeping the object (it arrives as a weakref proxy).
+        _keep_documented(other)
+        super().__set__(instance, other)
+
+
+def _doc_without_mixin(view_class: type) -> str:
+    # drf-spectacular's get_doc(), skipping the mixin: the first docstring among the view's
+    # classes up to the first library class (DRF's views and viewsets).
+    mro = view_class.__mro__
+    barrier = min(
+        (mro.index(c) for c in spectacular_settings.GET_LIB_DOC_EXCLUDES() if c in mro),
+        default=len(mro),
+    )
+    for cls in mro[:barrier]:
+        if cls is not IdempotencyMixin and cls.__doc__:
+            return get_doc(cls)
+    return ""
+
+
+def idempotency_schema_class(base: type[AutoSchema]) -> type[IdempotencyAutoSchema]:
+    """``base`` with :class:`IdempotencyAutoSchema` in front of it."""
+    if issubclass(base, IdempotencyAutoSchema):
+        return base
+    if base is AutoSchema:
+        return IdempotencyAutoSchema
+    return type(f"Idempotency{base.__name__}", (IdempotencyAutoSchema, base), {})
+
+
+def _keep_documented(schema: ViewInspector | None) -> None:
+    if isinstance(schema, AutoSchema) and not isinstance(schema, IdempotencyAutoSchema):
+        schema.__class__ = idempotency_schema_class(schema.__class__)
+
+
+class IdempotentViewSchema(DefaultSchema):
+    """The ``schema`` that ``@idempotent`` puts on a view function.
+
+    DRF's ``@api_view`` copies it onto the view class it makes. Like DRF's own default, it
+    stands for ``DEFAULT_SCHEMA_CLASS``, read when the schema is generated; when that is a
+    drf-spectacular ``AutoSchema``, :class:`IdempotencyAutoSchema` goes in front of it, so
+    DRF's own schema generation and custom schema classes keep working.
+    """
+
+    def __init__(self, options: engine.Options) -> None:
+        super().__init__()
+        self.options = options
+
+    def __get__(self, instance: Any, owner: Any) -> ViewInspector:
+        if instance in self.instance_schemas:
+            assigned = self.instance_schemas[instance]
+            assert assigned is not None
+            return assigned
+        # The stubs type the setting as the dotted path; DRF has imported it by now.
+        inspector_class: type[ViewInspector] = cast(
+            "type[ViewInspector]", api_settings.DEFAULT_SCHEMA_CLASS
+        )
+        if issubclass(inspector_class, AutoSchema):
+            inspector_class = idempotency_schema_class(inspector_class)
+        inspector = inspector_class()
+        inspector.view = instance
+        return inspector
+
+    def __set__(self, instance: Any, other: ViewInspector | None) -> None:
+        _keep_documented(other)
+        super().__set__(instance, other)
+
+
+class IdempotencyViewExtension(OpenApiViewExtension):  # type: ignore[no-untyped-call]
+    """Documents the protected methods of every view with :class:`IdempotencyMixin`."""
+
+    target_class = "django_idempotency.drf.IdempotencyMixin"
+    match_subclasses = True
+
+    def view_replacement(self) -> type[APIView]:
+        """The view, with :class:`IdempotencyAutoSchema` in front of its schema class."""
+        view: type[APIView] = self.target
+        schema_class = get_class(view.schema)
+        if not issubclass(schema_class, AutoSchema) or issubclass(
+            schema_class, IdempotencyAutoSchema
+        ):
+            return view
+        attrs = {
+            "schema": idempotency_schema_class(schema_class)(),
+            "__module__": view.__module__,
+            "__qualname__": view.__qualname__,
+            "__doc__": view.__doc__,
+        }
+        return type(view.__name__, (view,), attrs)
