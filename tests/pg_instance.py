@@ -109,6 +109,15 @@ class PostgresInstance:
     def restart(self) -> None:
         self._pg_ctl("restart", "-m", "fast")
 
+    def running(self) -> bool:
+        status = subprocess.run(
+            ["runuser", "-u", SUPERUSER, "--", str(BIN / "pg_ctl"), "status", "-D", str(self.data)],
+            timeout=TIMEOUT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return status.returncode == 0
+
     def destroy(self) -> None:
         try:
             self._pg_ctl("stop", "-m", "immediate")
