@@ -45,6 +45,10 @@ DOCUMENTED_STATUSES = (400, 409, 422, 503)
 # Answers that tell the client when to come back.
 _RETRY_AFTER_STATUSES = frozenset({409, 503})
 
+#: The documented form of a key: printable ASCII, not starting with ``"`` (a key sent as a
+#: structured-field string, ``"abc"``, is accepted too but not described by the pattern).
+KEY_PATTERN = "^[!#-~][!-~]*$"
+
 _KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
 
 
@@ -90,13 +94,16 @@ def key_parameter(required: bool) -> dict[str, Any]:
             "One key per logical operation: make it when the user acts (a UUID is fine) and "
             "send the same key with every retry of that operation. A retry gets the original "
             f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
-            "printable ASCII characters, sent bare or as a structured-field string."
+            "printable ASCII characters without spaces; it may also be sent as a "
+            'structured-field string (`"..."`).'
         ),
         "schema": {
             "type": "string",
             "minLength": 1,
             "maxLength": MAX_KEY_LENGTH,
-            "pattern": "^[!-~]+$",
+            # Printable ASCII without space, not starting with a double quote: the bare form,
+            # every value of which the server accepts as it is.
+            "pattern": KEY_PATTERN,
         },
         "example": _KEY_EXAMPLE,
     }
