@@ -14,7 +14,7 @@ from django.http.response import HttpResponseBase
 
 from django_idempotency import engine
 
-ViewFunc = TypeVar("ViewFunc", bound=Callable[..., HttpResponseBase])
+ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
 
 def _is_drf_request(request: Any) -> bool:

@@ -85,6 +85,15 @@ class _LeaseLost(Exception):
     """The fenced completion matched no row: another attempt owns the record now."""
 
 
+def context_of(request: Any) -> IdempotencyContext | None:
+    """``request.idempotency``, typed: the context of a protected request, else ``None``.
+
+    Works with a Django ``HttpRequest`` and a DRF ``Request`` alike.
+    """
+    context = getattr(django_request(request), "idempotency", None)
+    return context if isinstance(context, IdempotencyContext) else None
+
+
 def recovery_name(recovery: Recovery) -> str:
     """How a recovery policy is stored on the record, so the recovery job can apply it."""
     if isinstance(recovery, str):
@@ -139,7 +148,7 @@ def handle(
         required = conf.required() if options.required is None else options.required
         if required:
             return _problem(
-                problems.KEY_MISSING, f"{inner.method} requests need a {header} header."
+                problems.KEY_MISSING, f"{inner.method} requests need the {header} header."
             )
         return _with_atomic_requests(alias, call_view)
     try:

@@ -330,7 +330,7 @@ def _stale_rows(stale: QuerySet[IdempotencyRecord], limit: int | None) -> Iterat
 
 
 def _owned(alias: str, row: _Stale) -> QuerySet[IdempotencyRecord]:
-    return IdempotencyRecord.objects.using(alias).filter(  # type: ignore[no-any-return]
+    return IdempotencyRecord.objects.using(alias).filter(
         pk=row.id, lease_token=row.token, status=store.IN_PROGRESS
     )
 

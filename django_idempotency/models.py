@@ -60,11 +60,11 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
 
     def expired(self, now: datetime) -> IdempotencyRecordQuerySet:
         """Records the purge may delete at ``now`` (see :func:`expired_q`)."""
-        return self.filter(expired_q(now))  # type: ignore[no-any-return]
+        return self.filter(expired_q(now))
 
     def stale(self, now: datetime) -> IdempotencyRecordQuerySet:
         """Records the recovery job handles at ``now`` (see :func:`stale_q`)."""
-        return self.filter(stale_q(now))  # type: ignore[no-any-return]
+        return self.filter(stale_q(now))
 
     def archive(self, reason: str, *, now: datetime, lock: bool = False) -> int:
         """Copy these records to the audit trail in one ``INSERT ... SELECT``.

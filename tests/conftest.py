@@ -6,11 +6,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 
 from tests.factories import UserFactory
+
+needs_drf = pytest.mark.skipif(
+    not settings.HAS_DRF,
+    reason="needs djangorestframework (the tox env 'core' runs without it)",
+)
 
 postgres_only = pytest.mark.skipif(
     connection.vendor == "sqlite",

@@ -71,6 +71,8 @@ except ImportError:  # the tox env without the optional dependencies
 else:
     HAS_DRF = True
     INSTALLED_APPS.append("rest_framework")
+    # The example project's app: its migrations are checked, its models type-checked.
+    INSTALLED_APPS.append("example_project.payments")
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

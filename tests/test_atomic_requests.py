@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key
+from tests.conftest import needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -44,6 +44,7 @@ def test_unprotected_requests_without_atomic_requests(api):
     assert json.loads(api.client.get("/peek/").content) == {"atomic": False}
 
 
+@needs_drf
 def test_drf_handled_exception_rolls_back_writes_and_stores_the_answer(api, atomic_requests):
     key = new_key()
     headers = {"X-Tenant": "t"}
@@ -57,6 +58,7 @@ def test_drf_handled_exception_rolls_back_writes_and_stores_the_answer(api, atom
     assert Charge.objects.count() == 0
 
 
+@needs_drf
 def test_drf_success_under_atomic_requests(api, atomic_requests):
     key = new_key()
     first = api.post("/api/charges/", {"amount": 3, "currency": "EUR"}, key=key)

@@ -205,11 +205,6 @@ def test_lease_recovered_by_the_recovery_job(sent, logs):
     assert_nothing_secret_at_info(logs, record.key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="maintenance.recover_stale_leases logs the raw key at ERROR when a policy fails; "
-    "it should name the record by id (see the admin/observability report)",
-)
 def test_a_failing_recovery_policy_is_logged_without_the_key(logs):
     record = RecordFactory(
         key="key-secret-51ab",

@@ -235,7 +235,13 @@ def drained() -> bool:
 def wait_drained() -> None:
     # Seen twice, half a second apart: a message moving from the queue to the unacked
     # set is in neither for an instant.
-    wait_until(lambda: drained() and time.sleep(0.5) is None and drained(), "an empty queue")
+    def drained_twice() -> bool:
+        if not drained():
+            return False
+        time.sleep(0.5)
+        return drained()
+
+    wait_until(drained_twice, "an empty queue")
 
 
 @contextmanager
