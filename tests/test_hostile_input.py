@@ -21,7 +21,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
-from hypothesis import HealthCheck, example, given
+from hypothesis import HealthCheck, event, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
@@ -121,6 +121,7 @@ def test_any_header_value_is_a_key_or_a_400_that_stores_nothing(api, raw):
     key = contract_key(raw)
     known = key is not None and IdempotencyRecord.objects.filter(key=key).exists()
     response = api.post("/charges/", CHARGE, key=raw)
+    event("refused" if key is None else "replayed" if known else "ran")
     if key is None:
         assert_problem(response, "idempotency_key_invalid")
         assert counts() == before
@@ -238,6 +239,7 @@ def test_any_body_is_answered_and_a_retry_replays_it(api, body, content_type):
     key = new_key()
     before = counts()
     first = post_raw(api.client, "/uploads/", body, content_type, key)
+    event(f"answered {first.status_code}")
     assert first.status_code in (201, 400), first.content[:300]
     if first.status_code == 400:
         assert counts() == before
@@ -416,6 +418,7 @@ def test_raw_header_bytes_through_gunicorn(server, value):
     contract or our 400; either way a refusal stores nothing and nothing answers 5xx."""
     tenant, tenant_header = tenant_line()
     answer = raw_post(server, [tenant_header, b"Idempotency-Key: " + value])
+    event(f"{answer.status} {answer.headers.get('content-type')}")
     assert answer.status in (201, 400), answer
     stored = records_of(tenant)
     if answer.status == 400:
