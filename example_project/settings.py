@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from corsheaders.defaults import default_headers
+
 BASE_DIR = Path(__file__).resolve().parent
 
 SECRET_KEY = os.environ.get("EXAMPLE_SECRET_KEY", "django-insecure-example-project-only")
@@ -24,6 +26,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "corsheaders",
     "django_idempotency",
     "example_project.payments",
 ]
@@ -31,6 +36,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware, so that its redirects carry the CORS headers too.
+    "corsheaders.middleware.CorsMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -71,7 +78,8 @@ if EXAMPLE_DB == "postgres":
 elif EXAMPLE_DB == "sqlite":
     default_database = {
         "ENGINE": "django.db.backends.sqlite3",
-        "NAME": BASE_DIR / "db.sqlite3",
+        # EXAMPLE_SQLITE_PATH: a database file of its own, e.g. for a throwaway test server.
+        "NAME": os.environ.get("EXAMPLE_SQLITE_PATH", BASE_DIR / "db.sqlite3"),
         "OPTIONS": {
             # Concurrent requests queue for SQLite's single write lock instead of failing at
             # once, and WAL lets readers go on while a request writes.
@@ -92,6 +100,12 @@ DATABASES = {
 }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Basic authentication checks the password on every request, and Django's default hasher
+# takes most of a second for that, on purpose. Throwaway test servers
+# (EXAMPLE_FAST_PASSWORDS=1, with the demo user created under it) use a fast hash instead.
+if os.environ.get("EXAMPLE_FAST_PASSWORDS") == "1":
+    PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -118,7 +132,36 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 20,
+    # drf-spectacular's; django_idempotency.openapi adds the Idempotency-Key header, the
+    # problem answers and Idempotent-Replayed to the protected operations by itself.
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
+
+# The OpenAPI schema at /api/schema/, Swagger UI at /api/docs/.
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Example payments API",
+    "DESCRIPTION": (
+        "Charges and refunds with safe retries: send an `Idempotency-Key` with every "
+        "`POST`, the same key on every retry of one operation."
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's files come from the drf-spectacular-sidecar package, not from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+}
+
+# CORS (django-cors-headers), for a browser app served from another origin. A browser hides
+# response headers from scripts unless they are exposed: the app needs Idempotent-Replayed
+# (was this a replay?), Retry-After (how long to back off after a 409 or 503) and Location.
+# It must also be allowed to send the Idempotency-Key header.
+CORS_ALLOWED_ORIGINS = [
+    origin
+    for origin in os.environ.get("EXAMPLE_CORS_ORIGINS", "http://localhost:3000").split(",")
+    if origin
+]
+CORS_ALLOW_HEADERS = (*default_headers, "idempotency-key")
+CORS_EXPOSE_HEADERS = ["Idempotent-Replayed", "Retry-After", "Location"]
 
 # Celery: receipts are sent by a task. By default it runs eagerly, in the web process right
 # after the charge commits, so the demo needs no worker; EXAMPLE_CELERY_EAGER=0 sends it to

@@ -1,9 +1,13 @@
-"""URLs of the example project: the payments API under ``/api/`` and the admin."""
+"""URLs of the example project: the payments API under ``/api/`` (its OpenAPI schema at
+``/api/schema/``, Swagger UI at ``/api/docs/``) and the admin."""
 
 from __future__ import annotations
 
 from django.contrib import admin
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
+from django.views import defaults
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from example_project.payments import views
@@ -14,6 +18,19 @@ router.register("charges", views.ChargeViewSet, basename="charge")
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/refunds/", views.create_refund, name="refund-create"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("api/", include(router.urls)),
     path("api-auth/", include("rest_framework.urls")),
 ]
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """A URL that matches nothing: JSON under ``/api/``, as the API's own 404s and its
+    schema say; Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return defaults.page_not_found(request, exception)
+
+
+handler404 = not_found

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import status, viewsets
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -18,7 +19,27 @@ from example_project.payments.models import Charge
 from example_project.payments.serializers import ChargeSerializer, RefundSerializer
 from example_project.payments.tasks import send_receipt
 
+# DRF's own error answers, for the OpenAPI schema (django_idempotency.openapi adds the
+# Idempotency-Key header and this package's problem+json answers by itself).
+INVALID = OpenApiResponse(
+    description="The request is invalid: the messages by field, or a `detail` (unreadable body).",
+    response={
+        "type": "object",
+        "properties": {"detail": {"type": "string"}},
+        "additionalProperties": {"type": "array", "items": {}},
+    },
+)
+NOT_FOUND = OpenApiResponse(
+    description="No such charge, or no such page.",
+    response={"type": "object", "properties": {"detail": {"type": "string"}}},
+)
 
+
+@extend_schema_view(
+    list=extend_schema(responses={200: ChargeSerializer(many=True), 404: NOT_FOUND}),
+    retrieve=extend_schema(responses={200: ChargeSerializer, 404: NOT_FOUND}),
+    create=extend_schema(responses={201: ChargeSerializer, 400: INVALID}),
+)
 class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
     """The caller's charges. ``POST`` needs an ``Idempotency-Key``; operation ``charge.create``.
 
@@ -54,6 +75,7 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
         enqueue_on_commit(self.request, send_receipt, charge.pk)
 
 
+@extend_schema(request=RefundSerializer, responses={201: RefundSerializer, 400: INVALID})
 @api_view(["POST"])
 @idempotent(operation="refund.create")
 def create_refund(request: Request) -> Response:
