@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import pytest
-from django.conf import settings as django_settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 from hypothesis import HealthCheck, event, example, given
@@ -26,7 +25,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import new_key, postgres_only
+from tests.conftest import needs_drf, new_key, postgres_only
 from tests.live import gunicorn
 from tests.testapp.models import Charge, ProviderCall
 
@@ -331,7 +330,7 @@ def test_the_view_reads_every_uploaded_byte_after_the_fingerprint(api, settings)
     assert Charge.objects.count() == 1
 
 
-@pytest.mark.skipif(not django_settings.HAS_DRF, reason="needs DRF")
+@needs_drf
 def test_multipart_through_drf_with_a_file(api):
     key = new_key()
 
