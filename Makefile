@@ -40,6 +40,7 @@ help:
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm against a throwaway server"
 	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/"
+	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
 	@echo "make clean    remove .venv, .tox, build output and the example database"
 
 $(BIN)/python:
@@ -117,3 +118,18 @@ demo: storm
 
 clean:
 	rm -rf $(VENV) .tox build dist *.egg-info example_project/db.sqlite3*
+
+# --- benchmarks ---------------------------------------------------------------------------
+
+# Every benchmark of benchmarks/ (see its README) on the PostgreSQL at 127.0.0.1, written to
+# benchmarks/RESULTS.md: about 10 minutes on 2 cores; BENCH_ARGS=--quick for a smoke run.
+# The alternatives go into their own venv, benchmarks/.venv-alternatives. wrk is Debian's,
+# installed here when missing and possible; without it a Python load generator stands in.
+BENCH_ARGS ?=
+
+.PHONY: bench
+bench: $(STAMP)
+	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get install -y -qq wrk >/dev/null 2>&1; } \
+		|| echo "wrk is not installed: benchmarks/loadgen.py generates the load instead"
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)

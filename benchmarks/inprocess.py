@@ -15,15 +15,15 @@ Commands: ``{"cmd": "create", "n": N}`` times N first requests (new keys);
 from __future__ import annotations
 
 import cProfile
-import io
 import json
 import os
-import pstats
+import statistics
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from benchmarks import site_setup
@@ -87,13 +87,25 @@ class Worker:
     def noop(self, n: int) -> dict[str, Any]:
         return self._timed([self._new_key() for _ in range(n)], "/noop/")
 
-    def sql(self) -> dict[str, Any]:
-        first_key = self._new_key()
+    def sql(self, n: int = 30) -> dict[str, Any]:
+        """The statements of one first request and of one replay, and each one's round trip.
+
+        ``n`` first requests and ``n`` replays are traced; the times are the medians, per
+        position in the request, from sending a statement to the server's ReadyForQuery.
+        """
+        keys = [self._new_key() for _ in range(n)]
         self._replay_keys(1)
-        return {
-            "create": _statements(lambda: self._post(first_key)),
-            "replay": _statements(lambda: self._post(first_key)),
-        }
+        answer = {}
+        for kind in ("create", "replay"):
+            traced = [_statements(lambda key=key: self._post(key)) for key in keys]
+            first = traced[0]
+            same = [t for t in traced if len(t["wire"]) == len(first["wire"])]
+            first["round_trip_ms"] = [
+                statistics.median(t["round_trip_ms"][i] for t in same)
+                for i in range(len(first["wire"]))
+            ]
+            answer[kind] = first
+        return answer
 
     def profile(self, kind: str, n: int, out: str) -> dict[str, Any]:
         keys = self._replay_keys(n) if kind == "replay" else [self._new_key() for _ in range(n)]
@@ -133,25 +145,38 @@ def _statements(call: Any) -> dict[str, Any]:
         finally:
             pgconn.untrace()
         trace.seek(0)
-        wire = _wire(trace.read())
-    return {"status": status, "django": seen, "wire": wire}
+        wire, round_trips = _wire(trace.read())
+    return {"status": status, "django": seen, "wire": wire, "round_trip_ms": round_trips}
 
 
-def _wire(text: str) -> list[str]:
-    # One entry per statement the client sent: a simple Query's text or an extended-protocol
-    # Parse's text (psycopg's client-side binding sends Query; server-side sends Parse).
-    sent = []
+def _clock(stamp: str) -> float:
+    hours, minutes, seconds = stamp.split(" ")[-1].split(":")
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def _wire(text: str) -> tuple[list[str], list[float]]:
+    """The statements the client sent, and the time until the server was ready again.
+
+    One entry per simple Query or extended-protocol Parse (psycopg's client-side binding
+    sends Query; server-side binding sends Parse); its time runs to the next ReadyForQuery.
+    """
+    sent: list[str] = []
+    times: list[float] = []
+    started = 0.0
     for line in text.splitlines():
         parts = line.split("\t")
-        if len(parts) < 5 or parts[1] != "F":
+        if len(parts) < 4:
             continue
-        message = parts[3]
-        if message in ("Query", "Parse"):
+        stamp, direction, message = parts[0], parts[1], parts[3]
+        if direction == "F" and message in ("Query", "Parse") and len(parts) > 4:
             rest = parts[4].strip()
             if message == "Parse":
                 rest = rest.split('"', 2)[-1]
             sent.append(" ".join(rest.strip().strip('"').split())[:4000])
-    return sent
+            started = _clock(stamp)
+        elif direction == "B" and message == "ReadyForQuery" and len(times) < len(sent):
+            times.append((_clock(stamp) - started) * 1000)
+    return sent, times
 
 
 def main() -> None:
@@ -160,7 +185,9 @@ def main() -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr
     worker = Worker(variant)
-    out.write(json.dumps({"ready": variant}) + "\n")
+    package = sys.modules.get("django_idempotency")
+    where = str(Path(package.__file__).parent) if package and package.__file__ else None
+    out.write(json.dumps({"ready": variant, "package": where}) + "\n")
     out.flush()
     for line in sys.stdin:
         command = json.loads(line)

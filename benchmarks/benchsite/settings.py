@@ -10,8 +10,10 @@ import os
 from typing import Any
 
 VARIANT = os.environ.get("BENCH_VARIANT", "plain")
-if VARIANT not in ("plain", "ours", "dik", "dfi"):
-    raise RuntimeError(f"BENCH_VARIANT must be plain, ours, dik or dfi, not {VARIANT!r}")
+if VARIANT not in ("plain", "ours", "patched", "dik", "dfi"):
+    raise RuntimeError(f"BENCH_VARIANT must be plain, ours, patched, dik or dfi, not {VARIANT!r}")
+# "patched" is "ours" with django_idempotency imported from a scratch copy (run.py --patched).
+PROTECTION = "ours" if VARIANT == "patched" else VARIANT
 
 SECRET_KEY = "django-idempotency-benchmarks"
 DEBUG = False
@@ -57,11 +59,11 @@ REST_FRAMEWORK = {
 
 LOGGING: dict[str, Any] = {"version": 1, "disable_existing_loggers": False}
 
-if VARIANT == "ours":
+if PROTECTION == "ours":
     INSTALLED_APPS.append("django_idempotency")
     # Every key at its default: 24 h TTL, 60 s lease, key required on POST and PATCH.
     IDEMPOTENCY: dict[str, Any] = {}
-elif VARIANT == "dik":
+elif PROTECTION == "dik":
     # django-idempotency-key: its multi-process configuration from its README. Responses in
     # a Redis cache (django-redis, its own dependency) rather than the per-process memory
     # default, the cross-process Redis lock rather than the per-process thread lock, and
@@ -88,10 +90,13 @@ elif VARIANT == "dik":
             "TIMEOUT": 0.1,
         },
     }
-elif VARIANT == "dfi":
-    # drf-idempotency: its default and Quick Start backend, the database (a unique key plus
-    # get_or_create), on the same PostgreSQL; per-view opt-in with its @idempotent decorator.
+elif PROTECTION == "dfi":
+    # drf-idempotency: its Quick Start, the middleware with its default backend, the database
+    # (a unique key plus get_or_create), on the same PostgreSQL. Its per-view decorator
+    # cannot wrap a DRF viewset method (see views.protected). The middleware runs before
+    # DRF's authentication, so its keys are global, not scoped by the caller.
     INSTALLED_APPS.append("drf_idempotency")
+    MIDDLEWARE.append("drf_idempotency.middleware.IdempotencyMiddleware")
     IDEMPOTENCY = {
         "BACKEND": "drf_idempotency.backends.database.DatabaseBackend",
         "REQUIRE_KEY": True,

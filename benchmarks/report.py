@@ -1,0 +1,498 @@
+# ruff: noqa: RUF001 (the multiplication sign and the en dash are printed into Markdown)
+"""Render ``benchmarks/RESULTS.md`` from the figures ``run.py`` collected."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+LABELS = {
+    "plain": "plain DRF, no idempotency",
+    "ours": "django-idempotency (IdempotencyMixin)",
+    "patched": "django-idempotency + proposed cuts",
+    "dik": "django-idempotency-key 1.3.0",
+    "dfi": "drf-idempotency 1.0.0",
+}
+EXPERIMENTS = Path(__file__).resolve().parent / "EXPERIMENTS.md"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ms(value: float) -> str:
+    return f"{value:.2f} ms"
+
+
+def ratio(value: float) -> str:
+    return f"{value:.2f}×"
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if values else "–"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def statement_kind(sql: str) -> str:
+    """A short name for one statement: ``claim``, ``INSERT benchsite_charge``, ``BEGIN``..."""
+    text = sql.strip().rstrip(";")
+    upper = text.upper()
+    if upper.startswith(("WITH CLAIM AS", "WITH LIVE AS")):
+        return "claim (INSERT … ON CONFLICT DO UPDATE … RETURNING)"
+    for word in ("BEGIN", "COMMIT", "ROLLBACK", "RELEASE SAVEPOINT", "SAVEPOINT"):
+        if upper.startswith(word):
+            return word
+    verb = upper.split(None, 1)[0] if upper else "?"
+    pattern = {
+        "SELECT": r'FROM\s+"?(\w+)',
+        "INSERT": r'INTO\s+"?(\w+)',
+        "DELETE": r'FROM\s+"?(\w+)',
+    }
+    match = re.search(pattern.get(verb, r'^\w+\s+"?(\w+)'), text, re.IGNORECASE)
+    return f"{verb} {match.group(1)}" if match else verb
+
+
+def describe(statements: list[str], times: list[float]) -> str:
+    """Each statement's short name and its median round trip in milliseconds."""
+    named = [f"{statement_kind(s)} {t:.2f}" for s, t in zip(statements, times, strict=False)]
+    return ", ".join(named) or "none"
+
+
+def render(results: dict[str, Any]) -> str:
+    out: list[str] = []
+    add = out.append
+    machine, versions = results["machine"], results["versions"]
+    add("# Benchmark results\n")
+    add(
+        f"Written by `make bench` (`{results['command']}`) on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in "
+        f"{results['seconds'] / 60:.1f} minutes."
+        + (
+            " **Quick mode: a smoke run, too short to judge by.**"
+            if results["plan"]["quick"]
+            else ""
+        )
+    )
+    if results.get("patched"):
+        add(
+            f'\n"{LABELS["patched"]}" is the mixin with `django_idempotency` imported from '
+            f"`{results['patched']}` (a scratch copy with the proposed diffs applied)."
+        )
+    add("\nSee [README.md](README.md) for what each part measures and how.\n")
+    add("## Machine and versions\n")
+    main, alt = versions["main"], versions.get("alternatives") or {}
+    rows = [
+        ["cores", machine["cores"]],
+        ["CPU", machine["cpu"]],
+        ["memory", machine["memory"]],
+        ["OS", machine["os"]],
+        ["Python", main["Python"]],
+        ["Django", main["Django"]],
+        ["Django REST framework", main["djangorestframework"]],
+        ["psycopg", main["psycopg"]],
+        ["PostgreSQL", main["PostgreSQL"]],
+        ["gunicorn", main["gunicorn"]],
+        ["load generator", results.get("load_generator", "?")],
+    ]
+    rows += [[tool, version] for tool, version in versions.get("tools", {}).items()]
+    if alt:
+        rows.append(
+            [
+                "alternatives' venv",
+                ", ".join(f"{name} {version}" for name, version in alt.items()),
+            ]
+        )
+    add(table(["", ""], rows))
+    add(
+        f"\n**Noise.** Load average {fmt_load(machine['load_average_start'])} at the start and "
+        f"{fmt_load(machine['load_average_end'])} at the end, on {machine['cores']} cores that "
+        "other engineers' test suites share with this run. Absolute figures move with that "
+        "load; the ratios are taken within one interleaved run (every round runs every "
+        "variant, in a rotating order), and each table shows how far the per-round ratios "
+        "spread."
+    )
+    for variant, why in results.get("skipped", {}).items():
+        add(f"\n**{LABELS[variant]} skipped:** {why}.")
+    add("\n## Targets\n")
+    add(targets(results))
+    if "inprocess" in results:
+        add(inprocess(results["inprocess"], results["plan"]))
+        add(sql(results["inprocess"]["sql"]))
+    if "server" in results:
+        add(server(results["server"], results["plan"]))
+        add(storm(results["server"]["storm"], results["plan"]))
+    if "purge" in results:
+        add(purge(results["purge"], results["plan"]))
+    if "inprocess" in results and results["inprocess"].get("profiles"):
+        add(profiles(results["inprocess"]["profiles"]))
+    if EXPERIMENTS.exists():
+        add("\n" + EXPERIMENTS.read_text().strip())
+    return "\n".join(out).rstrip() + "\n"
+
+
+def fmt_load(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values) + " (1/5/15 min)"
+
+
+def _inprocess_ratios(data: dict[str, Any]) -> dict[str, float]:
+    med = data["median_ms"]
+    base = med.get("plain.create")
+    if not base:
+        return {}
+    return {name: value / base for name, value in med.items()}
+
+
+def _server_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> list[float]:
+    base = runs.get("plain.create", [])
+    mine = runs.get(name, [])
+    return [m[key] / b[key] for m, b in zip(mine, base, strict=False) if b[key]]
+
+
+def targets(results: dict[str, Any]) -> str:
+    rows = []
+    if "inprocess" in results and "ours.create" in results["inprocess"]["median_ms"]:
+        ratios = _inprocess_ratios(results["inprocess"])
+        first = ratios.get("ours.create", float("nan"))
+        rows.append(
+            [
+                "first request median latency ≤ 1.3× plain (in-process)",
+                ratio(first),
+                verdict(first <= 1.3),
+            ]
+        )
+        replay = ratios.get("ours.replay", float("nan"))
+        rows.append(
+            [
+                "replay median latency ≤ 0.4× a plain create (in-process)",
+                ratio(replay),
+                verdict(replay <= 0.4),
+            ]
+        )
+    if "server" in results:
+        runs = results["server"]["runs"]
+        through = _server_ratio(runs, "ours.create", "rps")
+        if through:
+            value = statistics.median(through)
+            rows.append(
+                [
+                    "first request throughput ≥ 80% of plain (real server)",
+                    f"{value:.0%}",
+                    verdict(value >= 0.8),
+                ]
+            )
+        ours = results["server"]["storm"].get("ours")
+        if ours:
+            effects = ours["side_effects"]
+            exact = sum(1 for e in effects if e == 1)
+            rows.append(
+                [
+                    "storm: exactly one side effect per key, every round",
+                    f"{exact}/{len(effects)} rounds with exactly 1 (max {max(effects)})",
+                    verdict(exact == len(effects)),
+                ]
+            )
+    if results.get("purge"):
+        p = next(p for p in results["purge"] if p.get("variant", "ours") == "ours")
+        rows.append(
+            [
+                f"purge ≥ 50,000 rows/s (batches of {p['batch_size']})",
+                f"{p['rows_per_second']:,.0f} rows/s",
+                verdict(p["rows_per_second"] >= 50_000),
+            ]
+        )
+        rows.append(
+            [
+                "purge: no batch longer than 100 ms",
+                ms(p["longest_batch_ms"]),
+                verdict(p["longest_batch_ms"] <= 100),
+            ]
+        )
+        claim = p["claims_during_purge"]["all"]["p99_ms"] / p["claims_no_purge"]["all"]["p99_ms"]
+        rows.append(
+            ["purge: concurrent claim p99 within 2× of no purge", ratio(claim), verdict(claim <= 2)]
+        )
+    return table(["target", "measured", ""], rows)
+
+
+def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
+    med, p90, rounds = data["median_ms"], data["p90_ms"], data["round_medians_ms"]
+    base = med.get("plain.create")
+    rows = []
+    for name in sorted(med, key=lambda n: (n.split(".")[1] != "create", n)):
+        variant, kind = name.split(".")
+        base_rounds = rounds.get("plain.create", [])
+        per_round = [m / b for m, b in zip(rounds[name], base_rounds, strict=False)]
+        what = {"create": "first request", "replay": "replay", "noop": "authenticated no-op"}[kind]
+        rows.append(
+            [
+                LABELS[variant],
+                what,
+                ms(med[name]),
+                ms(p90[name]),
+                ratio(med[name] / base) if base else "–",
+                spread(per_round),
+                data["requests"][name],
+                ", ".join(f"{k}: {v}" for k, v in sorted(data["statuses"][name].items())),
+            ]
+        )
+    return (
+        "\n## Overhead in-process (Django's test client)\n\n"
+        f"{plan['inprocess_rounds']} rounds; in each, every variant serves "
+        f"{plan['inprocess_batch']} first requests (new keys), then every protected variant "
+        f"{plan['inprocess_batch']} replays (a pool of 200 keys created beforehand), in a rotating "
+        'order. Ratios are to the plain endpoint\'s first-request median; "per-round" is the '
+        "spread of the same ratio computed round by round. The authenticated no-op endpoint "
+        "(token authentication, permission check, a constant answer) is the floor of any "
+        "replay: a replay is answered only after authentication, because keys are scoped by "
+        "the caller.\n\n"
+        + table(
+            [
+                "variant",
+                "request",
+                "median",
+                "p90",
+                "ratio to plain create",
+                "per-round",
+                "requests",
+                "statuses",
+            ],
+            rows,
+        )
+    )
+
+
+def sql(data: dict[str, Any]) -> str:
+    rows = []
+    for variant, calls in data.items():
+        for kind in ("create", "replay"):
+            if variant == "plain" and kind == "replay":
+                continue
+            call = calls[kind]
+            wire = call["wire"]
+            control = [s for s in wire if statement_kind(s) in ("BEGIN", "COMMIT", "ROLLBACK")]
+            savepoints = [s for s in wire if "SAVEPOINT" in statement_kind(s)]
+            work = len(wire) - len(control) - len(savepoints)
+            rows.append(
+                [
+                    LABELS[variant],
+                    "first request" if kind == "create" else "replay",
+                    call["status"],
+                    work,
+                    len(control),
+                    len(savepoints),
+                    len(wire),
+                    f"{sum(call['round_trip_ms']):.2f} ms",
+                    describe(wire, call["round_trip_ms"]),
+                ]
+            )
+    return (
+        "\n## SQL per request\n\n"
+        "What one request sends to PostgreSQL, read from the libpq protocol trace (so "
+        "psycopg's own `BEGIN` and `COMMIT` count too; Django's `execute_wrapper` sees only "
+        "the statements). Every statement is one round trip. A plain create needs two: the "
+        "token lookup and the INSERT. The times are the median round trip of each statement "
+        "(from sending it to the server's ReadyForQuery) over 30 traced requests of each "
+        "kind, in milliseconds.\n\n"
+        + table(
+            [
+                "variant",
+                "request",
+                "status",
+                "statements",
+                "BEGIN/COMMIT",
+                "SAVEPOINT/RELEASE",
+                "round trips",
+                "time in the database",
+                "in order, with each round trip (ms)",
+            ],
+            rows,
+        )
+    )
+
+
+def server(data: dict[str, Any], plan: dict[str, Any]) -> str:
+    runs = data["runs"]
+    rows = []
+    for name in sorted(runs, key=lambda n: (n.split(".")[1] != "create", n)):
+        variant, kind = name.split(".")
+        rps = [r["rps"] for r in runs[name]]
+        p50 = [r["p50_ms"] for r in runs[name]]
+        through = _server_ratio(runs, name, "rps")
+        latency = _server_ratio(runs, name, "p50_ms")
+        rows.append(
+            [
+                LABELS[variant],
+                "first request" if kind == "create" else "replay",
+                f"{statistics.median(rps):,.0f}",
+                f"{statistics.median(through):.0%} ({spread(through)})" if through else "–",
+                ms(statistics.median(p50)),
+                f"{statistics.median(latency):.2f}× ({spread(latency)})" if latency else "–",
+                ms(statistics.median(r["p99_ms"] for r in runs[name])),
+                sum(r["non_2xx_3xx"] for r in runs[name]),
+                sum(r["errors"] for r in runs[name]),
+            ]
+        )
+    return (
+        "\n## Overhead through a real server (gunicorn)\n\n"
+        f"One gunicorn per variant on 127.0.0.1, {plan['workers']} sync workers each, all "
+        f"running at once; a closed loop of {plan['concurrency']} connections for "
+        f"{plan['server_seconds']} s per run, {plan['server_rounds']} rounds of every variant "
+        "(rotating order) after a warm-up. Replays cycle through "
+        f"{plan['replay_keys']} keys created beforehand. Ratios are to the plain endpoint's "
+        "first requests of the same round; the median ratio is shown with the spread of the "
+        "rounds. Requests per second are the median of the rounds.\n\n"
+        + table(
+            [
+                "variant",
+                "request",
+                "req/s",
+                "throughput vs plain",
+                "median latency",
+                "latency vs plain",
+                "p99",
+                "non-2xx",
+                "socket errors",
+            ],
+            rows,
+        )
+    )
+
+
+def storm(data: dict[str, Any], plan: dict[str, Any]) -> str:
+    rows = []
+    for variant, s in data.items():
+        effects = s["side_effects"]
+        times = sorted(s["seconds_to_last_answer"])
+        rows.append(
+            [
+                LABELS[variant],
+                s["rounds"],
+                sum(1 for e in effects if e == 1),
+                sum(effects),
+                sum(max(e - 1, 0) for e in effects),
+                max(effects),
+                ms(statistics.median(times) * 1000),
+                ms(times[min(len(times) - 1, int(0.95 * len(times)))] * 1000),
+                ms(times[-1] * 1000),
+                ", ".join(f"{k}: {v}" for k, v in s["statuses"].items()),
+            ]
+        )
+    return (
+        "\n## Retry storm\n\n"
+        f"{plan['storm_size']} identical requests (same key, same body) sent at the same "
+        f"instant on connections opened beforehand, {plan['storm_rounds']} rounds per variant "
+        "(interleaved), through the same gunicorns. The endpoint here waits 20 ms before its "
+        "INSERT (a payment provider's call), so the duplicates arrive while the first request "
+        "is running. Side effects are the rows the round's key created, counted in the "
+        "database after the last answer. Status 0 is a connection the server closed without "
+        "an answer.\n\n"
+        + table(
+            [
+                "variant",
+                "rounds",
+                "rounds with exactly 1 effect",
+                "side effects",
+                "duplicates",
+                "most in one round",
+                "time to last answer (median)",
+                "p95",
+                "max",
+                "statuses",
+            ],
+            rows,
+        )
+    )
+
+
+def purge(data: list[dict[str, Any]], plan: dict[str, Any]) -> str:
+    rows = []
+    for p in data:
+        none, during = p["claims_no_purge"], p["claims_during_purge"]
+        rows.append(
+            [
+                LABELS[p.get("variant", "ours")],
+                p["batch_size"],
+                f"{p['deleted']:,}",
+                f"{p['purge_seconds']:.1f} s",
+                f"{p['rows_per_second']:,.0f}",
+                ms(p["batch_p50_ms"]),
+                ms(p["batch_p99_ms"]),
+                ms(p["longest_batch_ms"]),
+                f"{ms(none['all']['p50_ms'])} / {ms(during['all']['p50_ms'])}",
+                f"{ms(none['all']['p99_ms'])} / {ms(during['all']['p99_ms'])} "
+                f"({ratio(during['all']['p99_ms'] / none['all']['p99_ms'])})",
+                f"{ms(none['new']['p99_ms'])} / {ms(during['new']['p99_ms'])}",
+                f"{ms(none['expired']['p99_ms'])} / {ms(during['expired']['p99_ms'])}",
+                f"{none['all']['n']} / {during['all']['n']}",
+            ]
+        )
+    return (
+        "\n## Purge\n\n"
+        f"`maintenance.purge_expired` on a table filled with {plan['purge_rows']:,} expired "
+        "completed records (bodies of ~270 bytes, `VACUUM ANALYZE`d). A separate process "
+        f"claims at a steady {plan['purge_rate']:.0f}/s through `store.claim` "
+        f"({plan['purge_baseline']:.0f} s without a purge, then during it): every other "
+        "claim is a new key, the rest are keys of expired records, which the purge may hold "
+        "locked in its current batch. Claims: without purge / during purge.\n\n"
+        + table(
+            [
+                "package",
+                "batch size",
+                "deleted",
+                "time",
+                "rows/s",
+                "batch p50",
+                "batch p99",
+                "longest batch",
+                "claim p50",
+                "claim p99",
+                "p99 new keys",
+                "p99 expired keys",
+                "claims",
+            ],
+            rows,
+        )
+    )
+
+
+def profiles(data: dict[str, Any]) -> str:
+    parts = [
+        "\n## Profile of the hot path (cProfile)\n",
+        "Milliseconds per request under cProfile (which roughly doubles Python's share), "
+        'in-process. "Driver wait" is the time psycopg spends sending a statement and '
+        "waiting for PostgreSQL's answer. The raw profiles are in `benchmarks/.results/`.\n",
+    ]
+    summary = [
+        [name, ms(p["total_ms_per_request"]), ms(p["driver_wait_ms_per_request"])]
+        for name, p in data.items()
+    ]
+    parts.append(table(["requests", "total per request", "driver wait"], summary))
+    for name, p in data.items():
+        if not name.startswith(("ours", "patched")):
+            continue
+        parts.append(f"\n`{name}`, the package's functions by cumulative time:\n")
+        parts.append(
+            table(
+                ["function", "cumulative", "own"],
+                [[f"`{t['function']}`", ms(t["cum_ms"]), ms(t["own_ms"])] for t in p["top"]],
+            )
+        )
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    # Render again from the figures of a run: python -m benchmarks.report [results.json]
+    import json
+    import sys
+
+    here = Path(__file__).resolve().parent
+    source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
+    (here / "RESULTS.md").write_text(render(json.loads(source.read_text())))
