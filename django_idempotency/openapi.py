@@ -170,7 +170,9 @@ def document_operation(
         response = responses.setdefault(str(status), {"description": ""})
         if "$ref" in response:  # a response component of the view's: leave it alone
             continue
-        response["description"] = " ".join(filter(None, [response.get("description"), description]))
+        response["description"] = "\n\n".join(
+            filter(None, [response.get("description"), description])
+        )
         response.setdefault("content", {})[problems.PROBLEM_CONTENT_TYPE] = {"schema": problem_ref}
         if status in _RETRY_AFTER_STATUSES:
             response.setdefault("headers", {})["Retry-After"] = retry_after_header()
