@@ -32,11 +32,13 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test tox example-db storm demo clean
+.PHONY: help install lint check-migrations test test-mysql soak tox example-db storm demo clean
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
 	@echo "make lint     ruff (lint and format check) and mypy"
+	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
+	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm against a throwaway server"
 	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/"
@@ -76,6 +78,20 @@ test: lint check-migrations
 		printf '  %-9s %s\n' "$$db:" "$$(tail -n 1 $(REPORTS)/pytest-$$db.log)"; \
 	done; \
 	exit $$failed
+
+# MariaDB/MySQL: mysqlclient builds against libmariadb-dev (Debian), so it is installed here
+# rather than in the dev group.
+$(BIN)/.mysqlclient: | $(STAMP)
+	$(BIN)/python -m pip install "mysqlclient>=2.2"
+	touch $@
+
+test-mysql: $(BIN)/.mysqlclient
+	TEST_DB=mysql $(BIN)/pytest
+
+# The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
+SOAK_SECONDS ?= 120
+soak: $(STAMP)
+	RUN_SOAK=1 SOAK_SECONDS=$(SOAK_SECONDS) TEST_DB=postgres $(BIN)/pytest -m soak
 
 $(BIN)/tox: | $(STAMP)
 	$(BIN)/python -m pip install "tox>=4.22"
