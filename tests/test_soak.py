@@ -72,6 +72,7 @@ class Key:
     path: str
     amount: int
     fresh: int = 0  # answers that ran the view (not replayed)
+    lost: int = 0  # attempts that outlived their lease: rolled back, answered 409
     body: bytes | None = None  # the answer every replay must repeat
     status: int | None = None
     crashed_at: str | None = None
@@ -85,6 +86,21 @@ class Key:
         self.touched = time.monotonic()
         headers = self.caller.headers(directives)
         return request(url, "POST", self.path, self.payload(amount), headers, timeout=30)
+
+    def send_until_answered(self, url: str) -> Answer:
+        """Like a good client: back off on 409 and send again.
+
+        On a loaded machine an attempt can outlive its (short) lease; the recovery job then
+        releases its claim, and the attempt is rolled back and answered 409 lease lost.
+        """
+        deadline = time.monotonic() + 60
+        while True:
+            answer = self.send(url)
+            if answer.status != 409 or time.monotonic() > deadline:
+                return answer
+            if answer.json().get("code") == "idempotency_lease_lost":
+                self.lost += 1
+            time.sleep(0.2)
 
 
 class Soak:
@@ -126,7 +142,7 @@ class Soak:
 
     def new(self) -> None:
         key = self.new_key(RETRY_PATH)
-        self.first_answer(key, key.send(self.url))
+        self.first_answer(key, key.send_until_answered(self.url))
 
     def replay(self) -> None:
         with self.lock:
@@ -203,7 +219,7 @@ class Soak:
     def short_lived(self) -> None:
         key = self.new_key(SHORT_TTL_PATH)
         for _ in range(random.randint(1, 3)):
-            answer = key.send(self.url)
+            answer = key.send_until_answered(self.url)
             if answer.status != 201:
                 self.fail(key, "short-TTL key not answered", answer)
                 return
@@ -292,7 +308,8 @@ def test_soak(server):
     crashes = Counter(k.crashed_at for k in soak.all if k.crashed_at)
     print(  # the CI log shows what the soak did
         f"soak {SECONDS:.0f}s: actions {dict(soak.actions)}, keys {dict(kinds)}, "
-        f"crashes {dict(crashes)}, purged {sum(r.deleted for r in purger.results)}, "
+        f"crashes {dict(crashes)}, lease losses {sum(k.lost for k in soak.all)}, "
+        f"purged {sum(r.deleted for r in purger.results)}, "
         f"recovered {Counter(o for r in recoverer.results for o in _outcomes(r))}"
     )
     assert crashes
@@ -335,8 +352,9 @@ def assert_effects(keys: list[Key]) -> None:
             actual = (local, provider, records.get(key.caller.tenant))
         elif key.path == SHORT_TTL_PATH:
             # The TTL ran out between some requests: each fresh run charged locally, the
-            # provider deduplicated them all, and the purge removed the record.
-            expected = (key.fresh, True, None, key.fresh)
+            # provider deduplicated them all (attempts that lost their lease called it
+            # too, then rolled back), and the purge removed the record.
+            expected = (key.fresh, True, None, key.fresh + key.lost)
             actual = (local, provider, records.get(key.caller.tenant), calls[downstream])
         else:
             expected = (1, True, store.COMPLETED)
