@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 import uuid
 from collections import Counter
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import connections, models, transaction
+from django.db import OperationalError, connections, models, transaction
 from django.db.models import F, QuerySet
 from django.http import HttpResponse
 from django.utils import timezone
@@ -150,7 +151,7 @@ def _batches(
     taken = 0
     while limit is None or taken < limit:
         started = time.monotonic()
-        rows = _delete_batch(candidates, order, size, archive_at)
+        rows = _retrying(lambda: _delete_batch(candidates, order, size, archive_at))
         if rows == 0:
             return
         taken += 1
@@ -159,6 +160,23 @@ def _batches(
         # delete it: either way this run is done.
         if rows < size:
             return
+
+
+_BATCH_ATTEMPTS = 5
+
+
+def _retrying(batch: Callable[[], int]) -> int:
+    # InnoDB can choose one of two concurrent purgers as a deadlock victim (their index
+    # locks can cross even with SKIP LOCKED); a batch is one short transaction that picks
+    # its rows afresh, so running it again is safe.
+    for attempt in range(_BATCH_ATTEMPTS):
+        try:
+            return batch()
+        except OperationalError as exc:
+            if not store._retryable(exc) or attempt == _BATCH_ATTEMPTS - 1:
+                raise
+            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _delete_batch(
@@ -176,14 +194,35 @@ def _delete_batch(
         ids = list(pick.values_list("pk", flat=True)[:size])
         if not ids:
             return 0
-        # The predicate is applied again: without row locks (SQLite) a row may have been
-        # replaced by a new claim since it was picked.
-        batch = candidates.filter(pk__in=ids)
+        if features.has_select_for_update:
+            # The rows are locked and ours: the statements go by primary key alone.
+            batch = candidates.model._default_manager.using(alias).filter(pk__in=ids)
+        else:
+            # Without row locks (SQLite) a row may have been replaced by a new claim since it
+            # was picked: the predicate is applied again.
+            batch = candidates.filter(pk__in=ids)
         if archive_at is not None:
             assert isinstance(batch, IdempotencyRecordQuerySet)
             batch.archive(PURGED, now=archive_at)
+        if connection.vendor == "mysql":
+            return _mysql_delete(candidates.model, alias, ids)
         deleted, _ = batch.delete()
         return int(deleted)
+
+
+def _mysql_delete(model: type[models.Model], alias: str, ids: list[Any]) -> int:
+    # One primary-key lookup per row. A single DELETE ... IN (...) is planned by cost:
+    # InnoDB may scan the whole primary key, locking every row it meets, and so wait for
+    # rows that live claims (or the other purger) hold; a lookup touches only its own row.
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+    table, pk = quote(model._meta.db_table), quote(column(model, model._meta.pk.name))
+    deleted = 0
+    with connection.cursor() as cursor:
+        for pk_value in ids:
+            cursor.execute(f"DELETE FROM {table} WHERE {pk} = %s", [pk_value])
+            deleted += max(int(cursor.rowcount), 0)
+    return deleted
 
 
 def _postgres_batch(

@@ -39,12 +39,14 @@ def in_thread(call: Any) -> Any:
 def wait_for_a_blocked_backend() -> None:
     """Until another connection waits for a row lock, so that a race is really run."""
     deadline = time.monotonic() + WAIT
+    waiting = {
+        "postgresql": "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        "mysql": "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'",
+    }[connection.vendor]
     with connections["provider"].cursor() as cursor:
         while time.monotonic() < deadline:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
+            cursor.execute(waiting)
             if cursor.fetchone()[0]:
                 return
             time.sleep(0.01)
@@ -63,16 +65,23 @@ def test_two_purgers_at_once_delete_each_row_once():
         other = "b" if name == "a" else "a"
 
         def progress(batches: int, rows: int) -> None:
-            first_batch[name].set()
-            first_batch[other].wait(WAIT)
+            if batches == 1:
+                first_batch[name].set()
+                first_batch[other].wait(WAIT)
 
-        return maintenance.purge_expired(batch_size=100, progress=progress)
+        try:
+            return maintenance.purge_expired(batch_size=100, progress=progress)
+        finally:
+            first_batch[name].set()  # a purger that stopped early keeps nobody waiting
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         a, b = pool.map(in_thread(purge), ["a", "b"])
 
-    assert a.deleted > 0
-    assert b.deleted > 0
+    if connection.vendor == "postgresql":
+        # Both took part. (InnoDB may hand one purger an empty first pick while the other
+        # holds rows; it then stops early, and the total below still has to hold.)
+        assert a.deleted > 0
+        assert b.deleted > 0
     assert a.deleted + b.deleted == total
     assert IdempotencyRecord.objects.count() == 0
     # Every row was copied to the audit trail by the purger that deleted it, exactly once.
@@ -105,6 +114,9 @@ def test_purge_skips_rows_a_live_transaction_holds_and_does_not_wait():
     assert maintenance.purge_expired().deleted == 10
 
 
+@pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="checks the PostgreSQL statement's own text"
+)
 @pytest.mark.parametrize("audit", [False, True])
 def test_a_postgres_batch_is_one_statement_that_skips_locked_rows(audit):
     completed(expires_in=-timedelta(minutes=1), now=timezone.now())
