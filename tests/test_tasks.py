@@ -287,8 +287,17 @@ def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         process.wait(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def run_queue() -> Iterator[None]:
+    """This run's queue; its routing keys are removed from Redis after the last test."""
+    yield
+    client = broker()
+    queue = celery_app.QUEUE
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+
+
 @pytest.fixture
-def clean_queue() -> Iterator[None]:
+def clean_queue(run_queue: None) -> Iterator[None]:
     client = broker()
     client.delete(celery_app.QUEUE)
     yield
