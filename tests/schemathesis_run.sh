@@ -12,6 +12,7 @@
 #
 #   bash tests/schemathesis_run.sh            # from the repository's root or anywhere
 #   ST_MAX_EXAMPLES=200 bash tests/schemathesis_run.sh
+#   ST_SEED=<the Seed a failed run printed> bash tests/schemathesis_run.sh   # replay a run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,7 +75,8 @@ SCHEMATHESIS_HOOKS=tests.schemathesis_hooks PYTHONPATH=. timeout "$TIMEOUT" "$SC
     --workers 1 \
     --request-timeout 10 \
     --suppress-health-check too_slow \
-    --no-color || status=$?
+    --no-color \
+    ${ST_SEED:+--seed "$ST_SEED"} || status=$?
 
 if ((status != 0)); then
     echo "schemathesis failed (exit $status); the server's log:" >&2
