@@ -6,6 +6,7 @@ adapter only says how to call the view and what the operation is called.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -85,6 +86,18 @@ class _LeaseLost(Exception):
     """The fenced completion matched no row: another attempt owns the record now."""
 
 
+_MAX_NAME = 255
+
+
+def storable_name(name: str) -> str:
+    """An account or operation as stored: itself, or ``sha256:<hex>`` when it is longer than
+    the column or holds characters a database cannot store (NUL). Deterministic, so every
+    retry maps to the same record."""
+    if len(name) <= _MAX_NAME and "\x00" not in name:
+        return name
+    return "sha256:" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def context_of(request: Any) -> IdempotencyContext | None:
     """``request.idempotency``, typed: the context of a protected request, else ``None``.
 
@@ -162,7 +175,9 @@ def handle(
             "This request carries an idempotency key but no authenticated caller to scope it to.",
         )
     context = IdempotencyContext(
-        key=key, operation=options.operation or default_operation(), account=str(account)
+        key=key,
+        operation=storable_name(options.operation or default_operation()),
+        account=storable_name(str(account)),
     )
     inner.idempotency = context  # type: ignore[attr-defined]
     return _Attempt(request, inner, context, options, alias).run(call_view)

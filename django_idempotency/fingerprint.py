@@ -62,11 +62,14 @@ def _canonical_body(request: HttpRequest) -> Any:
     body = request.body
     if content_type == "application/x-www-form-urlencoded":
         encoding = request.encoding or "utf-8"
-        return {"form": _sorted_pairs(QueryDict(body, encoding=encoding))}
+        try:
+            return {"form": _sorted_pairs(QueryDict(body, encoding=encoding))}
+        except LookupError:
+            pass  # a charset that names no text encoding (rot13, hex): compare the raw bytes
     if content_type == "application/json" or content_type.endswith("+json"):
         try:
             return {"json": json.loads(body)}
-        except ValueError:
+        except (ValueError, RecursionError):
             pass  # the view answers this one; compare the raw bytes
     return {"raw": hashlib.sha256(body).hexdigest(), "type": content_type}
 
@@ -94,7 +97,10 @@ def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> by
         "body": _body_of(request, inner),
     }
     form.update(parts)
-    return json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text = json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # A JSON body may escape a lone surrogate ("\ud800"); "surrogatepass" encodes it, and
+    # every valid string exactly as before, so no stored fingerprint changes.
+    return text.encode("utf-8", "surrogatepass")
 
 
 def default_fingerprint(request: Any) -> str:

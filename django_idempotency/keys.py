@@ -35,11 +35,16 @@ def _unquote_sf_string(value: str) -> str:
 def parse_key(raw: str) -> str:
     """The key a header value carries, bare (``abc``) or as a structured-field string (``"abc"``).
 
-    A key is 1 to 255 characters of printable ASCII without space (0x21-0x7E).
+    A key is 1 to 255 characters of printable ASCII without space (0x21-0x7E). A bare key may
+    not contain ``,``: that is how a header sent twice arrives, and it must not read as a
+    third key.
     """
     value = raw.strip(" \t")
     if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
         value = _unquote_sf_string(value)
+    elif "," in value:
+        # Servers and proxies join repeated header lines with ","; "k,k" is not a new key.
+        raise InvalidKey("a bare key may not contain ','; send the header once")
     if not value:
         raise InvalidKey("the key is empty")
     if len(value) > MAX_KEY_LENGTH:

@@ -149,7 +149,8 @@ def _serve(command: list[str], port: int, extra_env: dict[str, str] | None) -> I
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"{command[2]} exited during start-up")
-            if request(base_url, "GET", "/charges/", timeout=2).status:
+            # 200 only: a 500 here means the server reached the wrong database.
+            if request(base_url, "GET", "/charges/", timeout=2).status == 200:
                 break
             time.sleep(0.1)
         else:

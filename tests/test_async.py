@@ -82,7 +82,7 @@ def test_async_view_5xx_rolls_back_its_async_writes(async_client):
 
 
 @pytest.fixture(scope="module")
-def asgi_server(django_db_blocker):
+def asgi_server(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock(), uvicorn() as url:
         yield url
 

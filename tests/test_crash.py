@@ -22,7 +22,7 @@ CHARGE = {"amount": 250, "currency": "EUR"}
 
 
 @pytest.fixture(scope="module")
-def server(django_db_blocker):
+def server(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock(), gunicorn(workers=2) as url:
         yield url
 

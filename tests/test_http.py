@@ -447,3 +447,18 @@ def test_store_unavailable_is_503_and_nothing_runs(anon_api, unreachable_store):
     assert response["Retry-After"]
     assert body["status"] == 503
     assert ProviderCall.objects.using("provider").count() == 0
+
+
+def test_overlong_or_nul_accounts_are_stored_by_their_hash(anon_api):
+    key = new_key()
+    long_tenant = "t" * 300
+    first = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": long_tenant})
+    retry = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": long_tenant})
+    other = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": "t" * 301})
+    assert first.status_code == 201
+    assert retry["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in other
+    accounts = set(IdempotencyRecord.objects.values_list("account", flat=True))
+    assert len(accounts) == 2
+    assert all(a.startswith("sha256:") and len(a) == 71 for a in accounts)
+    assert Charge.objects.count() == 2

@@ -16,6 +16,7 @@ from django_idempotency.keys import InvalidKey, header_meta_name, parse_key
         ('"with\\"quote"', 'with"quote'),
         ('"back\\\\slash"', "back\\slash"),
         ("~!#$%&'*+-.^_`|", "~!#$%&'*+-.^_`|"),
+        ('"with,comma"', "with,comma"),
         ("a" * 255, "a" * 255),
     ],
 )
@@ -39,6 +40,8 @@ def test_valid_keys(raw, key):
         "del\x7f",
         '"bad\\escape"',
         '"inner"quote"',
+        "k1,k1",
+        "k1, k2",
     ],
 )
 def test_invalid_keys(raw):
@@ -58,6 +61,10 @@ def test_meta_name():
 def test_every_printable_key_round_trips_bare(key):
     if key.startswith('"') and key.endswith('"') and len(key) >= 2:
         return  # that is the structured-field form, covered below
+    if "," in key:
+        with pytest.raises(InvalidKey):
+            parse_key(key)  # a header sent twice, joined by the server
+        return
     assert parse_key(key) == key
 
 
