@@ -5,40 +5,68 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('django_idempotency', '0001_initial'),
+        ("django_idempotency", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='IdempotencyAuditRecord',
+            name="IdempotencyAuditRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('record_id', models.BigIntegerField(help_text='The id the record had in its own table.')),
-                ('account', models.CharField(max_length=255)),
-                ('operation', models.CharField(max_length=255)),
-                ('key', models.CharField(max_length=255)),
-                ('request_hash', models.CharField(max_length=64)),
-                ('fingerprint_version', models.CharField(max_length=64)),
-                ('status', models.CharField(choices=[('in_progress', 'in progress'), ('completed', 'completed'), ('failed', 'failed')], max_length=16)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('recovery_policy', models.CharField(max_length=255)),
-                ('recovery_attempts', models.PositiveIntegerField()),
-                ('response_status', models.PositiveSmallIntegerField(blank=True, null=True)),
-                ('response_headers', models.JSONField(blank=True, default=list)),
-                ('response_body', models.BinaryField(blank=True, null=True)),
-                ('created_at', models.DateTimeField()),
-                ('completed_at', models.DateTimeField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField()),
-                ('archived_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('reason', models.CharField(choices=[('purged', 'purged'), ('replaced', 'replaced by a new request')], max_length=16)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "record_id",
+                    models.BigIntegerField(help_text="The id the record had in its own table."),
+                ),
+                ("account", models.CharField(max_length=255)),
+                ("operation", models.CharField(max_length=255)),
+                ("key", models.CharField(max_length=255)),
+                ("request_hash", models.CharField(max_length=64)),
+                ("fingerprint_version", models.CharField(max_length=64)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("in_progress", "in progress"),
+                            ("completed", "completed"),
+                            ("failed", "failed"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("recovery_policy", models.CharField(max_length=255)),
+                ("recovery_attempts", models.PositiveIntegerField()),
+                ("response_status", models.PositiveSmallIntegerField(blank=True, null=True)),
+                ("response_headers", models.JSONField(blank=True, default=list)),
+                ("response_body", models.BinaryField(blank=True, null=True)),
+                ("created_at", models.DateTimeField()),
+                ("completed_at", models.DateTimeField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField()),
+                ("archived_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "reason",
+                    models.CharField(
+                        choices=[("purged", "purged"), ("replaced", "replaced by a new request")],
+                        max_length=16,
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'idempotency audit record',
-                'verbose_name_plural': 'idempotency audit records',
-                'db_table': 'django_idempotency_audit',
-                'indexes': [models.Index(fields=['archived_at'], name='idempotency_audit_arch_idx'), models.Index(fields=['account', 'operation', 'key'], name='idempotency_audit_key_idx')],
+                "verbose_name": "idempotency audit record",
+                "verbose_name_plural": "idempotency audit records",
+                "db_table": "django_idempotency_audit",
+                "indexes": [
+                    models.Index(fields=["archived_at"], name="idempotency_audit_arch_idx"),
+                    models.Index(
+                        fields=["account", "operation", "key"], name="idempotency_audit_key_idx"
+                    ),
+                ],
             },
         ),
     ]
