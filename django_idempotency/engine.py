@@ -358,6 +358,12 @@ class _Attempt:
             self._recovered(name, "retried")
             return None
         answer = _rendered(answer)
+        if not is_storable(answer):
+            # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:
+            # the client gets it, the claim is released, and the next retry asks again.
+            self._release(state.id, state.lease_token)
+            self._recovered(name, "released")
+            return answer
         if not self._finish(state.id, state.lease_token, answer, store.COMPLETED):
             return self._lease_lost()
         self._recovered(name, "completed")

@@ -11,6 +11,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 from django.db.models import F, Q
 
+from django_idempotency import conf
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 
 # The statements below compare against the stored strings; RecordStatus names them too.
@@ -239,7 +241,7 @@ def _claim_once(alias: str, request: ClaimRequest) -> ClaimResult:
     token = uuid.uuid4()
     connection = connections[alias]
     attempt = _postgres_claim if connection.vendor == "postgresql" else _portable_claim
-    state = attempt(alias, request, token)
+    state = _archiving(attempt, alias, request, token)
     if state is None:
         # The conflicting row was committed after our statement's snapshot was taken;
         # a fresh read sees it.
@@ -252,6 +254,24 @@ def _claim_once(alias: str, request: ClaimRequest) -> ClaimResult:
     if state is None:
         raise IntegrityError("the idempotency record vanished twice during one claim")
     return ClaimResult(state=state, claimed=state.lease_token == token)
+
+
+def _archiving(
+    attempt: Callable[[str, ClaimRequest, uuid.UUID], RecordState | None],
+    alias: str,
+    request: ClaimRequest,
+    token: uuid.UUID,
+) -> RecordState | None:
+    if not conf.audit():
+        return attempt(alias, request, token)
+    # With the audit trail on, an expired record this claim replaces is first copied to it,
+    # in the same transaction: the copy locks the expired row, so a racing claim of the same
+    # key waits for this one and then finds nothing expired to copy.
+    with transaction.atomic(using=alias):
+        IdempotencyRecord.objects.using(alias).archive_expired(
+            request.account, request.operation, request.key, now=request.now
+        )
+        return attempt(alias, request, token)
 
 
 def fetch(alias: str, account: str, operation: str, key: str) -> RecordState | None:

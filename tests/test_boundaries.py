@@ -73,10 +73,6 @@ def test_audit_retention_boundary(moment, purged, settings):
 
 
 @pytest.mark.django_db(transaction=True, databases="__all__")
-@pytest.mark.xfail(
-    strict=True,
-    reason="store.claim must call IdempotencyRecord.objects.archive_expired (see the README)",
-)
 def test_a_request_reusing_a_key_after_the_ttl_archives_the_record_it_replaces(api, settings):
     settings.IDEMPOTENCY = {"AUDIT": True, "TTL": timedelta(hours=1)}
     # The URLconf (and what it imports) is loaded before the clock is frozen: some C

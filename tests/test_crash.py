@@ -114,3 +114,17 @@ def test_callable_policy_returning_none_retries(server, user):
     assert answer.status == 201
     assert Charge.objects.count() == 1
     assert ProviderCharge.objects.count() == 1
+
+
+def test_callable_policy_answering_5xx_releases_the_claim(server, user):
+    headers = {**session_headers(user), "Idempotency-Key": "down-" + new_key()}
+    path = "/charges/callable-policy/"
+    record = crash(server, path, headers, "after-provider")
+    wait_for_lease(record)
+    answer = retry_until_answered(server, path, headers)
+    assert answer.status == 503
+    assert not IdempotencyRecord.objects.exists()  # released, not stored for replay
+    again = retry_until_answered(server, path, headers)
+    assert again.status == 201
+    assert Charge.objects.count() == 1
+    assert ProviderCharge.objects.count() == 1  # the provider deduplicated the second call

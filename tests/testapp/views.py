@@ -108,6 +108,8 @@ def recover_by_asking_provider(record):  # type: ignore[no-untyped-def]
     """A recovery callable: answers from our own Charge table when it holds the outcome."""
     if record.key.startswith("known-"):
         return JsonResponse({"recovered": record.key}, status=200)
+    if record.key.startswith("down-"):
+        return JsonResponse({"provider": "unreachable"}, status=503)
     return None
 
 
