@@ -38,7 +38,14 @@ def problem(response, code: str, status: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "path", ["/charges/", "/cbv/charges/", drf("/api/charges/"), drf("/api/fn-charges/")]
+    "path",
+    [
+        "/charges/",
+        "/cbv/charges/",
+        drf("/api/charges/"),
+        drf("/api/fn-charges/"),
+        drf("/api/generic-charges/"),
+    ],
 )
 def test_retry_replays_identical_bytes_and_runs_once(api, path):
     key = new_key()
@@ -370,8 +377,10 @@ def test_operation_names(api):
     api.post("/api/charges/", CHARGE, key=new_key())
     api.post("/api/fn-charges/", CHARGE, key=new_key())
     api.post("/api/custom/", {}, key=new_key(), headers={"X-Tenant": "t"})
+    api.post("/api/generic-charges/", CHARGE, key=new_key())
     assert set(IdempotencyRecord.objects.values_list("operation", flat=True)) == {
         "charge.create",
+        "POST api/generic-charges/",
         "POST api/fn-charges/",
         "custom.op",
     }

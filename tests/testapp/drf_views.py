@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import permissions, serializers, status, viewsets
+from rest_framework import generics, permissions, serializers, status, viewsets
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -86,3 +86,18 @@ def api_charge(request: Request) -> Response:
     )
     serializer.save(account=request.idempotency.account, provider_charge=str(provider_id))
     return Response(serializer.data, status=status.HTTP_201_CREATED)
+
+
+class GenericChargeCreateView(IdempotencyMixin, generics.CreateAPIView):
+    """A generic view: the operation is the route and the method."""
+
+    serializer_class = ChargeSerializer
+
+    def perform_create(self, serializer: Any) -> None:
+        context = self.request.idempotency
+        provider_id = provider.charge(
+            context.downstream_key("provider"),
+            serializer.validated_data["amount"],
+            serializer.validated_data["currency"],
+        )
+        serializer.save(account=context.account, provider_charge=str(provider_id))

@@ -37,5 +37,6 @@ if settings.HAS_DRF:
     urlpatterns += [
         path("api/", include(router.urls)),
         path("api/custom/", drf_views.CustomOperationAPIView.as_view()),
+        path("api/generic-charges/", drf_views.GenericChargeCreateView.as_view()),
         path("api/fn-charges/", drf_views.api_charge),
     ]
