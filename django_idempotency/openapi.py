@@ -45,9 +45,10 @@ DOCUMENTED_STATUSES = (400, 409, 422, 503)
 # Answers that tell the client when to come back.
 _RETRY_AFTER_STATUSES = frozenset({409, 503})
 
-#: The documented form of a key: printable ASCII, not starting with ``"`` (a key sent as a
-#: structured-field string, ``"abc"``, is accepted too but not described by the pattern).
-KEY_PATTERN = "^[!#-~][!-~]*$"
+#: The documented form of a key: printable ASCII without ``,`` (a header sent twice arrives
+#: comma-joined), not starting with ``"`` (a key sent as a structured-field string,
+#: ``"abc"``, is accepted too but not described by the pattern).
+KEY_PATTERN = r"^[\x21\x23-\x2B\x2D-\x7E][\x21-\x2B\x2D-\x7E]*$"
 
 _KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
 
@@ -94,15 +95,14 @@ def key_parameter(required: bool) -> dict[str, Any]:
             "One key per logical operation: make it when the user acts (a UUID is fine) and "
             "send the same key with every retry of that operation. A retry gets the original "
             f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
-            "printable ASCII characters without spaces; it may also be sent as a "
+            "printable ASCII characters without spaces or commas; it may also be sent as a "
             'structured-field string (`"..."`).'
         ),
         "schema": {
             "type": "string",
             "minLength": 1,
             "maxLength": MAX_KEY_LENGTH,
-            # Printable ASCII without space, not starting with a double quote: the bare form,
-            # every value of which the server accepts as it is.
+            # The bare form: every value of it the server accepts as it is.
             "pattern": KEY_PATTERN,
         },
         "example": _KEY_EXAMPLE,
