@@ -18,3 +18,6 @@ class IdempotencyConfig(AppConfig):
 
         if importlib.util.find_spec("prometheus_client") is not None:
             from django_idempotency import metrics  # noqa: F401  (connects the receivers)
+
+        if importlib.util.find_spec("drf_spectacular") is not None:
+            from django_idempotency import openapi  # noqa: F401  (registers the extension)

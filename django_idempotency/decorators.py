@@ -4,6 +4,7 @@ and, through ``method_decorator``, class-based views."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -15,6 +16,11 @@ from django.http.response import HttpResponseBase
 from django_idempotency import engine
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
+
+
+@functools.cache
+def _has_spectacular() -> bool:
+    return importlib.util.find_spec("drf_spectacular") is not None
 
 
 def _is_drf_request(request: Any) -> bool:
@@ -113,6 +119,13 @@ def idempotent(
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
         wrapper.__dict__["_non_atomic_requests"] = engine.IdempotencyDatabase(existing)
+        if _has_spectacular() and "schema" not in wrapper.__dict__:
+            # DRF's @api_view copies the function's `schema` onto the view class it makes:
+            # drf-spectacular then documents the key header and the problem answers. (A
+            # schema the view already has, e.g. DRF's @schema(None), is left as it is.)
+            from django_idempotency.openapi import IdempotentViewSchema
+
+            wrapper.__dict__["schema"] = IdempotentViewSchema(options)
         return wrapper  # type: ignore[return-value]
 
     if view is not None:

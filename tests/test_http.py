@@ -471,3 +471,18 @@ def test_overlong_or_nul_accounts_are_stored_by_their_hash(anon_api):
     assert len(accounts) == 2
     assert all(a.startswith("sha256:") and len(a) == 71 for a in accounts)
     assert Charge.objects.count() == 2
+
+
+def test_keys_and_accounts_are_case_sensitive(anon_api):
+    """On MySQL/MariaDB too, where default collations ignore case."""
+    key = "Case-" + new_key()
+    lower = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": "acme"})
+    upper_key = anon_api.post(
+        "/charges/tenant/", CHARGE, key=key.upper(), headers={"X-Tenant": "acme"}
+    )
+    upper_account = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": "ACME"})
+    for response in (lower, upper_key, upper_account):
+        assert response.status_code == 201
+        assert "Idempotent-Replayed" not in response
+    assert Charge.objects.count() == 3
+    assert IdempotencyRecord.objects.count() == 3

@@ -28,20 +28,11 @@ from rest_framework import generics, serializers, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-# Registers the extension. The app's ready() does it too once apps.py is wired; importing it
-# here as well keeps the mixin tests independent of that.
 from django_idempotency import openapi, problems
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.keys import MAX_KEY_LENGTH, parse_key
 from tests.live import ROOT
 from tests.testapp import drf_views
-
-# Until decorators.py and apps.py carry the hand-over diff, the decorator path and the loading
-# from ready() are not wired, and these tests fail; strict, so that they fail loudly once the
-# wiring is in: delete the marker then.
-awaiting_wiring = pytest.mark.xfail(
-    strict=True, reason="decorators.py and apps.py do not load the OpenAPI extension yet"
-)
 
 SPECTACULAR = "drf_spectacular.openapi.AutoSchema"
 PROBLEM_REF = {"$ref": f"#/components/schemas/{openapi.PROBLEM_COMPONENT}"}
@@ -182,7 +173,6 @@ def test_the_mixins_docstring_never_describes_a_view() -> None:
 # --- @api_view + @idempotent ------------------------------------------------------------------
 
 
-@awaiting_wiring
 def test_decorated_api_view_documents_the_key() -> None:
     operation = operation_of(generate(api_view=True), "/api/fn-charges/", "post")
     (parameter,) = key_parameters(operation)
@@ -192,7 +182,6 @@ def test_decorated_api_view_documents_the_key() -> None:
     }
 
 
-@awaiting_wiring
 def test_decorated_api_view_keeps_drf_own_schema_class() -> None:
     # A project on DRF's own schema generation is untouched by drf-spectacular's presence.
     from rest_framework.schemas.openapi import AutoSchema as DrfAutoSchema
@@ -205,7 +194,6 @@ def test_decorated_api_view_keeps_drf_own_schema_class() -> None:
     assert isinstance(view.schema, openapi.IdempotencyAutoSchema)
 
 
-@awaiting_wiring
 def test_ready_loads_the_extension() -> None:
     code = "import sys, django; django.setup(); print('django_idempotency.openapi' in sys.modules)"
     result = subprocess.run(
