@@ -26,7 +26,7 @@ client_module = pytest.importorskip(
 from example_project.client import ChargeError, create_charge  # noqa: E402
 from tests.live import ROOT, free_port  # noqa: E402
 
-GUIDE = ROOT / "docs" / "fragments" / "client-guide.md"
+GUIDE = ROOT / "README.md"
 CLIENT = ROOT / "example_project" / "client.py"
 
 # How long the example's fake payment provider takes; the impatient client gives up sooner.
