@@ -233,8 +233,10 @@ def tenant_account(request: HttpRequest) -> str | None:
 
 
 def _is_completion(sql: str) -> bool:
-    # Only store.finish writes completed_at on the record table.
-    return sql.startswith('UPDATE "django_idempotency_record"') and '"completed_at"' in sql
+    # Only store.finish writes completed_at on the record table. (Names are quoted with " on
+    # PostgreSQL and SQLite, with ` on MySQL/MariaDB.)
+    plain = sql.replace("`", "").replace('"', "")
+    return plain.startswith("UPDATE django_idempotency_record") and "completed_at" in plain
 
 
 def arm_completion(request: HttpRequest) -> None:
