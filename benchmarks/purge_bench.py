@@ -128,6 +128,19 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
     Path(out).write_text(json.dumps(samples))
 
 
+def server_counters() -> dict[str, int]:
+    """The server's WAL position and checkpoint count: a purge writes WAL for every row."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn,"
+            " checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+        )
+        wal, checkpoints = cursor.fetchone()
+    return {"wal": int(wal), "checkpoints": int(checkpoints)}
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -158,6 +171,7 @@ def run(rows: int, batch_size: int, baseline: float, rate: float) -> dict[str, A
     try:
         time.sleep(baseline)
         batch_ends: list[float] = []
+        before = server_counters()
         purge_started = time.time()
         clock_started = time.perf_counter()
         result = purge_expired(
@@ -165,13 +179,14 @@ def run(rows: int, batch_size: int, baseline: float, rate: float) -> dict[str, A
         )
         purge_seconds = time.perf_counter() - clock_started
         purge_ended = time.time()
+        after = server_counters()
         time.sleep(1.0)
     finally:
         Path(stop_file).touch()
         process.wait(timeout=60)
     samples = json.loads(Path(out).read_text())
     batches = [b - a for a, b in zip([clock_started, *batch_ends], batch_ends, strict=False)]
-    before = [s for s in samples if s[0] < purge_started]
+    no_purge = [s for s in samples if s[0] < purge_started]
     during = [s for s in samples if purge_started <= s[0] <= purge_ended]
 
     def split(chosen: list[Any]) -> dict[str, Any]:
@@ -192,8 +207,13 @@ def run(rows: int, batch_size: int, baseline: float, rate: float) -> dict[str, A
         "longest_batch_ms": result.longest_batch_seconds * 1000,
         "batch_p50_ms": statistics.median(batches) * 1000 if batches else float("nan"),
         "batch_p99_ms": percentile(batches, 99) * 1000,
+        # (batch number, ms) of every batch over 100 ms: where in the run they happen.
+        "slow_batches": [(i + 1, round(b * 1000, 1)) for i, b in enumerate(batches) if b > 0.1],
         "claim_rate": rate,
-        "claims_no_purge": split(before),
+        "claims_no_purge": split(no_purge),
+        # What PostgreSQL did meanwhile (the whole server: other databases' work counts too).
+        "wal_mb": (after["wal"] - before["wal"]) / 2**20,
+        "checkpoints": after["checkpoints"] - before["checkpoints"],
         "claims_during_purge": split(during),
     }
 

@@ -348,7 +348,9 @@ def server(data: dict[str, Any], plan: dict[str, Any]) -> str:
         "(rotating order) after a warm-up. Replays cycle through "
         f"{plan['replay_keys']} keys created beforehand. Ratios are to the plain endpoint's "
         "first requests of the same round; the median ratio is shown with the spread of the "
-        "rounds. Requests per second are the median of the rounds.\n\n"
+        "rounds. Requests per second count only 2xx answers (the median of the rounds); "
+        '"non-2xx" are the other answers of all rounds together (django-idempotency-key '
+        "answers 423 Locked when its global Redis lock is busy for 0.1 s).\n\n"
         + table(
             [
                 "variant",
@@ -432,6 +434,8 @@ def purge(data: list[dict[str, Any]], plan: dict[str, Any]) -> str:
                 f"{ms(none['new']['p99_ms'])} / {ms(during['new']['p99_ms'])}",
                 f"{ms(none['expired']['p99_ms'])} / {ms(during['expired']['p99_ms'])}",
                 f"{none['all']['n']} / {during['all']['n']}",
+                ", ".join(f"#{n}: {ms(t)}" for n, t in p.get("slow_batches", [])) or "none",
+                f"{p['wal_mb']:,.0f} MB, {p['checkpoints']}" if "wal_mb" in p else "–",
             ]
         )
     return (
@@ -457,6 +461,8 @@ def purge(data: list[dict[str, Any]], plan: dict[str, Any]) -> str:
                 "p99 new keys",
                 "p99 expired keys",
                 "claims",
+                "batches over 100 ms",
+                "WAL written, checkpoints (whole server)",
             ],
             rows,
         )
