@@ -7,6 +7,7 @@ lease token. Nothing here relies on process memory or a local lock.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -17,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
-from django.db.models import F, Q
+from django.db.models import F, Field, Q
 
 from django_idempotency import conf
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -133,20 +134,29 @@ def _table() -> str:
     return IdempotencyRecord._meta.db_table
 
 
-def _postgres_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> RecordState | None:
-    # One statement claims a new key, takes over an expired record or a stale lease of the
-    # same request, or hands back the existing row. The unique index picks the winner.
+@functools.lru_cache(maxsize=8)
+def _postgres_claim_sql(alias: str, columns: tuple[str, ...]) -> str:
+    """The claim statement, built once per database: it depends only on the table."""
     connection = connections[alias]
     quote = connection.ops.quote_name
-    row = request.new_row(token)
-    columns = list(row)
-    table = quote(_table())
+    table = _table()
+    fields = {f.column: f for f in IdempotencyRecord._meta.concrete_fields}
+    # Cast every value: they come through a SELECT, not VALUES, so PostgreSQL cannot take
+    # their types from the target columns.
+    values = ", ".join(f"CAST(%({c})s AS {fields[c].db_type(connection)})" for c in columns)
     takeover = (
         "(t.expires_at <= EXCLUDED.created_at AND "
         " (t.status <> 'in_progress' OR t.lease_expires_at <= EXCLUDED.created_at))"
         " OR (t.status = 'in_progress' AND t.lease_expires_at <= EXCLUDED.created_at"
         "     AND (t.request_hash = EXCLUDED.request_hash"
         "          OR t.fingerprint_version <> EXCLUDED.fingerprint_version))"
+    )
+    # The same condition on the stored row, with the claim's own values as parameters.
+    replaceable = (
+        "COALESCE((expires_at <= %(now)s AND"
+        " (status <> 'in_progress' OR lease_expires_at <= %(now)s))"
+        " OR (status = 'in_progress' AND lease_expires_at <= %(now)s"
+        "     AND (request_hash = %(hash)s OR fingerprint_version <> %(version)s)), false)"
     )
     updates = [f"{quote(c)} = EXCLUDED.{quote(c)}" for c in columns if c != "recovery_attempts"]
     # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
@@ -157,24 +167,32 @@ def _postgres_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> Reco
     returning = ", ".join(
         "response_headers::text" if c == "response_headers" else quote(c) for c in _STATE_COLUMNS
     )
-    sql = (
-        f"WITH claim AS ("
-        f" INSERT INTO {table} AS t ({', '.join(quote(c) for c in columns)})"
-        f" VALUES ({', '.join(['%s'] * len(columns))})"
+    # ``live``: a record this claim may not replace (a completed one inside its TTL, a live
+    # lease). Then nothing is inserted: the INSERT's ON CONFLICT would lock that row (it
+    # locks the conflicting row even when its WHERE is false), so a replay would take a
+    # transaction id, write WAL, flush it at commit and queue behind concurrent replays.
+    return (
+        f"WITH live AS (SELECT {returning} FROM {quote(table)}"
+        f" WHERE account = %(account)s AND operation = %(operation)s AND key = %(key)s"
+        f" AND NOT {replaceable}),"
+        f" claim AS ("
+        f" INSERT INTO {quote(table)} AS t ({', '.join(quote(c) for c in columns)})"
+        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM live)"
         f" ON CONFLICT (account, operation, key) DO UPDATE SET {', '.join(updates)}"
         f" WHERE {takeover}"
         f" RETURNING {returning})"
-        f" SELECT {returning} FROM claim"
-        f" UNION ALL SELECT {returning} FROM {table}"
-        f" WHERE account = %s AND operation = %s AND key = %s"
-        f" AND NOT EXISTS (SELECT 1 FROM claim)"
+        f" SELECT {returning} FROM claim UNION ALL SELECT {returning} FROM live"
     )
-    params = [
-        json.dumps(value) if name == "response_headers" else value for name, value in row.items()
-    ]
-    params += [request.account, request.operation, request.key]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+
+
+def _postgres_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> RecordState | None:
+    # One statement claims a new key, takes over an expired record or a stale lease of the
+    # same request, or hands back the existing row. The unique index picks the winner.
+    row = request.new_row(token)
+    params = {**row, "response_headers": json.dumps(row["response_headers"])}
+    params.update(now=request.now, hash=request.request_hash, version=request.fingerprint_version)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_postgres_claim_sql(alias, tuple(row)), params)
         result = cursor.fetchone()
     return RecordState.from_row(result) if result is not None else None
 
@@ -291,6 +309,18 @@ def _owned(alias: str, record_id: int, token: uuid.UUID) -> Any:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _finish_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
+    cleared = ("lease_token", "lease_expires_at")
+    assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
+    return (
+        f"UPDATE {q(_table())} SET {', '.join(assignments)}"
+        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
+    )
+
+
 def finish(
     alias: str,
     record_id: int,
@@ -302,17 +332,30 @@ def finish(
     response_body: bytes,
     now: datetime,
 ) -> bool:
-    """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
-    updated = _owned(alias, record_id, token).update(
-        status=status,
-        response_status=response_status,
-        response_headers=response_headers,
-        response_body=response_body,
-        lease_token=None,
-        lease_expires_at=None,
-        completed_at=now,
-    )
-    return bool(updated)
+    """Store the outcome, fenced by the lease token. ``False``: the lease was lost.
+
+    One statement built once: the ORM's UPDATE costs more to compile than to run.
+    """
+    connection = connections[alias]
+
+    def prepared(name: str, value: Any) -> Any:
+        field = IdempotencyRecord._meta.get_field(name)
+        assert isinstance(field, Field)
+        return field.get_db_prep_save(value, connection)
+
+    params = [
+        status,
+        response_status,
+        prepared("response_headers", response_headers),
+        prepared("response_body", response_body),
+        prepared("completed_at", now),
+        record_id,
+        prepared("lease_token", token),
+        IN_PROGRESS,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_finish_sql(alias), params)
+        return int(cursor.rowcount) > 0
 
 
 def release(alias: str, record_id: int, token: uuid.UUID) -> bool:

@@ -236,8 +236,9 @@ def test_statement_timeout_in_the_view(server, pg):
 
 
 def test_statement_timeout_in_the_claim_fails_closed(server, pg):
-    """A claim that waits on a row lock (here the test's; in production a long transaction)
-    times out: ``503``, nothing runs, and the replay works once the lock is gone."""
+    """A claim that waits on a lock (here the test's lock on the table; in production a long
+    transaction or a migration) times out: ``503``, nothing runs, and the replay works once
+    the lock is gone. A row lock would not do: a replay reads the record without locking it."""
     caller = Caller.new()
     first = request(server, "POST", RETRY_PATH, CHARGE, caller.headers())
     assert first.status == 201
@@ -246,10 +247,8 @@ def test_statement_timeout_in_the_claim_fails_closed(server, pg):
     )
     with pg.connect() as locker:
         locker.autocommit = False
-        locker.execute(
-            "SELECT 1 FROM django_idempotency_record WHERE account = %s FOR UPDATE",
-            [caller.tenant],
-        )
+        # SHARE conflicts with the ROW EXCLUSIVE lock every claim statement takes.
+        locker.execute("LOCK TABLE django_idempotency_record IN SHARE MODE")
         blocked = request(server, "POST", RETRY_PATH, CHARGE, caller.headers())
         assert_problem(blocked, 503, "idempotency_store_unavailable")
         locker.rollback()
