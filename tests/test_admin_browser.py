@@ -113,3 +113,52 @@ def test_log_in_filter_by_status_and_open_a_record(records, live_server, browser
     shot = tmp_path / "record.png"
     page.screenshot(path=shot, full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+# --- the example project's own admin ------------------------------------------------------
+
+try:  # the example project's server fixture, shared with the client guide's tests
+    from tests.test_client_guide import example
+except (ImportError, pytest.skip.Exception):
+
+    @pytest.fixture(scope="module")
+    def example() -> None:
+        pytest.skip("the example project is not here (tox tests the wheel)")
+
+
+def test_the_example_projects_admin_in_a_browser(example, browser, tmp_path):
+    """Log in to the example project's admin, list the records, filter, open one."""
+    import httpx
+
+    charge = {"amount": 1234, "currency": "EUR"}
+    headers = {"Idempotency-Key": "browser-" + os.urandom(8).hex()}
+    with httpx.Client(base_url=example.url, auth=("demo", "demo"), timeout=30) as client:
+        created = client.post("/api/charges/", json=charge, headers=headers)
+        assert created.status_code == 201
+        replayed = client.post("/api/charges/", json=charge, headers=headers)
+        assert replayed.headers["Idempotent-Replayed"] == "true"
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(15_000)
+    page.route("**/static/**", serve_admin_static)
+    changelist = "/admin/django_idempotency/idempotencyrecord/"
+    page.goto(f"{example.url}/admin/login/?next={changelist}")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{changelist}")
+
+    page.locator("#changelist-filter a", has_text="completed").first.click()
+    page.wait_for_url("**status__exact=completed**")
+    rows = page.locator("#result_list tbody tr", has_text=headers["Idempotency-Key"])
+    assert rows.count() == 1
+    page.screenshot(path=tmp_path / "example-changelist.png", full_page=True)
+
+    rows.first.locator("th a").click()
+    page.wait_for_url("**/change/**")
+    body = page.locator("pre.idempotency-body").inner_text()
+    assert '"amount": 1234' in body
+    assert page.locator("input[name=_save]").count() == 0
+    shot = tmp_path / "example-record.png"
+    page.screenshot(path=shot, full_page=True)
+    assert shot.stat().st_size > 10_000
