@@ -236,7 +236,10 @@ class _Attempt:
             ),
         )
 
-    def run(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+    def run(
+        self, call_view: Callable[[], HttpResponseBase], allow_wait: bool = True
+    ) -> HttpResponseBase:
+        """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
             result = self._claim()
         except DatabaseError:
@@ -248,7 +251,7 @@ class _Attempt:
             )
         if result.claimed:
             return self._owned(result, call_view)
-        return self._existing(result.state, call_view, allow_wait=True)
+        return self._existing(result.state, call_view, allow_wait=allow_wait)
 
     def _existing(
         self,
@@ -271,18 +274,7 @@ class _Attempt:
             if waited is not None:
                 return waited
             # The record moved on: go through the claim once more, without waiting again.
-            try:
-                result = self._claim()
-            except DatabaseError:
-                logger.exception("idempotency store unavailable during the claim")
-                return _problem(
-                    problems.STORE_UNAVAILABLE,
-                    "The request was not run because its idempotency key could not be recorded.",
-                    retry_after=conf.retry_after(),
-                )
-            if result.claimed:
-                return self._owned(result, call_view)
-            return self._existing(result.state, call_view, allow_wait=False)
+            return self.run(call_view, allow_wait=False)
         self._send(signals.request_conflicted)
         return _problem(
             problems.KEY_IN_USE,
