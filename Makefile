@@ -50,7 +50,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi]" --group dev
+	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja]" --group dev
 	touch $@
 
 install: $(STAMP)

@@ -136,7 +136,8 @@ def document_operation(
     required = conf.required() if options.required is None else options.required
     header = conf.header()
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    if not any(
+    # A key taken from elsewhere (options.key) is not this header.
+    if options.key is None and not any(
         p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()
         for p in parameters
     ):

@@ -34,6 +34,7 @@ FAIL = "fail"
 Recovery = str | Callable[[IdempotencyRecord], HttpResponseBase | None]
 Resolver = Callable[[Any], str | None]
 Fingerprint = Callable[[Any], str]
+KeySource = Callable[[Any], str | None]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Options:
     account: Resolver | str | None = None
     fingerprint: Fingerprint | str | None = None
     methods: tuple[str, ...] | None = None
+    key: KeySource | str | None = None
 
     def protects(self, method: str | None) -> bool:
         allowed = frozenset(m.upper() for m in self.methods) if self.methods else conf.methods()
@@ -156,7 +158,11 @@ def handle(
     if not options.protects(inner.method):
         return _with_atomic_requests(alias, call_view)
     header = conf.header()
-    raw = inner.META.get(header_meta_name(header))
+    raw = (
+        conf.resolve_callable(options.key)(request)
+        if options.key
+        else inner.META.get(header_meta_name(header))
+    )
     if raw is None:
         required = conf.required() if options.required is None else options.required
         if required:
