@@ -243,9 +243,10 @@ def test_missing_key_is_400(api, path):
     assert not IdempotencyRecord.objects.exists()
 
 
+@pytest.mark.parametrize("path", ["/charges/", ninja("/ninja/charges")])
 @pytest.mark.parametrize("key", ["", " ", "x" * 256, "caf\u00e9".encode().decode("latin-1"), "a b"])
-def test_malformed_key_is_400(api, key):
-    problem(api.post("/charges/", CHARGE, key=key), "idempotency_key_invalid", 400)
+def test_malformed_key_is_400(api, key, path):
+    problem(api.post(path, CHARGE, key=key), "idempotency_key_invalid", 400)
     assert Charge.objects.count() == 0
     assert not IdempotencyRecord.objects.exists()
 
@@ -257,14 +258,15 @@ def test_structured_field_string_is_the_same_key(api):
     assert Charge.objects.count() == 1
 
 
-def test_key_not_required_runs_unprotected_without_a_record(api):
-    assert api.post("/charges/optional/", CHARGE).status_code == 201
-    assert api.post("/charges/optional/", CHARGE).status_code == 201
+@pytest.mark.parametrize("path", ["/charges/optional/", ninja("/ninja/charges/optional")])
+def test_key_not_required_runs_unprotected_without_a_record(api, path):
+    assert api.post(path, CHARGE).status_code == 201
+    assert api.post(path, CHARGE).status_code == 201
     assert Charge.objects.count() == 2
     assert not IdempotencyRecord.objects.exists()
     key = new_key()
-    api.post("/charges/optional/", CHARGE, key=key)
-    api.post("/charges/optional/", CHARGE, key=key)
+    api.post(path, CHARGE, key=key)
+    api.post(path, CHARGE, key=key)
     assert Charge.objects.count() == 3
 
 
