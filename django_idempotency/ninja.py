@@ -273,7 +273,9 @@ def _documentation(operation: _Protected) -> dict[str, Any]:
     apidocs.document_operation(
         described,
         operation.idempotency_options,
-        apidocs.problem_schema(apidocs.code_schema()),
+        # Written inline (ninja offers an operation no way to add a component), under the
+        # component's name for a reader and a code generator.
+        {**apidocs.problem_schema(apidocs.code_schema()), "title": apidocs.PROBLEM_COMPONENT},
     )
     return {
         "parameters": described["parameters"][len(own_parameters) :],

@@ -10,11 +10,12 @@ import pytest
 
 pytest.importorskip("ninja")
 
+from django.core.cache import cache
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import override_settings
 from ninja import NinjaAPI, Router
-from ninja.streaming import JSONL
+from ninja.security import django_auth
 
 from django_idempotency import problems
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -55,6 +56,28 @@ def test_wrong_password_is_refused_before_any_claim(user):
     assert response.status_code == 401
     assert not IdempotencyRecord.objects.exists()
     assert ProviderCall.objects.count() == 0
+
+
+def test_a_throttled_request_never_claims(api):
+    throttling = pytest.importorskip("ninja.throttling")
+    cache.clear()
+    router = Router()
+
+    @router.post("/throttled", throttle=throttling.UserRateThrottle("1/h"))
+    @idempotent(operation="throttled")
+    def throttled(request: Any) -> dict[str, bool]:
+        Charge.objects.create(account="throttled", amount=1, currency="EUR")
+        return {"ok": True}
+
+    local = NinjaAPI(urls_namespace="tests-ninja-throttle", auth=django_auth)
+    local.add_router("/", router)
+    with override_settings(ROOT_URLCONF=_urlconf(local)):
+        first = api.post("/throttled", {}, key=new_key())
+        second = api.post("/throttled", {}, key=new_key())
+    assert first.status_code == 200
+    assert second.status_code == 429  # ninja's answer, before any claim
+    assert IdempotencyRecord.objects.count() == 1
+    assert Charge.objects.count() == 1
 
 
 def test_account_is_the_user_ninja_authenticated(user):
@@ -231,10 +254,11 @@ def test_twice_is_refused():
 
 
 def test_a_streamed_operation_is_refused():
+    streaming = pytest.importorskip("ninja.streaming", reason="needs ninja's streamed responses")
     router = Router()
     with pytest.raises(ImproperlyConfigured, match="stream"):
 
-        @router.post("/stream", response=JSONL[int])
+        @router.post("/stream", response=streaming.JSONL[int])
         @idempotent
         def stream(request: Any) -> Any:
             yield 1
@@ -283,6 +307,7 @@ def test_schema_documents_every_protected_operation():
     assert responses["201"]["headers"]["Idempotent-Replayed"]["schema"]["enum"] == ["true"]
     for status in ("400", "409", "422", "503"):
         problem_schema = responses[status]["content"]["application/problem+json"]["schema"]
+        assert problem_schema["title"] == "IdempotencyProblem"
         assert problem_schema["required"] == ["type", "title", "status", "detail", "code"]
         assert problem_schema["properties"]["code"]["enum"] == [
             p.code for p in problems.ALL_PROBLEMS
