@@ -3,6 +3,7 @@ test_http.py, test_concurrency.py and test_async.py). Skipped where ninja is not
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -379,6 +380,8 @@ def test_schema_keeps_the_operations_own_openapi_extra():
 
 def test_schema_of_a_router_mounted_twice():
     """ninja clones a router's operations for each mount: both copies are protected."""
+    if "url_name_prefix" not in inspect.signature(NinjaAPI.add_router).parameters:
+        pytest.skip("this ninja mounts a router only once")
     router = Router()
 
     @router.post("/twice-mounted")
