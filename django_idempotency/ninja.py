@@ -147,6 +147,13 @@ def _protect(operation: Operation, options: engine.Options) -> None:
             f"{_name(operation)} streams its response, which cannot be stored for replay: "
             "a streamed operation cannot be idempotent."
         )
+    if "run" in operation.__dict__:
+        # A decorate_view() beneath @idempotent wrapped ninja's run already: that wrapper
+        # would call ninja's own run, not the protected one.
+        raise ImproperlyConfigured(
+            f"{_name(operation)} has a view decorator beneath @idempotent; put @idempotent "
+            "right beneath the route decorator, above @decorate_view(...)."
+        )
     base = type(operation)
     protected = _AsyncProtected if isinstance(operation, AsyncOperation) else _SyncProtected
     # One class per operation: its options travel with it through ninja's clone().

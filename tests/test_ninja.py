@@ -254,6 +254,43 @@ def test_twice_is_refused():
         def twice(request: Any) -> None: ...
 
 
+def test_view_decorators_go_above(api):
+    from ninja.decorators import decorate_view
+
+    def traced(run: Any) -> Any:
+        def wrapper(request: Any, **kw: Any) -> Any:
+            response = run(request, **kw)
+            response["X-Traced"] = "1"
+            return response
+
+        return wrapper
+
+    router = Router()
+    with pytest.raises(ImproperlyConfigured, match="view decorator beneath"):
+
+        @router.post("/beneath")
+        @idempotent
+        @decorate_view(traced)
+        def beneath(request: Any) -> None: ...
+
+    @router.post("/above-view-decorator")
+    @decorate_view(traced)
+    @idempotent(operation="traced")
+    def above(request: Any) -> dict[str, int]:
+        Charge.objects.create(account="traced", amount=1, currency="EUR")
+        return {"charges": Charge.objects.count()}
+
+    local = NinjaAPI(urls_namespace="tests-ninja-traced")
+    local.add_router("/", router)
+    with override_settings(ROOT_URLCONF=_urlconf(local)):
+        key = new_key()
+        first = api.post("/above-view-decorator", {}, key=key)
+        retry = api.post("/above-view-decorator", {}, key=key)
+    assert first["X-Traced"] == retry["X-Traced"] == "1"
+    assert retry["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+
+
 def test_a_streamed_operation_is_refused():
     streaming = pytest.importorskip("ninja.streaming", reason="needs ninja's streamed responses")
     router = Router()
