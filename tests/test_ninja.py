@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -70,9 +73,7 @@ def test_a_throttled_request_never_claims(api):
         Charge.objects.create(account="throttled", amount=1, currency="EUR")
         return {"ok": True}
 
-    local = NinjaAPI(urls_namespace="tests-ninja-throttle", auth=django_auth)
-    local.add_router("/", router)
-    with override_settings(ROOT_URLCONF=_urlconf(local)):
+    with served(router, auth=django_auth):
         first = api.post("/throttled", {}, key=new_key())
         second = api.post("/throttled", {}, key=new_key())
     assert first.status_code == 200
@@ -232,9 +233,7 @@ def test_above_the_route_decorator_too(api):
         Charge.objects.create(account="above", amount=1, currency="EUR")
         return {"charges": Charge.objects.count()}
 
-    local = NinjaAPI(urls_namespace="tests-ninja-above")
-    local.add_router("/", router)
-    with override_settings(ROOT_URLCONF=_urlconf(local)):
+    with served(router):
         key = new_key()
         first = api.post("/above", {}, key=key)
         retry = api.post("/above", {}, key=key)
@@ -280,9 +279,7 @@ def test_view_decorators_go_above(api):
         Charge.objects.create(account="traced", amount=1, currency="EUR")
         return {"charges": Charge.objects.count()}
 
-    local = NinjaAPI(urls_namespace="tests-ninja-traced")
-    local.add_router("/", router)
-    with override_settings(ROOT_URLCONF=_urlconf(local)):
+    with served(router):
         key = new_key()
         first = api.post("/above-view-decorator", {}, key=key)
         retry = api.post("/above-view-decorator", {}, key=key)
@@ -302,14 +299,19 @@ def test_a_streamed_operation_is_refused():
             yield 1
 
 
-def _urlconf(api: NinjaAPI) -> Any:
+@contextmanager
+def served(router: Router, **api_options: Any) -> Iterator[None]:
+    """``router`` on an API of its own, at the root of the URLs while the block runs."""
     from types import ModuleType
 
     from django.urls import path
 
-    module = ModuleType("ninja_test_urls")
-    module.urlpatterns = [path("", api.urls)]  # type: ignore[attr-defined]
-    return module
+    api = NinjaAPI(urls_namespace=f"tests-ninja-{uuid.uuid4().hex}", **api_options)
+    api.add_router("/", router)
+    urlconf = ModuleType("ninja_test_urls")
+    urlconf.urlpatterns = [path("", api.urls)]  # type: ignore[attr-defined]
+    with override_settings(ROOT_URLCONF=urlconf):
+        yield
 
 
 # -- the OpenAPI schema ----------------------------------------------------------------
