@@ -22,7 +22,7 @@ from django.utils.crypto import salted_hmac
 
 from django_idempotency import conf, problems, signals, store
 from django_idempotency.fingerprint import django_request, fingerprint_version
-from django_idempotency.keys import InvalidKey, header_meta_name, parse_key
+from django_idempotency.keys import InvalidKey, parse_key
 from django_idempotency.models import IdempotencyRecord
 
 logger = logging.getLogger("django_idempotency")
@@ -158,11 +158,9 @@ def handle(
     if not options.protects(inner.method):
         return _with_atomic_requests(alias, call_view)
     header = conf.header()
-    raw = (
-        conf.resolve_callable(options.key)(request)
-        if options.key
-        else inner.META.get(header_meta_name(header))
-    )
+    # request.headers, not META: test clients that build META themselves (ninja's) need not
+    # spell the WSGI name of the header.
+    raw = conf.resolve_callable(options.key)(request) if options.key else inner.headers.get(header)
     if raw is None:
         required = conf.required() if options.required is None else options.required
         if required:

@@ -221,6 +221,20 @@ def test_atomic_requests_is_refused_loudly(api):
     assert ProviderCall.objects.count() == 0
 
 
+def test_ninja_test_client(user):
+    """ninja's own TestClient (it calls the operation without Django's handler)."""
+    from ninja.testing import TestClient
+
+    client = TestClient(ninja_api.router)
+    headers = {"Idempotency-Key": new_key()}
+    first = client.post("/charges", json=CHARGE, headers=headers, user=user)
+    retry = client.post("/charges", json=CHARGE, headers=headers, user=user)
+    assert first.status_code == 201, first.content
+    assert retry.content == first.content
+    assert retry["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+
+
 # -- how it is put on an operation -----------------------------------------------------
 
 
