@@ -17,6 +17,7 @@ pytest.importorskip("ninja")
 from django.core.cache import cache
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
+from django.http import HttpRequest
 from django.test import override_settings
 from ninja import NinjaAPI, Router
 from ninja.security import django_auth
@@ -226,6 +227,8 @@ def test_ninja_test_client(user):
     from ninja.testing import TestClient
 
     client = TestClient(ninja_api.router)
+    if type(client._build_request("GET", "/", {}, {})) is not HttpRequest:
+        pytest.skip("this ninja's TestClient makes a Mock, not a request")
     headers = {"Idempotency-Key": new_key()}
     first = client.post("/charges", json=CHARGE, headers=headers, user=user)
     retry = client.post("/charges", json=CHARGE, headers=headers, user=user)
