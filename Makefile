@@ -50,7 +50,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi]" --group dev
+	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja]" --group dev
 	touch $@
 
 install: $(STAMP)
@@ -129,6 +129,9 @@ demo: storm
 	echo "  curl -i -u demo:demo -H 'Content-Type: application/json' \\"; \
 	echo "       -H 'Idempotency-Key: $$key' \\"; \
 	echo "       -d '{\"amount\": 1000, \"currency\": \"EUR\"}' http://$(DEMO_ADDR)/api/charges/"; \
+	echo; \
+	echo "The same charges through django-ninja: http://$(DEMO_ADDR)/ninja/charges"; \
+	echo "(Swagger UI: http://$(DEMO_ADDR)/ninja/docs; DRF's: http://$(DEMO_ADDR)/api/docs/)."; \
 	echo
 	$(BIN)/python manage.py runserver $(DEMO_ADDR)
 

@@ -29,7 +29,7 @@ from django_idempotency.core import (
     storable_name,
 )
 from django_idempotency.fingerprint import django_request, fingerprint_version
-from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
+from django_idempotency.keys import InvalidKey, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import FAILED, IN_PROGRESS
 
@@ -107,7 +107,9 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
     """The request's key; ``None`` when it carries none; a problem answer when it is bad."""
     if options.key is None:
         header = conf.header()
-        raw = inner.META.get(header_meta_name(header))
+        # request.headers, not META: test clients that build META themselves (ninja's) need
+        # not spell the WSGI name of the header.
+        raw = inner.headers.get(header)
         if raw is None:
             return None
         try:

@@ -29,6 +29,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "corsheaders",
+    # django-ninja's Swagger UI files (/ninja/docs) come from its static files, not a CDN.
+    "ninja",
     "django_idempotency",
     "example_project.payments",
 ]

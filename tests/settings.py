@@ -77,6 +77,9 @@ else:
     if importlib.util.find_spec("example_project") is not None:
         INSTALLED_APPS.append("example_project.payments")
 
+# django-ninja is optional too: its operations are served under /ninja/ where it is installed.
+HAS_NINJA = importlib.util.find_spec("ninja") is not None
+
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

@@ -40,3 +40,8 @@ if settings.HAS_DRF:
         path("api/generic-charges/", drf_views.GenericChargeCreateView.as_view()),
         path("api/fn-charges/", drf_views.api_charge),
     ]
+
+if settings.HAS_NINJA:
+    from tests.testapp.ninja_api import api
+
+    urlpatterns += [path("ninja/", api.urls)]
