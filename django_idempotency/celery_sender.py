@@ -24,11 +24,26 @@ def send(message: OutboxMessage) -> None:
     The task is looked up by name in the current app's registry, after importing its task
     modules (``include``, ``imports``, autodiscovery) the way a worker does: a relay process
     may not have imported them yet. A name still unknown raises :class:`UnknownTask`, and
-    the message is dead at once. The publish is not retried here (``retry=False``): the
-    outbox retries it with its own backoff, without holding the batch's locks meanwhile.
+    the message is dead at once.
+
+    Nothing here waits for the broker: a broker that cannot be reached fails the send at
+    once (no connection retries, ``retry=False``), and the outbox retries it with its own
+    backoff instead of holding the batch's row locks meanwhile.
     """
     task = _task(message.task)
-    task.apply_async(args=message.args, kwargs=message.kwargs, task_id=str(message.id), retry=False)
+    options: dict[str, Any] = {
+        "args": message.args,
+        "kwargs": message.kwargs,
+        "task_id": str(message.id),
+        "retry": False,
+    }
+    app = task.app
+    if app.conf.task_always_eager:
+        task.apply_async(**options)
+        return
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(max_retries=0)
+        task.apply_async(**options, producer=producer)
 
 
 def _task(name: str) -> Any:
