@@ -378,8 +378,9 @@ class _Listener:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                woken = list(connection.notifies(timeout=min(left, STOP_CHECK_SECONDS)))
-                if woken:
+                # One notification is enough: the drain that follows reads everything due.
+                wait = min(left, STOP_CHECK_SECONDS)
+                for _notify in connection.notifies(timeout=wait, stop_after=1):
                     return
         except psycopg.Error as exc:
             logger.warning("the outbox relay lost its listening connection: %s", exc)
