@@ -20,7 +20,7 @@ from tests.factories import UserFactory
 from tests.test_admin import logged_in, staff_with
 from tests.testapp.outbox import BROKEN, UNDELIVERABLE
 
-pytestmark = pytest.mark.django_db
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 URL = "/admin/django_idempotency/outboxmessage/"
 RECORD = override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
