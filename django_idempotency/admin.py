@@ -29,7 +29,13 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from django_idempotency import conf, maintenance, outbox, stats, store
-from django_idempotency.models import IdempotencyRecord, OutboxMessage, RecordStatus, expired_q
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    RecordStatus,
+    expired_q,
+)
 
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
 # most this much of one, so a large body never makes the page itself huge.
@@ -159,11 +165,10 @@ def _is_json(headers: list[list[str]], text: str) -> bool:
 class ReadOnlyAdminMixin:
     """No add, change or delete: the maintenance actions check model permissions instead.
 
-    Also what both tables need as they grow large: newest first, browsed by creation time.
+    Also what both tables need as they grow large: newest first, never counted in full.
     """
 
     opts: Any
-    date_hierarchy: Any = "created_at"
     ordering: Any = ("-created_at",)
     # Counting a million rows on every page view is what makes big changelists slow.
     show_full_result_count = False
@@ -209,6 +214,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     # status takes about a second each.
     sortable_by = ("account", "age", "expiry")
     list_filter = ("status", OperationFilter, ExpiredFilter, LeaseFilter)
+    date_hierarchy = "created_at"
     search_fields = ("key", "account")
     search_help_text = _("An exact key or account, e.g. user:42.")
     actions = ("release_stale_claims", "mark_as_failed", "purge_expired_records")
@@ -372,6 +378,30 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)
 
 
+class TaskFilter(admin.SimpleListFilter):
+    """Filter by task. The choices are the tasks of pending and dead messages (what an
+    operator looks for, few and found through the status index), plus the chosen one; any
+    task can be filtered on through the URL."""
+
+    title = _("task")
+    parameter_name = "task"
+    max_choices = 100
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        waiting = OutboxMessage.objects.using(conf.database()).filter(
+            status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD]
+        )
+        names = sorted(set(waiting.values_list("task", flat=True)[: self.max_choices * 10]))
+        names = names[: self.max_choices]
+        current = self.value()
+        if current and current not in names:
+            names.append(current)
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        return queryset.filter(task=self.value()) if self.value() else queryset
+
+
 if TYPE_CHECKING:
     _OutboxAdmin = admin.ModelAdmin[OutboxMessage]
 else:
@@ -386,7 +416,7 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
     """
 
     list_display = ("id", "task", "status", "attempts", "created_at", "available_at", "sent_at")
-    list_filter = ("status", "task")
+    list_filter = ("status", TaskFilter)
     search_fields = ("=id", "=task")
     search_help_text = _("An exact message id or task name.")
     actions = ("requeue_dead",)

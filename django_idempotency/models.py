@@ -269,6 +269,8 @@ class OutboxMessage(models.Model):
             models.Index(fields=["status", "available_at"], name="idempotency_outbox_due_idx"),
             # The retention purge: sent, sent_at <= cutoff, oldest first.
             models.Index(fields=["status", "sent_at"], name="idempotency_outbox_sent_idx"),
+            # The admin's list, newest first.
+            models.Index(fields=["created_at"], name="idempotency_outbox_created_idx"),
         ]
 
     def __str__(self) -> str:

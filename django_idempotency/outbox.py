@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import QuerySet
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
@@ -291,7 +291,9 @@ def relay(
     ``once``: drain what is due and return. Otherwise drain, then wait for a ``NOTIFY``
     (PostgreSQL, ``listen``) or for ``poll_interval`` seconds (``OUTBOX_POLL_INTERVAL``),
     whichever comes first, and drain again, until ``stop()`` answers true; the batch in hand
-    is always finished first. A failed send never raises: it is counted and recorded.
+    is always finished first. A failed send never raises: it is counted and recorded. A
+    database error is logged and the relay tries again after the poll interval (with
+    ``once`` it raises).
     """
     alias = using or conf.database()
     send = sender or configured_sender()
@@ -302,9 +304,18 @@ def relay(
         poll_interval if poll_interval is not None else conf.outbox_poll_interval().total_seconds()
     )
     total = RelayResult()
+    connection = connections[alias]
     with _listener(alias, listen) as wait:
         while not should_stop():
-            total.add(drain(using=alias, batch_size=batch_size, sender=send, stop=should_stop))
+            # A long-running relay has no request cycle to recycle its connection: after a
+            # database error or past CONN_MAX_AGE it is closed here and opened afresh.
+            connection.close_if_unusable_or_obsolete()
+            try:
+                total.add(drain(using=alias, batch_size=batch_size, sender=send, stop=should_stop))
+            except DatabaseError:
+                # The batch rolled back: its messages are still pending and are sent later.
+                logger.exception("the outbox relay could not read or record a batch")
+                connection.close()
             wait(interval, should_stop)
     return total
 

@@ -69,6 +69,15 @@ def test_filter_by_status(admin_client, messages, status):
 def test_filter_by_task(admin_client, messages):
     response = admin_client.get(URL, {"task": "tests.b"})
     assert listed(response) == {str(messages["pending"])}
+    # Any task through the URL, the sent ones too.
+    assert listed(admin_client.get(URL, {"task": "tests.a"})) == {str(messages["sent"])}
+
+
+def test_task_choices_are_the_tasks_still_waiting(admin_client, messages):
+    html = admin_client.get(URL).content.decode()
+    assert "?task=tests.b" in html
+    assert f"?task={UNDELIVERABLE}" in html
+    assert "?task=tests.a" not in html  # sent only: not worth a choice on a big table
 
 
 def test_search_by_exact_id(admin_client, messages):

@@ -339,3 +339,28 @@ def test_a_stop_signal_finishes_the_batch_in_hand(stop_signal: int):
     assert summary(out) == (5, 0, 0)
     assert [sends(i) for i in ids] == [1] * 5
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 5
+
+
+@needs_listen
+def test_a_relay_whose_connections_are_killed_carries_on():
+    name = f"outbox-relay-{uuid.uuid4().hex[:8]}"
+    settings = {"OUTBOX_SENDER": "tests.testapp.outbox.record", "OUTBOX_POLL_INTERVAL": 0.2}
+    relay = relay_process(settings, extra_env={"PGAPPNAME": name})
+    try:
+        wait_until(listening, "the relay to listen", timeout=30)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = %s",
+                [name],
+            )
+            (killed,) = cursor.fetchone()
+        assert killed >= 2  # its own connection and the one that listens (and "provider")
+        message_id = enqueued("after-the-kill")
+        wait_until(lambda: sends(message_id) == 1, "the relay to send again", timeout=20)
+        wait_until(listening, "the relay to listen again", timeout=20)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        out = finished(relay, timeout=10)
+    assert summary(out)[0] == 1
+    assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.SENT

@@ -209,7 +209,10 @@ def celery_worker(
     if broker_url is not None:
         extra["TEST_CELERY_BROKER"] = broker_url
     env = _server_env(extra)
-    control = celery_app.app if broker_url is None else Celery(broker=broker_url)
+    # Only to ping the worker: never the current app, which the tests' tasks use.
+    control = (
+        celery_app.app if broker_url is None else Celery(broker=broker_url, set_as_current=False)
+    )
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),

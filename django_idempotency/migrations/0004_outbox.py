@@ -53,6 +53,7 @@ class Migration(migrations.Migration):
                         fields=["status", "available_at"], name="idempotency_outbox_due_idx"
                     ),
                     models.Index(fields=["status", "sent_at"], name="idempotency_outbox_sent_idx"),
+                    models.Index(fields=["created_at"], name="idempotency_outbox_created_idx"),
                 ],
             },
         ),
