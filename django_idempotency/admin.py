@@ -419,7 +419,7 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
     list_filter = ("status", TaskFilter)
     search_fields = ("=id", "=task")
     search_help_text = _("An exact message id or task name.")
-    actions = ("requeue_dead",)
+    actions = ("requeue",)
     readonly_fields = ("args_pretty", "kwargs_pretty")
     fieldsets = (
         (None, {"fields": ("id", "task", "status", "args_pretty", "kwargs_pretty")}),
@@ -448,7 +448,7 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         return format_html("<pre>{}</pre>", json.dumps(message.kwargs, indent=2, sort_keys=True))
 
     @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
-    def requeue_dead(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+    def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         """Make the selected dead messages pending again: due now, attempts back to 0."""
         selected = queryset.count()
         done = outbox.requeue(queryset)

@@ -99,7 +99,7 @@ def test_detail_is_read_only_with_the_last_error(admin_client, messages):
 def test_requeue_action_makes_only_the_dead_messages_pending(admin_client, messages):
     response = admin_client.post(
         URL,
-        {"action": "requeue_dead", "_selected_action": [str(i) for i in messages.values()]},
+        {"action": "requeue", "_selected_action": [str(i) for i in messages.values()]},
         follow=True,
     )
     assert "1 of 3 selected messages requeued." in response.content.decode()
@@ -109,15 +109,19 @@ def test_requeue_action_makes_only_the_dead_messages_pending(admin_client, messa
     assert OutboxMessage.objects.get(pk=messages["sent"]).status == OutboxStatus.SENT
 
 
+def test_requeue_is_offered_to_an_operator(admin_client, messages):
+    assert 'value="requeue"' in admin_client.get(URL).content.decode()
+
+
 def test_requeue_needs_the_change_permission(messages):
     viewer = logged_in(staff_with("view_outboxmessage"))
     page = viewer.get(URL)
     assert page.status_code == 200
-    assert "requeue_dead" not in page.content.decode()
-    viewer.post(URL, {"action": "requeue_dead", "_selected_action": [str(messages["dead"])]})
+    assert 'value="requeue"' not in page.content.decode()
+    viewer.post(URL, {"action": "requeue", "_selected_action": [str(messages["dead"])]})
     assert OutboxMessage.objects.get(pk=messages["dead"]).status == OutboxStatus.DEAD
     operator = logged_in(staff_with("view_outboxmessage", "change_outboxmessage"))
-    operator.post(URL, {"action": "requeue_dead", "_selected_action": [str(messages["dead"])]})
+    operator.post(URL, {"action": "requeue", "_selected_action": [str(messages["dead"])]})
     assert OutboxMessage.objects.get(pk=messages["dead"]).status == OutboxStatus.PENDING
 
 
