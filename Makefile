@@ -41,7 +41,7 @@ help:
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm against a throwaway server"
-	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/"
+	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/ and its outbox relay"
 	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
 	@echo "make clean    remove .venv, .tox, build output and the example database"
 
@@ -120,6 +120,8 @@ storm: example-db
 	trap 'kill $$server 2>/dev/null || true' EXIT; \
 	$(BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
 		--user demo --password demo
+	@echo "==> The storm's receipt, sent from the outbox by the relay:"
+	$(BIN)/python manage.py relay_outbox --once
 
 demo: storm
 	@key=$$($(BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
@@ -132,7 +134,11 @@ demo: storm
 	echo; \
 	echo "The same charges through django-ninja: http://$(DEMO_ADDR)/ninja/charges"; \
 	echo "(Swagger UI: http://$(DEMO_ADDR)/ninja/docs; DRF's: http://$(DEMO_ADDR)/api/docs/)."; \
+	echo "The outbox relay runs beside the server: each receipt it sends is printed here."; \
 	echo
+	@$(BIN)/python manage.py relay_outbox & \
+	relay=$$!; \
+	trap 'kill $$relay 2>/dev/null || true' EXIT; \
 	$(BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:
