@@ -93,6 +93,8 @@ def render(results: dict[str, Any]) -> str:
             f"`{results['patched']}` (a scratch copy of another version of the package)."
         )
     add("\nSee [README.md](README.md) for what each part measures and how.\n")
+    # The docs site includes the report from here on (its link above is the repository's).
+    add("<!-- --8<-- [start:results] -->")
     add("## Machine and versions\n")
     main, alt = versions["main"], versions.get("alternatives") or {}
     rows = [
@@ -145,6 +147,7 @@ def render(results: dict[str, Any]) -> str:
         add(profiles(results["inprocess"]["profiles"]))
     if EXPERIMENTS.exists():
         add("\n" + EXPERIMENTS.read_text().strip())
+    add("\n<!-- --8<-- [end:results] -->")
     return "\n".join(out).rstrip() + "\n"
 
 
