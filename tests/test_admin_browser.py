@@ -38,6 +38,7 @@ def screenshot_path(tmp_path: Path, name: str) -> Path:
     """Where a screenshot goes: the docs' images when the docs are here."""
     return DOCS_IMAGES / name if DOCS_IMAGES.is_dir() else tmp_path / name
 
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
