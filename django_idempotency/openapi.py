@@ -28,7 +28,7 @@ from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine, problems
+from django_idempotency import conf, engine, problems, sources
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -85,11 +85,22 @@ def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def key_parameter(required: bool) -> dict[str, Any]:
-    """The ``Idempotency-Key`` header parameter (its name from the ``HEADER`` setting)."""
+def key_header(options: engine.Options) -> str | None:
+    """The header a protected operation takes its key from: the ``HEADER`` setting's, the
+    one of a ``sources.header(...)``, or ``None`` when the key is elsewhere (a webhook's
+    JSON body, a form field, a function of the view's): then no key header is documented."""
+    if options.key is None:
+        return conf.header()
+    if isinstance(options.key, sources.Header):
+        return options.key.name
+    return None
+
+
+def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
+    """The key header parameter: ``header``, by default the ``HEADER`` setting's."""
     return {
         "in": "header",
-        "name": conf.header(),
+        "name": header or conf.header(),
         "required": required,
         "description": (
             "One key per logical operation: make it when the user acts (a UUID is fine) and "
@@ -147,13 +158,13 @@ def document_operation(
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``."""
     required = conf.required() if options.required is None else options.required
-    header = conf.header()
+    header = key_header(options)
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    if not any(
+    if header is not None and not any(
         p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()
         for p in parameters
     ):
-        parameters.append(key_parameter(required))
+        parameters.append(key_parameter(required, header))
 
     responses: dict[str, Any] = operation.setdefault("responses", {})
     # The view's own answers below 500 are stored and replayed with the marker header.
