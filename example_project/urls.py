@@ -22,6 +22,8 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("api/", include(router.urls)),
     path("api-auth/", include("rest_framework.urls")),
+    # Webhook endpoints (Stripe, GitHub, Standard Webhooks), each run once per sender's id.
+    path("webhooks/", include("example_project.recipes.urls")),
 ]
 
 
