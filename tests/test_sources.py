@@ -367,3 +367,41 @@ def test_api_view_with_key_source(user: Any) -> None:
         post_json("/api/sources/api-view/", {"id": "a" * 256}, client), "idempotency_key_invalid"
     )
     assert IdempotencyRecord.objects.count() == 1
+
+
+# -- OpenAPI ------------------------------------------------------------------------------
+
+
+@needs_drf
+def test_openapi_documents_a_key_header_only_where_the_key_is_one(settings: Any) -> None:
+    pytest.importorskip("drf_spectacular")
+    from django.urls import path
+    from drf_spectacular.generators import SchemaGenerator
+
+    from django_idempotency.drf import IdempotencyMixin
+    from tests.testapp import source_drf_views as sd
+
+    class Documented(IdempotencyMixin, sd.Created):
+        idempotency_key = sources.header("X-GitHub-Delivery")
+
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    }
+    patterns = [
+        path("json/", sd.SourceKeyView.as_view()),
+        path("function/", sd.FunctionKeyView.as_view()),
+        path("delivery/", Documented.as_view()),
+    ]
+    schema = SchemaGenerator(patterns=patterns).get_schema(request=None, public=True)
+
+    def headers(route: str) -> list[str]:
+        operation = schema["paths"][route]["post"]
+        return [p["name"] for p in operation.get("parameters", []) if p["in"] == "header"]
+
+    assert headers("/json/") == []
+    assert headers("/function/") == []
+    assert headers("/delivery/") == ["X-GitHub-Delivery"]
+    for route in ("/json/", "/delivery/"):
+        # The problem answers stay documented whatever the key's source.
+        assert {"400", "409", "422"} <= set(schema["paths"][route]["post"]["responses"])

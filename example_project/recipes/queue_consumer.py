@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from django_idempotency import InProgress, KeyReused, OutcomeUnknown, current, run_once
+from django_idempotency.keys import InvalidKey
 from example_project.recipes.models import Shipment
 
 
@@ -33,8 +34,8 @@ class Outcome:
     acked: list[str] = field(default_factory=list)
     #: Another consumer is handling it right now: leave it to the broker to redeliver.
     requeued: list[str] = field(default_factory=list)
-    #: Needs a person: a reused id with another body, or an earlier attempt that stopped
-    #: midway under the "fail" recovery policy.
+    #: Needs a person: an id that cannot be a key, a reused id with another body, or an
+    #: earlier attempt that stopped midway under the "fail" recovery policy.
     dead: list[str] = field(default_factory=list)
 
 
@@ -62,7 +63,7 @@ def consume(messages: Iterable[Message]) -> Outcome:
             )
         except InProgress:
             outcome.requeued.append(message.id)
-        except (KeyReused, OutcomeUnknown):
+        except (InvalidKey, KeyReused, OutcomeUnknown):
             outcome.dead.append(message.id)
         else:
             outcome.acked.append(message.id)
