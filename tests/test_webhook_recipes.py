@@ -6,8 +6,6 @@ server run the handler once. Effects are counted as ``WebhookEvent`` rows."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -31,6 +29,7 @@ from django.test import Client
 from standardwebhooks.webhooks import Webhook
 
 from django_idempotency.models import IdempotencyRecord
+from example_project.demo_webhook import stripe_signature
 from example_project.recipes.github_webhooks import github_signature
 from tests.conftest import postgres_only
 from tests.live import Answer, gunicorn, request
@@ -77,14 +76,8 @@ def stripe_event(event_id: str | None = None, **extra: Any) -> dict[str, Any]:
     return event
 
 
-def stripe_signature(body: bytes, timestamp: int | None = None, secret: str = "") -> str:
-    """The ``Stripe-Signature`` header Stripe sends with ``body``."""
-    ts = int(time.time()) if timestamp is None else timestamp
-    signed = f"{ts}.".encode() + body
-    digest = hmac.new(
-        (secret or settings.STRIPE_WEBHOOK_SECRET).encode(), signed, hashlib.sha256
-    ).hexdigest()
-    return f"t={ts},v1={digest}"
+def signed(body: bytes, timestamp: int | None = None, secret: str = "") -> str:
+    return stripe_signature(body, secret or settings.STRIPE_WEBHOOK_SECRET, timestamp)
 
 
 def deliver_stripe(client: Client, event: dict[str, Any], **signature: Any) -> Any:
@@ -93,7 +86,7 @@ def deliver_stripe(client: Client, event: dict[str, Any], **signature: Any) -> A
         STRIPE,
         body,
         content_type="application/json; charset=utf-8",
-        headers={"Stripe-Signature": stripe_signature(body, **signature)},
+        headers={"Stripe-Signature": signed(body, **signature)},
     )
 
 
@@ -295,7 +288,7 @@ def webhook_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[str
 def send_stripe(url: str, event: dict[str, Any]) -> Answer:
     # tests.live.request sends json.dumps(payload): sign exactly those bytes.
     body = json.dumps(event).encode()
-    return request(url, "POST", STRIPE, event, {"Stripe-Signature": stripe_signature(body)})
+    return request(url, "POST", STRIPE, event, {"Stripe-Signature": signed(body)})
 
 
 @postgres_only
