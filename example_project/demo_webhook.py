@@ -26,6 +26,8 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
+from example_project.demo_storm import report
+
 STRIPE = "/webhooks/stripe/"
 
 
@@ -115,12 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         found.append("the retry was not answered from the record")
     if handled != 1:
         found.append(f"the handler ran {handled} times, not once")
-    for problem in found:
-        print(f"  PROBLEM: {problem}")
-    if not found:
-        print("  OK: the forged copy claimed nothing; the retry got the stored 200; one event.")
-    print()
-    return 1 if found else 0
+    return report(
+        found, "the forged copy claimed nothing; the retry got the stored 200; one event."
+    )
 
 
 if __name__ == "__main__":
