@@ -71,8 +71,9 @@ class IdempotencyMixin:
     idempotency_operation: str | None = None
     #: Where the key comes from: a callable called with the request alone (a
     #: :mod:`django_idempotency.sources` helper, or a plain function, which is not bound to
-    #: the view) or its dotted path; ``None``: the ``HEADER`` setting's header.
-    idempotency_key: Callable[[Any], str | None] | str | None = None
+    #: the view) or its dotted path; ``None``: the ``HEADER`` setting's header. (Typed
+    #: ``Any``: type checkers read a function stored on a class as a method.)
+    idempotency_key: Any = None
 
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""

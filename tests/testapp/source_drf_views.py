@@ -67,7 +67,7 @@ class MethodKeyView(IdempotencyMixin, Created):
 
 class WrongKeyView(IdempotencyMixin, Created):
     name = "drf-wrong"
-    idempotency_key = 42  # type: ignore[assignment]
+    idempotency_key = 42
 
 
 @api_view(["POST"])
