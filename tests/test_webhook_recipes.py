@@ -24,6 +24,10 @@ pytest.importorskip(
 )
 
 from django.apps import apps
+
+if not apps.is_installed("example_project.recipes"):
+    pytest.skip("the recipes app is installed with DRF only", allow_module_level=True)
+
 from django.conf import settings
 from django.test import Client
 from standardwebhooks.webhooks import Webhook
@@ -31,13 +35,9 @@ from standardwebhooks.webhooks import Webhook
 from django_idempotency.models import IdempotencyRecord
 from example_project.demo_webhook import stripe_signature
 from example_project.recipes.github_webhooks import github_signature
+from example_project.recipes.models import WebhookEvent
 from tests.conftest import postgres_only
 from tests.live import Answer, gunicorn, request
-
-if not apps.is_installed("example_project.recipes"):
-    pytest.skip("the recipes app is installed with DRF only", allow_module_level=True)
-
-from example_project.recipes.models import WebhookEvent
 
 STRIPE = "/webhooks/stripe/"
 GITHUB = "/webhooks/github/"
