@@ -98,16 +98,22 @@ def key_header(options: engine.Options) -> str | None:
 
 def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
     """The key header parameter: ``header``, by default the ``HEADER`` setting's."""
+    name = header or conf.header()
+    purpose = (
+        "One key per logical operation: make it when the user acts (a UUID is fine) and "
+        "send the same key with every retry of that operation. A retry gets the original "
+        f"response, marked `{engine.REPLAYED_HEADER}: true`."
+        if name.lower() == conf.header().lower()
+        else "The sender's id of this delivery, the same on every redelivery of it. A "
+        f"redelivery gets the original response, marked `{engine.REPLAYED_HEADER}: true`."
+    )
     return {
         "in": "header",
-        "name": header or conf.header(),
+        "name": name,
         "required": required,
         "description": (
-            "One key per logical operation: make it when the user acts (a UUID is fine) and "
-            "send the same key with every retry of that operation. A retry gets the original "
-            f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
-            "printable ASCII characters without spaces or commas; it may also be sent as a "
-            'structured-field string (`"..."`).'
+            f"{purpose} 1 to {MAX_KEY_LENGTH} printable ASCII characters without spaces or "
+            'commas; it may also be sent as a structured-field string (`"..."`).'
         ),
         "schema": {
             "type": "string",

@@ -402,6 +402,8 @@ def test_openapi_documents_a_key_header_only_where_the_key_is_one(settings: Any)
     assert headers("/json/") == []
     assert headers("/function/") == []
     assert headers("/delivery/") == ["X-GitHub-Delivery"]
+    (parameter,) = schema["paths"]["/delivery/"]["post"]["parameters"]
+    assert parameter["description"].startswith("The sender's id of this delivery")
     for route in ("/json/", "/delivery/"):
         # The problem answers stay documented whatever the key's source.
         assert {"400", "409", "422"} <= set(schema["paths"][route]["post"]["responses"])
