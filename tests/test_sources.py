@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.http import QueryDict
 from django.test import Client, RequestFactory
 
 from django_idempotency import fingerprint, sources
@@ -320,6 +321,38 @@ def test_mixin_key_attribute_from_sources(user: Any) -> None:
     assert runs("drf-source") == 1
     problem(post_json("/api/sources/source/", b"{oops", client), "idempotency_key_invalid")
     assert IdempotencyRecord.objects.count() == 1
+
+
+@needs_drf
+def test_json_key_after_a_permission_parsed_the_body(user: Any) -> None:
+    client = drf_client(user)
+    first = post_json("/api/sources/data-first/", {"id": "p-1"}, client)
+    again = post_json("/api/sources/data-first/", {"id": "p-1"}, client)
+    assert first.status_code == 201, first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert runs("drf-data-first") == 1
+    assert IdempotencyRecord.objects.get().key == "p-1"
+    missing = post_json("/api/sources/data-first/", {"no": "id"}, client)
+    problem(missing, "idempotency_key_missing")
+    assert runs("drf-data-first") == 1
+
+
+@needs_drf
+def test_json_key_from_what_drf_parsed_when_the_stream_is_consumed() -> None:
+    # Older DRF versions, and multipart parsers, read the stream without keeping the body.
+    from rest_framework.parsers import JSONParser
+    from rest_framework.request import Request
+
+    def consumed(payload: bytes, parsed: Any) -> Request:
+        raw = RequestFactory().post("/", payload, content_type="application/json")
+        request = Request(raw, parsers=[JSONParser()])
+        request._full_data = parsed
+        raw.read()
+        return request
+
+    assert sources.json("id")(consumed(b'{"id": "u-1"}', {"id": "u-1"})) == "u-1"
+    with pytest.raises(InvalidKey, match="not JSON"):
+        sources.json("id")(consumed(b"id=u-1", QueryDict("id=u-1")))
 
 
 @needs_drf

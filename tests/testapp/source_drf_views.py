@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rest_framework.decorators import api_view
+from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -75,3 +76,16 @@ class WrongKeyView(IdempotencyMixin, Created):
 def api_json_key(request: Request) -> Response:
     charge = record("drf-api-view")
     return Response({"charge": charge.pk}, status=201)
+
+
+class ReadsDataFirst(BasePermission):
+    """A permission that parses the body before the claim: the stream is then consumed."""
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        return bool(request.user and request.user.is_authenticated and request.data is not None)
+
+
+class DataReadFirstView(IdempotencyMixin, Created):
+    name = "drf-data-first"
+    permission_classes = [ReadsDataFirst]
+    idempotency_key = sources.json("id")

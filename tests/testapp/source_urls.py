@@ -31,4 +31,5 @@ if settings.HAS_DRF:
         path("api/sources/method/", sd.MethodKeyView.as_view()),
         path("api/sources/wrong/", sd.WrongKeyView.as_view()),
         path("api/sources/api-view/", sd.api_json_key),
+        path("api/sources/data-first/", sd.DataReadFirstView.as_view()),
     ]
