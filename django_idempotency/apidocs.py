@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import conf, engine, problems
+from django_idempotency import conf, engine, problems, sources
 from django_idempotency.keys import MAX_KEY_LENGTH
 
 #: The names of the shared problem schema and of its ``code`` enum under ``components/schemas``
@@ -67,18 +67,35 @@ def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def key_parameter(required: bool) -> dict[str, Any]:
-    """The ``Idempotency-Key`` header parameter (its name from the ``HEADER`` setting)."""
+def key_header(options: engine.Options) -> str | None:
+    """The header a protected operation takes its key from: the ``HEADER`` setting's, the
+    one of a ``sources.header(...)``, or ``None`` when the key is elsewhere (a webhook's
+    JSON body, a form field, a function of the view's): then no key header is documented."""
+    if options.key is None:
+        return conf.header()
+    if isinstance(options.key, sources.Header):
+        return options.key.name
+    return None
+
+
+def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
+    """The key header parameter: ``header``, by default the ``HEADER`` setting's."""
+    name = header or conf.header()
+    purpose = (
+        "One key per logical operation: make it when the user acts (a UUID is fine) and "
+        "send the same key with every retry of that operation. A retry gets the original "
+        f"response, marked `{engine.REPLAYED_HEADER}: true`."
+        if name.lower() == conf.header().lower()
+        else "The sender's id of this delivery, the same on every redelivery of it. A "
+        f"redelivery gets the original response, marked `{engine.REPLAYED_HEADER}: true`."
+    )
     return {
         "in": "header",
-        "name": conf.header(),
+        "name": name,
         "required": required,
         "description": (
-            "One key per logical operation: make it when the user acts (a UUID is fine) and "
-            "send the same key with every retry of that operation. A retry gets the original "
-            f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
-            "printable ASCII characters without spaces or commas; it may also be sent as a "
-            'structured-field string (`"..."`).'
+            f"{purpose} 1 to {MAX_KEY_LENGTH} printable ASCII characters without spaces or "
+            'commas; it may also be sent as a structured-field string (`"..."`).'
         ),
         "schema": {
             "type": "string",
@@ -134,14 +151,13 @@ def document_operation(
     :func:`problem_schema` registered as a component, or that schema itself).
     """
     required = conf.required() if options.required is None else options.required
-    header = conf.header()
+    header = key_header(options)
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    # A key taken from elsewhere (options.key) is not this header.
-    if options.key is None and not any(
+    if header is not None and not any(
         p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()
         for p in parameters
     ):
-        parameters.append(key_parameter(required))
+        parameters.append(key_parameter(required, header))
 
     responses: dict[str, Any] = operation.setdefault("responses", {})
     # The view's own answers below 500 are stored and replayed with the marker header.

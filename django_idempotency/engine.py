@@ -144,7 +144,11 @@ def handle(
         return key
     if key is None:
         if conf.required() if options.required is None else options.required:
-            where = conf.header() if options.key is None else "idempotency key"
+            where = (
+                conf.header()
+                if options.key is None
+                else getattr(options.key, "description", "idempotency key")
+            )
             return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
     account = conf.resolve_callable(options.account or conf.get("ACCOUNT_RESOLVER"))(request)

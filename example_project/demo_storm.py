@@ -289,13 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in counts.items():
         print(f"  {name:<20} {value}")
     found = problems_with(outcomes, mismatch, counts)
+    return report(
+        found,
+        "one charge at the provider, one local charge, one receipt in the outbox, "
+        "the same 201 for everyone.",
+    )
+
+
+def report(found: list[str], ok: str) -> int:
+    """Print the problems found, or ``ok``; the exit status: 1 when a problem was found."""
     for problem in found:
         print(f"  PROBLEM: {problem}")
     if not found:
-        print(
-            "  OK: one charge at the provider, one local charge, one receipt in the outbox, "
-            "the same 201 for everyone."
-        )
+        print(f"  OK: {ok}")
     print()
     return 1 if found else 0
 

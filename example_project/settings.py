@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "ninja",
     "django_idempotency",
     "example_project.payments",
+    "example_project.recipes",
 ]
 
 MIDDLEWARE = [
@@ -186,6 +187,14 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 60,
     },
 }
+
+# The webhook recipes' signing secrets (example_project/recipes/), one per sender. Real ones
+# come from the sender's dashboard and never from the code.
+STRIPE_WEBHOOK_SECRET = os.environ.get("STRIPE_WEBHOOK_SECRET", "whsec_example_stripe_secret")
+GITHUB_WEBHOOK_SECRET = os.environ.get("GITHUB_WEBHOOK_SECRET", "example-github-secret")
+STANDARD_WEBHOOK_SECRET = os.environ.get(
+    "STANDARD_WEBHOOK_SECRET", "whsec_ZXhhbXBsZS1zdGFuZGFyZC13ZWJob29rcy1zZWNyZXQ="
+)
 
 # Receipts are printed on the server's console instead of being mailed.
 EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"

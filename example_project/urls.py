@@ -24,6 +24,8 @@ urlpatterns = [
     path("api/", include(router.urls)),
     path("api-auth/", include("rest_framework.urls")),
     path("ninja/", ninja_api.api.urls),
+    # Webhook endpoints (Stripe, GitHub, Standard Webhooks), each run once per sender's id.
+    path("webhooks/", include("example_project.recipes.urls")),
 ]
 
 

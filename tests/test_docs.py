@@ -43,6 +43,7 @@ TESTED_SOURCES = (
     "example_project/docs_examples/",
     "example_project/payments/",
     "example_project/client.py",
+    "example_project/recipes/",
 )
 SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$')
 SITE = "https://django-idempotency.readthedocs.io/en/latest/"
