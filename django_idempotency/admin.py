@@ -28,7 +28,8 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import conf, maintenance, stats, store
+from django_idempotency import maintenance, stats, store
+from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord, RecordStatus, expired_q
 
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
@@ -250,7 +251,9 @@ class IdempotencyRecordAdmin(_ModelAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
         # Bodies can be a megabyte each: only the detail page reads one.
-        return _qs(super().get_queryset(request).using(conf.database()).defer("response_body"))
+        return _qs(
+            super().get_queryset(request).using(app_settings.DATABASE).defer("response_body")
+        )
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
         # Expired records are the oldest ones: listing them newest-created first would walk
@@ -330,7 +333,7 @@ class IdempotencyRecordAdmin(_ModelAdmin):
     ) -> None:
         """Delete expired records in bounded batches; the selection only starts the action."""
         result = maintenance.purge_expired(
-            using=conf.database(), max_batches=self.purge_max_batches
+            using=app_settings.DATABASE, max_batches=self.purge_max_batches
         )
         message = ngettext(
             "Purged %(count)d expired record.",

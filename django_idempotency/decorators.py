@@ -11,9 +11,10 @@ from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from asgiref.sync import async_to_sync, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 
-from django_idempotency import engine
+from django_idempotency import engine, validation
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -61,18 +62,34 @@ def idempotent(
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
     Use it bare (``@idempotent``) or with arguments; every argument left out falls back to
-    the ``IDEMPOTENCY`` setting. With DRF, put ``@api_view([...])`` above it, so the claim
+    the ``IDEMPOTENCY`` setting. A wrong argument (``methods="POST"``, ``ttl=0``, a dotted
+    path that does not import) raises ``ImproperlyConfigured`` here, naming the view and the
+    argument. With DRF, put ``@api_view([...])`` above it, so the claim
     follows DRF's authentication, permission and throttle checks.
     """
+    if view is not None and not callable(view):
+        raise ImproperlyConfigured(
+            f"@idempotent at {validation.caller()}: its arguments are keyword arguments "
+            f"(e.g. methods=[...]); got the positional {validation.describe(view)}."
+        )
+    where = (
+        f"@idempotent on {validation.name_of(view)}"
+        if view is not None
+        else f"@idempotent(...) at {validation.caller()}"
+    )
+    # Validated now, when the view is decorated: a wrong value never reaches a request.
     options = engine.Options(
-        operation=operation,
-        required=required,
-        ttl=ttl,
-        lease=lease,
-        recovery=recovery,
-        account=account,
-        fingerprint=fingerprint,
-        methods=tuple(methods) if methods else None,
+        **validation.view_arguments(
+            where,
+            operation=operation,
+            required=required,
+            ttl=ttl,
+            lease=lease,
+            recovery=recovery,
+            account=account,
+            fingerprint=fingerprint,
+            methods=methods,
+        )
     )
 
     def decorate(func: ViewFunc) -> ViewFunc:

@@ -21,6 +21,7 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from django_idempotency import conf, problems, signals, store
+from django_idempotency.conf import app_settings
 from django_idempotency.fingerprint import django_request, fingerprint_version
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key
 from django_idempotency.models import IdempotencyRecord
@@ -50,7 +51,9 @@ class Options:
     methods: tuple[str, ...] | None = None
 
     def protects(self, method: str | None) -> bool:
-        allowed = frozenset(m.upper() for m in self.methods) if self.methods else conf.methods()
+        allowed = (
+            frozenset(m.upper() for m in self.methods) if self.methods else app_settings.METHODS
+        )
         return (method or "").upper() in allowed
 
 
@@ -150,15 +153,15 @@ def handle(
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
     and returns its (possibly unrendered) response.
     """
-    alias = conf.database()
+    alias = app_settings.DATABASE
     inner = django_request(request)
     inner.idempotency = None  # type: ignore[attr-defined]
     if not options.protects(inner.method):
         return _with_atomic_requests(alias, call_view)
-    header = conf.header()
+    header = app_settings.HEADER
     raw = inner.META.get(header_meta_name(header))
     if raw is None:
-        required = conf.required() if options.required is None else options.required
+        required = app_settings.REQUIRED if options.required is None else options.required
         if required:
             return _problem(
                 problems.KEY_MISSING, f"{inner.method} requests need the {header} header."
@@ -168,7 +171,7 @@ def handle(
         key = parse_key(raw)
     except InvalidKey as exc:
         return _problem(problems.KEY_INVALID, f"The {header} header is invalid: {exc}.")
-    account = conf.resolve_callable(options.account or conf.get("ACCOUNT_RESOLVER"))(request)
+    account = conf.resolve_callable(options.account or app_settings.ACCOUNT_RESOLVER)(request)
     if not account:
         return _problem(
             problems.ACCOUNT_MISSING,
@@ -199,12 +202,14 @@ class _Attempt:
         self.context = context
         self.options = options
         self.alias = alias
-        fingerprint = conf.resolve_callable(options.fingerprint or conf.get("FINGERPRINT"))
+        fingerprint = conf.resolve_callable(options.fingerprint or app_settings.FINGERPRINT)
         self.request_hash = fingerprint(request)
         self.version = fingerprint_version(fingerprint)
-        self.recovery = options.recovery or conf.get("RECOVERY")
-        self.ttl = conf.as_timedelta(options.ttl) if options.ttl is not None else conf.ttl()
-        self.lease = conf.as_timedelta(options.lease) if options.lease is not None else conf.lease()
+        self.recovery = options.recovery or app_settings.RECOVERY
+        self.ttl = conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL
+        self.lease = (
+            conf.as_timedelta(options.lease) if options.lease is not None else app_settings.LEASE
+        )
 
     # -- signals -----------------------------------------------------------------------
 
@@ -247,7 +252,7 @@ class _Attempt:
             return _problem(
                 problems.STORE_UNAVAILABLE,
                 "The request was not run because its idempotency key could not be recorded.",
-                retry_after=conf.retry_after(),
+                retry_after=app_settings.RETRY_AFTER,
             )
         if result.claimed:
             return self._owned(result, call_view)
@@ -269,7 +274,7 @@ class _Attempt:
             )
         if state.status != store.IN_PROGRESS:
             return self._replay(state)
-        if allow_wait and conf.in_progress_wait() > timedelta(0):
+        if allow_wait and app_settings.IN_PROGRESS_WAIT:
             waited = self._wait_for(state)
             if waited is not None:
                 return waited
@@ -279,13 +284,13 @@ class _Attempt:
         return _problem(
             problems.KEY_IN_USE,
             _in_flight_detail(self.context),
-            retry_after=conf.retry_after(),
+            retry_after=app_settings.RETRY_AFTER,
         )
 
     def _wait_for(self, state: store.RecordState) -> HttpResponseBase | None:
         # Polls with short autocommit reads: no lock is held while waiting, and never longer
         # than IN_PROGRESS_WAIT. ``None``: the record is gone or its lease went stale.
-        deadline = time.monotonic() + conf.in_progress_wait().total_seconds()
+        deadline = time.monotonic() + app_settings.IN_PROGRESS_WAIT.total_seconds()
         pause = 0.02
         while True:
             remaining = deadline - time.monotonic()
@@ -304,7 +309,9 @@ class _Attempt:
                 return None
         self._send(signals.request_conflicted)
         return _problem(
-            problems.KEY_IN_USE, _in_flight_detail(self.context), retry_after=conf.retry_after()
+            problems.KEY_IN_USE,
+            _in_flight_detail(self.context),
+            retry_after=app_settings.RETRY_AFTER,
         )
 
     # -- the owner's path --------------------------------------------------------------
@@ -409,7 +416,10 @@ class _Attempt:
                 return self._lease_lost()
             return response
         self._release(record_id, token)
-        if response.status_code < 500 and response.status_code not in conf.transient_statuses():
+        if (
+            response.status_code < 500
+            and response.status_code not in app_settings.TRANSIENT_STATUSES
+        ):
             return _problem(
                 problems.RESPONSE_NOT_STORABLE,
                 "The response could not be kept for replay (streamed, or larger than "
@@ -448,7 +458,7 @@ class _Attempt:
             problems.LEASE_LOST,
             "This attempt took longer than its lease and a newer attempt took over; "
             "its work was rolled back.",
-            retry_after=conf.retry_after(),
+            retry_after=app_settings.RETRY_AFTER,
         )
 
     # -- replay ------------------------------------------------------------------------
@@ -476,17 +486,17 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
 def is_storable(response: HttpResponseBase) -> bool:
     """Whether a response is a deterministic outcome that can be kept and replayed."""
     status = response.status_code
-    if status >= 500 or status in conf.transient_statuses():
+    if status >= 500 or status in app_settings.TRANSIENT_STATUSES:
         return False
     if not isinstance(response, HttpResponse):  # streaming and file responses
         return False
-    limit = conf.max_response_bytes()
+    limit = app_settings.MAX_RESPONSE_BYTES
     return limit is None or len(response.content) <= limit
 
 
 def stored_headers(response: HttpResponseBase) -> list[list[str]]:
     """The headers kept with a response: ``Content-Type``, ``Location`` and the allow-list."""
-    return [[name, response[name]] for name in conf.replay_headers() if name in response]
+    return [[name, response[name]] for name in app_settings.stored_headers if name in response]
 
 
 def replay_response(state: store.RecordState) -> HttpResponse:
@@ -531,4 +541,4 @@ class IdempotencyDatabase(set[str]):
     """
 
     def __contains__(self, alias: object) -> bool:
-        return alias == conf.database() or super().__contains__(alias)
+        return alias == app_settings.DATABASE or super().__contains__(alias)

@@ -23,7 +23,8 @@ from django.db.models import F, QuerySet
 from django.http import HttpResponse
 from django.utils import timezone
 
-from django_idempotency import conf, engine, signals, store
+from django_idempotency import engine, signals, store
+from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     PURGED,
     IdempotencyAuditRecord,
@@ -93,15 +94,15 @@ def purge_expired(
     (default ``PURGE_MAX_BATCHES``). ``progress(batches, rows)`` is called after every batch
     with the run's running totals. Sends ``records_purged`` unless ``dry_run``.
     """
-    alias = using or conf.database()
-    size = batch_size if batch_size is not None else conf.purge_batch_size()
-    limit = max_batches if max_batches is not None else conf.purge_max_batches()
+    alias = using or app_settings.DATABASE
+    size = batch_size if batch_size is not None else app_settings.PURGE_BATCH_SIZE
+    limit = max_batches if max_batches is not None else app_settings.PURGE_MAX_BATCHES
     if size <= 0 or (limit is not None and limit <= 0):
         raise ValueError("batch_size and max_batches must be positive")
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(alias).filter(expired_q(now))
     audits = IdempotencyAuditRecord.objects.using(alias).filter(
-        archived_at__lte=now - conf.audit_retention()
+        archived_at__lte=now - app_settings.AUDIT_RETENTION
     )
     result = PurgeResult(dry_run=dry_run)
     if dry_run:
@@ -109,7 +110,7 @@ def purge_expired(
         result.audit_deleted, result.audit_batches, audit_complete = _count(audits, size, limit)
         result.complete = result.complete and audit_complete
         return result
-    archive_at = now if conf.audit() else None
+    archive_at = now if app_settings.AUDIT else None
     for rows, seconds in _batches(records, "expires_at", size, limit, archive_at):
         result.batches += 1
         result.deleted += rows
@@ -293,7 +294,7 @@ def recover_stale_leases(
     taken over meanwhile is left alone. Attempts are counted on the record
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
     """
-    alias = using or conf.database()
+    alias = using or app_settings.DATABASE
     now = now or timezone.now()
     result = RecoveryResult(dry_run=dry_run)
     policies: Counter[str] = Counter()
@@ -355,7 +356,7 @@ def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
 def _stale_rows(stale: QuerySet[IdempotencyRecord], limit: int | None) -> Iterator[_Stale]:
     # Pages keyed by id: a record left in place (an error) is never met twice in one run,
     # and no page is larger than a purge batch.
-    page = conf.purge_batch_size()
+    page = app_settings.PURGE_BATCH_SIZE
     last, taken = 0, 0
     while limit is None or taken < limit:
         size = page if limit is None else min(page, limit - taken)

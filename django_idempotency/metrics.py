@@ -23,7 +23,8 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_idempotency import conf, signals, stats
+from django_idempotency import signals, stats
+from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
 
@@ -70,7 +71,7 @@ def oldest_in_progress_seconds() -> float:
     A scrape usually runs in a thread of the metrics server, outside any request, where
     nothing would close a connection this query opens: it is closed again here.
     """
-    connection = connections[conf.database()]
+    connection = connections[app_settings.DATABASE]
     opened_here = connection.connection is None
     try:
         age = stats.oldest_in_progress_seconds()

@@ -10,7 +10,7 @@ from django.db.models import Q, Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import conf
+from django_idempotency.conf import app_settings
 
 if TYPE_CHECKING:
     from django_idempotency.maintenance import PurgeResult
@@ -94,7 +94,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         expired row, so a concurrent claim of the same key waits for this transaction and
         then no longer finds it expired; the record is copied exactly once.
         """
-        if not conf.audit():
+        if not app_settings.AUDIT:
             return 0
         identity: IdempotencyRecordQuerySet = self.filter(
             account=account, operation=operation, key=key

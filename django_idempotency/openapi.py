@@ -28,7 +28,8 @@ from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine, problems
+from django_idempotency import engine, problems
+from django_idempotency.conf import app_settings
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -89,7 +90,7 @@ def key_parameter(required: bool) -> dict[str, Any]:
     """The ``Idempotency-Key`` header parameter (its name from the ``HEADER`` setting)."""
     return {
         "in": "header",
-        "name": conf.header(),
+        "name": app_settings.HEADER,
         "required": required,
         "description": (
             "One key per logical operation: make it when the user acts (a UUID is fine) and "
@@ -139,15 +140,15 @@ def _problem_description(status: int, required: bool) -> str:
 
 def _is_replayable(code: str) -> bool:
     # Stored and replayed: the view's statuses below 500 but the transient ones (409, 429).
-    return code.isdigit() and int(code) < 500 and int(code) not in conf.transient_statuses()
+    return code.isdigit() and int(code) < 500 and int(code) not in app_settings.TRANSIENT_STATUSES
 
 
 def document_operation(
     operation: dict[str, Any], options: engine.Options, registry: ComponentRegistry
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``."""
-    required = conf.required() if options.required is None else options.required
-    header = conf.header()
+    required = app_settings.REQUIRED if options.required is None else options.required
+    header = app_settings.HEADER
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
     if not any(
         p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()

@@ -20,7 +20,7 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 from django.db.models import F, Field, Q
 
-from django_idempotency import conf
+from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 
 # The statements below compare against the stored strings; RecordStatus names them too.
@@ -280,7 +280,7 @@ def _archiving(
     request: ClaimRequest,
     token: uuid.UUID,
 ) -> RecordState | None:
-    if not conf.audit():
+    if not app_settings.AUDIT:
         return attempt(alias, request, token)
     # With the audit trail on, an expired record this claim replaces is first copied to it,
     # in the same transaction: the copy locks the expired row, so a racing claim of the same

@@ -22,7 +22,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from django_idempotency import conf, maintenance, store
+from django_idempotency import conf, maintenance, store, validation
+from django_idempotency.conf import app_settings
 from django_idempotency.engine import RETRY, IdempotencyContext
 
 logger = logging.getLogger("django_idempotency")
@@ -82,13 +83,21 @@ def idempotent_task(
     - In progress under a live lease: the delivery is retried once that lease has run out
       (``lease``, default ``LEASE``: make it longer than the task ever runs).
     - The body raises: the claim is released, so a redelivery or a retry runs again.
+
+    A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
+    ``ImproperlyConfigured`` here, when the task is decorated.
     """
+    checked = validation.view_arguments(
+        f"@idempotent_task(...) at {validation.caller()}", key=key, ttl=ttl, lease=lease
+    )
+    delivery_key: DeliveryKey | None = checked["key"]
+    ttl, lease = checked["ttl"], checked["lease"]
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             task = current_task if current_task else None
-            delivery = key(*args, **kwargs) if key is not None else _task_id(task)
+            delivery = delivery_key(*args, **kwargs) if delivery_key is not None else _task_id(task)
             if delivery is None:
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return func(*args, **kwargs)
@@ -115,7 +124,7 @@ def _claim(
 ) -> store.ClaimResult:
     operation = f"task:{name}"
     return store.claim(
-        conf.database(),
+        app_settings.DATABASE,
         store.ClaimRequest(
             account=TASK_ACCOUNT,
             operation=operation,
@@ -126,8 +135,8 @@ def _claim(
             fingerprint_version=TASK_FINGERPRINT_VERSION,
             recovery_policy=RETRY,
             now=timezone.now(),
-            lease=conf.as_timedelta(lease) if lease is not None else conf.lease(),
-            ttl=conf.as_timedelta(ttl) if ttl is not None else conf.ttl(),
+            lease=conf.as_timedelta(lease) if lease is not None else app_settings.LEASE,
+            ttl=conf.as_timedelta(ttl) if ttl is not None else app_settings.TTL,
         ),
     )
 
@@ -158,7 +167,7 @@ def _seconds_left(lease_expires_at: datetime | None) -> int:
 
 
 def _run(func: F, args: Any, kwargs: Any, state: store.RecordState) -> Any:
-    alias = conf.database()
+    alias = app_settings.DATABASE
     token = state.lease_token
     assert token is not None
     try:
@@ -222,7 +231,7 @@ def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs
     # turn the committed outcome into an error response; the failure is logged instead.
     transaction.on_commit(
         lambda: task.apply_async(args=args, kwargs=kwargs, task_id=task_id),
-        using=conf.database(),
+        using=app_settings.DATABASE,
         robust=True,
     )
     return task_id
