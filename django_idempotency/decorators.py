@@ -43,7 +43,7 @@ def idempotent(
     recovery: engine.Recovery | None = None,
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
+    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -57,7 +57,7 @@ def idempotent(
     recovery: engine.Recovery | None = None,
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
+    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 

@@ -134,7 +134,7 @@ def _collection(value: Any, expected: str) -> list[Any]:
 
 def methods(value: Any) -> frozenset[str]:
     """A non-empty collection of HTTP method names with a side effect, upper-cased."""
-    expected = f'{_COLLECTION} of HTTP method names such as ["POST", "PATCH"], not empty'
+    expected = f'a non-empty {_COLLECTION[2:]} of HTTP method names such as ["POST", "PATCH"]'
     names = _collection(value, expected)
     if not names:
         raise Invalid(expected, value)
