@@ -174,7 +174,7 @@ def _retrying(batch: Callable[[], int]) -> int:
         try:
             return batch()
         except OperationalError as exc:
-            if not store._retryable(exc) or attempt == _BATCH_ATTEMPTS - 1:
+            if not store.is_retryable(exc) or attempt == _BATCH_ATTEMPTS - 1:
                 raise
             time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
     raise AssertionError("unreachable")

@@ -6,46 +6,43 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models
-from django.db.models import Q, Value
+from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency import states
 from django_idempotency.conf import app_settings
+from django_idempotency.states import expired_q, stale_q
+
+__all__ = [
+    "ARCHIVE_REASONS",
+    "PURGED",
+    "REPLACED",
+    "IdempotencyAuditRecord",
+    "IdempotencyRecord",
+    "IdempotencyRecordQuerySet",
+    "RecordStatus",
+    "column",
+    "expired_q",
+    "stale_q",
+]
 
 if TYPE_CHECKING:
     from django_idempotency.maintenance import PurgeResult
 
 
 class RecordStatus(models.TextChoices):
-    """Where a record stands in its state machine (see the README's "How it works")."""
+    """Where a record stands in its state machine (:mod:`django_idempotency.states`)."""
 
-    IN_PROGRESS = "in_progress", _("in progress")
-    COMPLETED = "completed", _("completed")
-    FAILED = "failed", _("failed")
+    IN_PROGRESS = states.IN_PROGRESS, _("in progress")
+    COMPLETED = states.COMPLETED, _("completed")
+    FAILED = states.FAILED, _("failed")
 
 
 # Why a record left the deduplication window and was copied to the audit trail.
 PURGED = "purged"
 REPLACED = "replaced"
 ARCHIVE_REASONS = [(PURGED, _("purged")), (REPLACED, _("replaced by a new request"))]
-
-
-def expired_q(now: datetime) -> Q:
-    """Past its TTL and not held by a live lease: what the purge may delete.
-
-    An expired record whose owner still holds a live lease stays, so that its owner can
-    complete it; the purge takes it once the lease has run out too.
-    """
-    live = Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__gt=now)
-    return Q(expires_at__lte=now) & ~live
-
-
-def stale_q(now: datetime) -> Q:
-    """In progress inside its TTL, but the lease ran out: what the recovery job handles.
-
-    A stale record past its TTL is left to the purge (and so to the audit trail).
-    """
-    return Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now, expires_at__gt=now)
 
 
 def column(model: type[models.Model], name: str) -> str:
@@ -90,16 +87,26 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         """Before a claim replaces an expired record: copy it to the audit trail.
 
         Does nothing unless ``IDEMPOTENCY["AUDIT"]`` is on. Call it inside the claim's
-        transaction, just before the statement that replaces the record: the copy locks the
-        expired row, so a concurrent claim of the same key waits for this transaction and
-        then no longer finds it expired; the record is copied exactly once.
+        transaction, just before the statement that replaces the record. The row is locked
+        first (``SELECT ... FOR UPDATE``) and judged as it is under the lock: a concurrent
+        claim of the same key waits for this transaction, then reads the replaced row, no
+        longer expired, and copies nothing. A locking read sees the newest committed row at
+        every isolation level, so the record is copied exactly once.
         """
         if not app_settings.AUDIT:
             return 0
-        identity: IdempotencyRecordQuerySet = self.filter(
-            account=account, operation=operation, key=key
-        )
-        return identity.expired(now).archive(REPLACED, now=now, lock=True)
+        identity = self.filter(account=account, operation=operation, key=key)
+        if connections[self.db].features.has_select_for_update:
+            identity = identity.select_for_update()
+        fields = ("pk", "status", "expires_at", "lease_expires_at")
+        expired = [
+            pk
+            for pk, *values in identity.values_list(*fields)
+            if states.EXPIRED.test(dict(zip(fields[1:], values, strict=True)), now=now)
+        ]
+        if not expired:
+            return 0
+        return self.filter(pk__in=expired).archive(REPLACED, now=now)
 
     def delete_expired(self, **options: Any) -> PurgeResult:
         """The batched purge on this queryset's database; see ``maintenance.purge_expired``."""
@@ -149,11 +156,24 @@ class IdempotencyRecord(models.Model):
                 fields=["account", "operation", "key"], name="idempotency_record_unique_key"
             ),
         ]
+        # Every index is written by every claim; each one earns its place here. The hot path
+        # needs only the unique constraint. The completion changes ``status``, so an index
+        # over it (or filtered by it) keeps the completion from being a HOT update on
+        # PostgreSQL; only the small in-flight index does (see benchmarks/RESULTS.md).
         indexes = [
-            # The purge scans by expiry; the recovery job by status and lease.
+            # The purge and the "expired" admin filter and statistic: by expiry.
             models.Index(fields=["expires_at"], name="idempotency_expires_idx"),
-            models.Index(fields=["status", "lease_expires_at"], name="idempotency_lease_idx"),
-            models.Index(fields=["operation", "status"], name="idempotency_op_status_idx"),
+            # The recovery job, the stale-lease statistic and the oldest-in-progress metric,
+            # the admin's lease filter: in-flight records only, so it stays as small as the
+            # number of requests running.
+            models.Index(
+                fields=["lease_expires_at"],
+                name="idempotency_inflight_idx",
+                condition=models.Q(status=states.IN_PROGRESS),
+            ),
+            # The admin's operation filter (its choices by a loose index scan).
+            models.Index(fields=["operation"], name="idempotency_operation_idx"),
+            # The admin's default order (newest first) and its date hierarchy.
             models.Index(fields=["created_at"], name="idempotency_created_idx"),
         ]
 
