@@ -17,6 +17,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import Client, override_settings
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from django_idempotency import conf
 from django_idempotency.checks import check_settings
@@ -294,3 +297,43 @@ def test_the_checks_table_lists_exactly_the_ids_there_are():
     checks_table = README.read_text().split("\n## System checks\n", 1)[1]
     listed = re.findall(r"^\| `django_idempotency\.([EW]\d{3})` \|", checks_table, re.M)
     assert sorted(listed) == sorted([f"E{n:03d}" for n in ERROR_NUMBERS] + ["W001", "W002"])
+
+
+_ANY = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=10)
+    | st.timedeltas()
+    | st.sampled_from(["POST", "retry", "fail", "default", "X-Foo", MISSING_PATH, 409]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.frozensets(st.integers() | st.text(max_size=8), max_size=3)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(name=st.sampled_from(sorted(conf.DEFAULTS)), value=_ANY)
+@hypothesis_settings(max_examples=400, deadline=None)
+def test_the_check_never_raises_and_agrees_with_the_run_time(name, value):
+    with override_settings(IDEMPOTENCY={name: value}):
+        found = [m.id for m in check_settings()]
+        try:
+            getattr(app_settings, name)
+            refused = ""
+        except ImproperlyConfigured as exc:
+            refused = str(exc)
+    # The entry's own id, a relation with its default neighbours (TTL/LEASE/wait), or
+    # nothing; and the run time refuses exactly when the check reports.
+    assert set(found) <= {
+        expected_id(name),
+        conf.check_id(conf.TTL_NOT_LONGER_THAN_LEASE),
+        conf.check_id(conf.WAIT_NOT_SHORTER_THAN_LEASE),
+    }
+    assert bool(refused) == bool(found)
+    assert all(found_id in refused for found_id in found)
