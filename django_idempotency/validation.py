@@ -78,22 +78,23 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def positive_int(value: Any) -> int:
-    """A whole number from 1 to ``MAX_INT``."""
+def _counted(value: Any, expected: str) -> int:
     if not _whole(value) or not 1 <= value <= MAX_INT:
-        raise Invalid(f"a whole number from 1 to {MAX_INT}", value)
+        raise Invalid(expected, value)
     result: int = value
     return result
+
+
+def positive_int(value: Any) -> int:
+    """A whole number from 1 to ``MAX_INT``."""
+    return _counted(value, f"a whole number from 1 to {MAX_INT}")
 
 
 def optional_positive_int(value: Any) -> int | None:
     """A whole number from 1 to ``MAX_INT``, or ``None``."""
     if value is None:
         return None
-    if not _whole(value) or not 1 <= value <= MAX_INT:
-        raise Invalid(f"a whole number from 1 to {MAX_INT}, or None", value)
-    result: int = value
-    return result
+    return _counted(value, f"a whole number from 1 to {MAX_INT}, or None")
 
 
 def _duration(value: Any, allow_zero: bool) -> timedelta:
@@ -193,10 +194,7 @@ def client_error_statuses(value: Any) -> frozenset[int]:
 
 def seconds(value: Any) -> int:
     """A whole number of seconds, at least 1 (a ``Retry-After`` value)."""
-    if not _whole(value) or not 1 <= value <= MAX_INT:
-        raise Invalid("a whole number of seconds, at least 1", value)
-    result: int = value
-    return result
+    return _counted(value, "a whole number of seconds, at least 1")
 
 
 _CALLABLE = "a callable or the dotted import path of one"
