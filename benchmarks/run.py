@@ -74,11 +74,15 @@ class Plan:
     purge_baseline: float
     purge_rate: float
     purge_batch_sizes: tuple[int, ...]
+    writes_batches: int = 5
+    writes_requests: int = 200
 
     @classmethod
     def make(cls, quick: bool, batch_sizes: tuple[int, ...]) -> Plan:
         if quick:
-            return cls(True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes)
+            return cls(
+                True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes, 2, 100
+            )
         return cls(
             False, 15, 100, 1000, 3, 5, 1, 8, 4, 200, 100, 50, 1_000_000, 15, 200, batch_sizes
         )
@@ -277,6 +281,14 @@ def run_inprocess(
                 statuses[name].update(answer["statuses"])
             log(f"in-process: round {r + 1}/{plan.inprocess_rounds} done")
         sql = {variant: worker.ask("sql") for variant, worker in workers.items()}
+        writes: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+        for r in range(plan.writes_batches):
+            for variant in rotated(variants, r):
+                kinds = ["create"] + (["replay"] if variant != "plain" else ["noop"])
+                for kind in kinds:
+                    answer = workers[variant].ask("writes", kind=kind, n=plan.writes_requests)
+                    writes[variant][kind].append(answer)
+            log(f"in-process: writes batch {r + 1}/{plan.writes_batches} done")
         profiles: dict[str, Any] = {}
         chosen = [("plain", "create"), ("ours", "create"), ("ours", "replay")]
         chosen += [("patched", "create"), ("patched", "replay")]
@@ -295,6 +307,7 @@ def run_inprocess(
         "round_medians_ms": dict(round_medians),
         "statuses": {name: dict(counter) for name, counter in statuses.items()},
         "sql": sql,
+        "writes": {variant: dict(kinds) for variant, kinds in writes.items()},
         "profiles": profiles,
     }
 
@@ -615,6 +628,7 @@ def main() -> int:
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
     )
+    parser.add_argument("--patched-label", help="what the patched variant is called in RESULTS.md")
     parser.add_argument("--purge-batch-sizes", default="1000")
     for name in ("inprocess-rounds", "server-rounds", "storm-rounds", "profile-requests"):
         parser.add_argument(f"--{name}", type=int, help="override the plan's number")
@@ -645,6 +659,7 @@ def main() -> int:
         "plan": asdict(plan),
         "machine": machine(),
         "patched": str(args.patched) if args.patched else None,
+        "patched_label": args.patched_label,
     }
     with redis_server() as redis_url:
         if redis_url is None and "dik" in variants:

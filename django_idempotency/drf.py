@@ -132,7 +132,7 @@ class IdempotencyMixin:
         if options.protects(request.method):
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
-        return engine._with_atomic_requests(
+        return engine.with_atomic_requests(
             app_settings.DATABASE, lambda: dispatch(request, *args, **kwargs)
         )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 import uuid
 from collections import Counter
@@ -18,12 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import OperationalError, connections, models, transaction
+from django.db import connections, models, transaction
 from django.db.models import F, QuerySet
-from django.http import HttpResponse
 from django.utils import timezone
 
-from django_idempotency import engine, signals, store
+from django_idempotency import core, engine, once, signals, store
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     PURGED,
@@ -31,9 +29,8 @@ from django_idempotency.models import (
     IdempotencyRecord,
     IdempotencyRecordQuerySet,
     column,
-    expired_q,
-    stale_q,
 )
+from django_idempotency.states import IN_PROGRESS, expired_q, stale_lease_q, stale_q
 
 logger = logging.getLogger("django_idempotency")
 
@@ -152,7 +149,7 @@ def _batches(
     taken = 0
     while limit is None or taken < limit:
         started = time.monotonic()
-        rows = _retrying(lambda: _delete_batch(candidates, order, size, archive_at))
+        rows = store.retrying(lambda: _delete_batch(candidates, order, size, archive_at))
         if rows == 0:
             return
         taken += 1
@@ -161,23 +158,6 @@ def _batches(
         # delete it: either way this run is done.
         if rows < size:
             return
-
-
-_BATCH_ATTEMPTS = 5
-
-
-def _retrying(batch: Callable[[], int]) -> int:
-    # InnoDB can choose one of two concurrent purgers as a deadlock victim (their index
-    # locks can cross even with SKIP LOCKED); a batch is one short transaction that picks
-    # its rows afresh, so running it again is safe.
-    for attempt in range(_BATCH_ATTEMPTS):
-        try:
-            return batch()
-        except OperationalError as exc:
-            if not store.is_retryable(exc) or attempt == _BATCH_ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
-    raise AssertionError("unreachable")
 
 
 def _delete_batch(
@@ -269,9 +249,18 @@ class _Stale:
     operation: str
     key: str
     policy: str
+    fingerprint_version: str
 
 
-_STALE_FIELDS = ("pk", "lease_token", "account", "operation", "key", "recovery_policy")
+_STALE_FIELDS = (
+    "pk",
+    "lease_token",
+    "account",
+    "operation",
+    "key",
+    "recovery_policy",
+    "fingerprint_version",
+)
 
 
 class _Unstorable(Exception):
@@ -305,7 +294,7 @@ def recover_stale_leases(
         if dry_run:
             continue
         try:
-            outcome = _apply(alias, row, engine.resolve_recovery(row.policy), now)
+            outcome = _apply(alias, row, core.resolve_recovery(row.policy), now)
         except Exception:
             # The record is named by its id: the client's key does not belong in logs.
             logger.exception(
@@ -343,7 +332,7 @@ def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
 
 def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
     now = timezone.now()
-    stale = queryset.filter(status=store.IN_PROGRESS, lease_expires_at__lte=now)
+    stale = queryset.filter(stale_lease_q(now))
     done = 0
     for row in _stale_rows(stale, None):
         outcome = _apply(queryset.db, row, policy, now)
@@ -371,52 +360,46 @@ def _stale_rows(stale: QuerySet[IdempotencyRecord], limit: int | None) -> Iterat
 
 def _owned(alias: str, row: _Stale) -> QuerySet[IdempotencyRecord]:
     return IdempotencyRecord.objects.using(alias).filter(
-        pk=row.id, lease_token=row.token, status=store.IN_PROGRESS
+        pk=row.id, lease_token=row.token, status=IN_PROGRESS
     )
 
 
 def _apply(alias: str, row: _Stale, policy: engine.Recovery, now: datetime) -> str | None:
-    """Apply one policy; the outcome, or ``None`` when the record changed meanwhile."""
-    if policy == engine.RETRY:
-        return RELEASED if _release(alias, row) else None
-    if policy == engine.FAIL:
-        response = engine.outcome_unknown_response(row.key, row.operation)
-        return FAILED if _close(alias, row, response, store.FAILED, now) else None
-    assert callable(policy)
-    record = _owned(alias, row).first()
-    if record is None:
-        return None
-    # Called outside any transaction: it may ask a provider what happened, and no lock may
-    # be held while it waits.
-    answer = policy(record)
-    if answer is None:
-        return RELEASED if _release(alias, row) else None
-    answer = engine._rendered(answer)
-    if not isinstance(answer, HttpResponse) or not engine.is_storable(answer):
-        raise _Unstorable(f"recovery answered {answer.status_code}, which cannot be replayed")
-    return COMPLETED if _close(alias, row, answer, store.COMPLETED, now) else None
+    """Apply one policy; the outcome, or ``None`` when the record changed meanwhile.
 
-
-def _release(alias: str, row: _Stale) -> bool:
-    return row.token is not None and store.release(alias, row.id, row.token)
-
-
-def _close(alias: str, row: _Stale, response: HttpResponse, status: str, now: datetime) -> bool:
-    # The attempt is counted and the outcome stored in one transaction, both fenced.
+    The rule is the request path's (:func:`core.recover`); only what follows differs: where
+    a retry would run the view, the record is released for the next retry to run afresh.
+    The callable is called outside any transaction: it may ask a provider what happened,
+    and no lock may be held while it waits.
+    """
     if row.token is None:
-        return False
+        return None
+    recovered = core.recover(
+        policy,
+        load_record=lambda: _owned(alias, row).first(),
+        fail_outcome=lambda: core.failure_outcome(row.key, row.operation),
+        # A record of run_once stores a result, a request's record a response.
+        as_outcome=once.outcome_of
+        if row.fingerprint_version == once.FINGERPRINT_VERSION
+        else engine.outcome_of,
+        close=lambda outcome: _close(alias, row, outcome, now),
+    )
+    if recovered.lease_lost:
+        return None
+    if recovered.run:
+        return RELEASED if store.release(alias, row.id, row.token) else None
+    if recovered.undecided:
+        status = getattr(recovered.answer, "status_code", None)
+        raise _Unstorable(f"recovery answered {status}, which cannot be replayed")
+    assert recovered.outcome is not None
+    return FAILED if recovered.outcome.status == store.FAILED else COMPLETED
+
+
+def _close(alias: str, row: _Stale, outcome: core.Outcome, now: datetime) -> bool:
+    # The attempt is counted and the outcome stored in one transaction, both fenced.
     with transaction.atomic(using=alias):
-        if not _count_attempt(alias, row):
-            return False
-        return store.finish(
-            alias,
-            row.id,
-            row.token,
-            status=status,
-            response_status=response.status_code,
-            response_headers=engine.stored_headers(response),
-            response_body=response.content,
-            now=now,
+        return _count_attempt(alias, row) and core.finish(
+            alias, row.id, row.token, outcome, now=now
         )
 
 
@@ -425,11 +408,4 @@ def _count_attempt(alias: str, row: _Stale) -> bool:
 
 
 def _recovered(row: _Stale, policy: str, outcome: str) -> None:
-    signals.lease_recovered.send(
-        sender=IdempotencyRecord,
-        account=row.account,
-        operation=row.operation,
-        key=row.key,
-        policy=policy,
-        outcome=outcome,
-    )
+    core.announce_recovery(row.account, row.operation, row.key, policy, outcome, row.id)

@@ -87,26 +87,15 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         """Before a claim replaces an expired record: copy it to the audit trail.
 
         Does nothing unless ``IDEMPOTENCY["AUDIT"]`` is on. Call it inside the claim's
-        transaction, just before the statement that replaces the record. The row is locked
-        first (``SELECT ... FOR UPDATE``) and judged as it is under the lock: a concurrent
-        claim of the same key waits for this transaction, then reads the replaced row, no
-        longer expired, and copies nothing. A locking read sees the newest committed row at
-        every isolation level, so the record is copied exactly once.
+        transaction, just before the statement that replaces the record: the copy locks the
+        expired row, so a concurrent claim of the same key waits for this transaction and
+        then no longer finds it expired (a locking read sees the newest committed row); the
+        record is copied exactly once.
         """
         if not app_settings.AUDIT:
             return 0
         identity = self.filter(account=account, operation=operation, key=key)
-        if connections[self.db].features.has_select_for_update:
-            identity = identity.select_for_update()
-        fields = ("pk", "status", "expires_at", "lease_expires_at")
-        expired = [
-            pk
-            for pk, *values in identity.values_list(*fields)
-            if states.EXPIRED.test(dict(zip(fields[1:], values, strict=True)), now=now)
-        ]
-        if not expired:
-            return 0
-        return self.filter(pk__in=expired).archive(REPLACED, now=now)
+        return identity.expired(now).archive(REPLACED, now=now, lock=True)
 
     def delete_expired(self, **options: Any) -> PurgeResult:
         """The batched purge on this queryset's database; see ``maintenance.purge_expired``."""

@@ -226,26 +226,39 @@ def _returning(alias: str) -> str:
     return ", ".join(quote(c) for c in _STATE_COLUMNS)
 
 
-@functools.lru_cache(maxsize=8)
-def _postgres_claim_sql(alias: str, columns: tuple[str, ...]) -> str:
+@functools.lru_cache(maxsize=16)
+def _postgres_claim_sql(alias: str, columns: tuple[str, ...], durable: bool) -> str:
     """The claim: insert a new key, or hand back the existing row, in one statement.
 
-    ``ON CONFLICT DO NOTHING`` does not lock the conflicting row (``DO UPDATE ... WHERE
-    false`` would), so a replay or a conflict writes nothing, takes no transaction id and
-    waits for nobody. The outer SELECT reads the existing row from the statement's snapshot.
+    The INSERT runs only when no row holds the key (``NOT EXISTS``): a replay or a conflict
+    then writes nothing, takes no transaction id (not even the id sequence's, which an
+    attempted insert would advance) and waits for nobody. Two new claims racing for one key
+    meet in ``ON CONFLICT DO NOTHING``, which does not lock the winner's row. The outer
+    SELECT hands back the row in the way, from the statement's snapshot.
+
+    ``durable=False``: the claim's commit does not wait for its WAL flush. For operations
+    whose recovery policy is ``"retry"`` only: the view's own commit, which follows, flushes
+    the claim with it, so a server crash can lose a claim only together with the view's
+    work, and an absent claim is what ``"retry"`` does anyway. The claim is visible to
+    every other claim at once either way.
     """
-    quote = connections[alias].ops.quote_name
+    connection = connections[alias]
+    quote = connection.ops.quote_name
     table = _table(alias)
     returning = _returning(alias)
-    values = ", ".join(f"%({c})s" for c in columns)
+    fields = {f.column: f for f in IdempotencyRecord._meta.concrete_fields}
+    # Values come through a SELECT, not VALUES: PostgreSQL cannot take their types from the
+    # target columns, so each one is cast.
+    values = ", ".join(f"CAST(%({c})s AS {fields[c].db_type(connection)})" for c in columns)
+    identity = " AND ".join(f"{quote(c)} = %({c})s" for c in ("account", "operation", "key"))
+    flush = "" if durable else ", set_config('synchronous_commit', 'off', true)"
     return (
         f"WITH claim AS (INSERT INTO {table} ({', '.join(quote(c) for c in columns)})"
-        f" VALUES ({values}) ON CONFLICT (account, operation, key) DO NOTHING"
-        f" RETURNING {returning})"
-        f" SELECT {returning}, true FROM claim"
-        f" UNION ALL SELECT {returning}, false FROM {table}"
-        f" WHERE account = %(account)s AND operation = %(operation)s AND key = %(key)s"
-        f" AND NOT EXISTS (SELECT 1 FROM claim)"
+        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {identity})"
+        f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returning})"
+        f" SELECT {returning}, true{flush} FROM claim"
+        f" UNION ALL SELECT {returning}, false{', NULL' if flush else ''} FROM {table}"
+        f" WHERE {identity} AND NOT EXISTS (SELECT 1 FROM claim)"
     )
 
 
@@ -262,11 +275,13 @@ def _insert_or_existing(
     row = _prepared_row(alias, new_row)
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(_postgres_claim_sql(alias, tuple(row)), row)
+            durable = request.recovery_policy != "retry"
+            cursor.execute(_postgres_claim_sql(alias, tuple(row), durable), row)
             result = cursor.fetchone()
         if result is None:
             return None
-        return RecordState.from_row(result[:-1]), bool(result[-1])
+        found = result[: len(_STATE_COLUMNS)]
+        return RecordState.from_row(found), bool(result[len(_STATE_COLUMNS)])
     # Elsewhere: a savepoint-guarded insert, then a read of the record in its way.
     try:
         with transaction.atomic(using=alias), connection.cursor() as cursor:

@@ -26,7 +26,7 @@ from django_idempotency.engine import IdempotencyContext
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests import celery_app
 from tests.conftest import postgres_only
-from tests.live import ROOT, _server_env
+from tests.live import ROOT, server_env
 from tests.test_maintenance import completed, in_progress
 from tests.testapp.models import ProviderCall
 from tests.testapp.tasks import (
@@ -248,7 +248,7 @@ def wait_drained() -> None:
 def celery_worker(pool: str = "prefork", concurrency: int = 1) -> Iterator[subprocess.Popen[bytes]]:
     """A ``celery worker`` process on the test database; killed at the end."""
     name = f"idempotency-tests-{uuid.uuid4().hex[:8]}@localhost"
-    env = _server_env({"TEST_CELERY_QUEUE": celery_app.QUEUE})
+    env = server_env({"TEST_CELERY_QUEUE": celery_app.QUEUE})
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
