@@ -104,8 +104,15 @@ def charges_fail_policy(request: HttpRequest) -> HttpResponse:
     return make_charge(request)
 
 
+#: The keys a recovery callable was asked about, in order (tests clear it).
+RECOVERY_ASKED: list[str] = []
+
+
 def recover_by_asking_provider(record):  # type: ignore[no-untyped-def]
     """A recovery callable: answers from our own Charge table when it holds the outcome."""
+    RECOVERY_ASKED.append(record.key)
+    if record.key.startswith("raise-"):
+        raise ConnectionError("the provider could not be asked")
     if record.key.startswith("known-"):
         return JsonResponse({"recovered": record.key}, status=200)
     if record.key.startswith("down-"):
