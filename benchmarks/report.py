@@ -139,6 +139,8 @@ def render(results: dict[str, Any]) -> str:
         add(storm(results["server"]["storm"], results["plan"]))
     if "purge" in results:
         add(purge(results["purge"], results["plan"]))
+    if results.get("outbox", {}).get("throughput"):
+        add(outbox(results["outbox"]))
     if "inprocess" in results and results["inprocess"].get("profiles"):
         add(profiles(results["inprocess"]["profiles"]))
     if EXPERIMENTS.exists():
@@ -269,7 +271,88 @@ def targets(results: dict[str, Any]) -> str:
         rows.append(
             ["purge: concurrent claim p99 within 2× of no purge", ratio(claim), verdict(claim <= 2)]
         )
+    if results.get("outbox", {}).get("throughput"):
+        rows += outbox_targets(results["outbox"])
     return table(["target", "measured", ""], rows)
+
+
+def outbox_targets(data: dict[str, Any]) -> list[list[str]]:
+    """The outbox's two targets: relay throughput, and commit-to-consumer latency."""
+    rows = []
+    for relays in sorted({t.get("relays", 1) for t in data["throughput"]}):
+        runs = [t for t in data["throughput"] if t.get("relays", 1) == relays]
+        best = max(runs, key=lambda t: t["messages_per_second"])
+        rows.append(
+            [
+                f"outbox: ≥ 2,000 messages/s relayed into Redis ({relays} relay"
+                + ("s)" if relays > 1 else ")"),
+                f"{best['messages_per_second']:,.0f} messages/s (batches of {best['batch_size']})",
+                verdict(best["messages_per_second"] >= 2000),
+            ]
+        )
+    for run in data["latency"]:
+        if run["mode"] == "notify":
+            rows.append(
+                [
+                    "outbox: commit → consumer start p50 ≤ 50 ms with NOTIFY",
+                    ms(run["p50_ms"]),
+                    verdict(run["p50_ms"] <= 50),
+                ]
+            )
+    return rows
+
+
+def outbox(data: dict[str, Any]) -> str:
+    """The "Outbox" section: ``benchmarks/outbox_bench.py``."""
+    out = ["\n## Outbox\n"]
+    load = data.get("load_average")
+    out.append(
+        "`benchmarks/outbox_bench.py`, on its own database and a private Redis."
+        " Throughput: a backlog of pending messages, one relay (`outbox.drain`, what"
+        " `relay_outbox --once` runs) with the default Celery sender, then two relay"
+        " processes at once; nothing consumes, and every message was counted in Redis"
+        " afterwards. Latency: when the consumer (a Celery worker, solo pool) started, minus"
+        " when the producer's `COMMIT` returned; one message per transaction at a steady"
+        " rate, with a relay process listening for `NOTIFY`, then with one polling every"
+        " `OUTBOX_POLL_INTERVAL` (1 s) only."
+        + (f" Load average at the end: {fmt_load(load)}." if load else "")
+        + "\n"
+    )
+    out.append(
+        table(
+            ["relays", "batch size", "messages", "seconds", "messages/s", "all in Redis"],
+            [
+                [
+                    t.get("relays", 1),
+                    t["batch_size"],
+                    f"{t['messages']:,}",
+                    f"{t['seconds']:.2f}",
+                    f"{t['messages_per_second']:,.0f}",
+                    "yes" if t["in_redis"] == t["sent"] == t["messages"] else "NO",
+                ]
+                for t in data["throughput"]
+            ],
+        )
+    )
+    out.append("")
+    out.append(
+        table(
+            ["wake-up", "messages", "rate", "p50", "p99", "max"],
+            [
+                [
+                    "LISTEN/NOTIFY" if run["mode"] == "notify" else "polling only",
+                    run["messages"],
+                    f"{run['rate']:.0f}/s",
+                    ms(run["p50_ms"]),
+                    ms(run["p99_ms"]),
+                    ms(run["max_ms"]),
+                ]
+                for run in data["latency"]
+            ],
+        )
+    )
+    out.append("\n" + table(["target", "measured", ""], outbox_targets(data)))
+    return "\n".join(out)
 
 
 def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:

@@ -5,7 +5,8 @@ minute or two. See ``benchmarks/README.md`` for what each part measures and why.
 
 Parts (``--only`` picks some): ``inprocess`` (Django's test client, A/B/A/B, statements
 per request, cProfile), ``server`` (gunicorn + wrk: throughput and latency, then the
-retry storm), ``purge`` (a million expired records and claims beside the purge).
+retry storm), ``purge`` (a million expired records and claims beside the purge), ``outbox``
+(the relay into Redis: messages/s, and commit-to-consumer latency; ``outbox_bench.py``).
 ``--patched DIR`` adds a variant ``patched``: the mixin with the ``django_idempotency``
 package of another checkout (a patch applied in a scratch copy), measured in the same
 interleaved run as this checkout's.
@@ -389,12 +390,18 @@ def gunicorn(
             time.sleep(0.2)
         yield Server(variant, port, process)
     finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[Any], timeout: float = 15) -> None:
+    """SIGTERM a process group (started with ``start_new_session``), SIGKILL if it lingers."""
+    if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=15)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)
 
 
 def post(port: int, path: str, key: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
@@ -562,6 +569,25 @@ def run_purge(plan: Plan, env: dict[str, str]) -> list[dict[str, Any]]:
     return results
 
 
+# -- outbox ---------------------------------------------------------------------------------
+
+
+def run_outbox(plan: Plan) -> dict[str, Any]:
+    if shutil.which("redis-server") is None:
+        log("outbox: skipped, redis-server is not installed")
+        return {"throughput": [], "latency": [], "skipped": "redis-server is not installed"}
+    log("outbox: relay throughput into Redis, then commit-to-consumer latency")
+    command = [sys.executable, "-m", "benchmarks.outbox_bench"]
+    if plan.quick:
+        command += ["--messages", "2000", "--latency-messages", "50"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    output = subprocess.run(
+        command, cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    data: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
+    return data
+
+
 # -- machine and versions -------------------------------------------------------------------
 
 
@@ -623,7 +649,7 @@ def versions(alt_python: Path | None) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a minute or two")
-    parser.add_argument("--only", default="inprocess,server,purge")
+    parser.add_argument("--only", default="inprocess,server,purge,outbox")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
@@ -682,6 +708,8 @@ def main() -> int:
         if args.patched:
             patched_env = {**variant_env("patched", args.patched, None), "BENCH_VARIANT": "ours"}
             results["purge"] += [{**p, "variant": "patched"} for p in run_purge(plan, patched_env)]
+    if "outbox" in parts:
+        results["outbox"] = run_outbox(plan)
     results["versions"] = versions(alt_python)
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()

@@ -40,7 +40,9 @@ def _check_database(alias: str) -> Iterable[CheckMessage]:
                 "commit before the view runs) and run in a transaction of their own that also "
                 "completes the record. The mixin and @idempotent do this for you; a view "
                 "under DRF's @api_view needs @transaction.non_atomic_requests above "
-                "@api_view, or its claim waits for the whole request's transaction."
+                "@api_view, or its claim waits for the whole request's transaction. "
+                "django-ninja operations cannot be taken out of it: a protected ninja "
+                "operation refuses to run under ATOMIC_REQUESTS."
             ),
         )
     if alias != "default":

@@ -14,6 +14,7 @@ Errors, one id per setting.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -109,6 +110,31 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("AUDIT", False, 20, validation.flag),
     Setting("AUDIT_RETENTION", timedelta(days=90), 21, validation.duration),
 )
+
+# -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
+
+DEFAULT_OUTBOX_SENDER = "django_idempotency.celery_sender.send"
+
+
+def _outbox_sender(value: Any) -> str | Callable[..., Any]:
+    # The outbox is optional: without Celery the default sender is never imported here, and
+    # relay_outbox says so if it is run (outbox.configured_sender).
+    if value == DEFAULT_OUTBOX_SENDER and importlib.util.find_spec("celery") is None:
+        return DEFAULT_OUTBOX_SENDER
+    return validation.callable_ref(value)
+
+
+OUTBOX_SETTINGS: tuple[Setting, ...] = (
+    Setting("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER, 30, _outbox_sender),
+    Setting("OUTBOX_MAX_ATTEMPTS", 20, 31, validation.positive_int),
+    Setting("OUTBOX_RETENTION", timedelta(days=7), 32, validation.duration),
+    Setting("OUTBOX_BATCH_SIZE", 100, 33, validation.positive_int),
+    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), 34, validation.duration),
+    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), 35, validation.duration),
+    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), 36, validation.duration),
+)
+OUTBOX_DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in OUTBOX_SETTINGS}
+SETTINGS += OUTBOX_SETTINGS
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in SETTINGS}
 
@@ -140,6 +166,15 @@ def _relations(values: Mapping[str, Any]) -> list[Problem]:
                 check_id(TTL_NOT_LONGER_THAN_LEASE),
                 f"IDEMPOTENCY['TTL'] ({ttl}) must be longer than IDEMPOTENCY['LEASE'] ({lease}).",
                 "A record must outlive its lease, or a live claim could expire under its owner.",
+            )
+        )
+    backoff, longest = values.get("OUTBOX_BACKOFF"), values.get("OUTBOX_BACKOFF_MAX")
+    if backoff is not None and longest is not None and longest < backoff:
+        problems.append(
+            Problem(
+                BY_NAME["OUTBOX_BACKOFF_MAX"].id,
+                f"IDEMPOTENCY['OUTBOX_BACKOFF_MAX'] ({longest}) must not be shorter than "
+                f"IDEMPOTENCY['OUTBOX_BACKOFF'] ({backoff}).",
             )
         )
     if wait is not None and lease is not None and wait >= lease:
@@ -333,6 +368,43 @@ class IdempotencySettings:
     def AUDIT_RETENTION(self) -> timedelta:
         """How long an audit record is kept after it was archived."""
         return cast(timedelta, self._get("AUDIT_RETENTION"))
+
+    @property
+    def OUTBOX_SENDER(self) -> Callable[..., Any]:
+        """The callable that sends one outbox message (imported; ``ImportError`` when the
+        default sender's Celery is not installed)."""
+        sender = self._get("OUTBOX_SENDER")
+        return resolve_callable(sender)
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        """Failed sends after which a message is ``dead``."""
+        return cast(int, self._get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def OUTBOX_RETENTION(self) -> timedelta:
+        """How long a sent message is kept before the purge deletes it."""
+        return cast(timedelta, self._get("OUTBOX_RETENTION"))
+
+    @property
+    def OUTBOX_BATCH_SIZE(self) -> int:
+        """Messages the relay takes (and locks) per batch."""
+        return cast(int, self._get("OUTBOX_BATCH_SIZE"))
+
+    @property
+    def OUTBOX_BACKOFF(self) -> timedelta:
+        """The wait after a message's first failed send; it doubles with every failure."""
+        return cast(timedelta, self._get("OUTBOX_BACKOFF"))
+
+    @property
+    def OUTBOX_BACKOFF_MAX(self) -> timedelta:
+        """The longest wait between two sends of one message."""
+        return cast(timedelta, self._get("OUTBOX_BACKOFF_MAX"))
+
+    @property
+    def OUTBOX_POLL_INTERVAL(self) -> timedelta:
+        """How often a waiting relay looks for due messages."""
+        return cast(timedelta, self._get("OUTBOX_POLL_INTERVAL"))
 
 
 app_settings = IdempotencySettings()

@@ -14,7 +14,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 
-from django_idempotency import engine, validation
+from django_idempotency import engine, sources, validation
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -44,6 +44,7 @@ def idempotent(
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
+    key: engine.KeySource | str | None = None,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -58,6 +59,7 @@ def idempotent(
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
+    key: engine.KeySource | str | None = None,
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
@@ -66,6 +68,10 @@ def idempotent(
     path that does not import) raises ``ImproperlyConfigured`` here, naming the view and the
     argument. With DRF, put ``@api_view([...])`` above it, so the claim
     follows DRF's authentication, permission and throttle checks.
+
+    ``key`` says where the key comes from when it is not the ``HEADER`` setting's header: a
+    callable ``request -> str | None``, its dotted path, or a helper of
+    :mod:`django_idempotency.sources` (``sources.json("id")``).
     """
     if view is not None and not callable(view):
         raise ImproperlyConfigured(
@@ -89,7 +95,8 @@ def idempotent(
             account=account,
             fingerprint=fingerprint,
             methods=methods,
-        )
+        ),
+        key=sources.key_source(key, "@idempotent(key=...)"),
     )
 
     def decorate(func: ViewFunc) -> ViewFunc:

@@ -5,6 +5,7 @@ This is the only module that imports DRF.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -13,7 +14,7 @@ from django.http.response import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import engine, validation
+from django_idempotency import conf, engine, sources, validation
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
@@ -71,17 +72,42 @@ class IdempotencyMixin:
     idempotency_recovery: engine.Recovery | None = None
     #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
     idempotency_operation: str | None = None
+    #: Where the key comes from: a callable called with the request alone (a
+    #: :mod:`django_idempotency.sources` helper, or a plain function, which is not bound to
+    #: the view) or its dotted path; ``None``: the ``HEADER`` setting's header. (Typed
+    #: ``Any``: type checkers read a function stored on a class as a method.)
+    idempotency_key: Any = None
 
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""
-        resolver = app_settings.ACCOUNT_RESOLVER
+        resolver = conf.resolve_callable(app_settings.ACCOUNT_RESOLVER)
         account: str | None = resolver(request)
         return account
 
     def get_idempotency_fingerprint(self, request: Request) -> str:
         """The request's fingerprint; by default the ``FINGERPRINT`` setting computes it."""
-        fingerprint: str = app_settings.FINGERPRINT(request)
+        fingerprint: str = conf.resolve_callable(app_settings.FINGERPRINT)(request)
         return fingerprint
+
+    def get_idempotency_key(self, request: Request) -> str | None:
+        """The request's key, ``None`` when it has none; by default from ``idempotency_key``,
+        else from the ``HEADER`` setting's header. Raise
+        :class:`~django_idempotency.keys.InvalidKey` for a key that is not usable."""
+        source = self._idempotency_key_source()
+        if source is None:
+            return sources.header(app_settings.HEADER)(request)
+        key: str | None = conf.resolve_callable(source)(request)
+        return key
+
+    def _idempotency_key_source(self) -> Callable[[Any], str | None] | str | None:
+        # Read past the descriptor protocol: a function stored on the class would otherwise
+        # come back as a method of the view and get the view as its first argument.
+        source = inspect.getattr_static(self, "idempotency_key", None)
+        if isinstance(source, staticmethod):
+            source = source.__func__
+        elif isinstance(source, classmethod):
+            source = self.idempotency_key  # bound to the class, as asked
+        return sources.key_source(source, f"{type(self).__name__}.idempotency_key")
 
     def get_idempotency_operation(self, request: Request) -> str:
         """The operation name used when ``idempotency_operation`` is not set."""
@@ -110,6 +136,12 @@ class IdempotencyMixin:
             if cls.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
             else None
         )
+        # The same for the key: the overridden method, else the attribute, else the header.
+        key = (
+            self.get_idempotency_key
+            if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
+            else self._idempotency_key_source()
+        )
         # The attributes are validated on the view's first call (a wrong one raises
         # ImproperlyConfigured before anything runs), as nothing is read at import time.
         arguments = validation.view_arguments(
@@ -124,7 +156,7 @@ class IdempotencyMixin:
             recovery=cls.idempotency_recovery,
             methods=self.idempotency_methods,
         )
-        return engine.Options(**arguments, account=account, fingerprint=fingerprint)
+        return engine.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         options = self._idempotency_options()

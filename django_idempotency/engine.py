@@ -30,7 +30,7 @@ from django_idempotency.core import (
     storable_name,
 )
 from django_idempotency.fingerprint import django_request, fingerprint_version
-from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
+from django_idempotency.keys import InvalidKey, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import FAILED, IN_PROGRESS
 
@@ -110,7 +110,9 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
     """The request's key; ``None`` when it carries none; a problem answer when it is bad."""
     if options.key is None:
         header = app_settings.HEADER
-        raw = inner.META.get(header_meta_name(header))
+        # request.headers, not META: test clients that build META themselves (ninja's) need
+        # not spell the WSGI name of the header.
+        raw = inner.headers.get(header)
         if raw is None:
             return None
         try:
@@ -145,7 +147,11 @@ def handle(
         return key
     if key is None:
         if app_settings.REQUIRED if options.required is None else options.required:
-            where = app_settings.HEADER if options.key is None else "idempotency key"
+            where = (
+                app_settings.HEADER
+                if options.key is None
+                else getattr(options.key, "description", "idempotency key")
+            )
             return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
     account = conf.resolve_callable(options.account or app_settings.ACCOUNT_RESOLVER)(request)

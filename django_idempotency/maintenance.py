@@ -28,6 +28,8 @@ from django_idempotency.models import (
     IdempotencyAuditRecord,
     IdempotencyRecord,
     IdempotencyRecordQuerySet,
+    OutboxMessage,
+    OutboxStatus,
     column,
 )
 from django_idempotency.states import IN_PROGRESS, expired_q, stale_lease_q, stale_q
@@ -46,6 +48,9 @@ class PurgeResult:
     archived: int = 0
     audit_deleted: int = 0
     audit_batches: int = 0
+    # Sent outbox messages past OUTBOX_RETENTION.
+    outbox_deleted: int = 0
+    outbox_batches: int = 0
     longest_batch_seconds: float = 0.0
     dry_run: bool = False
     # False when ``max_batches`` stopped a table before it was done: more may remain.
@@ -81,7 +86,7 @@ def purge_expired(
     now: datetime | None = None,
     progress: Progress | None = None,
 ) -> PurgeResult:
-    """Delete expired records, then audit records past their retention, in bounded batches.
+    """Delete expired records, audit records and sent outbox messages past their retention.
 
     Each batch is one short transaction; on PostgreSQL one ``DELETE ... WHERE id IN (SELECT
     ... LIMIT n FOR UPDATE SKIP LOCKED)``, so concurrent purgers and live claims never wait
@@ -105,7 +110,8 @@ def purge_expired(
     if dry_run:
         result.deleted, result.batches, result.complete = _count(records, size, limit)
         result.audit_deleted, result.audit_batches, audit_complete = _count(audits, size, limit)
-        result.complete = result.complete and audit_complete
+        outbox_complete = _purge_outbox(result, alias, now, size, limit, None)
+        result.complete = result.complete and audit_complete and outbox_complete
         return result
     archive_at = now if app_settings.AUDIT else None
     for rows, seconds in _batches(records, "expires_at", size, limit, archive_at):
@@ -117,17 +123,51 @@ def purge_expired(
         result.audit_batches += 1
         result.audit_deleted += rows
         _batch_done(result, seconds, progress)
-    result.complete = limit is None or (result.batches < limit and result.audit_batches < limit)
+    outbox_complete = _purge_outbox(result, alias, now, size, limit, progress)
+    result.complete = outbox_complete and (
+        limit is None or (result.batches < limit and result.audit_batches < limit)
+    )
     signals.records_purged.send(
-        sender=IdempotencyRecord, count=result.deleted, audit=result.audit_deleted
+        sender=IdempotencyRecord,
+        count=result.deleted,
+        audit=result.audit_deleted,
+        outbox=result.outbox_deleted,
     )
     return result
+
+
+def _purge_outbox(
+    result: PurgeResult,
+    alias: str,
+    now: datetime,
+    size: int,
+    limit: int | None,
+    progress: Progress | None,
+) -> bool:
+    """Sent outbox messages past ``OUTBOX_RETENTION``, in the same bounded batches.
+
+    Counts them only with ``result.dry_run``. True when none is left behind.
+    """
+    sent = OutboxMessage.objects.using(alias).filter(
+        status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION
+    )
+    if result.dry_run:
+        result.outbox_deleted, result.outbox_batches, complete = _count(sent, size, limit)
+        return complete
+    for rows, seconds in _batches(sent, "sent_at", size, limit, None):
+        result.outbox_batches += 1
+        result.outbox_deleted += rows
+        _batch_done(result, seconds, progress)
+    return limit is None or result.outbox_batches < limit
 
 
 def _batch_done(result: PurgeResult, seconds: float, progress: Progress | None) -> None:
     result.longest_batch_seconds = max(result.longest_batch_seconds, seconds)
     if progress is not None:
-        progress(result.batches + result.audit_batches, result.deleted + result.audit_deleted)
+        progress(
+            result.batches + result.audit_batches + result.outbox_batches,
+            result.deleted + result.audit_deleted + result.outbox_deleted,
+        )
 
 
 def _count(candidates: QuerySet[Any], size: int, limit: int | None) -> tuple[int, int, bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -235,3 +236,51 @@ class IdempotencyAuditRecord(models.Model):
         pairs = [("record_id", "id")]
         pairs += [(f.name, f.name) for f in cls._meta.concrete_fields if f.name not in own]
         return pairs
+
+
+class OutboxStatus(models.TextChoices):
+    """Where an outbox message stands: waiting for the relay, sent, or given up on."""
+
+    PENDING = "pending", _("pending")
+    SENT = "sent", _("sent")
+    DEAD = "dead", _("dead")
+
+
+class OutboxMessage(models.Model):
+    """A message committed with the business state, sent by the relay (``relay_outbox``).
+
+    Written by :func:`django_idempotency.outbox.enqueue` in the caller's transaction, so it
+    exists exactly when that transaction committed. The relay sends it at least once, with
+    its ``id`` as the task id; a failed send counts an attempt and moves ``available_at``
+    later, and after ``OUTBOX_MAX_ATTEMPTS`` the message is ``dead`` (kept, requeued by
+    hand). Sent messages are purged after ``OUTBOX_RETENTION``.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    task = models.CharField(max_length=255, help_text=_("The registered name of the task."))
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=8, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0, help_text=_("Failed sends so far."))
+    available_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+
+    class Meta:
+        verbose_name = _("outbox message")
+        verbose_name_plural = _("outbox messages")
+        db_table = "django_idempotency_outbox"
+        indexes = [
+            # The relay's "due" query: pending, available_at <= now, oldest first.
+            models.Index(fields=["status", "available_at"], name="idempotency_outbox_due_idx"),
+            # The retention purge: sent, sent_at <= cutoff, oldest first.
+            models.Index(fields=["status", "sent_at"], name="idempotency_outbox_sent_idx"),
+            # The admin's list, newest first.
+            models.Index(fields=["created_at"], name="idempotency_outbox_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} {self.id} ({self.status})"

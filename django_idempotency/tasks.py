@@ -1,4 +1,4 @@
-"""Celery: the periodic maintenance tasks, deduplicated task consumers, enqueue on commit.
+"""Celery: the periodic maintenance tasks, the outbox relay and deduplicated task consumers.
 
 The only module of the app that imports Celery (an optional dependency). It never imports
 a project's Celery app: ``shared_task`` binds to whichever app the project configures.
@@ -15,11 +15,9 @@ from typing import Any, TypeVar, cast
 
 from celery import current_task, shared_task
 from celery.app.task import Task
-from django.db import transaction
 
-from django_idempotency import maintenance, validation
-from django_idempotency.conf import app_settings
-from django_idempotency.core import RETRY, IdempotencyContext
+from django_idempotency import maintenance, outbox, validation
+from django_idempotency.core import RETRY
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
 from django_idempotency.once import LeaseTakenOver, call_once
 
@@ -47,6 +45,12 @@ def purge_expired(
 def recover_stale_leases(limit: int | None = None, using: str | None = None) -> dict[str, Any]:
     """Celery beat task: :func:`django_idempotency.maintenance.recover_stale_leases`."""
     return asdict(maintenance.recover_stale_leases(using=using, limit=limit))
+
+
+@shared_task(name="django_idempotency.relay_outbox")
+def relay_outbox(batch_size: int | None = None, using: str | None = None) -> dict[str, Any]:
+    """Celery beat task: drain the outbox once (:func:`django_idempotency.outbox.relay`)."""
+    return asdict(outbox.relay(using=using, batch_size=batch_size, once=True))
 
 
 class DeliveryInProgress(Exception):
@@ -141,34 +145,3 @@ def _in_progress(task: Task[Any, Any] | None, name: str, countdown: int) -> Any:
     logger.info("delivery of %s in progress elsewhere; retrying in %s s", name, countdown)
     # Waiting on a live lease is not a failure of this task: it does not use up its retries.
     raise task.retry(countdown=countdown, max_retries=task.request.retries + 1)
-
-
-def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs: Any) -> str:
-    """Send ``task`` once the current transaction commits, with a deterministic task id.
-
-    ``source`` is a protected request (``request.idempotency``) or its
-    :class:`~django_idempotency.engine.IdempotencyContext`. The task id is
-    ``context.downstream_key("task:<task name>")``: the same on every retry, takeover and
-    recovery run of the operation, so a consumer deduplicated by
-    :func:`idempotent_task` (keyed by the task id) runs once whatever is sent twice. Nothing
-    is sent when the view's transaction rolls back. A send that fails after the commit is
-    logged, not raised (the task is then lost: for at-least-once sending use an outbox).
-    Returns the task id.
-    """
-    context = source if isinstance(source, IdempotencyContext) else None
-    if context is None:
-        context = getattr(source, "idempotency", None)
-    if not isinstance(context, IdempotencyContext):
-        raise ValueError(
-            "enqueue_on_commit needs a request protected by an idempotency key, or its "
-            "request.idempotency context"
-        )
-    task_id = context.downstream_key(f"task:{task.name}")
-    # Robust: once the view's work has committed, a broker that cannot be reached must not
-    # turn the committed outcome into an error response; the failure is logged instead.
-    transaction.on_commit(
-        lambda: task.apply_async(args=args, kwargs=kwargs, task_id=task_id),
-        using=app_settings.DATABASE,
-        robust=True,
-    )
-    return task_id

@@ -125,7 +125,8 @@ def test_a_postgres_batch_is_one_statement_that_skips_locked_rows(audit):
     with override_settings(IDEMPOTENCY={"AUDIT": audit}), CaptureQueriesContext(connection) as q:
         assert maintenance.purge_expired(batch_size=10).deleted == 1
     deletes = [query["sql"] for query in q.captured_queries if "DELETE" in query["sql"]]
-    assert len(deletes) == 2  # the batch, then the audit table's (empty) batch
+    # The batch, then the (empty) batches of the audit table and of the outbox.
+    assert len(deletes) == 3
     batch = deletes[0]
     assert "FOR UPDATE SKIP LOCKED" in batch
     assert "LIMIT 10" in batch

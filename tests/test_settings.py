@@ -58,6 +58,13 @@ BAD_VALUES: dict[str, list[object]] = {
     "PURGE_MAX_BATCHES": [0, -1, "5", 2.0, False],
     "AUDIT": [None, 1, 0, "yes"],
     "AUDIT_RETENTION": [None, 0, -1, timedelta(0), "90d", True],
+    "OUTBOX_SENDER": [None, 7, "", "send", MISSING_PATH, NOT_CALLABLE],
+    "OUTBOX_MAX_ATTEMPTS": [None, 0, -1, "20", 2.5, True],
+    "OUTBOX_RETENTION": [None, 0, -1, timedelta(0), "7d", True],
+    "OUTBOX_BATCH_SIZE": [None, 0, -1, "100", False, 2**40],
+    "OUTBOX_BACKOFF": [None, 0, -1, "1s", True, float("nan")],
+    "OUTBOX_BACKOFF_MAX": [None, 0, -1, "5m", timedelta(0)],
+    "OUTBOX_POLL_INTERVAL": [None, 0, -1, "1s", True],
 }
 CASES = [
     pytest.param(name, value, id=f"{name}={value!r}")
@@ -83,9 +90,10 @@ ERROR_NUMBERS = [setting.check for setting in conf.SETTINGS] + [
 ]
 
 
-def test_two_settings_never_share_an_id_and_e030_to_e049_stay_free():
+def test_two_settings_never_share_an_id_and_e037_to_e049_stay_free():
     assert len(set(ERROR_NUMBERS)) == len(ERROR_NUMBERS)
-    assert not [n for n in ERROR_NUMBERS if 30 <= n <= 49]
+    outbox = {setting.check for setting in conf.OUTBOX_SETTINGS}
+    assert {n for n in ERROR_NUMBERS if 30 <= n <= 49} == outbox == set(range(30, 37))
 
 
 @pytest.mark.parametrize(("name", "value"), CASES)
@@ -174,6 +182,15 @@ def test_the_setting_as_a_whole_and_unknown_keys_fail_at_run_time_too():
     misspelt = override_settings(IDEMPOTENCY={"METHOD": ["PUT"]})
     with misspelt, pytest.raises(ImproperlyConfigured, match="unknown key 'METHOD'"):
         _ = app_settings.METHODS
+
+
+def test_a_backoff_max_shorter_than_the_backoff_is_an_error_of_backoff_max():
+    with override_settings(IDEMPOTENCY={"OUTBOX_BACKOFF": 10, "OUTBOX_BACKOFF_MAX": 5}):
+        found = check_settings()
+        with pytest.raises(ImproperlyConfigured, match="E035"):
+            _ = app_settings.OUTBOX_BACKOFF
+    assert [m.id for m in found] == ["django_idempotency.E035"]
+    assert "must not be shorter than IDEMPOTENCY['OUTBOX_BACKOFF']" in found[0].msg
 
 
 def test_relations_fail_at_run_time_too():
@@ -328,12 +345,14 @@ def test_the_check_never_raises_and_agrees_with_the_run_time(name, value):
             refused = ""
         except ImproperlyConfigured as exc:
             refused = str(exc)
-    # The entry's own id, a relation with its default neighbours (TTL/LEASE/wait), or
+    # The entry's own id, a relation with its default neighbours (TTL/LEASE/wait, the
+    # outbox's backoffs), or
     # nothing; and the run time refuses exactly when the check reports.
     assert set(found) <= {
         expected_id(name),
         conf.check_id(conf.TTL_NOT_LONGER_THAN_LEASE),
         conf.check_id(conf.WAIT_NOT_SHORTER_THAN_LEASE),
+        expected_id("OUTBOX_BACKOFF_MAX"),
     }
     assert bool(refused) == bool(found)
     assert all(found_id in refused for found_id in found)
