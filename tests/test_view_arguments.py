@@ -163,3 +163,19 @@ def test_the_task_decorator_refuses_a_wrong_argument(arguments, expected):
         idempotent_task(**arguments)
     assert str(raised.value).startswith(f"@idempotent_task(...) at {__name__} line ")
     assert expected in str(raised.value)
+
+
+# -- the ninja decorator, when the operation is decorated -----------------------------------
+
+
+@pytest.mark.parametrize(("argument", "value", "expected"), BAD_ARGUMENTS)
+def test_the_ninja_decorator_refuses_a_wrong_argument(argument, value, expected):
+    pytest.importorskip("ninja")
+    from django_idempotency.ninja import idempotent as ninja_idempotent
+
+    with pytest.raises(ImproperlyConfigured) as raised:
+        ninja_idempotent(**{argument: value})
+    message = str(raised.value)
+    assert message.startswith(f"ninja @idempotent(...) at {__name__} line ")
+    assert f": {argument} must be " in message
+    assert expected in message
