@@ -41,15 +41,20 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize(("argument", "value", "expected"), BAD_ARGUMENTS)
-def test_the_decorator_refuses_a_wrong_argument_when_applied(argument, value, expected):
+def refused(decorator, name: str, argument: str, value: object, expected: str) -> None:
+    """``decorator(argument=value)`` raises, naming where the view is decorated, the argument
+    and what it expected."""
     with pytest.raises(ImproperlyConfigured) as raised:
-        idempotent(**{argument: value})
+        decorator(**{argument: value})
     message = str(raised.value)
-    # Names the view (where it is decorated), the argument and what it expected.
-    assert message.startswith(f"@idempotent(...) at {__name__} line ")
+    assert message.startswith(f"{name}(...) at {__name__} line ")
     assert f": {argument} must be " in message
     assert expected in message
+
+
+@pytest.mark.parametrize(("argument", "value", "expected"), BAD_ARGUMENTS)
+def test_the_decorator_refuses_a_wrong_argument_when_applied(argument, value, expected):
+    refused(idempotent, "@idempotent", argument, value, expected)
 
 
 def test_methods_as_a_string_raises_at_decoration():
@@ -173,9 +178,4 @@ def test_the_ninja_decorator_refuses_a_wrong_argument(argument, value, expected)
     pytest.importorskip("ninja")
     from django_idempotency.ninja import idempotent as ninja_idempotent
 
-    with pytest.raises(ImproperlyConfigured) as raised:
-        ninja_idempotent(**{argument: value})
-    message = str(raised.value)
-    assert message.startswith(f"ninja @idempotent(...) at {__name__} line ")
-    assert f": {argument} must be " in message
-    assert expected in message
+    refused(ninja_idempotent, "ninja @idempotent", argument, value, expected)
