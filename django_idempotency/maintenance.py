@@ -8,53 +8,32 @@ waits on anything else, so both run beside live traffic and beside each other.
 from __future__ import annotations
 
 import logging
-import math
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
-from django.db import connections, models, transaction
+from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from django_idempotency import core, engine, once, signals, store
+from django_idempotency import core, engine, once, store
 from django_idempotency.conf import app_settings
-from django_idempotency.models import (
-    PURGED,
-    IdempotencyAuditRecord,
-    IdempotencyRecord,
-    IdempotencyRecordQuerySet,
-    OutboxMessage,
-    OutboxStatus,
-    column,
-)
-from django_idempotency.states import IN_PROGRESS, expired_q, stale_lease_q, stale_q
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.purge import Progress, PurgeResult
+from django_idempotency.states import IN_PROGRESS, stale_lease_q, stale_q
 
 logger = logging.getLogger("django_idempotency")
 
-Progress = Callable[[int, int], None]
-
-
-@dataclass
-class PurgeResult:
-    """What one purge run did (or, with ``dry_run``, would do)."""
-
-    deleted: int = 0
-    batches: int = 0
-    archived: int = 0
-    audit_deleted: int = 0
-    audit_batches: int = 0
-    # Sent outbox messages past OUTBOX_RETENTION.
-    outbox_deleted: int = 0
-    outbox_batches: int = 0
-    longest_batch_seconds: float = 0.0
-    dry_run: bool = False
-    # False when ``max_batches`` stopped a table before it was done: more may remain.
-    complete: bool = True
+__all__ = [
+    "PurgeResult",
+    "RecoveryResult",
+    "mark_failed",
+    "purge_expired",
+    "recover_stale_leases",
+    "release_stale",
+]
 
 
 @dataclass
@@ -88,190 +67,17 @@ def purge_expired(
 ) -> PurgeResult:
     """Delete expired records, audit records and sent outbox messages past their retention.
 
-    Each batch is one short transaction; on PostgreSQL one ``DELETE ... WHERE id IN (SELECT
-    ... LIMIT n FOR UPDATE SKIP LOCKED)``, so concurrent purgers and live claims never wait
-    on each other for more than one batch. An in-progress record with a live lease is never
-    deleted. With ``IDEMPOTENCY["AUDIT"]`` on, each batch first copies its records to the
-    audit trail, in the same transaction. ``max_batches`` bounds each table separately
-    (default ``PURGE_MAX_BATCHES``). ``progress(batches, rows)`` is called after every batch
-    with the run's running totals. Sends ``records_purged`` unless ``dry_run``.
+    The command, the Celery task and the admin action all call this; it is
+    ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
+    described in :func:`django_idempotency.purge.purge`.
     """
-    alias = using or app_settings.DATABASE
-    size = batch_size if batch_size is not None else app_settings.PURGE_BATCH_SIZE
-    limit = max_batches if max_batches is not None else app_settings.PURGE_MAX_BATCHES
-    if size <= 0 or (limit is not None and limit <= 0):
-        raise ValueError("batch_size and max_batches must be positive")
-    now = now or timezone.now()
-    records = IdempotencyRecord.objects.using(alias).filter(expired_q(now))
-    audits = IdempotencyAuditRecord.objects.using(alias).filter(
-        archived_at__lte=now - app_settings.AUDIT_RETENTION
+    return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
+        batch_size=batch_size,
+        max_batches=max_batches,
+        dry_run=dry_run,
+        now=now,
+        progress=progress,
     )
-    result = PurgeResult(dry_run=dry_run)
-    if dry_run:
-        result.deleted, result.batches, result.complete = _count(records, size, limit)
-        result.audit_deleted, result.audit_batches, audit_complete = _count(audits, size, limit)
-        outbox_complete = _purge_outbox(result, alias, now, size, limit, None)
-        result.complete = result.complete and audit_complete and outbox_complete
-        return result
-    archive_at = now if app_settings.AUDIT else None
-    for rows, seconds in _batches(records, "expires_at", size, limit, archive_at):
-        result.batches += 1
-        result.deleted += rows
-        _batch_done(result, seconds, progress)
-    result.archived = result.deleted if archive_at else 0
-    for rows, seconds in _batches(audits, "archived_at", size, limit, None):
-        result.audit_batches += 1
-        result.audit_deleted += rows
-        _batch_done(result, seconds, progress)
-    outbox_complete = _purge_outbox(result, alias, now, size, limit, progress)
-    result.complete = outbox_complete and (
-        limit is None or (result.batches < limit and result.audit_batches < limit)
-    )
-    signals.records_purged.send(
-        sender=IdempotencyRecord,
-        count=result.deleted,
-        audit=result.audit_deleted,
-        outbox=result.outbox_deleted,
-    )
-    return result
-
-
-def _purge_outbox(
-    result: PurgeResult,
-    alias: str,
-    now: datetime,
-    size: int,
-    limit: int | None,
-    progress: Progress | None,
-) -> bool:
-    """Sent outbox messages past ``OUTBOX_RETENTION``, in the same bounded batches.
-
-    Counts them only with ``result.dry_run``. True when none is left behind.
-    """
-    sent = OutboxMessage.objects.using(alias).filter(
-        status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION
-    )
-    if result.dry_run:
-        result.outbox_deleted, result.outbox_batches, complete = _count(sent, size, limit)
-        return complete
-    for rows, seconds in _batches(sent, "sent_at", size, limit, None):
-        result.outbox_batches += 1
-        result.outbox_deleted += rows
-        _batch_done(result, seconds, progress)
-    return limit is None or result.outbox_batches < limit
-
-
-def _batch_done(result: PurgeResult, seconds: float, progress: Progress | None) -> None:
-    result.longest_batch_seconds = max(result.longest_batch_seconds, seconds)
-    if progress is not None:
-        progress(
-            result.batches + result.audit_batches + result.outbox_batches,
-            result.deleted + result.audit_deleted + result.outbox_deleted,
-        )
-
-
-def _count(candidates: QuerySet[Any], size: int, limit: int | None) -> tuple[int, int, bool]:
-    total = candidates.count()
-    batches = math.ceil(total / size)
-    if limit is not None and batches > limit:
-        return limit * size, limit, False
-    return total, batches, True
-
-
-def _batches(
-    candidates: QuerySet[Any],
-    order: str,
-    size: int,
-    limit: int | None,
-    archive_at: datetime | None,
-) -> Iterator[tuple[int, float]]:
-    """Delete ``candidates`` batch by batch; yields each batch's rows and duration."""
-    taken = 0
-    while limit is None or taken < limit:
-        started = time.monotonic()
-        rows = store.retrying(lambda: _delete_batch(candidates, order, size, archive_at))
-        if rows == 0:
-            return
-        taken += 1
-        yield rows, time.monotonic() - started
-        # A short batch means the rest is gone, or locked by a concurrent purger that will
-        # delete it: either way this run is done.
-        if rows < size:
-            return
-
-
-def _delete_batch(
-    candidates: QuerySet[Any], order: str, size: int, archive_at: datetime | None
-) -> int:
-    alias = candidates.db
-    connection = connections[alias]
-    features = connection.features
-    with transaction.atomic(using=alias):
-        pick = candidates.select_for_update(
-            skip_locked=features.has_select_for_update_skip_locked
-        ).order_by(order)
-        if connection.vendor == "postgresql":
-            return _postgres_batch(candidates.model, pick, size, archive_at)
-        ids = list(pick.values_list("pk", flat=True)[:size])
-        if not ids:
-            return 0
-        if features.has_select_for_update:
-            # The rows are locked and ours: the statements go by primary key alone.
-            batch = candidates.model._default_manager.using(alias).filter(pk__in=ids)
-        else:
-            # Without row locks (SQLite) a row may have been replaced by a new claim since it
-            # was picked: the predicate is applied again.
-            batch = candidates.filter(pk__in=ids)
-        if archive_at is not None:
-            assert isinstance(batch, IdempotencyRecordQuerySet)
-            batch.archive(PURGED, now=archive_at)
-        if connection.vendor == "mysql":
-            return _mysql_delete(candidates.model, alias, ids)
-        deleted, _ = batch.delete()
-        return int(deleted)
-
-
-def _mysql_delete(model: type[models.Model], alias: str, ids: list[Any]) -> int:
-    # One primary-key lookup per row. A single DELETE ... IN (...) is planned by cost:
-    # InnoDB may scan the whole primary key, locking every row it meets, and so wait for
-    # rows that live claims (or the other purger) hold; a lookup touches only its own row.
-    connection = connections[alias]
-    quote = connection.ops.quote_name
-    table, pk = quote(model._meta.db_table), quote(column(model, model._meta.pk.name))
-    deleted = 0
-    with connection.cursor() as cursor:
-        for pk_value in ids:
-            cursor.execute(f"DELETE FROM {table} WHERE {pk} = %s", [pk_value])
-            deleted += max(int(cursor.rowcount), 0)
-    return deleted
-
-
-def _postgres_batch(
-    model: type[models.Model], pick: QuerySet[Any], size: int, archive_at: datetime | None
-) -> int:
-    # One statement: pick (skipping rows another transaction holds), delete, and with the
-    # audit trail on, copy what was deleted from the DELETE's RETURNING rows.
-    connection = connections[pick.db]
-    quote = connection.ops.quote_name
-    ids_sql, params = pick.values("pk")[:size].query.get_compiler(pick.db).as_sql()
-    params = tuple(params)
-    table = quote(model._meta.db_table)
-    pk = quote(column(model, model._meta.pk.name))
-    delete = f"DELETE FROM {table} WHERE {pk} IN ({ids_sql})"
-    if archive_at is not None:
-        columns = ", ".join(
-            quote(column(IdempotencyRecord, source))
-            for _target, source in IdempotencyAuditRecord.copied_columns()
-        )
-        delete = (
-            f"WITH gone AS ({delete} RETURNING {columns})"
-            f" {IdempotencyAuditRecord.insert_sql(connection)}"
-            f" SELECT {columns}, %s, %s FROM gone"
-        )
-        params += (archive_at, PURGED)
-    with connection.cursor() as cursor:
-        cursor.execute(delete, params)
-        return max(int(cursor.rowcount), 0)
 
 
 # -- recovery ---------------------------------------------------------------------------------

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from django.db import connections, models
 from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import states
+from django_idempotency import purge, states
 from django_idempotency.conf import app_settings
+from django_idempotency.purge import PURGED
 from django_idempotency.states import expired_q, stale_q
 
 __all__ = [
@@ -28,9 +29,6 @@ __all__ = [
     "stale_q",
 ]
 
-if TYPE_CHECKING:
-    from django_idempotency.maintenance import PurgeResult
-
 
 class RecordStatus(models.TextChoices):
     """Where a record stands in its state machine (:mod:`django_idempotency.states`)."""
@@ -41,7 +39,6 @@ class RecordStatus(models.TextChoices):
 
 
 # Why a record left the deduplication window and was copied to the audit trail.
-PURGED = "purged"
 REPLACED = "replaced"
 ARCHIVE_REASONS = [(PURGED, _("purged")), (REPLACED, _("replaced by a new request"))]
 
@@ -98,12 +95,49 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         identity = self.filter(account=account, operation=operation, key=key)
         return identity.expired(now).archive(REPLACED, now=now, lock=True)
 
-    def delete_expired(self, **options: Any) -> PurgeResult:
-        """The batched purge on this queryset's database; see ``maintenance.purge_expired``."""
-        from django_idempotency import maintenance
+    def delete_expired(
+        self,
+        *,
+        batch_size: int | None = None,
+        max_batches: int | None = None,
+        dry_run: bool = False,
+        now: datetime | None = None,
+        progress: purge.Progress | None = None,
+    ) -> purge.PurgeResult:
+        """Delete, on this queryset's database and in bounded batches: these records once
+        expired (copied to the audit trail first when ``AUDIT`` is on), audit records past
+        ``AUDIT_RETENTION`` and sent outbox messages past ``OUTBOX_RETENTION``.
 
-        options.setdefault("using", self.db)
-        return maintenance.purge_expired(**options)
+        The purge of the ``purge_idempotency`` command, the Celery task and the admin action;
+        its batches are described in :func:`django_idempotency.purge.purge`.
+        """
+        now = now or timezone.now()
+        alias = self.db
+        archive = None
+        if app_settings.AUDIT:
+            archive = purge.Archive(
+                copy=lambda batch: cast(IdempotencyRecordQuerySet, batch).archive(PURGED, now=now),
+                insert_sql=IdempotencyAuditRecord.insert_sql,
+                columns=tuple(
+                    column(IdempotencyRecord, source)
+                    for _target, source in IdempotencyAuditRecord.copied_columns()
+                ),
+                params=(now, PURGED),
+            )
+        return purge.purge(
+            records=self.filter(expired_q(now)),
+            audits=IdempotencyAuditRecord.objects.using(alias).filter(
+                archived_at__lte=now - app_settings.AUDIT_RETENTION
+            ),
+            outbox=OutboxMessage.objects.using(alias).filter(
+                status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION
+            ),
+            archive=archive,
+            batch_size=batch_size,
+            max_batches=max_batches,
+            dry_run=dry_run,
+            progress=progress,
+        )
 
 
 class IdempotencyRecord(models.Model):

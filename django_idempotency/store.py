@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import functools
 import json
-import random
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import IntegrityError, OperationalError, connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -32,6 +29,7 @@ from django.utils.dateparse import parse_datetime
 from django_idempotency import states
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.retry import is_retryable, retrying
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
 __all__ = [
@@ -44,6 +42,7 @@ __all__ = [
     "claim",
     "fetch",
     "finish",
+    "is_retryable",
     "release",
     "retrying",
 ]
@@ -167,41 +166,6 @@ class ClaimResult:
     def took_over_stale_lease(self) -> bool:
         """A claim that replaced an in-progress record whose lease had run out."""
         return self.claimed and self.state.recovery_attempts > 0
-
-
-# -- the one retry helper ---------------------------------------------------------------------
-
-# Deadlock and serialization failures: the database rolled the statement back and asks for a
-# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
-_ATTEMPTS = 5
-
-
-def is_retryable(exc: OperationalError) -> bool:
-    """A deadlock or serialization failure, which the database asks the client to retry."""
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
-
-
-def retrying(func: Callable[[], T]) -> T:
-    """Run ``func`` (one short transaction) again when the database picked it as a deadlock
-    victim or failed it for serialization; other errors propagate at once.
-
-    InnoDB can pick a concurrent duplicate insert, or one of two purgers whose index locks
-    cross, as a victim; each caller's transaction starts afresh, so running it again is safe.
-    """
-    for attempt in range(_ATTEMPTS):
-        try:
-            return func()
-        except OperationalError as exc:
-            if not is_retryable(exc) or attempt == _ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
-    raise AssertionError("unreachable")
 
 
 # -- fixed statements -------------------------------------------------------------------------

@@ -9,12 +9,10 @@ same records.
 
 from __future__ import annotations
 
-import ast
 import itertools
 import uuid
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,35 +124,3 @@ def test_the_statuses_are_defined_once():
     reached = {to for _from, to in states.TRANSITIONS}
     assert set(states.STATUSES) <= reached
     assert {start for start, _to in states.TRANSITIONS} >= {None, *states.STATUSES}
-
-
-def test_no_module_of_the_package_asserts_at_import():
-    # ``python -O`` drops asserts: a check made at import time would silently vanish.
-    package = Path(states.__file__).parent
-    for path in package.rglob("*.py"):
-        tree = ast.parse(path.read_text(), str(path))
-        top_level = [node for node in tree.body if isinstance(node, ast.Assert)]
-        assert not top_level, f"{path.name} asserts at import time (line {top_level[0].lineno})"
-
-
-def test_no_module_imports_another_modules_private_names():
-    package = Path(states.__file__).parent
-    offenders = []
-    for path in package.rglob("*.py"):
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                "django_idempotency"
-            ):
-                offenders += [
-                    f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")
-                ]
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in {"store", "engine", "core", "maintenance", "conf", "once"}
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-            ):
-                offenders.append(f"{path.name}: {node.value.id}.{node.attr}")
-    assert offenders == []
