@@ -28,7 +28,8 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import conf, maintenance, outbox, stats, store
+from django_idempotency import maintenance, outbox, stats, store
+from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -265,7 +266,9 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
         # Bodies can be a megabyte each: only the detail page reads one.
-        return _qs(super().get_queryset(request).using(conf.database()).defer("response_body"))
+        return _qs(
+            super().get_queryset(request).using(app_settings.DATABASE).defer("response_body")
+        )
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
         # Expired records are the oldest ones: listing them newest-created first would walk
@@ -345,7 +348,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     ) -> None:
         """Delete expired records in bounded batches; the selection only starts the action."""
         result = maintenance.purge_expired(
-            using=conf.database(), max_batches=self.purge_max_batches
+            using=app_settings.DATABASE, max_batches=self.purge_max_batches
         )
         message = ngettext(
             "Purged %(count)d expired record.",
@@ -388,7 +391,7 @@ class TaskFilter(admin.SimpleListFilter):
     max_choices = 100
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        waiting = OutboxMessage.objects.using(conf.database()).filter(
+        waiting = OutboxMessage.objects.using(app_settings.DATABASE).filter(
             status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD]
         )
         names = sorted(set(waiting.values_list("task", flat=True)[: self.max_choices * 10]))
@@ -435,7 +438,7 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
         # Messages live on the IDEMPOTENCY database, whatever the project's routers say.
-        return super().get_queryset(request).using(conf.database())
+        return super().get_queryset(request).using(app_settings.DATABASE)
 
     @admin.display(description=_("args"))
     def args_pretty(self, message: OutboxMessage) -> SafeString:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import conf, engine, problems, sources
+from django_idempotency import engine, problems, sources
+from django_idempotency.conf import app_settings
 from django_idempotency.keys import MAX_KEY_LENGTH
 
 #: The names of the shared problem schema and of its ``code`` enum under ``components/schemas``
@@ -72,7 +73,7 @@ def key_header(options: engine.Options) -> str | None:
     one of a ``sources.header(...)``, or ``None`` when the key is elsewhere (a webhook's
     JSON body, a form field, a function of the view's): then no key header is documented."""
     if options.key is None:
-        return conf.header()
+        return app_settings.HEADER
     if isinstance(options.key, sources.Header):
         return options.key.name
     return None
@@ -80,12 +81,12 @@ def key_header(options: engine.Options) -> str | None:
 
 def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
     """The key header parameter: ``header``, by default the ``HEADER`` setting's."""
-    name = header or conf.header()
+    name = header or app_settings.HEADER
     purpose = (
         "One key per logical operation: make it when the user acts (a UUID is fine) and "
         "send the same key with every retry of that operation. A retry gets the original "
         f"response, marked `{engine.REPLAYED_HEADER}: true`."
-        if name.lower() == conf.header().lower()
+        if name.lower() == app_settings.HEADER.lower()
         else "The sender's id of this delivery, the same on every redelivery of it. A "
         f"redelivery gets the original response, marked `{engine.REPLAYED_HEADER}: true`."
     )
@@ -138,7 +139,7 @@ def _problem_description(status: int, required: bool) -> str:
 
 def _is_replayable(code: str) -> bool:
     # Stored and replayed: the view's statuses below 500 but the transient ones (409, 429).
-    return code.isdigit() and int(code) < 500 and int(code) not in conf.transient_statuses()
+    return code.isdigit() and int(code) < 500 and int(code) not in app_settings.TRANSIENT_STATUSES
 
 
 def document_operation(
@@ -150,7 +151,7 @@ def document_operation(
     as a string; ``problem_ref`` is the schema of the problem answers (a ``$ref`` to
     :func:`problem_schema` registered as a component, or that schema itself).
     """
-    required = conf.required() if options.required is None else options.required
+    required = app_settings.REQUIRED if options.required is None else options.required
     header = key_header(options)
     parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
     if header is not None and not any(

@@ -1,58 +1,36 @@
-"""Typed access to the ``IDEMPOTENCY`` setting.
+"""The ``IDEMPOTENCY`` setting: one typed, validated property per entry.
 
-Nothing is written into ``django.conf.settings`` and nothing is read at import time: every
-accessor reads the current value, with a small cache that ``setting_changed`` clears, so
-``override_settings`` works in tests.
+Read everything through :data:`app_settings`, e.g. ``app_settings.TTL``. Nothing is written
+into ``django.conf.settings`` and nothing is read at import time: the first read validates
+the whole setting and keeps the result until ``setting_changed`` reports a change (so
+``override_settings`` works).
+
+A wrong value is never coerced, ignored or replaced by its default. When any entry breaks
+its rule, every read raises ``ImproperlyConfigured`` naming the entries, what each expected
+and the id of its system check. A request under a wrong setting therefore fails before its
+view runs, instead of running unprotected. ``manage.py check`` reports the same rules as
+Errors, one id per setting.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import importlib.util
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
-from django.utils.module_loading import import_string
 
-# -- the transactional outbox (django_idempotency.outbox) -------------------------------------
-# One block, with its accessors at the end of this module.
-OUTBOX_DEFAULTS: dict[str, Any] = {
-    "OUTBOX_SENDER": "django_idempotency.celery_sender.send",
-    "OUTBOX_MAX_ATTEMPTS": 20,
-    "OUTBOX_RETENTION": timedelta(days=7),
-    "OUTBOX_BATCH_SIZE": 100,
-    "OUTBOX_BACKOFF": timedelta(seconds=1),
-    "OUTBOX_BACKOFF_MAX": timedelta(minutes=5),
-    "OUTBOX_POLL_INTERVAL": timedelta(seconds=1),
-}
+from django_idempotency import validation
+from django_idempotency.validation import Invalid
 
-DEFAULTS: dict[str, Any] = {
-    "HEADER": "Idempotency-Key",
-    "REQUIRED": True,
-    "TTL": timedelta(hours=24),
-    "LEASE": timedelta(seconds=60),
-    "METHODS": ("POST", "PATCH"),
-    "ACCOUNT_RESOLVER": "django_idempotency.accounts.user_account",
-    "FINGERPRINT": "django_idempotency.fingerprint.default_fingerprint",
-    "RECOVERY": "retry",
-    "DATABASE": "default",
-    "REPLAY_HEADERS": (),
-    "MAX_RESPONSE_BYTES": 1024 * 1024,
-    "TRANSIENT_STATUSES": (409, 429),
-    "IN_PROGRESS_WAIT": timedelta(0),
-    "RETRY_AFTER": 1,
-    "PURGE_BATCH_SIZE": 1000,
-    "PURGE_MAX_BATCHES": None,
-    "AUDIT": False,
-    "AUDIT_RETENTION": timedelta(days=90),
-    **OUTBOX_DEFAULTS,
-}
-
-# Never stored, never replayed, whatever REPLAY_HEADERS says: they describe one hop or one
-# moment, or they carry credentials.
+# Never stored, never replayed: they describe one hop or one moment, or carry credentials.
+# Naming one in REPLAY_HEADERS is an error (check E009), not something silently dropped.
 NEVER_STORED_HEADERS = frozenset(
     {
         "set-cookie",
@@ -71,149 +49,385 @@ NEVER_STORED_HEADERS = frozenset(
 )
 ALWAYS_STORED_HEADERS = ("Content-Type", "Location")
 
-
-@functools.lru_cache(maxsize=1)
-def _user_settings() -> dict[str, Any]:
-    value = getattr(settings, "IDEMPOTENCY", None) or {}
-    return dict(value)
+CHECK_PREFIX = "django_idempotency."
 
 
-def get(name: str) -> Any:
-    """The current value of one ``IDEMPOTENCY`` entry, falling back to its default."""
-    return _user_settings().get(name, DEFAULTS[name])
+def check_id(number: int) -> str:
+    """The full id of Error ``number``: ``django_idempotency.E006``."""
+    return f"{CHECK_PREFIX}E{number:03d}"
 
 
-def unknown_keys() -> list[str]:
-    """Entries of the ``IDEMPOTENCY`` setting that this version does not know."""
-    return sorted(set(_user_settings()) - set(DEFAULTS))
+def _replay_headers(value: Any) -> tuple[str, ...]:
+    return validation.header_names(value, NEVER_STORED_HEADERS)
+
+
+def _database(value: Any) -> str:
+    aliases = sorted(settings.DATABASES)
+    if not isinstance(value, str) or value not in settings.DATABASES:
+        raise Invalid(f"the alias of a database in DATABASES ({', '.join(aliases)})", value)
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One entry of ``IDEMPOTENCY``: its default, its rule and the id of its check."""
+
+    name: str
+    default: Any
+    check: int
+    parse: Callable[[Any], Any]
+
+    @property
+    def id(self) -> str:
+        """The id of the system check that reports a wrong value of this entry."""
+        return check_id(self.check)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("HEADER", "Idempotency-Key", 5, validation.header_name),
+    Setting("REQUIRED", True, 12, validation.flag),
+    Setting("TTL", timedelta(hours=24), 3, validation.duration),
+    Setting("LEASE", timedelta(seconds=60), 13, validation.duration),
+    Setting("METHODS", ("POST", "PATCH"), 6, validation.methods),
+    Setting(
+        "ACCOUNT_RESOLVER", "django_idempotency.accounts.user_account", 8, validation.callable_ref
+    ),
+    Setting(
+        "FINGERPRINT",
+        "django_idempotency.fingerprint.default_fingerprint",
+        15,
+        validation.callable_ref,
+    ),
+    Setting("RECOVERY", validation.RETRY, 16, validation.recovery),
+    Setting("DATABASE", "default", 7, _database),
+    Setting("REPLAY_HEADERS", (), 9, _replay_headers),
+    Setting("MAX_RESPONSE_BYTES", 1024 * 1024, 10, validation.optional_positive_int),
+    Setting("TRANSIENT_STATUSES", (409, 429), 17, validation.client_error_statuses),
+    Setting("IN_PROGRESS_WAIT", timedelta(0), 14, validation.duration_or_zero),
+    Setting("RETRY_AFTER", 1, 18, validation.seconds),
+    Setting("PURGE_BATCH_SIZE", 1000, 23, validation.positive_int),
+    Setting("PURGE_MAX_BATCHES", None, 22, validation.optional_positive_int),
+    Setting("AUDIT", False, 20, validation.flag),
+    Setting("AUDIT_RETENTION", timedelta(days=90), 21, validation.duration),
+)
+
+# -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
+
+DEFAULT_OUTBOX_SENDER = "django_idempotency.celery_sender.send"
+
+
+def _outbox_sender(value: Any) -> str | Callable[..., Any]:
+    # The outbox is optional: without Celery the default sender is never imported here, and
+    # relay_outbox says so if it is run (outbox.configured_sender).
+    if value == DEFAULT_OUTBOX_SENDER and importlib.util.find_spec("celery") is None:
+        return DEFAULT_OUTBOX_SENDER
+    return validation.callable_ref(value)
+
+
+OUTBOX_SETTINGS: tuple[Setting, ...] = (
+    Setting("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER, 30, _outbox_sender),
+    Setting("OUTBOX_MAX_ATTEMPTS", 20, 31, validation.positive_int),
+    Setting("OUTBOX_RETENTION", timedelta(days=7), 32, validation.duration),
+    Setting("OUTBOX_BATCH_SIZE", 100, 33, validation.positive_int),
+    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), 34, validation.duration),
+    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), 35, validation.duration),
+    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), 36, validation.duration),
+)
+OUTBOX_DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in OUTBOX_SETTINGS}
+SETTINGS += OUTBOX_SETTINGS
+BY_NAME = {setting.name: setting for setting in SETTINGS}
+DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in SETTINGS}
+
+# The ids that are about the setting as a whole, or about two entries together.
+NOT_A_DICT = 1
+UNKNOWN_KEY = 2
+TTL_NOT_LONGER_THAN_LEASE = 4
+WAIT_NOT_SHORTER_THAN_LEASE = 11
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: the id of its check, a message naming the entry, and a hint."""
+
+    id: str
+    message: str
+    hint: str | None = None
+
+
+_MISSING = object()
+
+
+def _relations(values: Mapping[str, Any]) -> list[Problem]:
+    problems: list[Problem] = []
+    ttl, lease, wait = (values.get(name) for name in ("TTL", "LEASE", "IN_PROGRESS_WAIT"))
+    if ttl is not None and lease is not None and ttl <= lease:
+        problems.append(
+            Problem(
+                check_id(TTL_NOT_LONGER_THAN_LEASE),
+                f"IDEMPOTENCY['TTL'] ({ttl}) must be longer than IDEMPOTENCY['LEASE'] ({lease}).",
+                "A record must outlive its lease, or a live claim could expire under its owner.",
+            )
+        )
+    backoff, longest = values.get("OUTBOX_BACKOFF"), values.get("OUTBOX_BACKOFF_MAX")
+    if backoff is not None and longest is not None and longest < backoff:
+        problems.append(
+            Problem(
+                BY_NAME["OUTBOX_BACKOFF_MAX"].id,
+                f"IDEMPOTENCY['OUTBOX_BACKOFF_MAX'] ({longest}) must not be shorter than "
+                f"IDEMPOTENCY['OUTBOX_BACKOFF'] ({backoff}).",
+            )
+        )
+    if wait is not None and lease is not None and wait >= lease:
+        problems.append(
+            Problem(
+                check_id(WAIT_NOT_SHORTER_THAN_LEASE),
+                f"IDEMPOTENCY['IN_PROGRESS_WAIT'] ({wait}) must be shorter than "
+                f"IDEMPOTENCY['LEASE'] ({lease}).",
+            )
+        )
+    return problems
+
+
+def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
+    """Every entry of ``IDEMPOTENCY`` (the current setting unless ``raw`` is given), parsed.
+
+    Returns the parsed values of the valid entries and one :class:`Problem` per broken
+    rule. Never raises: a rule that fails in an unforeseen way is reported as a problem of
+    its entry.
+    """
+    if raw is _MISSING:
+        raw = getattr(settings, "IDEMPOTENCY", {})
+    if not isinstance(raw, Mapping):
+        message = f"The IDEMPOTENCY setting must be a dict; got {validation.describe(raw)}."
+        return {}, [Problem(check_id(NOT_A_DICT), message)]
+    problems = [
+        Problem(
+            check_id(UNKNOWN_KEY),
+            f"IDEMPOTENCY has an unknown key {name!r}.",
+            f"Check its spelling; the known keys are {', '.join(DEFAULTS)}.",
+        )
+        for name in sorted(set(raw) - set(DEFAULTS), key=repr)
+    ]
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        value = raw.get(setting.name, setting.default)
+        try:
+            values[setting.name] = setting.parse(value)
+        except Invalid as exc:
+            problems.append(Problem(setting.id, f"IDEMPOTENCY['{setting.name}'] {exc}."))
+        except Exception as exc:  # the check must report, never crash
+            problems.append(
+                Problem(
+                    setting.id,
+                    f"IDEMPOTENCY['{setting.name}'] could not be validated: "
+                    f"{type(exc).__name__}: {exc}.",
+                )
+            )
+    return values, problems + _relations(values)
+
+
+class IdempotencySettings:
+    """The validated ``IDEMPOTENCY`` setting: one typed property per entry.
+
+    The first read validates every entry; a wrong one makes every read raise
+    ``ImproperlyConfigured`` (see the module's docstring). Thread-safe; cleared by
+    ``setting_changed``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._values: dict[str, Any] | None = None
+        self._error: str | None = None
+
+    def reload(self) -> None:
+        """Forget the validated values: the next read validates the setting again."""
+        with self._lock:
+            self._generation += 1
+            self._values = None
+            self._error = None
+
+    def _load(self) -> dict[str, Any]:
+        with self._lock:
+            generation = self._generation
+        values, problems = validate()
+        error = None
+        if problems:
+            error = "The IDEMPOTENCY setting is invalid: " + " ".join(
+                f"{p.message} ({p.id})" for p in problems
+            )
+        with self._lock:
+            # A change reported while this load ran wins: keep nothing read before it.
+            if generation == self._generation:
+                self._values, self._error = (None, error) if error else (values, None)
+        if error:
+            raise ImproperlyConfigured(error)
+        return values
+
+    def _get(self, name: str) -> Any:
+        values, error = self._values, self._error
+        if error is not None:
+            raise ImproperlyConfigured(error)
+        if values is None:
+            values = self._load()
+        return values[name]
+
+    @property
+    def HEADER(self) -> str:
+        """The request header that carries the key."""
+        return cast(str, self._get("HEADER"))
+
+    @property
+    def REQUIRED(self) -> bool:
+        """Whether a protected method without a key is refused with ``400``."""
+        return cast(bool, self._get("REQUIRED"))
+
+    @property
+    def TTL(self) -> timedelta:
+        """How long a record deduplicates retries, from its claim."""
+        return cast(timedelta, self._get("TTL"))
+
+    @property
+    def LEASE(self) -> timedelta:
+        """How long a claim is owned before a retry may take it over."""
+        return cast(timedelta, self._get("LEASE"))
+
+    @property
+    def METHODS(self) -> frozenset[str]:
+        """The protected methods, upper-case."""
+        return cast(frozenset[str], self._get("METHODS"))
+
+    @property
+    def ACCOUNT_RESOLVER(self) -> Callable[[Any], str | None]:
+        """``request -> str | None``: the caller's server-side identity (imported)."""
+        return cast(Callable[[Any], "str | None"], self._get("ACCOUNT_RESOLVER"))
+
+    @property
+    def FINGERPRINT(self) -> Callable[[Any], str]:
+        """``request -> str``: the hash a retry is compared by (imported)."""
+        return cast(Callable[[Any], str], self._get("FINGERPRINT"))
+
+    @property
+    def RECOVERY(self) -> str | Callable[..., Any]:
+        """``"retry"``, ``"fail"``, a callable, or a dotted path known to import one."""
+        return cast("str | Callable[..., Any]", self._get("RECOVERY"))
+
+    @property
+    def DATABASE(self) -> str:
+        """The alias of the database that holds the records."""
+        return cast(str, self._get("DATABASE"))
+
+    @property
+    def REPLAY_HEADERS(self) -> tuple[str, ...]:
+        """The extra response headers to store and replay, as configured."""
+        return cast("tuple[str, ...]", self._get("REPLAY_HEADERS"))
+
+    @property
+    def stored_headers(self) -> tuple[str, ...]:
+        """Every response header a record keeps: ``Content-Type``, ``Location``, the extras."""
+        always = {name.lower() for name in ALWAYS_STORED_HEADERS}
+        extra = tuple(name for name in self.REPLAY_HEADERS if name.lower() not in always)
+        return ALWAYS_STORED_HEADERS + extra
+
+    @property
+    def MAX_RESPONSE_BYTES(self) -> int | None:
+        """The largest body kept for replay; ``None``: no limit."""
+        return cast("int | None", self._get("MAX_RESPONSE_BYTES"))
+
+    @property
+    def TRANSIENT_STATUSES(self) -> frozenset[int]:
+        """4xx statuses that are not stored: the view's work is rolled back."""
+        return cast(frozenset[int], self._get("TRANSIENT_STATUSES"))
+
+    @property
+    def IN_PROGRESS_WAIT(self) -> timedelta:
+        """How long an in-flight duplicate may wait for the original's outcome."""
+        return cast(timedelta, self._get("IN_PROGRESS_WAIT"))
+
+    @property
+    def RETRY_AFTER(self) -> int:
+        """The ``Retry-After`` seconds of a ``409`` or ``503``."""
+        return cast(int, self._get("RETRY_AFTER"))
+
+    @property
+    def PURGE_BATCH_SIZE(self) -> int:
+        """Rows per purge batch, and records per page of the recovery job."""
+        return cast(int, self._get("PURGE_BATCH_SIZE"))
+
+    @property
+    def PURGE_MAX_BATCHES(self) -> int | None:
+        """The most batches one purge run takes per table; ``None``: until done."""
+        return cast("int | None", self._get("PURGE_MAX_BATCHES"))
+
+    @property
+    def AUDIT(self) -> bool:
+        """Whether records are copied to the audit trail before they leave the window."""
+        return cast(bool, self._get("AUDIT"))
+
+    @property
+    def AUDIT_RETENTION(self) -> timedelta:
+        """How long an audit record is kept after it was archived."""
+        return cast(timedelta, self._get("AUDIT_RETENTION"))
+
+    @property
+    def OUTBOX_SENDER(self) -> Callable[..., Any]:
+        """The callable that sends one outbox message (imported; ``ImportError`` when the
+        default sender's Celery is not installed)."""
+        sender = self._get("OUTBOX_SENDER")
+        return resolve_callable(sender)
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        """Failed sends after which a message is ``dead``."""
+        return cast(int, self._get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def OUTBOX_RETENTION(self) -> timedelta:
+        """How long a sent message is kept before the purge deletes it."""
+        return cast(timedelta, self._get("OUTBOX_RETENTION"))
+
+    @property
+    def OUTBOX_BATCH_SIZE(self) -> int:
+        """Messages the relay takes (and locks) per batch."""
+        return cast(int, self._get("OUTBOX_BATCH_SIZE"))
+
+    @property
+    def OUTBOX_BACKOFF(self) -> timedelta:
+        """The wait after a message's first failed send; it doubles with every failure."""
+        return cast(timedelta, self._get("OUTBOX_BACKOFF"))
+
+    @property
+    def OUTBOX_BACKOFF_MAX(self) -> timedelta:
+        """The longest wait between two sends of one message."""
+        return cast(timedelta, self._get("OUTBOX_BACKOFF_MAX"))
+
+    @property
+    def OUTBOX_POLL_INTERVAL(self) -> timedelta:
+        """How often a waiting relay looks for due messages."""
+        return cast(timedelta, self._get("OUTBOX_POLL_INTERVAL"))
+
+
+app_settings = IdempotencySettings()
 
 
 @receiver(setting_changed)
 def _reload(*, setting: str, **kwargs: Any) -> None:
-    if setting == "IDEMPOTENCY":
-        _user_settings.cache_clear()
-        _import_cached.cache_clear()
-
-
-@functools.lru_cache(maxsize=64)
-def _import_cached(path: str) -> Any:
-    return import_string(path)
+    # DATABASES too: the DATABASE entry is checked against it.
+    if setting in ("IDEMPOTENCY", "DATABASES"):
+        app_settings.reload()
+        validation.import_cached.cache_clear()
 
 
 def resolve_callable(value: str | Callable[..., Any]) -> Callable[..., Any]:
-    """A callable given as itself or as a dotted import path."""
+    """A callable given as itself or as a dotted import path (imports are remembered)."""
     if isinstance(value, str):
-        imported: Callable[..., Any] = _import_cached(value)
+        imported: Callable[..., Any] = validation.import_cached(value)
         return imported
     return value
 
 
 def as_timedelta(value: timedelta | int | float) -> timedelta:
-    """Durations may be given as ``timedelta`` or as a number of seconds."""
+    """A duration given as a ``timedelta`` or as a number of seconds."""
     if isinstance(value, timedelta):
         return value
     return timedelta(seconds=value)
-
-
-def header() -> str:
-    return str(get("HEADER"))
-
-
-def required() -> bool:
-    return bool(get("REQUIRED"))
-
-
-def ttl() -> timedelta:
-    return as_timedelta(get("TTL"))
-
-
-def lease() -> timedelta:
-    return as_timedelta(get("LEASE"))
-
-
-def methods() -> frozenset[str]:
-    return frozenset(m.upper() for m in get("METHODS"))
-
-
-def database() -> str:
-    return str(get("DATABASE"))
-
-
-def replay_headers() -> tuple[str, ...]:
-    extra = tuple(h for h in get("REPLAY_HEADERS") if h.lower() not in NEVER_STORED_HEADERS)
-    return ALWAYS_STORED_HEADERS + extra
-
-
-def max_response_bytes() -> int | None:
-    value = get("MAX_RESPONSE_BYTES")
-    return None if value is None else int(value)
-
-
-def transient_statuses() -> frozenset[int]:
-    return frozenset(int(s) for s in get("TRANSIENT_STATUSES"))
-
-
-def in_progress_wait() -> timedelta:
-    return as_timedelta(get("IN_PROGRESS_WAIT"))
-
-
-def retry_after() -> int:
-    return int(get("RETRY_AFTER"))
-
-
-def purge_batch_size() -> int:
-    return int(get("PURGE_BATCH_SIZE"))
-
-
-def purge_max_batches() -> int | None:
-    """How many batches one purge run may take per table; ``None``: until done."""
-    value = get("PURGE_MAX_BATCHES")
-    return None if value is None else int(value)
-
-
-def audit() -> bool:
-    """Whether records leaving the deduplication window are first copied to the audit trail."""
-    return bool(get("AUDIT"))
-
-
-def audit_retention() -> timedelta:
-    """How long an audit record is kept after it was archived."""
-    return as_timedelta(get("AUDIT_RETENTION"))
-
-
-# -- the transactional outbox ------------------------------------------------------------------
-
-
-def outbox_sender() -> Callable[..., Any]:
-    """The callable that sends one outbox message (``OUTBOX_SENDER``)."""
-    return resolve_callable(get("OUTBOX_SENDER"))
-
-
-def outbox_max_attempts() -> int:
-    """Failed sends after which a message is ``dead``."""
-    return int(get("OUTBOX_MAX_ATTEMPTS"))
-
-
-def outbox_retention() -> timedelta:
-    """How long a sent message is kept before the purge deletes it."""
-    return as_timedelta(get("OUTBOX_RETENTION"))
-
-
-def outbox_batch_size() -> int:
-    """Messages the relay takes (and locks) per batch."""
-    return int(get("OUTBOX_BATCH_SIZE"))
-
-
-def outbox_backoff() -> timedelta:
-    """The wait after a message's first failed send; it doubles with every further failure."""
-    return as_timedelta(get("OUTBOX_BACKOFF"))
-
-
-def outbox_backoff_max() -> timedelta:
-    """The longest wait between two sends of one message."""
-    return as_timedelta(get("OUTBOX_BACKOFF_MAX"))
-
-
-def outbox_poll_interval() -> timedelta:
-    """How often a waiting relay looks for due messages, with or without a notification."""
-    return as_timedelta(get("OUTBOX_POLL_INTERVAL"))

@@ -11,9 +11,10 @@ from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from asgiref.sync import async_to_sync, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 
-from django_idempotency import engine, sources
+from django_idempotency import engine, sources, validation
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -42,7 +43,7 @@ def idempotent(
     recovery: engine.Recovery | None = None,
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
+    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
     key: engine.KeySource | str | None = None,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
@@ -57,28 +58,44 @@ def idempotent(
     recovery: engine.Recovery | None = None,
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
+    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
     key: engine.KeySource | str | None = None,
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
     Use it bare (``@idempotent``) or with arguments; every argument left out falls back to
-    the ``IDEMPOTENCY`` setting. With DRF, put ``@api_view([...])`` above it, so the claim
+    the ``IDEMPOTENCY`` setting. A wrong argument (``methods="POST"``, ``ttl=0``, a dotted
+    path that does not import) raises ``ImproperlyConfigured`` here, naming the view and the
+    argument. With DRF, put ``@api_view([...])`` above it, so the claim
     follows DRF's authentication, permission and throttle checks.
 
     ``key`` says where the key comes from when it is not the ``HEADER`` setting's header: a
     callable ``request -> str | None``, its dotted path, or a helper of
     :mod:`django_idempotency.sources` (``sources.json("id")``).
     """
+    if view is not None and not callable(view):
+        raise ImproperlyConfigured(
+            f"@idempotent at {validation.caller()}: its arguments are keyword arguments "
+            f"(e.g. methods=[...]); got the positional {validation.describe(view)}."
+        )
+    where = (
+        f"@idempotent on {validation.name_of(view)}"
+        if view is not None
+        else f"@idempotent(...) at {validation.caller()}"
+    )
+    # Validated now, when the view is decorated: a wrong value never reaches a request.
     options = engine.Options(
-        operation=operation,
-        required=required,
-        ttl=ttl,
-        lease=lease,
-        recovery=recovery,
-        account=account,
-        fingerprint=fingerprint,
-        methods=tuple(methods) if methods else None,
+        **validation.view_arguments(
+            where,
+            operation=operation,
+            required=required,
+            ttl=ttl,
+            lease=lease,
+            recovery=recovery,
+            account=account,
+            fingerprint=fingerprint,
+            methods=methods,
+        ),
         key=sources.key_source(key, "@idempotent(key=...)"),
     )
 

@@ -14,7 +14,8 @@ from django.http.response import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine, sources
+from django_idempotency import conf, engine, sources, validation
+from django_idempotency.conf import app_settings
 
 _MISSING = object()
 
@@ -54,7 +55,9 @@ class IdempotencyMixin:
 
     The claim happens after DRF's authentication, permission and throttle checks, and the
     handler, DRF's exception handling, the rendering of the response and the completion of
-    the record share one transaction.
+    the record share one transaction. The ``idempotency_*`` attributes are validated on the
+    view's first call: a wrong one (``idempotency_methods = "POST"``) raises
+    ``ImproperlyConfigured`` naming the view and the attribute, before anything runs.
     """
 
     #: Methods that need a key; ``None``: the ``METHODS`` setting.
@@ -77,13 +80,13 @@ class IdempotencyMixin:
 
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""
-        resolver = conf.resolve_callable(conf.get("ACCOUNT_RESOLVER"))
+        resolver = conf.resolve_callable(app_settings.ACCOUNT_RESOLVER)
         account: str | None = resolver(request)
         return account
 
     def get_idempotency_fingerprint(self, request: Request) -> str:
         """The request's fingerprint; by default the ``FINGERPRINT`` setting computes it."""
-        fingerprint: str = conf.resolve_callable(conf.get("FINGERPRINT"))(request)
+        fingerprint: str = conf.resolve_callable(app_settings.FINGERPRINT)(request)
         return fingerprint
 
     def get_idempotency_key(self, request: Request) -> str | None:
@@ -92,7 +95,7 @@ class IdempotencyMixin:
         ``django_idempotency.keys.InvalidKey`` for a key that is not usable."""
         source = self._idempotency_key_source()
         if source is None:
-            return sources.header(conf.header())(request)
+            return sources.header(app_settings.HEADER)(request)
         key: str | None = conf.resolve_callable(source)(request)
         return key
 
@@ -112,6 +115,14 @@ class IdempotencyMixin:
         return _viewset_operation(self) or engine.route_operation(request, type(self))
 
     def _idempotency_options(self) -> engine.Options:
+        # Built (and validated) once per request: DRF makes a view instance per request.
+        options: engine.Options | None = self.__dict__.get("_idempotency_validated")
+        if options is None:
+            options = self._validated_options()
+            self.__dict__["_idempotency_validated"] = options
+        return options
+
+    def _validated_options(self) -> engine.Options:
         cls = type(self)
         # An overridden hook is the view's own account or fingerprint; otherwise the settings'
         # (so the stored fingerprint version is the settings' one).
@@ -131,17 +142,21 @@ class IdempotencyMixin:
             if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
             else self._idempotency_key_source()
         )
-        return engine.Options(
-            key=key,
+        # The attributes are validated on the view's first call (a wrong one raises
+        # ImproperlyConfigured before anything runs), as nothing is read at import time.
+        arguments = validation.view_arguments(
+            f"IdempotencyMixin on {validation.name_of(cls)}",
+            prefix="idempotency_",
             operation=self.idempotency_operation,
             required=self.idempotency_required,
             ttl=self.idempotency_ttl,
             lease=self.idempotency_lease,
-            recovery=self.idempotency_recovery,
-            account=account,
-            fingerprint=fingerprint,
+            # Read from the class: a function assigned in the class body is the policy
+            # itself, not a method of the view.
+            recovery=cls.idempotency_recovery,
             methods=self.idempotency_methods,
         )
+        return engine.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         options = self._idempotency_options()
@@ -150,7 +165,7 @@ class IdempotencyMixin:
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
         return engine.with_atomic_requests(
-            conf.database(), lambda: dispatch(request, *args, **kwargs)
+            app_settings.DATABASE, lambda: dispatch(request, *args, **kwargs)
         )
 
     # Copied onto the view function by as_view(): Django then leaves it out of

@@ -20,6 +20,7 @@ from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from django_idempotency import conf, core, problems, signals, store
+from django_idempotency.conf import app_settings
 from django_idempotency.core import (
     FAIL,
     RETRY,
@@ -78,7 +79,9 @@ class Options:
 
     def protects(self, method: str | None) -> bool:
         """Whether requests with ``method`` need (or may carry) a key."""
-        allowed = frozenset(m.upper() for m in self.methods) if self.methods else conf.methods()
+        allowed = (
+            frozenset(m.upper() for m in self.methods) if self.methods else app_settings.METHODS
+        )
         return (method or "").upper() in allowed
 
 
@@ -106,7 +109,7 @@ def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> Ht
 def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpResponse | None:
     """The request's key; ``None`` when it carries none; a problem answer when it is bad."""
     if options.key is None:
-        header = conf.header()
+        header = app_settings.HEADER
         # request.headers, not META: test clients that build META themselves (ninja's) need
         # not spell the WSGI name of the header.
         raw = inner.headers.get(header)
@@ -134,7 +137,7 @@ def handle(
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
     and returns its (possibly unrendered) response.
     """
-    alias = conf.database()
+    alias = app_settings.DATABASE
     inner = django_request(request)
     inner.idempotency = None  # type: ignore[attr-defined]
     if not options.protects(inner.method):
@@ -143,15 +146,15 @@ def handle(
     if isinstance(key, HttpResponse):
         return key
     if key is None:
-        if conf.required() if options.required is None else options.required:
+        if app_settings.REQUIRED if options.required is None else options.required:
             where = (
-                conf.header()
+                app_settings.HEADER
                 if options.key is None
                 else getattr(options.key, "description", "idempotency key")
             )
             return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
-    account = conf.resolve_callable(options.account or conf.get("ACCOUNT_RESOLVER"))(request)
+    account = conf.resolve_callable(options.account or app_settings.ACCOUNT_RESOLVER)(request)
     if not account:
         return problems.ACCOUNT_MISSING.response(
             "This request carries an idempotency key but no authenticated caller to scope it to."
@@ -178,8 +181,8 @@ class _Protected:
     def of(
         cls, request: Any, context: IdempotencyContext, options: Options, alias: str
     ) -> _Protected:
-        fingerprint = conf.resolve_callable(options.fingerprint or conf.get("FINGERPRINT"))
-        recovery = options.recovery or conf.get("RECOVERY")
+        fingerprint = conf.resolve_callable(options.fingerprint or app_settings.FINGERPRINT)
+        recovery = options.recovery or app_settings.RECOVERY
         operation = core.Operation(
             alias=alias,
             account=context.account,
@@ -188,8 +191,10 @@ class _Protected:
             request_hash=fingerprint(request),
             fingerprint_version=fingerprint_version(fingerprint),
             recovery_policy=recovery_name(recovery),
-            ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else conf.ttl(),
-            lease=conf.as_timedelta(options.lease) if options.lease is not None else conf.lease(),
+            ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
+            lease=conf.as_timedelta(options.lease)
+            if options.lease is not None
+            else app_settings.LEASE,
         )
         return cls(request, context, operation, recovery)
 
@@ -215,7 +220,7 @@ class _Protected:
             logger.exception("idempotency store unavailable during the claim")
             return problems.STORE_UNAVAILABLE.response(
                 "The request was not run because its idempotency key could not be recorded.",
-                retry_after=conf.retry_after(),
+                retry_after=app_settings.RETRY_AFTER,
             )
         if result.claimed:
             return _Owner(self, result).run(call_view)
@@ -237,7 +242,7 @@ class _Protected:
             )
         if state.status != IN_PROGRESS:
             return self.replay(state)
-        if allow_wait and conf.in_progress_wait() > timedelta(0):
+        if allow_wait and app_settings.IN_PROGRESS_WAIT:
             waited = self.wait_for(state)
             if waited is not None:
                 return waited
@@ -250,14 +255,14 @@ class _Protected:
         return problems.KEY_IN_USE.response(
             f"A request with key {self.context.key!r} for {self.context.operation} is still "
             "in progress.",
-            retry_after=conf.retry_after(),
+            retry_after=app_settings.RETRY_AFTER,
         )
 
     def wait_for(self, state: store.RecordState) -> HttpResponseBase | None:
         """Poll, with short autocommit reads, until the original finishes; never longer than
         ``IN_PROGRESS_WAIT``, and no lock is held meanwhile. ``None``: the record is gone or
         its lease went stale."""
-        deadline = time.monotonic() + conf.in_progress_wait().total_seconds()
+        deadline = time.monotonic() + app_settings.IN_PROGRESS_WAIT.total_seconds()
         pause = 0.02
         while (remaining := deadline - time.monotonic()) > 0:
             time.sleep(min(pause, remaining))
@@ -288,7 +293,7 @@ class _Protected:
         return problems.LEASE_LOST.response(
             "This attempt took longer than its lease and a newer attempt took over; "
             "its work was rolled back.",
-            retry_after=conf.retry_after(),
+            retry_after=app_settings.RETRY_AFTER,
         )
 
 
@@ -380,7 +385,10 @@ class _Owner:
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response
-        if response.status_code < 500 and response.status_code not in conf.transient_statuses():
+        if (
+            response.status_code < 500
+            and response.status_code not in app_settings.TRANSIENT_STATUSES
+        ):
             return problems.RESPONSE_NOT_STORABLE.response(
                 "The response could not be kept for replay (streamed, or larger than "
                 "MAX_RESPONSE_BYTES), so the request was rolled back."
@@ -405,17 +413,17 @@ def rendered(response: HttpResponseBase) -> HttpResponseBase:
 def is_storable(response: HttpResponseBase) -> bool:
     """Whether a response is a deterministic outcome that can be kept and replayed."""
     status = response.status_code
-    if status >= 500 or status in conf.transient_statuses():
+    if status >= 500 or status in app_settings.TRANSIENT_STATUSES:
         return False
     if not isinstance(response, HttpResponse):  # streaming and file responses
         return False
-    limit = conf.max_response_bytes()
+    limit = app_settings.MAX_RESPONSE_BYTES
     return limit is None or len(response.content) <= limit
 
 
 def stored_headers(response: HttpResponseBase) -> list[list[str]]:
     """The headers kept with a response: ``Content-Type``, ``Location`` and the allow-list."""
-    return [[name, response[name]] for name in conf.replay_headers() if name in response]
+    return [[name, response[name]] for name in app_settings.stored_headers if name in response]
 
 
 def _outcome(response: HttpResponse, status: str) -> core.Outcome:
@@ -472,4 +480,4 @@ class IdempotencyDatabase(set[str]):
     """
 
     def __contains__(self, alias: object) -> bool:
-        return alias == conf.database() or super().__contains__(alias)
+        return alias == app_settings.DATABASE or super().__contains__(alias)

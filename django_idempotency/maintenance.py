@@ -18,7 +18,8 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from django_idempotency import conf, core, engine, once, store
+from django_idempotency import core, engine, once, store
+from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.purge import Progress, PurgeResult
 from django_idempotency.states import IN_PROGRESS, stale_lease_q, stale_q
@@ -70,7 +71,7 @@ def purge_expired(
     ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
     described in ``django_idempotency.purge.purge``.
     """
-    return IdempotencyRecord.objects.using(using or conf.database()).delete_expired(
+    return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
         batch_size=batch_size,
         max_batches=max_batches,
         dry_run=dry_run,
@@ -128,7 +129,7 @@ def recover_stale_leases(
     taken over meanwhile is left alone. Attempts are counted on the record
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
     """
-    alias = using or conf.database()
+    alias = using or app_settings.DATABASE
     now = now or timezone.now()
     result = RecoveryResult(dry_run=dry_run)
     policies: Counter[str] = Counter()
@@ -190,7 +191,7 @@ def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
 def _stale_rows(stale: QuerySet[IdempotencyRecord], limit: int | None) -> Iterator[_Stale]:
     # Pages keyed by id: a record left in place (an error) is never met twice in one run,
     # and no page is larger than a purge batch.
-    page = conf.purge_batch_size()
+    page = app_settings.PURGE_BATCH_SIZE
     last, taken = 0, 0
     while limit is None or taken < limit:
         size = page if limit is None else min(page, limit - taken)

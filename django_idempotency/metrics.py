@@ -23,7 +23,8 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_idempotency import conf, outbox, signals, stats
+from django_idempotency import outbox, signals, stats
+from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
 
@@ -77,7 +78,7 @@ def _read_database(read: Callable[[], float | None], what: str) -> float:
     A scrape usually runs in a thread of the metrics server, outside any request, where
     nothing would close a connection this query opens: it is closed again here.
     """
-    connection = connections[conf.database()]
+    connection = connections[app_settings.DATABASE]
     opened_here = connection.connection is None
     try:
         value = read()

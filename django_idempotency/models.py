@@ -11,7 +11,8 @@ from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import conf, purge, states
+from django_idempotency import purge, states
+from django_idempotency.conf import app_settings
 from django_idempotency.purge import PURGED
 from django_idempotency.states import expired_q, stale_q
 
@@ -89,7 +90,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         then no longer finds it expired (a locking read sees the newest committed row); the
         record is copied exactly once.
         """
-        if not conf.audit():
+        if not app_settings.AUDIT:
             return 0
         identity = self.filter(account=account, operation=operation, key=key)
         return identity.expired(now).archive(REPLACED, now=now, lock=True)
@@ -113,7 +114,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         now = now or timezone.now()
         alias = self.db
         archive = None
-        if conf.audit():
+        if app_settings.AUDIT:
             archive = purge.Archive(
                 copy=lambda batch: cast(IdempotencyRecordQuerySet, batch).archive(PURGED, now=now),
                 insert_sql=IdempotencyAuditRecord.insert_sql,
@@ -126,10 +127,10 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         return purge.purge(
             records=self.filter(expired_q(now)),
             audits=IdempotencyAuditRecord.objects.using(alias).filter(
-                archived_at__lte=now - conf.audit_retention()
+                archived_at__lte=now - app_settings.AUDIT_RETENTION
             ),
             outbox=OutboxMessage.objects.using(alias).filter(
-                status=OutboxStatus.SENT, sent_at__lte=now - conf.outbox_retention()
+                status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION
             ),
             archive=archive,
             batch_size=batch_size,

@@ -34,7 +34,8 @@ from django.http.response import HttpResponseBase
 from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
-from django_idempotency import apidocs, conf, engine
+from django_idempotency import apidocs, conf, engine, sources, validation
+from django_idempotency.conf import app_settings
 
 __all__ = ["auth_account", "idempotent"]
 
@@ -54,15 +55,15 @@ def auth_account(request: HttpRequest) -> str | None:
     decides by itself (it can read ``request.auth``). An authentication result that is not a
     user (a token object, a string) identifies no account: give ``account=``.
     """
-    resolver = conf.get("ACCOUNT_RESOLVER")
+    resolver = app_settings.ACCOUNT_RESOLVER
     auth = getattr(request, "auth", None)
     if (
-        resolver == conf.DEFAULTS["ACCOUNT_RESOLVER"]
+        resolver is conf.resolve_callable(conf.DEFAULTS["ACCOUNT_RESOLVER"])
         and getattr(auth, "is_authenticated", False) is True
         and getattr(auth, "pk", None) is not None
     ):
         return f"user:{auth.pk}"  # type: ignore[union-attr]
-    account: str | None = conf.resolve_callable(resolver)(request)
+    account: str | None = resolver(request)
     return account
 
 
@@ -111,7 +112,13 @@ def idempotent(
     (``POST api/charges``), as for Django views; the default account is
     ``auth_account``.
     """
-    options = engine.Options(
+    # Validated now, when the operation is decorated: a wrong value never reaches a request.
+    arguments = validation.view_arguments(
+        (
+            f"ninja @idempotent on {validation.name_of(func)}"
+            if func is not None
+            else f"ninja @idempotent(...) at {validation.caller()}"
+        ),
         operation=operation,
         required=required,
         ttl=ttl,
@@ -119,9 +126,9 @@ def idempotent(
         recovery=recovery,
         account=account if account is not None else auth_account,
         fingerprint=fingerprint,
-        methods=tuple(methods) if methods else None,
-        key=key,
+        methods=methods,
     )
+    options = engine.Options(**arguments, key=sources.key_source(key, "ninja @idempotent(key=...)"))
 
     def decorate(func: OperationFunc) -> OperationFunc:
         built = getattr(func, "_ninja_operation", None)
@@ -181,7 +188,9 @@ class _Protected(Operation):
     def openapi_extra(self) -> dict[str, Any] | None:
         """The operation's own ``openapi_extra``, with the idempotency parts merged in."""
         own = self._own_openapi_extra
-        if not any(self.idempotency_options.protects(m) for m in self.methods):
+        if self.__dict__.get("_cloning") or not any(
+            self.idempotency_options.protects(m) for m in self.methods
+        ):
             return own
         return _merged(_documentation(self), own or {})
 
@@ -191,7 +200,13 @@ class _Protected(Operation):
 
     def clone(self) -> Operation:
         """ninja's clone (it keeps the class), with the operation's own ``openapi_extra``."""
-        cloned = super().clone()
+        # ninja's clone reads openapi_extra while the URLs are built (manage.py check builds
+        # them): only the operation's own is copied, so the settings are not read there.
+        self.__dict__["_cloning"] = True
+        try:
+            cloned = super().clone()
+        finally:
+            del self.__dict__["_cloning"]
         own = self._own_openapi_extra
         cloned._own_openapi_extra = dict(own) if own else None  # type: ignore[attr-defined]
         return cloned
@@ -202,7 +217,7 @@ class _Protected(Operation):
     def _handle(
         self, request: HttpRequest, call: Callable[[], HttpResponseBase]
     ) -> HttpResponseBase:
-        alias = conf.database()
+        alias = app_settings.DATABASE
         connection = connections[alias]
         if connection.settings_dict.get("ATOMIC_REQUESTS") and connection.in_atomic_block:
             # Django wrapped ninja's view in the request's transaction: the claim could not

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django_idempotency import conf, core
+from django_idempotency.conf import app_settings
 from django_idempotency.exceptions import InProgress, KeyReused, OutcomeUnknown, seconds_left
 from django_idempotency.keys import validate_key
 from django_idempotency.states import COMPLETED, FAILED
@@ -132,17 +133,17 @@ def call_once(
 ) -> T:
     """:func:`run_once` with the callable's arguments as a tuple and a dict, so that they
     may use any name (the Celery adapter passes a task's own arguments through)."""
-    policy = recovery if recovery is not None else conf.get("RECOVERY")
+    policy = recovery if recovery is not None else app_settings.RECOVERY
     op = core.Operation(
-        alias=conf.database(),
+        alias=app_settings.DATABASE,
         account=core.storable_name(str(account)),
         operation=core.storable_name(str(operation)),
         key=validate_key(key),
         request_hash=fingerprint_of(fingerprint),
         fingerprint_version=FINGERPRINT_VERSION,
         recovery_policy=core.recovery_name(policy),
-        ttl=conf.as_timedelta(ttl) if ttl is not None else conf.ttl(),
-        lease=conf.as_timedelta(lease) if lease is not None else conf.lease(),
+        ttl=conf.as_timedelta(ttl) if ttl is not None else app_settings.TTL,
+        lease=conf.as_timedelta(lease) if lease is not None else app_settings.LEASE,
     )
     result = op.claim()
     state = result.state

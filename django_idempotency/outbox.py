@@ -31,7 +31,8 @@ from django.db.models import QuerySet
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import conf, signals
+from django_idempotency import signals
+from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
 
 logger = logging.getLogger("django_idempotency")
@@ -85,7 +86,7 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     message id, which is also the task id the relay sends it with.
     """
     name = task_name(task)
-    alias = conf.database()
+    alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:
         raise TransactionManagementError(
@@ -142,8 +143,8 @@ def backoff(attempts: int) -> timedelta:
     ``OUTBOX_BACKOFF`` after the first failure, doubling after each further one, never more
     than ``OUTBOX_BACKOFF_MAX``.
     """
-    longest = conf.outbox_backoff_max()
-    wait: timedelta = conf.outbox_backoff() * (2 ** min(max(attempts - 1, 0), 32))
+    longest = app_settings.OUTBOX_BACKOFF_MAX
+    wait: timedelta = app_settings.OUTBOX_BACKOFF * (2 ** min(max(attempts - 1, 0), 32))
     return min(wait, longest)
 
 
@@ -160,8 +161,8 @@ def relay_batch(
     skipped). Without row locks (SQLite) a no-op write first takes the database's write
     lock, so two relays still never hold the same message.
     """
-    alias = using or conf.database()
-    size = batch_size if batch_size is not None else conf.outbox_batch_size()
+    alias = using or app_settings.DATABASE
+    size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
     if size <= 0:
         raise ValueError("batch_size must be positive")
     send = sender or configured_sender()
@@ -196,7 +197,7 @@ def relay_batch(
 def configured_sender() -> Sender:
     """``OUTBOX_SENDER``, imported; ``ImproperlyConfigured`` when it cannot be."""
     try:
-        return conf.outbox_sender()
+        return app_settings.OUTBOX_SENDER
     except ImportError as exc:
         raise ImproperlyConfigured(
             f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported ({exc}); the default sender "
@@ -228,7 +229,7 @@ def _due(alias: str, now: datetime) -> QuerySet[OutboxMessage]:
 def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: datetime) -> bool:
     """Count a failed send; True when the message is now dead."""
     attempts = message.attempts + 1
-    dead = isinstance(exc, Undeliverable) or attempts >= conf.outbox_max_attempts()
+    dead = isinstance(exc, Undeliverable) or attempts >= app_settings.OUTBOX_MAX_ATTEMPTS
     error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
     fields: dict[str, Any] = {"attempts": attempts, "last_error": error}
     if dead:
@@ -265,7 +266,7 @@ def drain(
     Messages that fail are due again only after their backoff, so a drain always ends.
     ``stop()`` is asked between batches.
     """
-    size = batch_size if batch_size is not None else conf.outbox_batch_size()
+    size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
     send = sender or configured_sender()
     total = RelayResult()
     while stop is None or not stop():
@@ -295,13 +296,15 @@ def relay(
     database error is logged and the relay tries again after the poll interval (with
     ``once`` it raises).
     """
-    alias = using or conf.database()
+    alias = using or app_settings.DATABASE
     send = sender or configured_sender()
     if once:
         return drain(using=alias, batch_size=batch_size, sender=send, stop=stop)
     should_stop: Stop = stop or (lambda: False)
     interval = (
-        poll_interval if poll_interval is not None else conf.outbox_poll_interval().total_seconds()
+        poll_interval
+        if poll_interval is not None
+        else app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
     )
     total = RelayResult()
     connection = connections[alias]
@@ -425,13 +428,13 @@ def requeue(queryset: QuerySet[OutboxMessage]) -> int:
 
 def pending_count(using: str | None = None) -> int:
     """Messages waiting to be sent (due or backing off)."""
-    alias = using or conf.database()
+    alias = using or app_settings.DATABASE
     return OutboxMessage.objects.using(alias).filter(status=OutboxStatus.PENDING).count()
 
 
 def oldest_pending_seconds(using: str | None = None, now: datetime | None = None) -> float | None:
     """How long the oldest pending message has waited; ``None`` when none is pending."""
-    alias = using or conf.database()
+    alias = using or app_settings.DATABASE
     oldest = (
         OutboxMessage.objects.using(alias)
         .filter(status=OutboxStatus.PENDING)

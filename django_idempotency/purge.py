@@ -21,7 +21,8 @@ from typing import Any
 from django.db import connections, models, transaction
 from django.db.models import QuerySet
 
-from django_idempotency import conf, retry, signals
+from django_idempotency import retry, signals
+from django_idempotency.conf import app_settings
 
 Progress = Callable[[int, int], None]
 
@@ -99,8 +100,8 @@ def purge(
     bounds each table separately. ``progress(batches, rows)`` is called after every batch
     with the run's running totals. Sends ``records_purged`` unless ``dry_run``.
     """
-    size = batch_size if batch_size is not None else conf.purge_batch_size()
-    limit = max_batches if max_batches is not None else conf.purge_max_batches()
+    size = batch_size if batch_size is not None else app_settings.PURGE_BATCH_SIZE
+    limit = max_batches if max_batches is not None else app_settings.PURGE_MAX_BATCHES
     if size <= 0 or (limit is not None and limit <= 0):
         raise ValueError("batch_size and max_batches must be positive")
     tables = (

@@ -16,7 +16,7 @@ from django.db.models import Count, Min
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from django_idempotency import conf
+from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -50,7 +50,7 @@ class TableStats:
 
 
 def _alias(using: str | None) -> str:
-    return using or conf.database()
+    return using or app_settings.DATABASE
 
 
 def records(using: str | None = None) -> Any:

@@ -26,7 +26,8 @@ from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_idempotency import conf, states
+from django_idempotency import states
+from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.retry import is_retryable, retrying
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
@@ -361,7 +362,7 @@ def claim(alias: str, request: ClaimRequest) -> ClaimResult:
 
 def _claim(alias: str, request: ClaimRequest) -> ClaimResult:
     token = uuid.uuid4()
-    take_over = _take_over_archiving if conf.audit() else _take_over
+    take_over = _take_over_archiving if app_settings.AUDIT else _take_over
     for _look in range(_LOOKS):
         found = _insert_or_existing(alias, request, token)
         if found is None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 from celery import current_task, shared_task
 from celery.app.task import Task
 
-from django_idempotency import maintenance, outbox
+from django_idempotency import maintenance, outbox, validation
 from django_idempotency.core import RETRY
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
 from django_idempotency.once import LeaseTakenOver, call_once
@@ -83,13 +83,21 @@ def idempotent_task(
     - A delivery that outlived its lease while another took over: its work is rolled back
       and it returns ``None``. A record closed as failed (the admin's "mark as failed"):
       never run again, and ``None`` is returned.
+
+    A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
+    ``ImproperlyConfigured`` here, when the task is decorated.
     """
+    checked = validation.view_arguments(
+        f"@idempotent_task(...) at {validation.caller()}", key=key, ttl=ttl, lease=lease
+    )
+    delivery_key: DeliveryKey | None = checked["key"]
+    ttl, lease = checked["ttl"], checked["lease"]
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             task = current_task if current_task else None
-            delivery = key(*args, **kwargs) if key is not None else _task_id(task)
+            delivery = delivery_key(*args, **kwargs) if delivery_key is not None else _task_id(task)
             if delivery is None:
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return func(*args, **kwargs)

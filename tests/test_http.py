@@ -6,6 +6,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
@@ -100,10 +101,13 @@ def test_set_cookie_is_never_stored_or_replayed(api):
 
 
 @override_settings(IDEMPOTENCY={"REPLAY_HEADERS": ["Set-Cookie", "Date"]})
-def test_forbidden_headers_stay_out_even_when_allow_listed(api):
-    api.post("/outcome/", {"cookie": True}, key=new_key())
-    names = {name.lower() for name, _ in IdempotencyRecord.objects.get().response_headers}
-    assert names == {"content-type"}
+def test_allow_listing_a_never_stored_header_refuses_the_request(api):
+    # Not silently dropped from the allow-list: the setting is wrong (check E009), and no
+    # request runs on it.
+    with pytest.raises(ImproperlyConfigured, match="date, set-cookie are never stored"):
+        api.post("/outcome/", {"cookie": True}, key=new_key())
+    assert IdempotencyRecord.objects.count() == 0
+    assert Charge.objects.count() == 0
 
 
 # -- the payload check ----------------------------------------------------------------

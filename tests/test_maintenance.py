@@ -524,7 +524,7 @@ def test_recover_command_exits_non_zero_on_errors(calls):
 
 
 def check_ids() -> list[str]:
-    return [str(message.id) for message in checks.check_maintenance_settings()]
+    return [str(message.id) for message in checks.check_settings()]
 
 
 @pytest.mark.parametrize(

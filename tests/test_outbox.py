@@ -349,7 +349,7 @@ def test_the_celery_task_drains_once():
 
 def outbox_check_ids(**entries: Any) -> list[str]:
     with override_settings(IDEMPOTENCY=entries):
-        return [str(m.id) for m in checks.check_outbox_settings()]
+        return [str(m.id) for m in checks.check_settings()]
 
 
 def test_outbox_defaults_pass():

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.test import Client, override_settings
 from django.utils import timezone
 from hypothesis import HealthCheck, given
@@ -113,7 +114,7 @@ def test_a_tenant_never_reads_or_replays_another_tenants_record(tenants, ops):
 
 @PROPERTY
 @given(
-    limit=st.integers(0, 64),
+    limit=st.integers(1, 64),
     text=st.text(st.sampled_from("a\u00e9\u20ac\U0001f600"), max_size=40),
 )
 def test_the_stored_response_size_limit_counts_bytes_and_is_never_exceeded(api, limit, text):
@@ -137,15 +138,24 @@ def test_the_stored_response_size_limit_counts_bytes_and_is_never_exceeded(api, 
         assert Charge.objects.count() == charges
 
 
-def test_sensitive_headers_are_never_stored_even_when_allow_listed(api):
+@pytest.mark.parametrize("name", sorted(conf.NEVER_STORED_HEADERS))
+def test_allow_listing_a_sensitive_header_is_refused_not_ignored(api, name):
+    # Mixed case: the allow-list may spell a header either way.
+    for spelling in (name.upper(), name.title()):
+        allow = override_settings(IDEMPOTENCY={"REPLAY_HEADERS": ["x-kept", spelling]})
+        with allow, pytest.raises(ImproperlyConfigured, match=f"{name} is never stored"):
+            api.post("/outcome/", {"cookie": True}, key=new_key())
+    assert IdempotencyRecord.objects.count() == 0
+    assert Charge.objects.count() == 0
+
+
+def test_sensitive_headers_are_never_stored(api):
     never = sorted(conf.NEVER_STORED_HEADERS)
-    # Mixed case: the allow-list and the response may spell a header either way.
-    allow = [name.upper() if i % 2 else name.title() for i, name in enumerate(never)]
     headers = {name.title(): "secret-header-value" for name in never if name != "set-cookie"}
     headers.pop("Content-Length")  # Django computes it
     payload = {"cookie": True, "headers": {**headers, "X-Kept": "1"}}
     key = new_key()
-    with override_settings(IDEMPOTENCY={"REPLAY_HEADERS": [*allow, "x-kept"]}):
+    with override_settings(IDEMPOTENCY={"REPLAY_HEADERS": ["x-kept"]}):
         first = api.post("/outcome/", payload, key=key)
         replay = api.post("/outcome/", payload, key=key)
     assert "session-ish" in first.cookies

@@ -8,7 +8,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency import conf, stats
+from django_idempotency import stats
+from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxStatus, RecordStatus
 
 
@@ -49,7 +50,7 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or conf.database()
+        alias = options["database"] or app_settings.DATABASE
         if alias not in settings.DATABASES:
             raise CommandError(f"Unknown database {alias!r}.")
         snapshot = stats.collect(using=alias)

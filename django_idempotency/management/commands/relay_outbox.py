@@ -13,7 +13,8 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency import conf, outbox
+from django_idempotency import outbox
+from django_idempotency.conf import app_settings
 from django_idempotency.management.commands.purge_idempotency import positive_int, run_job
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -61,13 +62,14 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or conf.database()
-        if alias not in settings.DATABASES:
-            raise CommandError(f"Unknown database {alias!r}.")
         try:
+            # A wrong setting (the sender's or any other) is a command error, like a wrong option.
+            alias = options["database"] or app_settings.DATABASE
             sender = outbox.configured_sender()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
+        if alias not in settings.DATABASES:
+            raise CommandError(f"Unknown database {alias!r}.")
         with stop_on_signals() as stopping:
             result = run_job(
                 "relay",

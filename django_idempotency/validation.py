@@ -1,0 +1,297 @@
+"""The rules that settings and per-view arguments must satisfy, written once.
+
+Each parser takes a value as a user wrote it and returns it in the form the app uses, or
+raises :class:`Invalid` saying what was expected. They never coerce a wrong type: a string is
+not a list of one method, ``1`` is not ``True``, ``None`` is not "the default". The system
+checks (:mod:`django_idempotency.checks`), the settings object
+(:data:`django_idempotency.conf.app_settings`) and every adapter's per-view arguments
+(:func:`view_arguments`) use these same functions, so the rules cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+RETRY = "retry"
+FAIL = "fail"
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# An RFC 9110 token: what a header or a method name may consist of.
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+# Sequences: the concrete collection types only, so a str, bytes, a dict or a generator
+# is never taken apart into its characters, keys or items.
+_COLLECTIONS = (list, tuple, set, frozenset)
+_COLLECTION = "a list, tuple or set"
+# Far enough for any retention; near enough that ``now + duration`` stays a valid datetime.
+MAX_DURATION = timedelta(days=36525)
+# Fits a signed 32-bit integer: every database's LIMIT takes it.
+MAX_INT = 2**31 - 1
+
+
+class Invalid(ValueError):
+    """A value that breaks its rule; ``expected`` says what the rule admits."""
+
+    def __init__(self, expected: str, value: Any, detail: str | None = None) -> None:
+        self.expected = expected
+        self.value = value
+        self.detail = detail
+        reason = detail if detail is not None else f"got {describe(value)}"
+        super().__init__(f"must be {expected}; {reason}")
+
+
+def describe(value: Any) -> str:
+    """A short account of a wrong value for an error message: its repr and its type."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a repr that raises must not turn a report into a crash
+        text = "<unprintable>"
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+@functools.lru_cache(maxsize=128)
+def import_cached(path: str) -> Any:
+    """``import_string``, remembered: dotted paths are resolved on hot paths."""
+    return import_string(path)
+
+
+def flag(value: Any) -> bool:
+    """``True`` or ``False``, nothing that merely looks like one."""
+    if not isinstance(value, bool):
+        raise Invalid("True or False", value)
+    return value
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _counted(value: Any, expected: str) -> int:
+    if not _whole(value) or not 1 <= value <= MAX_INT:
+        raise Invalid(expected, value)
+    result: int = value
+    return result
+
+
+def positive_int(value: Any) -> int:
+    """A whole number from 1 to ``MAX_INT``."""
+    return _counted(value, f"a whole number from 1 to {MAX_INT}")
+
+
+def optional_positive_int(value: Any) -> int | None:
+    """A whole number from 1 to ``MAX_INT``, or ``None``."""
+    if value is None:
+        return None
+    return _counted(value, f"a whole number from 1 to {MAX_INT}, or None")
+
+
+def _duration(value: Any, allow_zero: bool) -> timedelta:
+    floor = "zero or more" if allow_zero else "more than zero"
+    expected = f"a timedelta or a number of seconds, {floor} and at most {MAX_DURATION.days} days"
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise Invalid(expected, value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise Invalid(expected, value)
+    try:
+        result = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    except OverflowError:
+        raise Invalid(expected, value) from None
+    if result < timedelta(0) or result > MAX_DURATION or (not allow_zero and not result):
+        raise Invalid(expected, value)
+    return result
+
+
+def duration(value: Any) -> timedelta:
+    """A positive ``timedelta``, or a positive number of seconds made into one."""
+    return _duration(value, allow_zero=False)
+
+
+def duration_or_zero(value: Any) -> timedelta:
+    """Like :func:`duration`, and zero is admitted."""
+    return _duration(value, allow_zero=True)
+
+
+def _listed(names: list[str], one: str, many: str) -> str:
+    return f"{', '.join(names)} {one if len(names) == 1 else many}"
+
+
+def _collection(value: Any, expected: str) -> list[Any]:
+    if not isinstance(value, _COLLECTIONS):
+        raise Invalid(expected, value)
+    return list(value)
+
+
+def methods(value: Any) -> frozenset[str]:
+    """A non-empty collection of HTTP method names with a side effect, upper-cased."""
+    expected = f'a non-empty {_COLLECTION[2:]} of HTTP method names such as ["POST", "PATCH"]'
+    names = _collection(value, expected)
+    if not names:
+        raise Invalid(expected, value)
+    for name in names:
+        if not isinstance(name, str) or not _TOKEN.match(name):
+            raise Invalid(expected, value, f"{describe(name)} is not a method name")
+    result = frozenset(name.upper() for name in names)
+    safe = sorted(result & SAFE_METHODS)
+    if safe:
+        raise Invalid(
+            expected + " and without safe methods (GET, HEAD, OPTIONS, TRACE)",
+            value,
+            f"{_listed(safe, 'has', 'have')} no side effect to deduplicate",
+        )
+    return result
+
+
+def header_name(value: Any) -> str:
+    """An HTTP header name (an RFC 9110 token)."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise Invalid('an HTTP header name such as "Idempotency-Key"', value)
+    return value
+
+
+def header_names(value: Any, refused: frozenset[str]) -> tuple[str, ...]:
+    """A collection of header names, none of them (compared without case) in ``refused``.
+
+    Repeats are dropped, keeping the first spelling.
+    """
+    expected = f'{_COLLECTION} of HTTP header names such as ["X-Request-Id"]'
+    names = _collection(value, expected)
+    seen: dict[str, str] = {}
+    for name in names:
+        if not isinstance(name, str) or not _TOKEN.match(name):
+            raise Invalid(expected, value, f"{describe(name)} is not a header name")
+        seen.setdefault(name.lower(), name)
+    never = sorted(set(seen) & refused)
+    if never:
+        raise Invalid(
+            expected + ", none of them a never-stored header",
+            value,
+            f"{_listed(never, 'is', 'are')} never stored",
+        )
+    return tuple(seen.values())
+
+
+def client_error_statuses(value: Any) -> frozenset[int]:
+    """A collection (possibly empty) of 4xx status codes."""
+    expected = f"{_COLLECTION} of 4xx status codes such as [409, 429]"
+    statuses = _collection(value, expected)
+    for status in statuses:
+        if not _whole(status) or not 400 <= status <= 499:
+            raise Invalid(expected, value, f"{describe(status)} is not a 4xx status code")
+    return frozenset(statuses)
+
+
+def seconds(value: Any) -> int:
+    """A whole number of seconds, at least 1 (a ``Retry-After`` value)."""
+    return _counted(value, "a whole number of seconds, at least 1")
+
+
+_CALLABLE = "a callable or the dotted import path of one"
+
+
+def callable_ref(value: Any) -> Callable[..., Any]:
+    """A callable, or the dotted path of one (imported now)."""
+    if callable(value):
+        given: Callable[..., Any] = value
+        return given
+    if not isinstance(value, str) or "." not in value.strip("."):
+        raise Invalid(_CALLABLE, value)
+    try:
+        imported = import_cached(value)
+    except Exception as exc:  # an import runs the module: anything may come out of it
+        raise Invalid(_CALLABLE, value, f"{value!r} cannot be imported ({exc})") from None
+    if not callable(imported):
+        raise Invalid(_CALLABLE, value, f"{value!r} imports {describe(imported)}")
+    result: Callable[..., Any] = imported
+    return result
+
+
+def recovery(value: Any) -> str | Callable[..., Any]:
+    """A recovery policy: ``"retry"``, ``"fail"``, a callable or the dotted path of one.
+
+    Returned as given (a dotted path stays a string: it is what the record stores), once
+    the path is known to import a callable.
+    """
+    if isinstance(value, str) and value in (RETRY, FAIL):
+        return value
+    try:
+        resolved = callable_ref(value)
+    except Invalid as exc:
+        raise Invalid(
+            f'"{RETRY}", "{FAIL}", a callable recover(record) or the dotted path of one',
+            value,
+            exc.detail,
+        ) from None
+    return value if isinstance(value, str) else resolved
+
+
+def operation(value: Any) -> str:
+    """An operation's name: a string that is not empty."""
+    if not isinstance(value, str) or not value.strip():
+        raise Invalid('a non-empty string such as "charges.create"', value)
+    return value
+
+
+# -- per-view arguments --------------------------------------------------------------------
+
+# What each per-view argument admits; ``None`` always means "the setting decides".
+_VIEW_RULES: dict[str, Callable[[Any], Any]] = {
+    "operation": operation,
+    "required": flag,
+    "ttl": duration,
+    "lease": duration,
+    "recovery": recovery,
+    "account": callable_ref,
+    "fingerprint": callable_ref,
+    "methods": lambda value: tuple(sorted(methods(value))),
+    "key": callable_ref,
+}
+
+
+def name_of(obj: Any) -> str:
+    """A function's or a class's dotted name, for error messages."""
+    module = getattr(obj, "__module__", None) or "?"
+    return f"{module}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def caller(depth: int = 2) -> str:
+    """Where a decorator was applied, for its error messages: ``module line N``."""
+    frame = sys._getframe(depth)
+    return f"{frame.f_globals.get('__name__', '?')} line {frame.f_lineno}"
+
+
+def view_arguments(where: str, prefix: str = "", **arguments: Any) -> dict[str, Any]:
+    """The per-view arguments of an adapter, validated; ``None`` values are kept as ``None``.
+
+    ``where`` names the view for the message (``"@idempotent on app.views.create"``) and
+    ``prefix`` is how the adapter spells the arguments (``"idempotency_"`` for the mixin's
+    attributes). Raises ``ImproperlyConfigured`` naming the view, the argument and what it
+    expected. A ``ttl`` given with a ``lease`` must be longer than it.
+    """
+    cleaned: dict[str, Any] = {}
+    for name, value in arguments.items():
+        if value is None:
+            cleaned[name] = None
+            continue
+        try:
+            cleaned[name] = _VIEW_RULES[name](value)
+        except Invalid as exc:
+            raise ImproperlyConfigured(f"{where}: {prefix}{name} {exc}.") from None
+    ttl, lease = cleaned.get("ttl"), cleaned.get("lease")
+    if ttl is not None and lease is not None and ttl <= lease:
+        raise ImproperlyConfigured(
+            f"{where}: {prefix}ttl ({ttl}) must be longer than {prefix}lease ({lease}), or a "
+            "record could expire while its first attempt still runs."
+        )
+    return cleaned
