@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests import poolers
 from tests.conftest import postgres_only
 from tests.live import DISCONNECTED, Answer, gunicorn, request
 from tests.pg_instance import PostgresInstance, available, postgres_instance
@@ -55,7 +56,8 @@ def pg() -> Iterator[PostgresInstance]:
 def server(pg: PostgresInstance) -> Iterator[str]:
     # CONN_MAX_AGE is 0: every request opens its own connection, so the workers outlive
     # restarts of the database server.
-    with gunicorn(workers=2, extra_env=pg.server_env()) as url:
+    # Under TEST_DB=pgbouncer a PgBouncer of its own stands between the workers and it.
+    with poolers.server_env(pg.server_env()) as env, gunicorn(workers=2, extra_env=env) as url:
         yield url
 
 
