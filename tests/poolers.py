@@ -67,6 +67,11 @@ class PgBouncer:
                 "pool_mode = transaction",
                 "max_client_conn = 400",
                 "default_pool_size = 20",
+                # When PostgreSQL is down, a client waits for a server connection this long
+                # (the default is 120 s) and then gets an error: the app answers 503 promptly
+                # instead of hanging past its workers' timeout. Retry the server every second.
+                "query_wait_timeout = 5",
+                "server_login_retry = 1",
                 # psycopg sends none of these by default; a client that does is not refused.
                 "ignore_startup_parameters = extra_float_digits",
                 f"logfile = {self.log}",
@@ -93,7 +98,7 @@ class PgBouncer:
                 raise RuntimeError(f"pgbouncer exited during start-up:\n{self.log_tail()}")
             try:
                 psycopg.connect(
-                    host="127.0.0.1", port=self.port, user=SUPERUSER, dbname="postgres",
+                    host="127.0.0.1", port=self.port, user=SUPERUSER, dbname="pgbouncer",
                     connect_timeout=2,
                 ).close()  # fmt: skip
                 return
@@ -176,17 +181,17 @@ def main(argv: list[str]) -> int:
         return 2
     mode, args = argv[0], argv[1:]
     upstream = int(os.environ.get("PGPORT", "5432"))
-    if mode == "postgres-pool":
-        return run_pytest({"TEST_DB": "postgres-pool"}, args)
-    if mode == "pgbouncer":
-        # Django drops its test database at the end, which PgBouncer's idle server
-        # connections to it would refuse; the database is kept (--reuse-db) and dropped
-        # here, directly on the server, once PgBouncer has gone.
-        name = f"test_django_idempotency_pgbouncer_{os.getpid()}"
+    if mode in POOLED_MODES:
+        # Django drops its test database at the end, which the pooled server connections
+        # still open to it would refuse; the database is kept (--reuse-db) and dropped here,
+        # directly on the server, once the pooler has gone.
+        name = f"test_django_idempotency_{mode.replace('-', '_')}_{os.getpid()}"
+        env = {"TEST_DB": mode, "TEST_DB_NAME": name}
         try:
-            with pgbouncer(upstream) as bouncer:
-                env = {"TEST_DB": "pgbouncer", "PGPORT": str(bouncer.port), "TEST_DB_NAME": name}
+            if mode == "postgres-pool":
                 return run_pytest(env, ["--reuse-db", *args])
+            with pgbouncer(upstream) as bouncer:
+                return run_pytest({**env, "PGPORT": str(bouncer.port)}, ["--reuse-db", *args])
         finally:
             drop_database(upstream, name)
     from tests.pg_instance import PostgresInstance

@@ -48,6 +48,9 @@ if TEST_DB in POSTGRES_DBS:
         # Django's pool needs CONN_MAX_AGE = 0 (the default). Enough connections for the
         # storms of tests/test_concurrency.py (16 requests at once), a bounded wait beyond.
         DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 24, "timeout": 10}}
+        # Without it the pool hands out connections the server has closed (a restart, a
+        # terminated backend), and the next request fails on one.
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 elif TEST_DB == "mysql":
     DATABASES = {
         "default": {
