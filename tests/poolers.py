@@ -16,6 +16,7 @@ put the same pooler in front of it through :func:`server_env`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -154,9 +155,11 @@ def server_env(direct: dict[str, str]) -> Iterator[dict[str, str]]:
 
 def pg16_bin() -> Path:
     """The PostgreSQL 16 binaries of the ``pgserver`` wheel installed in this environment."""
-    import pgserver  # type: ignore[import-not-found]
-
-    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+    # Found, not imported: importing pgserver sets up things of its own that are not needed.
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("pgserver is not installed: `make test-pg16` installs it")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -202,7 +205,7 @@ def main(argv: list[str]) -> int:
         instance.init()
         version = instance.scalar("SHOW server_version")
         print(f"PostgreSQL {version} on 127.0.0.1:{instance.port}", flush=True)
-        env = {**instance.server_env(), "PG_BIN": str(pg16_bin())}
+        env = {**instance.server_env(), "PG_BIN": str(pg16_bin()), "TEST_PG_MAJOR": "16"}
         return run_pytest(env, args)
     finally:
         instance.destroy()

@@ -46,8 +46,9 @@ if TEST_DB in POSTGRES_DBS:
         DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
     elif TEST_DB == "postgres-pool":
         # Django's pool needs CONN_MAX_AGE = 0 (the default). Enough connections for the
-        # storms of tests/test_concurrency.py (16 requests at once), a bounded wait beyond.
-        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 24, "timeout": 10}}
+        # storms of tests/test_concurrency.py (16 requests at once); a short wait for one, so
+        # that with the server down a request answers 503 promptly rather than hanging.
+        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 24, "timeout": 3}}
         # Without it the pool hands out connections the server has closed (a restart, a
         # terminated backend), and the next request fails on one.
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

@@ -1,11 +1,12 @@
-"""The pooled runs really go through their pooler (``python -m tests.poolers``).
+"""The runs of ``python -m tests.poolers`` really reach what they name.
 
 Without these, a run named ``pgbouncer`` or ``postgres-pool`` that quietly connected straight
-to PostgreSQL would pass for a pooler test.
+to PostgreSQL would pass for a pooler test, and a ``pg16`` run on 15 for a run on 16.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -47,3 +48,12 @@ def test_django_pool_hands_server_connections_back():
         pids.add(server_port_and_pid()[1])
         connection.close()  # back to the pool; a direct connection would end its backend
     assert len(pids) <= 3, pids  # a few pooled connections, not one backend per cycle
+
+
+@pytest.mark.skipif("TEST_PG_MAJOR" not in os.environ, reason="a run on a chosen version only")
+@pytest.mark.django_db
+def test_the_server_is_the_major_version_asked_for():
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version_num")
+        (version,) = cursor.fetchone()
+    assert int(version) // 10000 == int(os.environ["TEST_PG_MAJOR"])
