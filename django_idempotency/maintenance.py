@@ -7,6 +7,7 @@ waits on anything else, so both run beside live traffic and beside each other.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -147,19 +148,34 @@ def _batches(
     limit: int | None,
     archive_at: datetime | None,
 ) -> Iterator[tuple[int, float]]:
-    """Delete ``candidates`` batch by batch; yields each batch's rows and duration."""
-    taken = 0
+    """Delete ``candidates`` batch by batch; yields each batch's rows and duration.
+
+    ``size`` is a ceiling. A batch slower than ``_BATCH_BUDGET`` halves the next one (never
+    below ``_MIN_BATCH``) and a batch well inside it doubles the next one back, so batches
+    stay short on a busy server, where a fixed size cannot hold a bound on their duration.
+    """
+    taken, current = 0, size
     while limit is None or taken < limit:
         started = time.monotonic()
-        rows = _retrying(lambda: _delete_batch(candidates, order, size, archive_at))
+        rows = _retrying(functools.partial(_delete_batch, candidates, order, current, archive_at))
         if rows == 0:
             return
         taken += 1
-        yield rows, time.monotonic() - started
+        seconds = time.monotonic() - started
+        yield rows, seconds
         # A short batch means the rest is gone, or locked by a concurrent purger that will
         # delete it: either way this run is done.
-        if rows < size:
+        if rows < current:
             return
+        if seconds > _BATCH_BUDGET:
+            current = max(min(size, _MIN_BATCH), current // 2)
+        elif seconds < _BATCH_BUDGET / 4:
+            current = min(size, current * 2)
+
+
+# What one purge batch aims to take, and the smallest batch it shrinks to meanwhile.
+_BATCH_BUDGET = 0.05
+_MIN_BATCH = 100
 
 
 _BATCH_ATTEMPTS = 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 SECRET_KEY = "django-idempotency-tests"
 DEBUG = False
@@ -25,6 +26,7 @@ TEST_DB = os.environ.get("TEST_DB", "sqlite")
 TEST_DB_NAME = os.environ.get("TEST_DB_NAME", f"test_django_idempotency_{os.getpid()}")
 
 POSTGRES_DBS = ("postgres", "pgbouncer", "postgres-pool")
+DATABASES: dict[str, dict[str, Any]]
 
 if TEST_DB in POSTGRES_DBS:
     DATABASES = {
