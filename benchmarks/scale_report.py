@@ -104,10 +104,16 @@ def _purge(purge: dict[str, Any]) -> list[str]:
         f"Dead tuples: {before['dead']:,} before, {after['dead']:,} right after the purge "
         f"(live {after['live']:,}); "
         + (
-            f"autovacuum ran at {last['last_autovacuum']} and left {last['dead']:,}."
+            "autovacuum is **off** on this machine's server, so what it would do was not observed."
+            if not purge["autovacuum"]
+            else f"autovacuum ran at {last['last_autovacuum']} and left {last['dead']:,}."
             if vacuumed
             else f"autovacuum had not run {10 * len(watched)} s later ({last['dead']:,} dead)."
-        ),
+        )
+        + f" A manual `VACUUM` then took {purge['vacuum_seconds']:.1f} s and left "
+        f"{purge['table_after_vacuum']['dead']:,} dead tuples; the table stays "
+        f"{purge['sizes_after_vacuum']['table_mb']:,.0f} MiB (its freed space is reused by "
+        "new records, not returned to the disk).",
         f"Server settings: {settings}.",
     ]
 
