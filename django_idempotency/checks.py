@@ -179,7 +179,10 @@ def _routed_write_alias() -> str | None:
 
     models = [m for m in apps.get_models() if m._meta.app_label != "django_idempotency"]
     own = [m for m in models if not m.__module__.startswith("django.contrib.")]
-    votes = Counter(router.db_for_write(model) for model in own or models)
+    try:
+        votes = Counter(router.db_for_write(model) for model in own or models)
+    except Exception:  # a router that cannot answer without a request: nothing to compare
+        return None
     return votes.most_common(1)[0][0] if votes else None
 
 

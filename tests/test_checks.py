@@ -124,6 +124,16 @@ class WritesToDefault(WritesTo):
     alias = "default"
 
 
+class Unanswering:
+    def db_for_write(self, model, **hints):
+        raise RuntimeError("needs the request")
+
+
+def test_w010_a_router_that_raises_does_not_break_the_check():
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}.Unanswering"]):
+        assert check_settings() == []
+
+
 def test_w010_routers_send_writes_elsewhere():
     with override_settings(DATABASE_ROUTERS=[f"{__name__}.WritesTo"]):
         messages = check_settings()
