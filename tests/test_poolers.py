@@ -29,13 +29,15 @@ def test_pgbouncer_stands_between_django_and_postgres_in_transaction_mode():
     assert server_port != bouncer_port  # the backend listens elsewhere: a proxy is between
     console = ["psql", "-h", "127.0.0.1", "-p", str(bouncer_port), "-U", "postgres"]
     pools = subprocess.run(
-        [*console, "-d", "pgbouncer", "-AtF", "|", "-c", "SHOW POOLS"],
+        [*console, "-d", "pgbouncer", "-AF", "|", "-P", "footer=off", "-c", "SHOW POOLS"],
         capture_output=True,
         text=True,
         timeout=10,
         check=True,
     ).stdout
-    modes = {line.split("|")[0]: line.split("|")[-1] for line in pools.splitlines()}
+    header, *rows = (line.split("|") for line in pools.splitlines())
+    mode = header.index("pool_mode")  # later versions add columns after it
+    modes = {row[0]: row[mode] for row in rows}
     assert modes[connection.settings_dict["NAME"]] == "transaction"
 
 
