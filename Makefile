@@ -43,8 +43,8 @@ help:
 	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
-	@echo "make storm    the example project's retry storm against a throwaway server"
-	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/"
+	@echo "make storm    the example project's retry storm, a webhook redelivery and the outbox relay, against a throwaway server"
+	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/ and its outbox relay"
 	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
 	@echo "make bench-scale  the table at 10k, 1M and 10M records and a purge beside traffic"
 	@echo "make clean    remove .venv, .tox, build output and the example database"
@@ -54,7 +54,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi]" --group dev
+	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja]" --group dev
 	touch $@
 
 install: $(STAMP)
@@ -146,15 +146,19 @@ endif
 	$(BIN)/python manage.py migrate
 	$(BIN)/python manage.py ensure_demo_user --username demo --password demo
 
-# A threaded development server in the background, the storm against it, then the server
-# is stopped whatever the storm's outcome.
+# A threaded development server in the background, the storm against it, then a Stripe
+# webhook delivered twice (the retry answered from the record); the server is stopped
+# whatever the outcome, and the target fails when either step found a problem.
 storm: example-db
 	@$(BIN)/python manage.py runserver --noreload 127.0.0.1:$(STORM_PORT) \
 		> $(VENV)/storm-server.log 2>&1 & \
 	server=$$!; \
 	trap 'kill $$server 2>/dev/null || true' EXIT; \
 	$(BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
-		--user demo --password demo
+		--user demo --password demo; \
+	$(BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT)
+	@echo "==> The storm's receipt, sent from the outbox by the relay:"
+	$(BIN)/python manage.py relay_outbox --once
 
 demo: storm
 	@key=$$($(BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
@@ -164,7 +168,18 @@ demo: storm
 	echo "  curl -i -u demo:demo -H 'Content-Type: application/json' \\"; \
 	echo "       -H 'Idempotency-Key: $$key' \\"; \
 	echo "       -d '{\"amount\": 1000, \"currency\": \"EUR\"}' http://$(DEMO_ADDR)/api/charges/"; \
+	echo; \
+	echo "The same charges through django-ninja: http://$(DEMO_ADDR)/ninja/charges"; \
+	echo "(Swagger UI: http://$(DEMO_ADDR)/ninja/docs; DRF's: http://$(DEMO_ADDR)/api/docs/)."; \
+	echo "Deliver a signed Stripe event twice to /webhooks/stripe/ (the retry is replayed):"; \
+	echo; \
+	echo "  .venv/bin/python -m example_project.demo_webhook --url http://$(DEMO_ADDR)"; \
+	echo; \
+	echo "The outbox relay runs beside the server: each receipt it sends is printed here."; \
 	echo
+	@$(BIN)/python manage.py relay_outbox & \
+	relay=$$!; \
+	trap 'kill $$relay 2>/dev/null || true' EXIT; \
 	$(BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:

@@ -107,6 +107,80 @@ class Worker:
             answer[kind] = first
         return answer
 
+    def writes(self, kind: str, n: int) -> dict[str, Any]:
+        """What ``n`` requests of one kind write: WAL, row updates, HOT updates.
+
+        WAL is read back with ``pg_walinspect`` between two LSNs and kept only where it
+        touches this variant's database (its block references name the database's OID), plus
+        the commit records of those transactions: other databases on the same server (the
+        other variants, test suites) write WAL at the same time. Table counters come from
+        ``pg_stat_user_tables`` of this database, reset before the batch.
+        """
+        from django.db import connection
+
+        keys = self._replay_keys(n) if kind == "replay" else [self._new_key() for _ in range(n)]
+        path = "/noop/" if kind == "noop" else "/charges/"
+        tables = _tables(connection)
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            cursor.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
+            (database_oid,) = cursor.fetchone()
+            for table in tables:
+                cursor.execute("SELECT pg_stat_reset_single_table_counters(%s::regclass)", [table])
+            cursor.execute("SELECT pg_current_wal_insert_lsn()")
+            (start,) = cursor.fetchone()
+        for key in keys:
+            self._post(key, path)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_wal_insert_lsn()")
+            (end,) = cursor.fetchone()
+        # pg_walinspect reads only what is flushed: a transaction of its own (an id, and a
+        # synchronous commit, touching none of the measured tables) flushes up to ``end``.
+        from django.db import transaction
+
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit = on")
+            cursor.execute("SELECT txid_current()")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")
+        time.sleep(0.2)  # the counters reach the shared statistics when the session is idle
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT %s::pg_lsn < %s::pg_lsn", [start, end])
+            (wrote,) = cursor.fetchone()
+            rows = []
+            if wrote:  # no WAL at all in between: pg_walinspect needs a range
+                cursor.execute(
+                    _WAL_SQL, {"start": start, "end": end, "ours": f"%/{database_oid}/%"}
+                )
+                rows = cursor.fetchall()
+            by_relation = {
+                name: {"records": records, "bytes": int(size), "fpi_bytes": int(fpi)}
+                for name, records, size, fpi in rows
+            }
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            counters = {}
+            for table in tables:
+                cursor.execute(
+                    "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del"
+                    " FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                    [table],
+                )
+                ins, upd, hot, dele = cursor.fetchone()
+                counters[table] = {
+                    "inserts": ins,
+                    "updates": upd,
+                    "hot_updates": hot,
+                    "deletes": dele,
+                }
+        total = sum(r["bytes"] for r in by_relation.values())
+        return {
+            "n": n,
+            "wal_bytes_per_request": total / n,
+            "fpi_bytes_per_request": sum(r["fpi_bytes"] for r in by_relation.values()) / n,
+            "wal_by_relation": by_relation,
+            "tables": counters,
+        }
+
     def profile(self, kind: str, n: int, out: str) -> dict[str, Any]:
         keys = self._replay_keys(n) if kind == "replay" else [self._new_key() for _ in range(n)]
         profiler = cProfile.Profile()
@@ -118,6 +192,32 @@ class Worker:
         elapsed = time.perf_counter() - started
         profiler.dump_stats(out)
         return {"seconds": elapsed, "n": n}
+
+
+# The WAL of one database between two LSNs, by relation: records whose block references name
+# the database, and the commit records of the transactions that wrote them.
+_WAL_SQL = """
+WITH r AS (
+    SELECT xid, resource_manager, record_length, fpi_length, block_ref,
+           substring(block_ref from 'rel [0-9]+/[0-9]+/([0-9]+)')::oid AS filenode
+    FROM pg_get_wal_records_info(%(start)s::pg_lsn, %(end)s::pg_lsn)
+),
+ours AS (SELECT DISTINCT xid FROM r WHERE block_ref LIKE %(ours)s AND xid <> '0')
+SELECT CASE WHEN r.block_ref LIKE %(ours)s
+            THEN coalesce(c.relname, 'relfilenode ' || r.filenode::text)
+            ELSE 'commit records' END,
+       count(*), coalesce(sum(r.record_length), 0), coalesce(sum(r.fpi_length), 0)
+FROM r LEFT JOIN pg_class c ON c.relfilenode = r.filenode
+WHERE r.block_ref LIKE %(ours)s
+   OR (r.resource_manager = 'Transaction' AND r.xid IN (SELECT xid FROM ours))
+GROUP BY 1 ORDER BY 3 DESC
+"""
+
+
+def _tables(connection: Any) -> list[str]:
+    names = connection.introspection.table_names()
+    wanted = ("benchsite_charge", "django_idempotency_record", "drf_idempotency_idempotencyrecord")
+    return [name for name in wanted if name in names]
 
 
 def _statements(call: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ minute or two. See ``benchmarks/README.md`` for what each part measures and why.
 
 Parts (``--only`` picks some): ``inprocess`` (Django's test client, A/B/A/B, statements
 per request, cProfile), ``server`` (gunicorn + wrk: throughput and latency, then the
-retry storm), ``purge`` (a million expired records and claims beside the purge).
+retry storm), ``purge`` (a million expired records and claims beside the purge), ``outbox``
+(the relay into Redis: messages/s, and commit-to-consumer latency; ``outbox_bench.py``).
 ``--patched DIR`` adds a variant ``patched``: the mixin with the ``django_idempotency``
 package of another checkout (a patch applied in a scratch copy), measured in the same
 interleaved run as this checkout's.
@@ -74,11 +75,15 @@ class Plan:
     purge_baseline: float
     purge_rate: float
     purge_batch_sizes: tuple[int, ...]
+    writes_batches: int = 5
+    writes_requests: int = 200
 
     @classmethod
     def make(cls, quick: bool, batch_sizes: tuple[int, ...]) -> Plan:
         if quick:
-            return cls(True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes)
+            return cls(
+                True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes, 2, 100
+            )
         return cls(
             False, 15, 100, 1000, 3, 5, 1, 8, 4, 200, 100, 50, 1_000_000, 15, 200, batch_sizes
         )
@@ -277,6 +282,14 @@ def run_inprocess(
                 statuses[name].update(answer["statuses"])
             log(f"in-process: round {r + 1}/{plan.inprocess_rounds} done")
         sql = {variant: worker.ask("sql") for variant, worker in workers.items()}
+        writes: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+        for r in range(plan.writes_batches):
+            for variant in rotated(variants, r):
+                kinds = ["create"] + (["replay"] if variant != "plain" else ["noop"])
+                for kind in kinds:
+                    answer = workers[variant].ask("writes", kind=kind, n=plan.writes_requests)
+                    writes[variant][kind].append(answer)
+            log(f"in-process: writes batch {r + 1}/{plan.writes_batches} done")
         profiles: dict[str, Any] = {}
         chosen = [("plain", "create"), ("ours", "create"), ("ours", "replay")]
         chosen += [("patched", "create"), ("patched", "replay")]
@@ -295,6 +308,7 @@ def run_inprocess(
         "round_medians_ms": dict(round_medians),
         "statuses": {name: dict(counter) for name, counter in statuses.items()},
         "sql": sql,
+        "writes": {variant: dict(kinds) for variant, kinds in writes.items()},
         "profiles": profiles,
     }
 
@@ -376,12 +390,18 @@ def gunicorn(
             time.sleep(0.2)
         yield Server(variant, port, process)
     finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[Any], timeout: float = 15) -> None:
+    """SIGTERM a process group (started with ``start_new_session``), SIGKILL if it lingers."""
+    if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=15)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)
 
 
 def post(port: int, path: str, key: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
@@ -549,6 +569,25 @@ def run_purge(plan: Plan, env: dict[str, str]) -> list[dict[str, Any]]:
     return results
 
 
+# -- outbox ---------------------------------------------------------------------------------
+
+
+def run_outbox(plan: Plan) -> dict[str, Any]:
+    if shutil.which("redis-server") is None:
+        log("outbox: skipped, redis-server is not installed")
+        return {"throughput": [], "latency": [], "skipped": "redis-server is not installed"}
+    log("outbox: relay throughput into Redis, then commit-to-consumer latency")
+    command = [sys.executable, "-m", "benchmarks.outbox_bench"]
+    if plan.quick:
+        command += ["--messages", "2000", "--latency-messages", "50"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    output = subprocess.run(
+        command, cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    data: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
+    return data
+
+
 # -- machine and versions -------------------------------------------------------------------
 
 
@@ -610,11 +649,12 @@ def versions(alt_python: Path | None) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a minute or two")
-    parser.add_argument("--only", default="inprocess,server,purge")
+    parser.add_argument("--only", default="inprocess,server,purge,outbox")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
     )
+    parser.add_argument("--patched-label", help="what the patched variant is called in RESULTS.md")
     parser.add_argument("--purge-batch-sizes", default="1000")
     for name in ("inprocess-rounds", "server-rounds", "storm-rounds", "profile-requests"):
         parser.add_argument(f"--{name}", type=int, help="override the plan's number")
@@ -645,6 +685,7 @@ def main() -> int:
         "plan": asdict(plan),
         "machine": machine(),
         "patched": str(args.patched) if args.patched else None,
+        "patched_label": args.patched_label,
     }
     with redis_server() as redis_url:
         if redis_url is None and "dik" in variants:
@@ -667,6 +708,8 @@ def main() -> int:
         if args.patched:
             patched_env = {**variant_env("patched", args.patched, None), "BENCH_VARIANT": "ours"}
             results["purge"] += [{**p, "variant": "patched"} for p in run_purge(plan, patched_env)]
+    if "outbox" in parts:
+        results["outbox"] = run_outbox(plan)
     results["versions"] = versions(alt_python)
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()

@@ -28,8 +28,14 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import conf, maintenance, stats, store
-from django_idempotency.models import IdempotencyRecord, RecordStatus, expired_q
+from django_idempotency import conf, maintenance, outbox, stats, store
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    RecordStatus,
+    expired_q,
+)
 
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
 # most this much of one, so a large body never makes the page itself huge.
@@ -156,6 +162,33 @@ def _is_json(headers: list[list[str]], text: str) -> bool:
     return True
 
 
+class ReadOnlyAdminMixin:
+    """No add, change or delete: the maintenance actions check model permissions instead.
+
+    Also what both tables need as they grow large: newest first, never counted in full.
+    """
+
+    opts: Any
+    ordering: Any = ("-created_at",)
+    # Counting a million rows on every page view is what makes big changelists slow.
+    show_full_result_count = False
+    # Facet counts run one COUNT per filter choice over the table: never on these.
+    show_facets = admin.ShowFacets.NEVER
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def _has_model_perm(self, request: HttpRequest, action: str) -> bool:
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
+
+
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[IdempotencyRecord]
 else:  # ModelAdmin is generic only in the type stubs
@@ -163,7 +196,7 @@ else:  # ModelAdmin is generic only in the type stubs
 
 
 @admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(_ModelAdmin):
+class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     """View-only admin of :class:`IdempotencyRecord` with maintenance actions."""
 
     list_display = (
@@ -181,14 +214,9 @@ class IdempotencyRecordAdmin(_ModelAdmin):
     # status takes about a second each.
     sortable_by = ("account", "age", "expiry")
     list_filter = ("status", OperationFilter, ExpiredFilter, LeaseFilter)
+    date_hierarchy = "created_at"
     search_fields = ("key", "account")
     search_help_text = _("An exact key or account, e.g. user:42.")
-    date_hierarchy = "created_at"
-    ordering = ("-created_at",)
-    # Counting a million rows on every page view is what makes big changelists slow.
-    show_full_result_count = False
-    # Facet counts run one COUNT per filter choice over the table: never on this one.
-    show_facets = admin.ShowFacets.NEVER
     actions = ("release_stale_claims", "mark_as_failed", "purge_expired_records")
     # Each click purges at most this many batches of PURGE_BATCH_SIZE rows, so the request
     # stays short; the purge command or task handles any backlog.
@@ -223,19 +251,6 @@ class IdempotencyRecordAdmin(_ModelAdmin):
     )
 
     # -- permissions: view, plus the maintenance actions ----------------------------------
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def _has_model_perm(self, request: HttpRequest, action: str) -> bool:
-        opts = self.opts
-        return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
     def has_maintain_permission(self, request: HttpRequest) -> bool:
         """Release and mark failed: the model's ``change`` permission, never used for edits."""
@@ -360,4 +375,87 @@ class IdempotencyRecordAdmin(_ModelAdmin):
             message += " " + str(
                 _("The others were not in progress with a stale lease, and were left alone.")
             )
+        self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)
+
+
+class TaskFilter(admin.SimpleListFilter):
+    """Filter by task. The choices are the tasks of pending and dead messages (what an
+    operator looks for, few and found through the status index), plus the chosen one; any
+    task can be filtered on through the URL."""
+
+    title = _("task")
+    parameter_name = "task"
+    max_choices = 100
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        waiting = OutboxMessage.objects.using(conf.database()).filter(
+            status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD]
+        )
+        names = sorted(set(waiting.values_list("task", flat=True)[: self.max_choices * 10]))
+        names = names[: self.max_choices]
+        current = self.value()
+        if current and current not in names:
+            names.append(current)
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        return queryset.filter(task=self.value()) if self.value() else queryset
+
+
+if TYPE_CHECKING:
+    _OutboxAdmin = admin.ModelAdmin[OutboxMessage]
+else:
+    _OutboxAdmin = admin.ModelAdmin
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
+    """View-only admin of the outbox, with a "requeue" action for dead messages.
+
+    Requeueing needs the model's ``change`` permission, which allows no edit here.
+    """
+
+    list_display = ("id", "task", "status", "attempts", "created_at", "available_at", "sent_at")
+    list_filter = ("status", TaskFilter)
+    search_fields = ("=id", "=task")
+    search_help_text = _("An exact message id or task name.")
+    actions = ("requeue",)
+    readonly_fields = ("args_pretty", "kwargs_pretty")
+    fieldsets = (
+        (None, {"fields": ("id", "task", "status", "args_pretty", "kwargs_pretty")}),
+        (
+            _("Sending"),
+            {"fields": ("attempts", "last_error", "created_at", "available_at", "sent_at")},
+        ),
+    )
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        """Requeue dead messages: the model's ``change`` permission, never used for edits."""
+        return self._has_model_perm(request, "change")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
+        # Messages live on the IDEMPOTENCY database, whatever the project's routers say.
+        return super().get_queryset(request).using(conf.database())
+
+    @admin.display(description=_("args"))
+    def args_pretty(self, message: OutboxMessage) -> SafeString:
+        """The positional arguments, as indented JSON."""
+        return format_html("<pre>{}</pre>", json.dumps(message.args, indent=2))
+
+    @admin.display(description=_("kwargs"))
+    def kwargs_pretty(self, message: OutboxMessage) -> SafeString:
+        """The keyword arguments, as indented JSON."""
+        return format_html("<pre>{}</pre>", json.dumps(message.kwargs, indent=2, sort_keys=True))
+
+    @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
+    def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """Make the selected dead messages pending again: due now, attempts back to 0."""
+        selected = queryset.count()
+        done = outbox.requeue(queryset)
+        message = _("%(done)d of %(selected)d selected messages requeued.") % {
+            "done": done,
+            "selected": selected,
+        }
+        if done < selected:
+            message += " " + str(_("The others were not dead, and were left alone."))
         self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)

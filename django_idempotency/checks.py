@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -142,7 +143,9 @@ def _check_database(alias: str) -> Iterable[CheckMessage]:
                 "commit before the view runs) and run in a transaction of their own that also "
                 "completes the record. The mixin and @idempotent do this for you; a view "
                 "under DRF's @api_view needs @transaction.non_atomic_requests above "
-                "@api_view, or its claim waits for the whole request's transaction."
+                "@api_view, or its claim waits for the whole request's transaction. "
+                "django-ninja operations cannot be taken out of it: a protected ninja "
+                "operation refuses to run under ATOMIC_REQUESTS."
             ),
         )
     # Where the views' writes go unless they say otherwise: 'default' without routers (W002),
@@ -210,5 +213,64 @@ def check_maintenance_settings(**kwargs: Any) -> list[CheckMessage]:
     ):
         messages.append(
             _error(22, "IDEMPOTENCY['PURGE_MAX_BATCHES'] must be a positive integer or None.")
+        )
+    return messages
+
+
+# -- the transactional outbox (ids E030-E039) ----------------------------------------------------
+
+_OUTBOX_DURATIONS = {
+    "OUTBOX_RETENTION": 32,
+    "OUTBOX_BACKOFF": 34,
+    "OUTBOX_BACKOFF_MAX": 35,
+    "OUTBOX_POLL_INTERVAL": 36,
+}
+_OUTBOX_COUNTS = {"OUTBOX_MAX_ATTEMPTS": 31, "OUTBOX_BATCH_SIZE": 33}
+
+
+def _check_outbox_sender() -> Iterable[CheckMessage]:
+    value = conf.get("OUTBOX_SENDER")
+    if callable(value):
+        return
+    if (
+        value == conf.OUTBOX_DEFAULTS["OUTBOX_SENDER"]
+        and importlib.util.find_spec("celery") is None
+    ):
+        # The outbox is optional: without Celery the default sender is simply never used,
+        # and relay_outbox says so if it is run.
+        return
+    try:
+        imported = conf.resolve_callable(value)
+    except (ImportError, TypeError, ValueError) as exc:
+        yield _error(30, f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported: {exc}.")
+        return
+    if not callable(imported):
+        yield _error(30, "IDEMPOTENCY['OUTBOX_SENDER'] is not callable.")
+
+
+@register(Tags.compatibility)
+def check_outbox_settings(**kwargs: Any) -> list[CheckMessage]:
+    """Validate the ``OUTBOX_*`` entries of ``IDEMPOTENCY`` (ids E030-E039)."""
+    raw = getattr(settings, "IDEMPOTENCY", None)
+    if raw is not None and not isinstance(raw, dict):
+        return []  # E001 already says so
+    messages: list[CheckMessage] = list(_check_outbox_sender())
+    for name, n in _OUTBOX_COUNTS.items():
+        value = conf.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            messages.append(_error(n, f"IDEMPOTENCY['{name}'] must be a positive integer."))
+    durations = {}
+    for name, n in _OUTBOX_DURATIONS.items():
+        durations[name] = value = _duration(conf.get(name))
+        if value is None or value <= timedelta(0):
+            messages.append(
+                _error(
+                    n, f"IDEMPOTENCY['{name}'] must be a positive timedelta or number of seconds."
+                )
+            )
+    backoff, longest = durations["OUTBOX_BACKOFF"], durations["OUTBOX_BACKOFF_MAX"]
+    if backoff and longest and backoff > timedelta(0) and longest < backoff:
+        messages.append(
+            _error(35, "IDEMPOTENCY['OUTBOX_BACKOFF_MAX'] must not be shorter than OUTBOX_BACKOFF.")
         )
     return messages

@@ -17,6 +17,18 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
+# -- the transactional outbox (django_idempotency.outbox) -------------------------------------
+# One block, with its accessors at the end of this module.
+OUTBOX_DEFAULTS: dict[str, Any] = {
+    "OUTBOX_SENDER": "django_idempotency.celery_sender.send",
+    "OUTBOX_MAX_ATTEMPTS": 20,
+    "OUTBOX_RETENTION": timedelta(days=7),
+    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_BACKOFF": timedelta(seconds=1),
+    "OUTBOX_BACKOFF_MAX": timedelta(minutes=5),
+    "OUTBOX_POLL_INTERVAL": timedelta(seconds=1),
+}
+
 DEFAULTS: dict[str, Any] = {
     "HEADER": "Idempotency-Key",
     "REQUIRED": True,
@@ -36,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "PURGE_MAX_BATCHES": None,
     "AUDIT": False,
     "AUDIT_RETENTION": timedelta(days=90),
+    **OUTBOX_DEFAULTS,
 }
 
 # Never stored, never replayed, whatever REPLAY_HEADERS says: they describe one hop or one
@@ -166,3 +179,41 @@ def audit() -> bool:
 def audit_retention() -> timedelta:
     """How long an audit record is kept after it was archived."""
     return as_timedelta(get("AUDIT_RETENTION"))
+
+
+# -- the transactional outbox ------------------------------------------------------------------
+
+
+def outbox_sender() -> Callable[..., Any]:
+    """The callable that sends one outbox message (``OUTBOX_SENDER``)."""
+    return resolve_callable(get("OUTBOX_SENDER"))
+
+
+def outbox_max_attempts() -> int:
+    """Failed sends after which a message is ``dead``."""
+    return int(get("OUTBOX_MAX_ATTEMPTS"))
+
+
+def outbox_retention() -> timedelta:
+    """How long a sent message is kept before the purge deletes it."""
+    return as_timedelta(get("OUTBOX_RETENTION"))
+
+
+def outbox_batch_size() -> int:
+    """Messages the relay takes (and locks) per batch."""
+    return int(get("OUTBOX_BATCH_SIZE"))
+
+
+def outbox_backoff() -> timedelta:
+    """The wait after a message's first failed send; it doubles with every further failure."""
+    return as_timedelta(get("OUTBOX_BACKOFF"))
+
+
+def outbox_backoff_max() -> timedelta:
+    """The longest wait between two sends of one message."""
+    return as_timedelta(get("OUTBOX_BACKOFF_MAX"))
+
+
+def outbox_poll_interval() -> timedelta:
+    """How often a waiting relay looks for due messages, with or without a notification."""
+    return as_timedelta(get("OUTBOX_POLL_INTERVAL"))

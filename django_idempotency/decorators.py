@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 from asgiref.sync import async_to_sync, sync_to_async
 from django.http.response import HttpResponseBase
 
-from django_idempotency import engine
+from django_idempotency import engine, sources
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -43,6 +43,7 @@ def idempotent(
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | None = None,
+    key: engine.KeySource | str | None = None,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -57,12 +58,17 @@ def idempotent(
     account: engine.Resolver | str | None = None,
     fingerprint: engine.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | None = None,
+    key: engine.KeySource | str | None = None,
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
     Use it bare (``@idempotent``) or with arguments; every argument left out falls back to
     the ``IDEMPOTENCY`` setting. With DRF, put ``@api_view([...])`` above it, so the claim
     follows DRF's authentication, permission and throttle checks.
+
+    ``key`` says where the key comes from when it is not the ``HEADER`` setting's header: a
+    callable ``request -> str | None``, its dotted path, or a helper of
+    :mod:`django_idempotency.sources` (``sources.json("id")``).
     """
     options = engine.Options(
         operation=operation,
@@ -73,6 +79,7 @@ def idempotent(
         account=account,
         fingerprint=fingerprint,
         methods=tuple(methods) if methods else None,
+        key=sources.key_source(key, "@idempotent(key=...)"),
     )
 
     def decorate(func: ViewFunc) -> ViewFunc:

@@ -5,6 +5,7 @@ This is the only module that imports DRF.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -13,7 +14,7 @@ from django.http.response import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine
+from django_idempotency import conf, engine, sources
 
 _MISSING = object()
 
@@ -68,6 +69,11 @@ class IdempotencyMixin:
     idempotency_recovery: engine.Recovery | None = None
     #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
     idempotency_operation: str | None = None
+    #: Where the key comes from: a callable called with the request alone (a
+    #: :mod:`django_idempotency.sources` helper, or a plain function, which is not bound to
+    #: the view) or its dotted path; ``None``: the ``HEADER`` setting's header. (Typed
+    #: ``Any``: type checkers read a function stored on a class as a method.)
+    idempotency_key: Any = None
 
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""
@@ -79,6 +85,26 @@ class IdempotencyMixin:
         """The request's fingerprint; by default the ``FINGERPRINT`` setting computes it."""
         fingerprint: str = conf.resolve_callable(conf.get("FINGERPRINT"))(request)
         return fingerprint
+
+    def get_idempotency_key(self, request: Request) -> str | None:
+        """The request's key, ``None`` when it has none; by default from ``idempotency_key``,
+        else from the ``HEADER`` setting's header. Raise
+        :class:`~django_idempotency.keys.InvalidKey` for a key that is not usable."""
+        source = self._idempotency_key_source()
+        if source is None:
+            return sources.header(conf.header())(request)
+        key: str | None = conf.resolve_callable(source)(request)
+        return key
+
+    def _idempotency_key_source(self) -> Callable[[Any], str | None] | str | None:
+        # Read past the descriptor protocol: a function stored on the class would otherwise
+        # come back as a method of the view and get the view as its first argument.
+        source = inspect.getattr_static(self, "idempotency_key", None)
+        if isinstance(source, staticmethod):
+            source = source.__func__
+        elif isinstance(source, classmethod):
+            source = self.idempotency_key  # bound to the class, as asked
+        return sources.key_source(source, f"{type(self).__name__}.idempotency_key")
 
     def get_idempotency_operation(self, request: Request) -> str:
         """The operation name used when ``idempotency_operation`` is not set."""
@@ -99,7 +125,14 @@ class IdempotencyMixin:
             if cls.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
             else None
         )
+        # The same for the key: the overridden method, else the attribute, else the header.
+        key = (
+            self.get_idempotency_key
+            if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
+            else self._idempotency_key_source()
+        )
         return engine.Options(
+            key=key,
             operation=self.idempotency_operation,
             required=self.idempotency_required,
             ttl=self.idempotency_ttl,
@@ -116,7 +149,7 @@ class IdempotencyMixin:
         if options.protects(request.method):
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
-        return engine._with_atomic_requests(
+        return engine.with_atomic_requests(
             conf.database(), lambda: dispatch(request, *args, **kwargs)
         )
 

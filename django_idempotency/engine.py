@@ -1,16 +1,16 @@
-"""The framework-neutral engine: claim, execute, complete or release, replay, recover.
+"""The HTTP side of the engine: one protected request, from its key to its answer.
 
-The decorator, the DRF mixin and the Celery task decorator all call :func:`handle`. Each
-adapter only says how to call the view and what the operation is called.
+The decorator, the DRF mixin and the ninja decorator all call :func:`handle`; each adapter
+only says how to call the view and what the operation is called. The claim, the fenced
+execution and the recovery rule are the framework-neutral ones of :mod:`.core`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -18,22 +18,46 @@ from django.db import DatabaseError, connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
-from django.utils.crypto import salted_hmac
 
-from django_idempotency import conf, problems, signals, store
+from django_idempotency import conf, core, problems, signals, store
+from django_idempotency.core import (
+    FAIL,
+    RETRY,
+    IdempotencyContext,
+    recovery_name,
+    resolve_recovery,
+    storable_name,
+)
 from django_idempotency.fingerprint import django_request, fingerprint_version
-from django_idempotency.keys import InvalidKey, header_meta_name, parse_key
+from django_idempotency.keys import InvalidKey, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.states import FAILED, IN_PROGRESS
 
 logger = logging.getLogger("django_idempotency")
 
 REPLAYED_HEADER = "Idempotent-Replayed"
-RETRY = "retry"
-FAIL = "fail"
 
 Recovery = str | Callable[[IdempotencyRecord], HttpResponseBase | None]
 Resolver = Callable[[Any], str | None]
 Fingerprint = Callable[[Any], str]
+KeySource = Callable[[Any], str | None]
+
+__all__ = [
+    "FAIL",
+    "REPLAYED_HEADER",
+    "RETRY",
+    "IdempotencyContext",
+    "Options",
+    "context_of",
+    "handle",
+    "is_storable",
+    "outcome_of",
+    "recovery_name",
+    "replay_response",
+    "resolve_recovery",
+    "route_operation",
+    "storable_name",
+]
 
 
 @dataclass(frozen=True)
@@ -48,54 +72,14 @@ class Options:
     account: Resolver | str | None = None
     fingerprint: Fingerprint | str | None = None
     methods: tuple[str, ...] | None = None
+    #: Where the key comes from: a callable ``request -> str | None`` (or its dotted path);
+    #: ``None``: the ``HEADER`` setting's header.
+    key: KeySource | str | None = None
 
     def protects(self, method: str | None) -> bool:
+        """Whether requests with ``method`` need (or may carry) a key."""
         allowed = frozenset(m.upper() for m in self.methods) if self.methods else conf.methods()
         return (method or "").upper() in allowed
-
-
-@dataclass
-class IdempotencyContext:
-    """``request.idempotency``: who and what this key belongs to, and whether it was replayed."""
-
-    key: str
-    operation: str
-    account: str
-    replayed: bool = False
-    record_id: int | None = field(default=None, repr=False)
-
-    def downstream_key(self, name: str) -> str:
-        """A key for a provider call, the same on every retry, takeover and recovery run.
-
-        A keyed hash (HMAC-SHA256 with ``SECRET_KEY``) of ``(account, operation, key, name)``:
-        the client's raw key never reaches the provider, and two accounts never share one.
-        """
-        message = "\x1f".join((self.account, self.operation, self.key, name))
-        return salted_hmac("django_idempotency.downstream", message, algorithm="sha256").hexdigest()
-
-
-class _Discard(Exception):
-    """Leaves the view's transaction with a rollback, carrying the response out."""
-
-    def __init__(self, response: HttpResponseBase, keep: bool) -> None:
-        self.response = response
-        self.keep = keep
-
-
-class _LeaseLost(Exception):
-    """The fenced completion matched no row: another attempt owns the record now."""
-
-
-_MAX_NAME = 255
-
-
-def storable_name(name: str) -> str:
-    """An account or operation as stored: itself, or ``sha256:<hex>`` when it is longer than
-    the column or holds characters a database cannot store (NUL). Deterministic, so every
-    retry maps to the same record."""
-    if len(name) <= _MAX_NAME and "\x00" not in name:
-        return name
-    return "sha256:" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def context_of(request: Any) -> IdempotencyContext | None:
@@ -107,36 +91,36 @@ def context_of(request: Any) -> IdempotencyContext | None:
     return context if isinstance(context, IdempotencyContext) else None
 
 
-def recovery_name(recovery: Recovery) -> str:
-    """How a recovery policy is stored on the record, so the recovery job can apply it."""
-    if isinstance(recovery, str):
-        return recovery
-    return f"{recovery.__module__}.{recovery.__qualname__}"
+def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+    """Run an unprotected request in the transaction ``ATOMIC_REQUESTS`` asked for.
 
-
-def resolve_recovery(recovery: Recovery) -> Recovery:
-    """``"retry"``, ``"fail"``, or the callable a dotted path names."""
-    if isinstance(recovery, str) and recovery not in (RETRY, FAIL):
-        resolved: Recovery = conf.resolve_callable(recovery)
-        return resolved
-    return recovery
-
-
-def _problem(problem: problems.Problem, detail: str, **extra: Any) -> HttpResponse:
-    return problem.response(detail, **extra)
-
-
-def _in_flight_detail(context: IdempotencyContext) -> str:
-    return f"A request with key {context.key!r} for {context.operation} is still in progress."
-
-
-def _with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
-    # Protected views are exempted from ATOMIC_REQUESTS so that the claim commits on its own;
-    # requests that turn out not to be protected get the transaction the project asked for.
+    Protected views are exempted from ``ATOMIC_REQUESTS`` so that the claim commits on its
+    own; requests that turn out not to be protected get the project's transaction back.
+    """
     if connections[alias].settings_dict.get("ATOMIC_REQUESTS"):
         with transaction.atomic(using=alias):
             return call()
     return call()
+
+
+def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpResponse | None:
+    """The request's key; ``None`` when it carries none; a problem answer when it is bad."""
+    if options.key is None:
+        header = conf.header()
+        # request.headers, not META: test clients that build META themselves (ninja's) need
+        # not spell the WSGI name of the header.
+        raw = inner.headers.get(header)
+        if raw is None:
+            return None
+        try:
+            return parse_key(raw)
+        except InvalidKey as exc:
+            return problems.KEY_INVALID.response(f"The {header} header is invalid: {exc}.")
+    try:
+        value = conf.resolve_callable(options.key)(request)
+        return None if value is None else validate_key(value)
+    except InvalidKey as exc:
+        return problems.KEY_INVALID.response(f"The request's idempotency key is invalid: {exc}.")
 
 
 def handle(
@@ -154,25 +138,23 @@ def handle(
     inner = django_request(request)
     inner.idempotency = None  # type: ignore[attr-defined]
     if not options.protects(inner.method):
-        return _with_atomic_requests(alias, call_view)
-    header = conf.header()
-    raw = inner.META.get(header_meta_name(header))
-    if raw is None:
-        required = conf.required() if options.required is None else options.required
-        if required:
-            return _problem(
-                problems.KEY_MISSING, f"{inner.method} requests need the {header} header."
+        return with_atomic_requests(alias, call_view)
+    key = _key_of(request, inner, options)
+    if isinstance(key, HttpResponse):
+        return key
+    if key is None:
+        if conf.required() if options.required is None else options.required:
+            where = (
+                conf.header()
+                if options.key is None
+                else getattr(options.key, "description", "idempotency key")
             )
-        return _with_atomic_requests(alias, call_view)
-    try:
-        key = parse_key(raw)
-    except InvalidKey as exc:
-        return _problem(problems.KEY_INVALID, f"The {header} header is invalid: {exc}.")
+            return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
+        return with_atomic_requests(alias, call_view)
     account = conf.resolve_callable(options.account or conf.get("ACCOUNT_RESOLVER"))(request)
     if not account:
-        return _problem(
-            problems.ACCOUNT_MISSING,
-            "This request carries an idempotency key but no authenticated caller to scope it to.",
+        return problems.ACCOUNT_MISSING.response(
+            "This request carries an idempotency key but no authenticated caller to scope it to."
         )
     context = IdempotencyContext(
         key=key,
@@ -180,293 +162,240 @@ def handle(
         account=storable_name(str(account)),
     )
     inner.idempotency = context  # type: ignore[attr-defined]
-    return _Attempt(request, inner, context, options, alias).run(call_view)
+    return _Protected.of(request, context, options, alias).answer(call_view)
 
 
-class _Attempt:
-    """One protected request, from the claim to its answer."""
+@dataclass(frozen=True)
+class _Protected:
+    """One protected request: what it claims, and its answer for each state of the record."""
 
-    def __init__(
-        self,
-        request: Any,
-        inner: HttpRequest,
-        context: IdempotencyContext,
-        options: Options,
-        alias: str,
-    ) -> None:
-        self.request = request
-        self.inner = inner
-        self.context = context
-        self.options = options
-        self.alias = alias
+    request: Any
+    context: IdempotencyContext
+    operation: core.Operation
+    recovery: Recovery
+
+    @classmethod
+    def of(
+        cls, request: Any, context: IdempotencyContext, options: Options, alias: str
+    ) -> _Protected:
         fingerprint = conf.resolve_callable(options.fingerprint or conf.get("FINGERPRINT"))
-        self.request_hash = fingerprint(request)
-        self.version = fingerprint_version(fingerprint)
-        self.recovery = options.recovery or conf.get("RECOVERY")
-        self.ttl = conf.as_timedelta(options.ttl) if options.ttl is not None else conf.ttl()
-        self.lease = conf.as_timedelta(options.lease) if options.lease is not None else conf.lease()
-
-    # -- signals -----------------------------------------------------------------------
-
-    def _send(self, signal: Any, **extra: Any) -> None:
-        signal.send(
-            sender=IdempotencyRecord,
-            request=self.request,
-            account=self.context.account,
-            operation=self.context.operation,
-            key=self.context.key,
-            **extra,
+        recovery = options.recovery or conf.get("RECOVERY")
+        operation = core.Operation(
+            alias=alias,
+            account=context.account,
+            operation=context.operation,
+            key=context.key,
+            request_hash=fingerprint(request),
+            fingerprint_version=fingerprint_version(fingerprint),
+            recovery_policy=recovery_name(recovery),
+            ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else conf.ttl(),
+            lease=conf.as_timedelta(options.lease) if options.lease is not None else conf.lease(),
         )
+        return cls(request, context, operation, recovery)
 
-    # -- the claim ---------------------------------------------------------------------
-
-    def _claim(self) -> store.ClaimResult:
-        return store.claim(
-            self.alias,
-            store.ClaimRequest(
+    def send(self, signal: Any, **extra: Any) -> None:
+        # Building the arguments costs more than a signal nobody listens to.
+        if signal.has_listeners(IdempotencyRecord):
+            signal.send(
+                sender=IdempotencyRecord,
+                request=self.request,
                 account=self.context.account,
                 operation=self.context.operation,
                 key=self.context.key,
-                request_hash=self.request_hash,
-                fingerprint_version=self.version,
-                recovery_policy=recovery_name(self.recovery),
-                now=timezone.now(),
-                lease=self.lease,
-                ttl=self.ttl,
-            ),
-        )
+                **extra,
+            )
 
-    def run(
+    def answer(
         self, call_view: Callable[[], HttpResponseBase], allow_wait: bool = True
     ) -> HttpResponseBase:
         """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
-            result = self._claim()
+            result = self.operation.claim()
         except DatabaseError:
             logger.exception("idempotency store unavailable during the claim")
-            return _problem(
-                problems.STORE_UNAVAILABLE,
+            return problems.STORE_UNAVAILABLE.response(
                 "The request was not run because its idempotency key could not be recorded.",
                 retry_after=conf.retry_after(),
             )
         if result.claimed:
-            return self._owned(result, call_view)
-        return self._existing(result.state, call_view, allow_wait=allow_wait)
+            return _Owner(self, result).run(call_view)
+        return self.existing(result.state, call_view, allow_wait)
 
-    def _existing(
-        self,
-        state: store.RecordState,
-        call_view: Callable[[], HttpResponseBase],
-        allow_wait: bool,
+    def existing(
+        self, state: store.RecordState, call_view: Callable[[], HttpResponseBase], allow_wait: bool
     ) -> HttpResponseBase:
-        if state.fingerprint_version == self.version and state.request_hash != self.request_hash:
+        """The answer when another attempt's record is in the way."""
+        if (
+            state.fingerprint_version == self.operation.fingerprint_version
+            and state.request_hash != self.operation.request_hash
+        ):
             logger.debug("payload mismatch on record %s (%s)", state.id, self.context.operation)
-            self._send(signals.payload_mismatched)
-            return _problem(
-                problems.KEY_REUSED,
+            self.send(signals.payload_mismatched)
+            return problems.KEY_REUSED.response(
                 f"Key {self.context.key!r} was first used with a different request; "
-                "use a new key for a new operation.",
+                "use a new key for a new operation."
             )
-        if state.status != store.IN_PROGRESS:
-            return self._replay(state)
+        if state.status != IN_PROGRESS:
+            return self.replay(state)
         if allow_wait and conf.in_progress_wait() > timedelta(0):
-            waited = self._wait_for(state)
+            waited = self.wait_for(state)
             if waited is not None:
                 return waited
             # The record moved on: go through the claim once more, without waiting again.
-            return self.run(call_view, allow_wait=False)
-        self._send(signals.request_conflicted)
-        return _problem(
-            problems.KEY_IN_USE,
-            _in_flight_detail(self.context),
+            return self.answer(call_view, allow_wait=False)
+        return self.conflict()
+
+    def conflict(self) -> HttpResponse:
+        self.send(signals.request_conflicted)
+        return problems.KEY_IN_USE.response(
+            f"A request with key {self.context.key!r} for {self.context.operation} is still "
+            "in progress.",
             retry_after=conf.retry_after(),
         )
 
-    def _wait_for(self, state: store.RecordState) -> HttpResponseBase | None:
-        # Polls with short autocommit reads: no lock is held while waiting, and never longer
-        # than IN_PROGRESS_WAIT. ``None``: the record is gone or its lease went stale.
+    def wait_for(self, state: store.RecordState) -> HttpResponseBase | None:
+        """Poll, with short autocommit reads, until the original finishes; never longer than
+        ``IN_PROGRESS_WAIT``, and no lock is held meanwhile. ``None``: the record is gone or
+        its lease went stale."""
         deadline = time.monotonic() + conf.in_progress_wait().total_seconds()
         pause = 0.02
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+        while (remaining := deadline - time.monotonic()) > 0:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.25)
-            current = store.fetch(
-                self.alias, self.context.account, self.context.operation, self.context.key
-            )
+            current = self.operation.fetch()
             if current is None or current.id != state.id:
                 return None
-            if current.status != store.IN_PROGRESS:
-                return self._replay(current)
+            if current.status != IN_PROGRESS:
+                return self.replay(current)
             if current.lease_expires_at and current.lease_expires_at <= timezone.now():
                 return None
-        self._send(signals.request_conflicted)
-        return _problem(
-            problems.KEY_IN_USE, _in_flight_detail(self.context), retry_after=conf.retry_after()
-        )
+        return self.conflict()
 
-    # -- the owner's path --------------------------------------------------------------
-
-    def _owned(
-        self, result: store.ClaimResult, call_view: Callable[[], HttpResponseBase]
-    ) -> HttpResponseBase:
-        state = result.state
-        assert state.lease_token is not None
+    def replay(self, state: store.RecordState) -> HttpResponse:
+        logger.debug("replaying record %s (%s)", state.id, self.context.operation)
+        self.context.replayed = True
         self.context.record_id = state.id
-        takeover = result.took_over_stale_lease
-        self._send(signals.record_claimed, takeover=takeover)
-        logger.debug("claimed record %s (%s)", state.id, self.context.operation)
-        if takeover:
-            logger.info(
-                "took over the stale lease of record %s (%s, attempt %d)",
-                state.id,
-                self.context.operation,
-                state.recovery_attempts,
-            )
-            recovered = self._recover(state)
-            if recovered is not None:
-                return recovered
-        return self._execute(state.id, state.lease_token, call_view)
+        self.send(signals.response_replayed, status=state.response_status)
+        return replay_response(state)
 
-    def _recover(self, state: store.RecordState) -> HttpResponseBase | None:
-        policy = resolve_recovery(self.recovery)
-        assert state.lease_token is not None
-        name = recovery_name(self.recovery)
-        if policy == RETRY:
-            self._recovered(name, "retried")
-            return None
-        if policy == FAIL:
-            response = outcome_unknown_response(self.context.key, self.context.operation)
-            if not self._finish(state.id, state.lease_token, response, store.FAILED):
-                return self._lease_lost()
-            self._recovered(name, "failed")
-            return self._mark_replayed(response)
-        assert callable(policy)
-        record = IdempotencyRecord.objects.using(self.alias).get(pk=state.id)
-        answer = policy(record)
-        if answer is None:
-            self._recovered(name, "retried")
-            return None
-        answer = _rendered(answer)
-        if not is_storable(answer):
-            # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:
-            # the client gets it, the claim is released, and the next retry asks again.
-            self._release(state.id, state.lease_token)
-            self._recovered(name, "released")
-            return answer
-        if not self._finish(state.id, state.lease_token, answer, store.COMPLETED):
-            return self._lease_lost()
-        self._recovered(name, "completed")
-        return answer
-
-    def _recovered(self, policy: str, outcome: str) -> None:
-        logger.info(
-            "recovery policy %s on record %s (%s): %s",
-            policy,
-            self.context.record_id,
-            self.context.operation,
-            outcome,
-        )
-        signals.lease_recovered.send(
-            sender=IdempotencyRecord,
-            account=self.context.account,
-            operation=self.context.operation,
-            key=self.context.key,
-            policy=policy,
-            outcome=outcome,
-        )
-
-    def _execute(
-        self, record_id: int, token: Any, call_view: Callable[[], HttpResponseBase]
-    ) -> HttpResponseBase:
-        try:
-            with transaction.atomic(using=self.alias):
-                response = _rendered(call_view())
-                storable = is_storable(response)
-                if storable and not transaction.get_rollback(using=self.alias):
-                    if not self._finish(record_id, token, response, store.COMPLETED):
-                        raise _LeaseLost
-                    return response
-                # A 5xx, a transient status, a response too big to keep, or a view that
-                # marked its own transaction for rollback: its database work is undone.
-                raise _Discard(response, keep=storable)
-        except _LeaseLost:
-            return self._lease_lost()
-        except _Discard as discard:
-            return self._after_rollback(record_id, token, discard)
-        except BaseException:
-            self._release(record_id, token)
-            raise
-
-    def _after_rollback(self, record_id: int, token: Any, discard: _Discard) -> HttpResponseBase:
-        response = discard.response
-        if discard.keep:
-            # The view rolled its own writes back (DRF does this for handled exceptions under
-            # ATOMIC_REQUESTS): its answer is still the deterministic outcome of this request.
-            if not self._finish(record_id, token, response, store.COMPLETED):
-                return self._lease_lost()
-            return response
-        self._release(record_id, token)
-        if response.status_code < 500 and response.status_code not in conf.transient_statuses():
-            return _problem(
-                problems.RESPONSE_NOT_STORABLE,
-                "The response could not be kept for replay (streamed, or larger than "
-                "MAX_RESPONSE_BYTES), so the request was rolled back.",
-            )
-        return response
-
-    def _finish(self, record_id: int, token: Any, response: HttpResponseBase, status: str) -> bool:
-        assert isinstance(response, HttpResponse)
-        return store.finish(
-            self.alias,
-            record_id,
-            token,
-            status=status,
-            response_status=response.status_code,
-            response_headers=stored_headers(response),
-            response_body=response.content,
-            now=timezone.now(),
-        )
-
-    def _release(self, record_id: int, token: Any) -> None:
-        try:
-            store.release(self.alias, record_id, token)
-        except DatabaseError:
-            # The lease runs out on its own; the recovery policy takes it from there.
-            logger.exception("could not release an idempotency claim; its lease will expire")
-
-    def _lease_lost(self) -> HttpResponse:
-        self._send(signals.lease_lost)
+    def lease_lost(self) -> HttpResponse:
+        self.send(signals.lease_lost)
         logger.warning(
             "lease lost on record %s (%s); the attempt was rolled back",
             self.context.record_id,
             self.context.operation,
         )
-        return _problem(
-            problems.LEASE_LOST,
+        return problems.LEASE_LOST.response(
             "This attempt took longer than its lease and a newer attempt took over; "
             "its work was rolled back.",
             retry_after=conf.retry_after(),
         )
 
-    # -- replay ------------------------------------------------------------------------
 
-    def _replay(self, state: store.RecordState) -> HttpResponse:
-        logger.debug("replaying record %s (%s)", state.id, self.context.operation)
-        self.context.replayed = True
-        self.context.record_id = state.id
-        self._send(signals.response_replayed, status=state.response_status)
-        return replay_response(state)
+class _Owner:
+    """The attempt that holds the lease: recovers a stale predecessor, runs the view fenced."""
 
-    @staticmethod
-    def _mark_replayed(response: HttpResponse) -> HttpResponse:
-        response[REPLAYED_HEADER] = "true"
+    def __init__(self, protected: _Protected, result: store.ClaimResult) -> None:
+        self.protected = protected
+        self.state = result.state
+        self.takeover = result.took_over_stale_lease
+        assert self.state.lease_token is not None
+        self.token = self.state.lease_token
+        self.alias = protected.operation.alias
+        protected.context.record_id = self.state.id
+
+    def run(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+        context = self.protected.context
+        self.protected.send(signals.record_claimed, takeover=self.takeover)
+        logger.debug("claimed record %s (%s)", self.state.id, context.operation)
+        if self.takeover:
+            logger.info(
+                "took over the stale lease of record %s (%s, attempt %d)",
+                self.state.id,
+                context.operation,
+                self.state.recovery_attempts,
+            )
+            recovered = self.recover()
+            if recovered is not None:
+                return recovered
+        return self.execute(call_view)
+
+    def recover(self) -> HttpResponseBase | None:
+        """The recovery policy's answer, or ``None`` to run the view."""
+        policy = self.protected.recovery
+        name = recovery_name(policy)
+        context = self.protected.context
+        try:
+            recovered = core.recover(
+                resolve_recovery(policy),
+                load_record=lambda: (
+                    IdempotencyRecord.objects.using(self.alias)
+                    .filter(pk=self.state.id, lease_token=self.token)
+                    .first()
+                ),
+                fail_outcome=lambda: core.failure_outcome(context.key, context.operation),
+                as_outcome=outcome_of,
+                close=lambda outcome: core.finish(self.alias, self.state.id, self.token, outcome),
+            )
+        except Exception:
+            # The policy could not decide: the lease is given back, so the next retry asks
+            # again at once rather than after a whole new lease.
+            core.give_back(self.alias, self.state.id, self.token)
+            raise
+        if recovered.lease_lost:
+            return self.protected.lease_lost()
+        if recovered.run:
+            _recovered(context, name, "retried")
+            return None
+        if recovered.undecided:
+            # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:
+            # the client gets it, the claim is released, and the next retry runs afresh.
+            core.release_quietly(self.alias, self.state.id, self.token)
+            _recovered(context, name, "released")
+            undecided: HttpResponseBase = recovered.answer
+            return undecided
+        assert recovered.outcome is not None
+        if recovered.outcome.status == FAILED:
+            _recovered(context, name, "failed")
+            response = _response(recovered.outcome)
+            response[REPLAYED_HEADER] = "true"
+            return response
+        _recovered(context, name, "completed")
+        answer: HttpResponseBase = recovered.answer
+        return rendered(answer)
+
+    def execute(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+        """The view, its rendering and the completion, in one transaction."""
+        try:
+            with core.running(self.protected.context):
+                fenced = core.run_fenced(
+                    self.alias,
+                    self.state.id,
+                    self.token,
+                    lambda: rendered(call_view()),
+                    outcome_of,
+                )
+        except core.LeaseLost:
+            return self.protected.lease_lost()
+        response: HttpResponseBase = fenced.result
+        if fenced.stored:
+            return response
+        if response.status_code < 500 and response.status_code not in conf.transient_statuses():
+            return problems.RESPONSE_NOT_STORABLE.response(
+                "The response could not be kept for replay (streamed, or larger than "
+                "MAX_RESPONSE_BYTES), so the request was rolled back."
+            )
         return response
 
 
-def _rendered(response: HttpResponseBase) -> HttpResponseBase:
+def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:
+    core.announce_recovery(
+        context.account, context.operation, context.key, policy, outcome, context.record_id
+    )
+
+
+def rendered(response: HttpResponseBase) -> HttpResponseBase:
+    """The response, rendered if it is a template or DRF response not rendered yet."""
     render = getattr(response, "render", None)
     if callable(render) and not getattr(response, "is_rendered", True):
         render()
@@ -489,24 +418,36 @@ def stored_headers(response: HttpResponseBase) -> list[list[str]]:
     return [[name, response[name]] for name in conf.replay_headers() if name in response]
 
 
-def replay_response(state: store.RecordState) -> HttpResponse:
-    """The stored outcome as a response: same status, same body bytes, same stored headers."""
-    assert state.response_status is not None
-    response = HttpResponse(state.response_body or b"", status=state.response_status)
+def _outcome(response: HttpResponse, status: str) -> core.Outcome:
+    return core.Outcome(response.status_code, stored_headers(response), response.content, status)
+
+
+def outcome_of(response: Any) -> core.Outcome | None:
+    """What is stored for a response, or ``None`` when it cannot be kept and replayed."""
+    if not isinstance(response, HttpResponseBase):
+        return None
+    response = rendered(response)
+    if not isinstance(response, HttpResponse) or not is_storable(response):
+        return None
+    return _outcome(response, core.COMPLETED)
+
+
+def _response(outcome: core.Outcome) -> HttpResponse:
+    response = HttpResponse(outcome.body, status=outcome.response_status)
     del response["Content-Type"]
-    for name, value in state.response_headers:
+    for name, value in outcome.headers:
         response[name] = value
-    response[REPLAYED_HEADER] = "true"
     return response
 
 
-def outcome_unknown_response(key: str, operation: str) -> HttpResponse:
-    """The stored answer of a record that the ``"fail"`` recovery policy closed."""
-    return _problem(
-        problems.OUTCOME_UNKNOWN,
-        f"The request with key {key!r} for {operation} stopped before it finished; whether it "
-        "took effect is unknown and needs reconciliation. It will not be run again.",
+def replay_response(state: store.RecordState) -> HttpResponse:
+    """The stored outcome as a response: same status, same body bytes, same stored headers."""
+    assert state.response_status is not None
+    response = _response(
+        core.Outcome(state.response_status, state.response_headers, state.response_body or b"")
     )
+    response[REPLAYED_HEADER] = "true"
+    return response
 
 
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:

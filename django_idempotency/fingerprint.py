@@ -21,12 +21,36 @@ from django.http.request import RawPostDataException
 
 DEFAULT_VERSION = "v1"
 
+# Where the parsed JSON body is kept on the request, so that a key source and the
+# fingerprint parse it once between them.
+_JSON_BODY = "_idempotency_json_body"
+
+
+class NotJSON(ValueError):
+    """The request's body is not a JSON document."""
+
 
 def django_request(request: Any) -> HttpRequest:
     """The Django ``HttpRequest`` behind a DRF ``Request`` (or the request itself)."""
     inner = getattr(request, "_request", request)
     assert isinstance(inner, HttpRequest)
     return inner
+
+
+def json_body(request: HttpRequest) -> Any:
+    """The request's body parsed as JSON, parsed once per request; :class:`NotJSON` when it
+    is not JSON (whatever its ``Content-Type`` says)."""
+    cached = request.__dict__.get(_JSON_BODY)
+    if cached is None:
+        try:
+            cached = (True, json.loads(request.body))
+        except (ValueError, RecursionError) as exc:
+            cached = (False, str(exc))
+        request.__dict__[_JSON_BODY] = cached
+    parsed, value = cached
+    if not parsed:
+        raise NotJSON(value)
+    return value
 
 
 def _sorted_pairs(data: QueryDict) -> list[list[str]]:
@@ -68,8 +92,8 @@ def _canonical_body(request: HttpRequest) -> Any:
             pass  # a charset that names no text encoding (rot13, hex): compare the raw bytes
     if content_type == "application/json" or content_type.endswith("+json"):
         try:
-            return {"json": json.loads(body)}
-        except (ValueError, RecursionError):
+            return {"json": json_body(request)}
+        except NotJSON:
             pass  # the view answers this one; compare the raw bytes
     return {"raw": hashlib.sha256(body).hexdigest(), "type": content_type}
 

@@ -1,4 +1,4 @@
-"""Reading the ``Idempotency-Key`` header."""
+"""Reading and validating idempotency keys: the ``Idempotency-Key`` header and key sources."""
 
 from __future__ import annotations
 
@@ -45,6 +45,14 @@ def parse_key(raw: str) -> str:
     elif "," in value:
         # Servers and proxies join repeated header lines with ","; "k,k" is not a new key.
         raise InvalidKey("a bare key may not contain ','; send the header once")
+    return validate_key(value)
+
+
+def validate_key(value: object) -> str:
+    """``value`` if it is a usable key: a string of 1 to 255 printable ASCII characters
+    without space (0x21-0x7E); else :class:`InvalidKey` says why."""
+    if not isinstance(value, str):
+        raise InvalidKey(f"a key must be a string, not {type(value).__name__}")
     if not value:
         raise InvalidKey("the key is empty")
     if len(value) > MAX_KEY_LENGTH:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_idempotency import conf, signals, stats
+from django_idempotency import conf, outbox, signals, stats
 
 logger = logging.getLogger("django_idempotency")
 
@@ -59,13 +59,20 @@ lease_losses = Counter(
 )
 purged = Counter(
     "django_idempotency_purged_records",
-    "Records deleted by the purge, from the records table (table=records) or the audit trail.",
+    "Records deleted by the purge: table=records, audit (the audit trail) or outbox (sent).",
     ["table"],
 )
 
 
-def oldest_in_progress_seconds() -> float:
-    """The gauge's value: one indexed query per scrape; NaN when the database cannot answer.
+outbox_relayed = Counter(
+    "django_idempotency_outbox_messages",
+    "Outbox messages handled by the relay: outcome=sent, failed (retried later) or dead.",
+    ["outcome"],
+)
+
+
+def _read_database(read: Callable[[], float | None], what: str) -> float:
+    """One figure read on scrape; NaN when the database cannot answer, 0 for ``None``.
 
     A scrape usually runs in a thread of the metrics server, outside any request, where
     nothing would close a connection this query opens: it is closed again here.
@@ -73,37 +80,83 @@ def oldest_in_progress_seconds() -> float:
     connection = connections[conf.database()]
     opened_here = connection.connection is None
     try:
-        age = stats.oldest_in_progress_seconds()
+        value = read()
     except DatabaseError:
-        logger.warning("could not read the oldest in-progress idempotency record", exc_info=True)
+        logger.warning("could not read %s", what, exc_info=True)
         return math.nan
     finally:
         if opened_here and not connection.in_atomic_block:
             connection.close()
-    return age or 0.0
+    return float(value or 0.0)
 
 
-class OldestInProgressCollector(Collector):
-    """``django_idempotency_oldest_in_progress_seconds``, read from the database on scrape.
+def oldest_in_progress_seconds() -> float:
+    """The in-progress gauge's value: one indexed query per scrape."""
+    return _read_database(
+        lambda: stats.oldest_in_progress_seconds(), "the oldest in-progress idempotency record"
+    )
+
+
+class DatabaseGauge(Collector):
+    """A gauge read from the database on scrape (``name``, ``documentation``, ``read``).
 
     A collector rather than a process-local gauge, so that it reports the database's state
     whichever process is scraped; in ``prometheus_client``'s multiprocess mode, register it
     in the registry that serves ``/metrics`` next to the ``MultiProcessCollector``.
     """
 
-    name = "django_idempotency_oldest_in_progress_seconds"
-    documentation = "Age of the oldest in-progress record (0 when none), read on scrape."
+    name = ""
+    documentation = ""
+
+    def read(self) -> float:
+        raise NotImplementedError
 
     def describe(self) -> Iterable[Metric]:
         # Registration asks for the names: answering here keeps it from running the query.
         return [GaugeMetricFamily(self.name, self.documentation)]
 
     def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily(self.name, self.documentation, value=oldest_in_progress_seconds())
+        yield GaugeMetricFamily(self.name, self.documentation, value=self.read())
+
+
+class OldestInProgressCollector(DatabaseGauge):
+    """``django_idempotency_oldest_in_progress_seconds``, read from the database on scrape."""
+
+    name = "django_idempotency_oldest_in_progress_seconds"
+    documentation = "Age of the oldest in-progress record (0 when none), read on scrape."
+
+    def read(self) -> float:
+        return oldest_in_progress_seconds()
+
+
+class OutboxPendingCollector(DatabaseGauge):
+    """``django_idempotency_outbox_pending``: messages waiting to be sent."""
+
+    name = "django_idempotency_outbox_pending"
+    documentation = "Outbox messages pending (due or backing off), read on scrape."
+
+    def read(self) -> float:
+        return _read_database(lambda: outbox.pending_count(), "the pending outbox messages")
+
+
+class OutboxOldestPendingCollector(DatabaseGauge):
+    """``django_idempotency_outbox_oldest_pending_seconds``: how late the relay is."""
+
+    name = "django_idempotency_outbox_oldest_pending_seconds"
+    documentation = "Age of the oldest pending outbox message (0 when none), read on scrape."
+
+    def read(self) -> float:
+        return _read_database(
+            lambda: outbox.oldest_pending_seconds(), "the oldest pending outbox message"
+        )
 
 
 oldest_in_progress = OldestInProgressCollector()
 REGISTRY.register(oldest_in_progress)
+outbox_pending = OutboxPendingCollector()
+REGISTRY.register(outbox_pending)
+outbox_oldest_pending = OutboxOldestPendingCollector()
+REGISTRY.register(outbox_oldest_pending)
 
 
 def _operation(kwargs: dict[str, Any]) -> str:
@@ -144,3 +197,10 @@ def _lease_lost(**kwargs: Any) -> None:
 def _purged(**kwargs: Any) -> None:
     purged.labels("records").inc(int(kwargs.get("count") or 0))
     purged.labels("audit").inc(int(kwargs.get("audit") or 0))
+    purged.labels("outbox").inc(int(kwargs.get("outbox") or 0))
+
+
+@receiver(signals.outbox_relayed, dispatch_uid="django_idempotency.metrics.outbox_relayed")
+def _outbox_relayed(**kwargs: Any) -> None:
+    for outcome in ("sent", "failed", "dead"):
+        outbox_relayed.labels(outcome).inc(int(kwargs.get(outcome) or 0))

@@ -2,50 +2,44 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from django.db import connections, models
-from django.db.models import Q, Value
+from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import conf
+from django_idempotency import conf, purge, states
+from django_idempotency.purge import PURGED
+from django_idempotency.states import expired_q, stale_q
 
-if TYPE_CHECKING:
-    from django_idempotency.maintenance import PurgeResult
+__all__ = [
+    "ARCHIVE_REASONS",
+    "PURGED",
+    "REPLACED",
+    "IdempotencyAuditRecord",
+    "IdempotencyRecord",
+    "IdempotencyRecordQuerySet",
+    "RecordStatus",
+    "column",
+    "expired_q",
+    "stale_q",
+]
 
 
 class RecordStatus(models.TextChoices):
-    """Where a record stands in its state machine (see the README's "How it works")."""
+    """Where a record stands in its state machine (:mod:`django_idempotency.states`)."""
 
-    IN_PROGRESS = "in_progress", _("in progress")
-    COMPLETED = "completed", _("completed")
-    FAILED = "failed", _("failed")
+    IN_PROGRESS = states.IN_PROGRESS, _("in progress")
+    COMPLETED = states.COMPLETED, _("completed")
+    FAILED = states.FAILED, _("failed")
 
 
 # Why a record left the deduplication window and was copied to the audit trail.
-PURGED = "purged"
 REPLACED = "replaced"
 ARCHIVE_REASONS = [(PURGED, _("purged")), (REPLACED, _("replaced by a new request"))]
-
-
-def expired_q(now: datetime) -> Q:
-    """Past its TTL and not held by a live lease: what the purge may delete.
-
-    An expired record whose owner still holds a live lease stays, so that its owner can
-    complete it; the purge takes it once the lease has run out too.
-    """
-    live = Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__gt=now)
-    return Q(expires_at__lte=now) & ~live
-
-
-def stale_q(now: datetime) -> Q:
-    """In progress inside its TTL, but the lease ran out: what the recovery job handles.
-
-    A stale record past its TTL is left to the purge (and so to the audit trail).
-    """
-    return Q(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now, expires_at__gt=now)
 
 
 def column(model: type[models.Model], name: str) -> str:
@@ -92,21 +86,57 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         Does nothing unless ``IDEMPOTENCY["AUDIT"]`` is on. Call it inside the claim's
         transaction, just before the statement that replaces the record: the copy locks the
         expired row, so a concurrent claim of the same key waits for this transaction and
-        then no longer finds it expired; the record is copied exactly once.
+        then no longer finds it expired (a locking read sees the newest committed row); the
+        record is copied exactly once.
         """
         if not conf.audit():
             return 0
-        identity: IdempotencyRecordQuerySet = self.filter(
-            account=account, operation=operation, key=key
-        )
+        identity = self.filter(account=account, operation=operation, key=key)
         return identity.expired(now).archive(REPLACED, now=now, lock=True)
 
-    def delete_expired(self, **options: Any) -> PurgeResult:
-        """The batched purge on this queryset's database; see ``maintenance.purge_expired``."""
-        from django_idempotency import maintenance
+    def delete_expired(
+        self,
+        *,
+        batch_size: int | None = None,
+        max_batches: int | None = None,
+        dry_run: bool = False,
+        now: datetime | None = None,
+        progress: purge.Progress | None = None,
+    ) -> purge.PurgeResult:
+        """Delete, on this queryset's database and in bounded batches: these records once
+        expired (copied to the audit trail first when ``AUDIT`` is on), audit records past
+        ``AUDIT_RETENTION`` and sent outbox messages past ``OUTBOX_RETENTION``.
 
-        options.setdefault("using", self.db)
-        return maintenance.purge_expired(**options)
+        The purge of the ``purge_idempotency`` command, the Celery task and the admin action;
+        its batches are described in :func:`django_idempotency.purge.purge`.
+        """
+        now = now or timezone.now()
+        alias = self.db
+        archive = None
+        if conf.audit():
+            archive = purge.Archive(
+                copy=lambda batch: cast(IdempotencyRecordQuerySet, batch).archive(PURGED, now=now),
+                insert_sql=IdempotencyAuditRecord.insert_sql,
+                columns=tuple(
+                    column(IdempotencyRecord, source)
+                    for _target, source in IdempotencyAuditRecord.copied_columns()
+                ),
+                params=(now, PURGED),
+            )
+        return purge.purge(
+            records=self.filter(expired_q(now)),
+            audits=IdempotencyAuditRecord.objects.using(alias).filter(
+                archived_at__lte=now - conf.audit_retention()
+            ),
+            outbox=OutboxMessage.objects.using(alias).filter(
+                status=OutboxStatus.SENT, sent_at__lte=now - conf.outbox_retention()
+            ),
+            archive=archive,
+            batch_size=batch_size,
+            max_batches=max_batches,
+            dry_run=dry_run,
+            progress=progress,
+        )
 
 
 class IdempotencyRecord(models.Model):
@@ -149,11 +179,24 @@ class IdempotencyRecord(models.Model):
                 fields=["account", "operation", "key"], name="idempotency_record_unique_key"
             ),
         ]
+        # Every index is written by every claim; each one earns its place here. The hot path
+        # needs only the unique constraint. The completion changes ``status``, so an index
+        # over it (or filtered by it) keeps the completion from being a HOT update on
+        # PostgreSQL; only the small in-flight index does (see benchmarks/RESULTS.md).
         indexes = [
-            # The purge scans by expiry; the recovery job by status and lease.
+            # The purge and the "expired" admin filter and statistic: by expiry.
             models.Index(fields=["expires_at"], name="idempotency_expires_idx"),
-            models.Index(fields=["status", "lease_expires_at"], name="idempotency_lease_idx"),
-            models.Index(fields=["operation", "status"], name="idempotency_op_status_idx"),
+            # The recovery job, the stale-lease statistic and the oldest-in-progress metric,
+            # the admin's lease filter: in-flight records only, so it stays as small as the
+            # number of requests running.
+            models.Index(
+                fields=["lease_expires_at"],
+                name="idempotency_inflight_idx",
+                condition=models.Q(status=states.IN_PROGRESS),
+            ),
+            # The admin's operation filter (its choices by a loose index scan).
+            models.Index(fields=["operation"], name="idempotency_operation_idx"),
+            # The admin's default order (newest first) and its date hierarchy.
             models.Index(fields=["created_at"], name="idempotency_created_idx"),
         ]
 
@@ -226,3 +269,51 @@ class IdempotencyAuditRecord(models.Model):
         pairs = [("record_id", "id")]
         pairs += [(f.name, f.name) for f in cls._meta.concrete_fields if f.name not in own]
         return pairs
+
+
+class OutboxStatus(models.TextChoices):
+    """Where an outbox message stands: waiting for the relay, sent, or given up on."""
+
+    PENDING = "pending", _("pending")
+    SENT = "sent", _("sent")
+    DEAD = "dead", _("dead")
+
+
+class OutboxMessage(models.Model):
+    """A message committed with the business state, sent by the relay (``relay_outbox``).
+
+    Written by :func:`django_idempotency.outbox.enqueue` in the caller's transaction, so it
+    exists exactly when that transaction committed. The relay sends it at least once, with
+    its ``id`` as the task id; a failed send counts an attempt and moves ``available_at``
+    later, and after ``OUTBOX_MAX_ATTEMPTS`` the message is ``dead`` (kept, requeued by
+    hand). Sent messages are purged after ``OUTBOX_RETENTION``.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    task = models.CharField(max_length=255, help_text=_("The registered name of the task."))
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=8, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0, help_text=_("Failed sends so far."))
+    available_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+
+    class Meta:
+        verbose_name = _("outbox message")
+        verbose_name_plural = _("outbox messages")
+        db_table = "django_idempotency_outbox"
+        indexes = [
+            # The relay's "due" query: pending, available_at <= now, oldest first.
+            models.Index(fields=["status", "available_at"], name="idempotency_outbox_due_idx"),
+            # The retention purge: sent, sent_at <= cutoff, oldest first.
+            models.Index(fields=["status", "sent_at"], name="idempotency_outbox_sent_idx"),
+            # The admin's list, newest first.
+            models.Index(fields=["created_at"], name="idempotency_outbox_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} {self.id} ({self.status})"

@@ -28,154 +28,35 @@ from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine, problems
+from django_idempotency import apidocs, engine
+from django_idempotency.apidocs import (
+    CODE_COMPONENT,
+    KEY_PATTERN,
+    PROBLEM_COMPONENT,
+    code_schema,
+    problem_schema,
+)
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.keys import MAX_KEY_LENGTH
 
-#: The names of the shared problem schema and of its ``code`` enum under ``components/schemas``
-#: (the enum is a component of its own, so drf-spectacular's enum hoisting leaves it alone
-#: instead of naming it after the property, ``CodeEnum``).
-PROBLEM_COMPONENT = "IdempotencyProblem"
-CODE_COMPONENT = "IdempotencyProblemCode"
-
-#: The statuses documented on every protected operation (``403`` and the ``500`` codes are in
-#: the ``code`` enum, but an identified client that follows the protocol never meets them).
-DOCUMENTED_STATUSES = (400, 409, 422, 503)
-
-# Answers that tell the client when to come back.
-_RETRY_AFTER_STATUSES = frozenset({409, 503})
-
-#: The documented form of a key: printable ASCII without ``,`` (a header sent twice arrives
-#: comma-joined), not starting with ``"`` (a key sent as a structured-field string,
-#: ``"abc"``, is accepted too but not described by the pattern).
-KEY_PATTERN = r"^[\x21\x23-\x2B\x2D-\x7E][\x21-\x2B\x2D-\x7E]*$"
-
-_KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-
-
-def code_schema() -> dict[str, Any]:
-    """The ``code`` member of this package's problems: every code it can answer with."""
-    return {
-        "type": "string",
-        "enum": [p.code for p in problems.ALL_PROBLEMS],
-        "description": "The stable, machine-readable reason of a django-idempotency problem.",
-    }
-
-
-def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
-    """The RFC 9457 problem object this package answers with; ``code_ref`` points at its code."""
-    return {
-        "type": "object",
-        "description": (
-            "An RFC 9457 problem from django-idempotency. `code` is stable and tells this "
-            "package's answers apart from the view's own errors with the same status."
-        ),
-        "properties": {
-            "type": {
-                "type": "string",
-                "description": "`urn:django-idempotency:<code>`.",
-                "example": problems.KEY_IN_USE.type,
-            },
-            "title": {"type": "string"},
-            "status": {"type": "integer"},
-            "detail": {"type": "string"},
-            "code": code_ref,
-        },
-        "required": ["type", "title", "status", "detail", "code"],
-    }
-
-
-def key_parameter(required: bool) -> dict[str, Any]:
-    """The ``Idempotency-Key`` header parameter (its name from the ``HEADER`` setting)."""
-    return {
-        "in": "header",
-        "name": conf.header(),
-        "required": required,
-        "description": (
-            "One key per logical operation: make it when the user acts (a UUID is fine) and "
-            "send the same key with every retry of that operation. A retry gets the original "
-            f"response, marked `{engine.REPLAYED_HEADER}: true`. 1 to {MAX_KEY_LENGTH} "
-            "printable ASCII characters without spaces or commas; it may also be sent as a "
-            'structured-field string (`"..."`).'
-        ),
-        "schema": {
-            "type": "string",
-            "minLength": 1,
-            "maxLength": MAX_KEY_LENGTH,
-            # The bare form: every value of it the server accepts as it is.
-            "pattern": KEY_PATTERN,
-        },
-        "example": _KEY_EXAMPLE,
-    }
-
-
-def replayed_header() -> dict[str, Any]:
-    """The ``Idempotent-Replayed`` response header."""
-    return {
-        "description": (
-            "`true` when this is the stored response of an earlier request with the same "
-            "key, sent again; absent on the original response."
-        ),
-        "schema": {"type": "string", "enum": ["true"]},
-    }
-
-
-def retry_after_header() -> dict[str, Any]:
-    """The ``Retry-After`` header of the ``409`` and ``503`` answers."""
-    return {
-        "description": "Seconds to wait before retrying with the same key.",
-        "schema": {"type": "integer", "minimum": 0},
-    }
-
-
-def _problem_description(status: int, required: bool) -> str:
-    found = [
-        f"`{p.code}`: {p.title}."
-        for p in problems.ALL_PROBLEMS
-        if p.status == status and (required or p is not problems.KEY_MISSING)
-    ]
-    return " ".join(found)
-
-
-def _is_replayable(code: str) -> bool:
-    # Stored and replayed: the view's statuses below 500 but the transient ones (409, 429).
-    return code.isdigit() and int(code) < 500 and int(code) not in conf.transient_statuses()
+__all__ = [
+    "CODE_COMPONENT",
+    "KEY_PATTERN",
+    "PROBLEM_COMPONENT",
+    "IdempotencyAutoSchema",
+    "IdempotencyViewExtension",
+    "IdempotentViewSchema",
+    "document_operation",
+]
 
 
 def document_operation(
     operation: dict[str, Any], options: engine.Options, registry: ComponentRegistry
 ) -> None:
-    """Add the key header, the problem answers and the replay header to ``operation``."""
-    required = conf.required() if options.required is None else options.required
-    header = conf.header()
-    parameters: list[dict[str, Any]] = operation.setdefault("parameters", [])
-    if not any(
-        p.get("in") == "header" and str(p.get("name", "")).lower() == header.lower()
-        for p in parameters
-    ):
-        parameters.append(key_parameter(required))
-
-    responses: dict[str, Any] = operation.setdefault("responses", {})
-    # The view's own answers below 500 are stored and replayed with the marker header.
-    for code, response in responses.items():
-        if _is_replayable(code) and "$ref" not in response:
-            response.setdefault("headers", {})[engine.REPLAYED_HEADER] = replayed_header()
-
+    """Add the key header, the problem answers and the replay header to ``operation``, the
+    problem schema as a component of the schema being generated."""
     code_ref = _schema_component(registry, CODE_COMPONENT, code_schema())
     problem_ref = _schema_component(registry, PROBLEM_COMPONENT, problem_schema(code_ref))
-    for status in DOCUMENTED_STATUSES:
-        description = _problem_description(status, required)
-        if not description:
-            continue
-        response = responses.setdefault(str(status), {"description": ""})
-        if "$ref" in response:  # a response component of the view's: leave it alone
-            continue
-        response["description"] = "\n\n".join(
-            filter(None, [response.get("description"), description])
-        )
-        response.setdefault("content", {})[problems.PROBLEM_CONTENT_TYPE] = {"schema": problem_ref}
-        if status in _RETRY_AFTER_STATUSES:
-            response.setdefault("headers", {})["Retry-After"] = retry_after_header()
+    apidocs.document_operation(operation, options, problem_ref)
 
 
 def _schema_component(

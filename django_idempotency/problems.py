@@ -22,19 +22,21 @@ class Problem:
     def type(self) -> str:
         return f"urn:django-idempotency:{self.code}"
 
-    def response(self, detail: str, retry_after: int | None = None) -> HttpResponse:
-        """The problem+json response, with ``Retry-After`` when the client should come back."""
-        body = {
+    def body(self, detail: str) -> bytes:
+        """The problem+json document, compact."""
+        document = {
             "type": self.type,
             "title": self.title,
             "status": self.status,
             "detail": detail,
             "code": self.code,
         }
+        return json.dumps(document, separators=(",", ":")).encode()
+
+    def response(self, detail: str, retry_after: int | None = None) -> HttpResponse:
+        """The problem+json response, with ``Retry-After`` when the client should come back."""
         response = HttpResponse(
-            json.dumps(body, separators=(",", ":")).encode(),
-            status=self.status,
-            content_type=PROBLEM_CONTENT_TYPE,
+            self.body(detail), status=self.status, content_type=PROBLEM_CONTENT_TYPE
         )
         if retry_after is not None:
             response["Retry-After"] = str(retry_after)

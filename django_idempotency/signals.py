@@ -1,4 +1,4 @@
-"""Signals sent by django-idempotency. Every one is sent with ``sender=IdempotencyRecord``.
+"""Signals sent by django-idempotency, with ``sender=IdempotencyRecord`` (or ``OutboxMessage``).
 
 Receivers run inline on the request path: keep them quick, and never let them raise.
 """
@@ -32,5 +32,10 @@ lease_lost = Signal()
 # outcome ("retried", "released", "failed" or "completed").
 lease_recovered = Signal()
 
-# The purge deleted records. Arguments: count, audit (rows purged from the audit table).
+# The purge deleted records. Arguments: count, audit (rows purged from the audit table),
+# outbox (sent outbox messages purged).
 records_purged = Signal()
+
+# The outbox relay finished a batch (sent with sender=OutboxMessage).
+# Arguments: sent, failed (to be retried after a backoff), dead (given up on); all counts.
+outbox_relayed = Signal()

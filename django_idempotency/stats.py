@@ -17,7 +17,13 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_idempotency import conf
-from django_idempotency.models import IdempotencyRecord, RecordStatus, expired_q
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    RecordStatus,
+    expired_q,
+)
 
 
 @dataclass(frozen=True)
@@ -149,3 +155,39 @@ def operations(using: str | None = None, limit: int = 100) -> list[str]:
     with connection.cursor() as cursor:
         cursor.execute(sql, [limit])
         return [row[0] for row in cursor.fetchall()]
+
+
+# -- the outbox ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """A snapshot of the outbox on one database."""
+
+    by_status: dict[str, int]
+    # Pending messages already due (the rest are backing off after a failed send).
+    due: int
+    oldest_pending_seconds: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return asdict(self)
+
+
+def outbox(using: str | None = None, now: datetime | None = None) -> OutboxStats:
+    """Messages by status, how many are due, and the age of the oldest pending one.
+
+    Every figure is read through the ``(status, ...)`` indexes of the outbox.
+    """
+    from django_idempotency import outbox as relay
+
+    now = now or timezone.now()
+    messages = OutboxMessage.objects.using(_alias(using))
+    counts = dict.fromkeys(OutboxStatus.values, 0)
+    for status, n in messages.order_by().values_list("status").annotate(n=Count("*")):
+        counts[status] = n
+    return OutboxStats(
+        by_status=counts,
+        due=messages.filter(status=OutboxStatus.PENDING, available_at__lte=now).count(),
+        oldest_pending_seconds=relay.oldest_pending_seconds(using, now),
+    )

@@ -3,31 +3,50 @@
 Every guarantee rests on the database: the unique constraint on ``(account, operation, key)``
 picks the single winner of a claim, and row-level conditional updates fence completion by the
 lease token. Nothing here relies on process memory or a local lock.
+
+The hot path is fixed statements, built once per database: the claim (one statement whatever
+the key's state), the fenced completion, the release. The ORM compiles none of them per
+request. The rare paths (an expired record, a stale lease) take one conditional statement
+more.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import random
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from datetime import timezone as dt_timezone
+from typing import Any, TypeVar
 
-from django.db import IntegrityError, OperationalError, connections, transaction
-from django.db.models import F, Field, Q
+from django.conf import settings
+from django.db import IntegrityError, connections, transaction
+from django.db.models import Field
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
-from django_idempotency import conf
-from django_idempotency.models import IdempotencyRecord, RecordStatus
+from django_idempotency import conf, states
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.retry import is_retryable, retrying
+from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
-# The statements below compare against the stored strings; RecordStatus names them too.
-IN_PROGRESS = "in_progress"
-COMPLETED = "completed"
-FAILED = "failed"
-assert {IN_PROGRESS, COMPLETED, FAILED} == set(RecordStatus.values)
+__all__ = [
+    "COMPLETED",
+    "FAILED",
+    "IN_PROGRESS",
+    "ClaimRequest",
+    "ClaimResult",
+    "RecordState",
+    "claim",
+    "fetch",
+    "finish",
+    "is_retryable",
+    "release",
+    "retrying",
+]
+
+T = TypeVar("T")
 
 _STATE_COLUMNS = (
     "id",
@@ -74,12 +93,29 @@ class RecordState:
             response_headers=headers or [],
             lease_token=token,
             response_body=bytes(body) if body is not None else None,
+            lease_expires_at=_aware(values["lease_expires_at"]),
+            expires_at=_aware(values["expires_at"]),
         )
         return cls(**values)
 
-    @classmethod
-    def from_instance(cls, record: IdempotencyRecord) -> RecordState:
-        return cls.from_row(tuple(getattr(record, name) for name in _STATE_COLUMNS))
+    def replaceable_by(self, request: ClaimRequest) -> bool:
+        """Whether ``request`` may replace this record (see ``states.REPLACEABLE``)."""
+        return states.REPLACEABLE.test(
+            vars(self),
+            now=request.now,
+            hash=request.request_hash,
+            version=request.fingerprint_version,
+        )
+
+
+def _aware(value: Any) -> Any:
+    # A raw cursor gives SQLite's and MySQL's datetimes as stored (naive, in UTC); the ORM
+    # would have made them aware.
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    if isinstance(value, datetime) and settings.USE_TZ and timezone.is_naive(value):
+        return timezone.make_aware(value, dt_timezone.utc)
+    return value
 
 
 @dataclass(frozen=True)
@@ -97,6 +133,7 @@ class ClaimRequest:
     ttl: timedelta
 
     def new_row(self, token: uuid.UUID) -> dict[str, Any]:
+        """The columns of a freshly claimed record."""
         return {
             "account": self.account,
             "operation": self.operation,
@@ -130,183 +167,235 @@ class ClaimResult:
         return self.claimed and self.state.recovery_attempts > 0
 
 
-def _table() -> str:
-    return IdempotencyRecord._meta.db_table
+# -- fixed statements -------------------------------------------------------------------------
+
+
+def _table(alias: str) -> str:
+    return str(connections[alias].ops.quote_name(IdempotencyRecord._meta.db_table))
+
+
+def _prepared(alias: str, name: str, value: Any) -> Any:
+    field = IdempotencyRecord._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field.get_db_prep_save(value, connections[alias])
+
+
+def _prepared_row(alias: str, row: dict[str, Any]) -> dict[str, Any]:
+    return {name: _prepared(alias, name, value) for name, value in row.items()}
+
+
+def _returning(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+    return ", ".join(quote(c) for c in _STATE_COLUMNS)
+
+
+@functools.lru_cache(maxsize=16)
+def _postgres_claim_sql(alias: str, columns: tuple[str, ...], durable: bool) -> str:
+    """The claim: insert a new key, or hand back the existing row, in one statement.
+
+    The INSERT runs only when no row holds the key (``NOT EXISTS``): a replay or a conflict
+    then writes nothing, takes no transaction id (not even the id sequence's, which an
+    attempted insert would advance) and waits for nobody. Two new claims racing for one key
+    meet in ``ON CONFLICT DO NOTHING``, which does not lock the winner's row. The outer
+    SELECT hands back the row in the way, from the statement's snapshot.
+
+    ``durable=False``: the claim's commit does not wait for its WAL flush. For operations
+    whose recovery policy is ``"retry"`` only: the view's own commit, which follows, flushes
+    the claim with it, so a server crash can lose a claim only together with the view's
+    work, and an absent claim is what ``"retry"`` does anyway. The claim is visible to
+    every other claim at once either way.
+    """
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+    table = _table(alias)
+    returning = _returning(alias)
+    fields = {f.column: f for f in IdempotencyRecord._meta.concrete_fields}
+    # Values come through a SELECT, not VALUES: PostgreSQL cannot take their types from the
+    # target columns, so each one is cast.
+    values = ", ".join(f"CAST(%({c})s AS {fields[c].db_type(connection)})" for c in columns)
+    identity = " AND ".join(f"{quote(c)} = %({c})s" for c in ("account", "operation", "key"))
+    flush = "" if durable else ", set_config('synchronous_commit', 'off', true)"
+    return (
+        f"WITH claim AS (INSERT INTO {table} ({', '.join(quote(c) for c in columns)})"
+        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {identity})"
+        f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returning})"
+        f" SELECT {returning}, true{flush} FROM claim"
+        f" UNION ALL SELECT {returning}, false{', NULL' if flush else ''} FROM {table}"
+        f" WHERE {identity} AND NOT EXISTS (SELECT 1 FROM claim)"
+    )
+
+
+def _insert_or_existing(
+    alias: str, request: ClaimRequest, token: uuid.UUID
+) -> tuple[RecordState, bool] | None:
+    """Insert the claim, or find the record in its way: ``(state, inserted)``.
+
+    ``None`` when the conflicting record was not visible (committed after the statement's
+    snapshot, or released meanwhile).
+    """
+    connection = connections[alias]
+    new_row = request.new_row(token)
+    row = _prepared_row(alias, new_row)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            durable = request.recovery_policy != "retry"
+            cursor.execute(_postgres_claim_sql(alias, tuple(row), durable), row)
+            result = cursor.fetchone()
+        if result is None:
+            return None
+        found = result[: len(_STATE_COLUMNS)]
+        return RecordState.from_row(found), bool(result[len(_STATE_COLUMNS)])
+    # Elsewhere: a savepoint-guarded insert, then a read of the record in its way.
+    try:
+        with transaction.atomic(using=alias), connection.cursor() as cursor:
+            cursor.execute(_insert_sql(alias, tuple(row)), row)
+            record_id = int(cursor.lastrowid)
+    except IntegrityError:
+        state = fetch(alias, request.account, request.operation, request.key)
+        return None if state is None else (state, False)
+    values: dict[str, Any] = {c: new_row.get(c) for c in _STATE_COLUMNS}
+    values["id"] = record_id
+    return RecordState(**values), True
 
 
 @functools.lru_cache(maxsize=8)
-def _postgres_claim_sql(alias: str, columns: tuple[str, ...]) -> str:
-    """The claim statement, built once per database: it depends only on the table."""
+def _insert_sql(alias: str, columns: tuple[str, ...]) -> str:
+    quote = connections[alias].ops.quote_name
+    values = ", ".join(f"%({c})s" for c in columns)
+    names = ", ".join(quote(c) for c in columns)
+    return f"INSERT INTO {_table(alias)} ({names}) VALUES ({values})"
+
+
+_TAKEOVER_COLUMNS = (
+    "request_hash",
+    "fingerprint_version",
+    "status",
+    "lease_token",
+    "lease_expires_at",
+    "recovery_policy",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "created_at",
+    "completed_at",
+    "expires_at",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _takeover_sql(alias: str) -> str:
+    """Replace a record, fenced by ``states.REPLACEABLE`` evaluated on the row itself.
+
+    Of two racing takeovers the second waits for the first's row lock, then finds the row
+    no longer replaceable and matches nothing.
+    """
     connection = connections[alias]
     quote = connection.ops.quote_name
-    table = _table()
-    fields = {f.column: f for f in IdempotencyRecord._meta.concrete_fields}
-    # Cast every value: they come through a SELECT, not VALUES, so PostgreSQL cannot take
-    # their types from the target columns.
-    values = ", ".join(f"CAST(%({c})s AS {fields[c].db_type(connection)})" for c in columns)
-    takeover = (
-        "(t.expires_at <= EXCLUDED.created_at AND "
-        " (t.status <> 'in_progress' OR t.lease_expires_at <= EXCLUDED.created_at))"
-        " OR (t.status = 'in_progress' AND t.lease_expires_at <= EXCLUDED.created_at"
-        "     AND (t.request_hash = EXCLUDED.request_hash"
-        "          OR t.fingerprint_version <> EXCLUDED.fingerprint_version))"
-    )
-    # The same condition on the stored row, with the claim's own values as parameters.
-    replaceable = (
-        "COALESCE((expires_at <= %(now)s AND"
-        " (status <> 'in_progress' OR lease_expires_at <= %(now)s))"
-        " OR (status = 'in_progress' AND lease_expires_at <= %(now)s"
-        "     AND (request_hash = %(hash)s OR fingerprint_version <> %(version)s)), false)"
-    )
-    updates = [f"{quote(c)} = EXCLUDED.{quote(c)}" for c in columns if c != "recovery_attempts"]
+    assignments = [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS]
     # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
-    updates.append(
-        "recovery_attempts = CASE WHEN t.expires_at <= EXCLUDED.created_at THEN 0 "
-        "ELSE t.recovery_attempts + 1 END"
+    assignments.append(
+        f"{quote('recovery_attempts')} = CASE WHEN {states.EXPIRED.sql(quote)} THEN 0"
+        f" ELSE {quote('recovery_attempts')} + 1 END"
     )
-    returning = ", ".join(
-        "response_headers::text" if c == "response_headers" else quote(c) for c in _STATE_COLUMNS
+    sql = (
+        f"UPDATE {_table(alias)} SET {', '.join(assignments)}"
+        f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
     )
-    # ``live``: a record this claim may not replace (a completed one inside its TTL, a live
-    # lease). Then nothing is inserted: the INSERT's ON CONFLICT would lock that row (it
-    # locks the conflicting row even when its WHERE is false), so a replay would take a
-    # transaction id, write WAL, flush it at commit and queue behind concurrent replays.
-    return (
-        f"WITH live AS (SELECT {returning} FROM {quote(table)}"
-        f" WHERE account = %(account)s AND operation = %(operation)s AND key = %(key)s"
-        f" AND NOT {replaceable}),"
-        f" claim AS ("
-        f" INSERT INTO {quote(table)} AS t ({', '.join(quote(c) for c in columns)})"
-        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM live)"
-        f" ON CONFLICT (account, operation, key) DO UPDATE SET {', '.join(updates)}"
-        f" WHERE {takeover}"
-        f" RETURNING {returning})"
-        f" SELECT {returning} FROM claim UNION ALL SELECT {returning} FROM live"
-    )
+    if connection.vendor == "postgresql":
+        sql += f" RETURNING {_returning(alias)}"
+    return sql
 
 
-def _postgres_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> RecordState | None:
-    # One statement claims a new key, takes over an expired record or a stale lease of the
-    # same request, or hands back the existing row. The unique index picks the winner.
-    row = request.new_row(token)
-    params = {**row, "response_headers": json.dumps(row["response_headers"])}
-    params.update(now=request.now, hash=request.request_hash, version=request.fingerprint_version)
-    with connections[alias].cursor() as cursor:
-        cursor.execute(_postgres_claim_sql(alias, tuple(row)), params)
+def _take_over(
+    alias: str, request: ClaimRequest, token: uuid.UUID, state: RecordState
+) -> RecordState | None:
+    """Replace ``state``'s record if it is still replaceable.
+
+    Returns the new state where the statement can return it (PostgreSQL), else ``None``:
+    the caller reads the outcome.
+    """
+    connection = connections[alias]
+    row = _prepared_row(alias, request.new_row(token))
+    params = {c: row[c] for c in _TAKEOVER_COLUMNS}
+    params.update(
+        id=state.id,
+        now=row["created_at"],
+        hash=request.request_hash,
+        version=request.fingerprint_version,
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(_takeover_sql(alias), params)
+        if connection.vendor != "postgresql":
+            return None
         result = cursor.fetchone()
     return RecordState.from_row(result) if result is not None else None
 
 
-def _portable_claim(alias: str, request: ClaimRequest, token: uuid.UUID) -> RecordState | None:
-    # A savepoint-guarded insert, then a conditional takeover, then a read of the winner.
-    row = request.new_row(token)
-    manager = IdempotencyRecord.objects.using(alias)
-    try:
-        with transaction.atomic(using=alias):
-            return RecordState.from_instance(manager.create(**row))
-    except IntegrityError:
-        pass
-    now = request.now
-    identity = manager.filter(account=request.account, operation=request.operation, key=request.key)
-    expired = Q(expires_at__lte=now) & (~Q(status=IN_PROGRESS) | Q(lease_expires_at__lte=now))
-    # A stale lease is taken over only by the same request: the same hash, or a hash made by
-    # another fingerprint version, which cannot be compared.
-    stale = Q(status=IN_PROGRESS, lease_expires_at__lte=now) & (
-        Q(request_hash=request.request_hash) | ~Q(fingerprint_version=request.fingerprint_version)
-    )
-    fresh = {k: v for k, v in row.items() if k not in ("account", "operation", "key")}
-    with transaction.atomic(using=alias):
-        if identity.filter(expired).update(**fresh) == 0:
-            fresh.pop("recovery_attempts")
-            identity.filter(stale).update(**fresh, recovery_attempts=_plus_one())
-    return fetch(alias, request.account, request.operation, request.key)
-
-
-def _plus_one() -> Any:
-    return F("recovery_attempts") + 1
-
-
-# Deadlock and serialization failures: the database rolled the statement back and asks for a
-# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
-_CLAIM_ATTEMPTS = 5
-
-
-def _retryable(exc: OperationalError) -> bool:
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
-
-
-def claim(alias: str, request: ClaimRequest) -> ClaimResult:
-    """Claim ``(account, operation, key)`` in one short transaction of its own."""
-    for attempt in range(_CLAIM_ATTEMPTS):
-        try:
-            return _claim_once(alias, request)
-        except OperationalError as exc:
-            # InnoDB can pick a concurrent duplicate insert as a deadlock victim; the claim
-            # is one short transaction, so running it again is safe.
-            if not _retryable(exc) or attempt == _CLAIM_ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
-def _claim_once(alias: str, request: ClaimRequest) -> ClaimResult:
-    token = uuid.uuid4()
-    connection = connections[alias]
-    attempt = _postgres_claim if connection.vendor == "postgresql" else _portable_claim
-    state = _archiving(attempt, alias, request, token)
-    if state is None:
-        # The conflicting row was committed after our statement's snapshot was taken;
-        # a fresh read sees it.
-        state = fetch(alias, request.account, request.operation, request.key)
-    if state is None:
-        # It was released (deleted) in the meantime: try once more from the start.
-        state = attempt(alias, request, token) or fetch(
-            alias, request.account, request.operation, request.key
-        )
-    if state is None:
-        raise IntegrityError("the idempotency record vanished twice during one claim")
-    return ClaimResult(state=state, claimed=state.lease_token == token)
-
-
-def _archiving(
-    attempt: Callable[[str, ClaimRequest, uuid.UUID], RecordState | None],
-    alias: str,
-    request: ClaimRequest,
-    token: uuid.UUID,
+def _take_over_archiving(
+    alias: str, request: ClaimRequest, token: uuid.UUID, state: RecordState
 ) -> RecordState | None:
-    if not conf.audit():
-        return attempt(alias, request, token)
-    # With the audit trail on, an expired record this claim replaces is first copied to it,
-    # in the same transaction: the copy locks the expired row, so a racing claim of the same
-    # key waits for this one and then finds nothing expired to copy.
+    # With the audit trail on, an expired record is copied before it is replaced, in the same
+    # transaction: the copy locks the row first, so of two racing claims one copies it and
+    # replaces it, and the other then finds it no longer replaceable.
     with transaction.atomic(using=alias):
         IdempotencyRecord.objects.using(alias).archive_expired(
             request.account, request.operation, request.key, now=request.now
         )
-        return attempt(alias, request, token)
+        return _take_over(alias, request, token, state)
+
+
+# How often one claim looks again when the record in its way vanished (was released) or was
+# committed after its statement's snapshot; each look is one statement.
+_LOOKS = 3
+
+
+def claim(alias: str, request: ClaimRequest) -> ClaimResult:
+    """Claim ``(account, operation, key)``, each statement its own short transaction.
+
+    A new key: one statement inserts it. An existing key: the same statement hands its row
+    back, and nothing is written, unless the record is replaceable (expired, or a stale lease
+    of the same request), which takes one conditional statement more.
+    """
+    return retrying(lambda: _claim(alias, request))
+
+
+def _claim(alias: str, request: ClaimRequest) -> ClaimResult:
+    token = uuid.uuid4()
+    take_over = _take_over_archiving if conf.audit() else _take_over
+    for _look in range(_LOOKS):
+        found = _insert_or_existing(alias, request, token)
+        if found is None:
+            found_state = fetch(alias, request.account, request.operation, request.key)
+            if found_state is None:
+                continue  # released meanwhile: try the insert again
+            found = (found_state, False)
+        state, inserted = found
+        if inserted:
+            return ClaimResult(state=state, claimed=True)
+        if not state.replaceable_by(request):
+            return ClaimResult(state=state, claimed=False)
+        taken = take_over(alias, request, token, state)
+        if taken is not None:
+            return ClaimResult(state=taken, claimed=True)
+        current = fetch(alias, request.account, request.operation, request.key)
+        if current is not None:
+            return ClaimResult(state=current, claimed=current.lease_token == token)
+    raise IntegrityError("the idempotency record kept vanishing during one claim")
+
+
+@functools.lru_cache(maxsize=8)
+def _fetch_sql(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+    identity = " AND ".join(f"{quote(c)} = %s" for c in ("account", "operation", "key"))
+    return f"SELECT {_returning(alias)} FROM {_table(alias)} WHERE {identity}"
 
 
 def fetch(alias: str, account: str, operation: str, key: str) -> RecordState | None:
     """The current state of a record, or ``None`` when there is none."""
-    row = (
-        IdempotencyRecord.objects.using(alias)
-        .filter(account=account, operation=operation, key=key)
-        .values_list(*_STATE_COLUMNS)
-        .first()
-    )
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_fetch_sql(alias), [account, operation, key])
+        row = cursor.fetchone()
     return RecordState.from_row(row) if row is not None else None
-
-
-def _owned(alias: str, record_id: int, token: uuid.UUID) -> Any:
-    return IdempotencyRecord.objects.using(alias).filter(
-        pk=record_id, lease_token=token, status=IN_PROGRESS
-    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -316,7 +405,7 @@ def _finish_sql(alias: str) -> str:
     cleared = ("lease_token", "lease_expires_at")
     assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
     return (
-        f"UPDATE {q(_table())} SET {', '.join(assignments)}"
+        f"UPDATE {_table(alias)} SET {', '.join(assignments)}"
         f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
     )
 
@@ -332,33 +421,62 @@ def finish(
     response_body: bytes,
     now: datetime,
 ) -> bool:
-    """Store the outcome, fenced by the lease token. ``False``: the lease was lost.
-
-    One statement built once: the ORM's UPDATE costs more to compile than to run.
-    """
-    connection = connections[alias]
-
-    def prepared(name: str, value: Any) -> Any:
-        field = IdempotencyRecord._meta.get_field(name)
-        assert isinstance(field, Field)
-        return field.get_db_prep_save(value, connection)
-
+    """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
     params = [
         status,
         response_status,
-        prepared("response_headers", response_headers),
-        prepared("response_body", response_body),
-        prepared("completed_at", now),
+        _prepared(alias, "response_headers", response_headers),
+        _prepared(alias, "response_body", response_body),
+        _prepared(alias, "completed_at", now),
         record_id,
-        prepared("lease_token", token),
+        _prepared(alias, "lease_token", token),
         IN_PROGRESS,
     ]
-    with connection.cursor() as cursor:
+    with connections[alias].cursor() as cursor:
         cursor.execute(_finish_sql(alias), params)
         return int(cursor.rowcount) > 0
 
 
+@functools.lru_cache(maxsize=8)
+def _release_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return (
+        f"DELETE FROM {_table(alias)}"
+        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
+    )
+
+
 def release(alias: str, record_id: int, token: uuid.UUID) -> bool:
     """Delete a claim this attempt still owns, so that a retry runs afresh."""
-    deleted, _ = _owned(alias, record_id, token).delete()
-    return bool(deleted)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            _release_sql(alias), [record_id, _prepared(alias, "lease_token", token), IN_PROGRESS]
+        )
+        return int(cursor.rowcount) > 0
+
+
+@functools.lru_cache(maxsize=8)
+def _give_back_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return (
+        f"UPDATE {_table(alias)} SET {q('lease_expires_at')} = %s"
+        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
+    )
+
+
+def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bool:
+    """End this attempt's lease at ``now`` without releasing the record.
+
+    For a recovery that could not decide (its callable raised): the record stays in
+    progress with a stale lease, so the next retry, or the recovery job, asks again at once
+    instead of after a whole new lease.
+    """
+    params = [
+        _prepared(alias, "lease_expires_at", now),
+        record_id,
+        _prepared(alias, "lease_token", token),
+        IN_PROGRESS,
+    ]
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_give_back_sql(alias), params)
+        return int(cursor.rowcount) > 0

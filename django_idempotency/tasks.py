@@ -1,4 +1,4 @@
-"""Celery: the periodic maintenance tasks, deduplicated task consumers, enqueue on commit.
+"""Celery: the periodic maintenance tasks, the outbox relay and deduplicated task consumers.
 
 The only module of the app that imports Celery (an optional dependency). It never imports
 a project's Celery app: ``shared_task`` binds to whichever app the project configures.
@@ -7,23 +7,19 @@ a project's Celery app: ``shared_task`` binds to whichever app the project confi
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from celery import current_task, shared_task
 from celery.app.task import Task
-from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, transaction
-from django.utils import timezone
 
-from django_idempotency import conf, maintenance, store
-from django_idempotency.engine import RETRY, IdempotencyContext
+from django_idempotency import maintenance, outbox
+from django_idempotency.core import RETRY
+from django_idempotency.exceptions import InProgress, OutcomeUnknown
+from django_idempotency.once import LeaseTakenOver, call_once
 
 logger = logging.getLogger("django_idempotency")
 
@@ -51,16 +47,18 @@ def recover_stale_leases(limit: int | None = None, using: str | None = None) -> 
     return asdict(maintenance.recover_stale_leases(using=using, limit=limit))
 
 
+@shared_task(name="django_idempotency.relay_outbox")
+def relay_outbox(batch_size: int | None = None, using: str | None = None) -> dict[str, Any]:
+    """Celery beat task: drain the outbox once (:func:`django_idempotency.outbox.relay`)."""
+    return asdict(outbox.relay(using=using, batch_size=batch_size, once=True))
+
+
 class DeliveryInProgress(Exception):
     """Another delivery holds the key's live lease, and this run cannot be retried later.
 
     Raised only outside a worker (an eager ``apply()`` or a plain call with a key callable);
     a worker's delivery is retried instead.
     """
-
-
-class _LeaseLost(Exception):
-    """The fenced completion matched no row: another delivery took the lease over."""
 
 
 def idempotent_task(
@@ -72,9 +70,9 @@ def idempotent_task(
     """Run a Celery task's body at most once per delivery key, however often it is delivered.
 
     Put it directly beneath ``@shared_task`` (or ``@app.task``), with parentheses. The key is
-    the task id by default, or ``key(*args, **kwargs)``. The record lives in the idempotency
-    table under account ``"task"`` and operation ``"task:<task name>"``, claimed and
-    completed by the same statements as a request's, for ``ttl`` (default ``TTL``).
+    the task id by default, or ``key(*args, **kwargs)``. A thin adapter over
+    :func:`django_idempotency.run_once`: the record lives in the idempotency table under
+    account ``"task"`` and operation ``"task:<task name>"``, for ``ttl`` (default ``TTL``).
 
     - The body and the completion of the record commit in one transaction: a delivery that
       dies midway leaves neither, and the next delivery runs the body afresh.
@@ -82,6 +80,9 @@ def idempotent_task(
     - In progress under a live lease: the delivery is retried once that lease has run out
       (``lease``, default ``LEASE``: make it longer than the task ever runs).
     - The body raises: the claim is released, so a redelivery or a retry runs again.
+    - A delivery that outlived its lease while another took over: its work is rolled back
+      and it returns ``None``. A record closed as failed (the admin's "mark as failed"):
+      never run again, and ``None`` is returned.
     """
 
     def decorate(func: F) -> F:
@@ -93,10 +94,28 @@ def idempotent_task(
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return func(*args, **kwargs)
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
-            claim = _claim(name, str(delivery), ttl, lease)
-            if not claim.claimed:
-                return _duplicate(task, name, claim.state)
-            return _run(func, args, kwargs, claim.state)
+            try:
+                return call_once(
+                    func,
+                    args,
+                    kwargs,
+                    account=TASK_ACCOUNT,
+                    operation=f"task:{name}",
+                    key=str(delivery),
+                    ttl=ttl,
+                    lease=lease,
+                    # Every delivery of a key is the same request: after a worker died, a
+                    # redelivery takes its stale lease over and runs the body again.
+                    recovery=RETRY,
+                )
+            except LeaseTakenOver:
+                logger.warning("a task delivery lost its lease; its work was rolled back")
+                return None
+            except OutcomeUnknown:
+                logger.warning("skipped a delivery of %s: its record was marked failed", name)
+                return None
+            except InProgress as exc:
+                return _in_progress(task, name, exc.retry_after)
 
         return cast(F, wrapper)
 
@@ -110,119 +129,11 @@ def _task_id(task: Task[Any, Any] | None) -> str | None:
     return task_id
 
 
-def _claim(
-    name: str, delivery: str, ttl: timedelta | int | None, lease: timedelta | int | None
-) -> store.ClaimResult:
-    operation = f"task:{name}"
-    return store.claim(
-        conf.database(),
-        store.ClaimRequest(
-            account=TASK_ACCOUNT,
-            operation=operation,
-            key=delivery,
-            # Every delivery of a key is the same request, so a redelivery may take a
-            # stale lease over (after a worker died) and is never refused as a mismatch.
-            request_hash=hashlib.sha256(f"{operation}\x1f{delivery}".encode()).hexdigest(),
-            fingerprint_version=TASK_FINGERPRINT_VERSION,
-            recovery_policy=RETRY,
-            now=timezone.now(),
-            lease=conf.as_timedelta(lease) if lease is not None else conf.lease(),
-            ttl=conf.as_timedelta(ttl) if ttl is not None else conf.ttl(),
-        ),
-    )
-
-
-def _duplicate(task: Task[Any, Any] | None, name: str, state: store.RecordState) -> Any:
-    if state.status == store.COMPLETED:
-        logger.info("skipped a duplicate delivery of %s: already done", name)
-        body = state.response_body
-        return json.loads(body) if body else None
-    if state.status == store.FAILED:
-        # Closed by hand (the admin's "mark as failed"): never run again.
-        logger.warning("skipped a delivery of %s: its record was marked failed", name)
-        return None
+def _in_progress(task: Task[Any, Any] | None, name: str, countdown: int) -> Any:
     # The other delivery may die: come back when its lease has run out, and either find its
     # result or take its lease over.
-    countdown = _seconds_left(state.lease_expires_at)
     if task is None or task.request.is_eager:
         raise DeliveryInProgress(f"a delivery of {name} holds the lease for {countdown} s more")
     logger.info("delivery of %s in progress elsewhere; retrying in %s s", name, countdown)
     # Waiting on a live lease is not a failure of this task: it does not use up its retries.
     raise task.retry(countdown=countdown, max_retries=task.request.retries + 1)
-
-
-def _seconds_left(lease_expires_at: datetime | None) -> int:
-    if lease_expires_at is None:
-        return 1
-    return max(1, math.ceil((lease_expires_at - timezone.now()).total_seconds()))
-
-
-def _run(func: F, args: Any, kwargs: Any, state: store.RecordState) -> Any:
-    alias = conf.database()
-    token = state.lease_token
-    assert token is not None
-    try:
-        with transaction.atomic(using=alias):
-            result = func(*args, **kwargs)
-            completed = store.finish(
-                alias,
-                state.id,
-                token,
-                status=store.COMPLETED,
-                response_status=200,
-                response_headers=[],
-                response_body=_stored(result),
-                now=timezone.now(),
-            )
-            if not completed:
-                raise _LeaseLost
-    except _LeaseLost:
-        logger.warning("a task delivery lost its lease; its work was rolled back")
-        return None
-    except BaseException:
-        try:
-            store.release(alias, state.id, token)
-        except DatabaseError:
-            logger.exception("could not release a task's claim; its lease will expire")
-        raise
-    return result
-
-
-def _stored(result: Any) -> bytes:
-    # The return value is kept for duplicates when it is JSON, as Celery's default
-    # serializer needs anyway; otherwise duplicates get None.
-    try:
-        return json.dumps(result, cls=DjangoJSONEncoder).encode()
-    except (TypeError, ValueError):
-        return b""
-
-
-def enqueue_on_commit(source: Any, task: Task[Any, Any], /, *args: Any, **kwargs: Any) -> str:
-    """Send ``task`` once the current transaction commits, with a deterministic task id.
-
-    ``source`` is a protected request (``request.idempotency``) or its
-    :class:`~django_idempotency.engine.IdempotencyContext`. The task id is
-    ``context.downstream_key("task:<task name>")``: the same on every retry, takeover and
-    recovery run of the operation, so a consumer deduplicated by
-    :func:`idempotent_task` (keyed by the task id) runs once whatever is sent twice. Nothing
-    is sent when the view's transaction rolls back. A send that fails after the commit is
-    logged, not raised (the task is then lost: for at-least-once sending use an outbox).
-    Returns the task id.
-    """
-    context = source if isinstance(source, IdempotencyContext) else None
-    if context is None:
-        context = getattr(source, "idempotency", None)
-    if not isinstance(context, IdempotencyContext):
-        raise ValueError(
-            "enqueue_on_commit needs a request protected by an idempotency key, or its "
-            "request.idempotency context"
-        )
-    task_id = context.downstream_key(f"task:{task.name}")
-    # Robust: once the view's work has committed, a broker that cannot be reached must not
-    # turn the committed outcome into an error response; the failure is logged instead.
-    transaction.on_commit(
-        lambda: task.apply_async(args=args, kwargs=kwargs, task_id=task_id),
-        using=conf.database(),
-        robust=True,
-    )
-    return task_id

@@ -212,12 +212,16 @@ def ledger(description: str) -> dict[str, int]:
     import django
 
     django.setup()
+    from django_idempotency.models import OutboxMessage
     from example_project.payments.models import Charge, ProviderCall, ProviderCharge
 
+    charges = list(Charge.objects.filter(description=description).values_list("pk", flat=True))
+    receipts = OutboxMessage.objects.filter(task="payments.send_receipt")
     return {
         "provider calls": ProviderCall.objects.filter(description=description).count(),
         "provider charges": ProviderCharge.objects.filter(description=description).count(),
-        "local charges": Charge.objects.filter(description=description).count(),
+        "local charges": len(charges),
+        "receipts in outbox": sum(receipts.filter(args=[pk]).count() for pk in charges),
     }
 
 
@@ -234,7 +238,7 @@ def problems_with(outcomes: list[Outcome], mismatch: Answer, counts: dict[str, i
         found.append(f"{len(originals)} requests ran the view instead of exactly one")
     if mismatch.status != 422:
         found.append(f"the changed payload got {mismatch.status}, not 422")
-    for name in ("provider charges", "local charges"):
+    for name in ("provider charges", "local charges", "receipts in outbox"):
         if counts[name] != 1:
             found.append(f"{counts[name]} {name} instead of exactly one")
     # Nothing crashed and no lease ran out, so the view itself should have run once: more
@@ -285,10 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in counts.items():
         print(f"  {name:<20} {value}")
     found = problems_with(outcomes, mismatch, counts)
+    return report(
+        found,
+        "one charge at the provider, one local charge, one receipt in the outbox, "
+        "the same 201 for everyone.",
+    )
+
+
+def report(found: list[str], ok: str) -> int:
+    """Print the problems found, or ``ok``; the exit status: 1 when a problem was found."""
     for problem in found:
         print(f"  PROBLEM: {problem}")
     if not found:
-        print("  OK: one charge at the provider, one local charge, the same 201 for everyone.")
+        print(f"  OK: {ok}")
     print()
     return 1 if found else 0
 

@@ -29,8 +29,11 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "corsheaders",
+    # django-ninja's Swagger UI files (/ninja/docs) come from its static files, not a CDN.
+    "ninja",
     "django_idempotency",
     "example_project.payments",
+    "example_project.recipes",
 ]
 
 MIDDLEWARE = [
@@ -163,9 +166,10 @@ CORS_ALLOWED_ORIGINS = [
 CORS_ALLOW_HEADERS = (*default_headers, "idempotency-key")
 CORS_EXPOSE_HEADERS = ["Idempotent-Replayed", "Retry-After", "Location"]
 
-# Celery: receipts are sent by a task. By default it runs eagerly, in the web process right
-# after the charge commits, so the demo needs no worker; EXAMPLE_CELERY_EAGER=0 sends it to
-# the broker for `celery -A example_project worker`.
+# Celery: receipts are sent by a task, through the outbox: the view writes the message with
+# the charge and `manage.py relay_outbox` sends it. By default the task runs eagerly, in the
+# relay's process, so the demo needs no broker and no worker; EXAMPLE_CELERY_EAGER=0 sends it
+# to the broker for `celery -A example_project worker`.
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_TASK_ALWAYS_EAGER = os.environ.get("EXAMPLE_CELERY_EAGER", "1") == "1"
 CELERY_BEAT_SCHEDULE = {
@@ -177,7 +181,20 @@ CELERY_BEAT_SCHEDULE = {
         "task": "django_idempotency.recover_stale_leases",
         "schedule": 60,
     },
+    # A floor under `relay_outbox` (or instead of it): drain what is due once a minute.
+    "relay-outbox": {
+        "task": "django_idempotency.relay_outbox",
+        "schedule": 60,
+    },
 }
+
+# The webhook recipes' signing secrets (example_project/recipes/), one per sender. Real ones
+# come from the sender's dashboard and never from the code.
+STRIPE_WEBHOOK_SECRET = os.environ.get("STRIPE_WEBHOOK_SECRET", "whsec_example_stripe_secret")
+GITHUB_WEBHOOK_SECRET = os.environ.get("GITHUB_WEBHOOK_SECRET", "example-github-secret")
+STANDARD_WEBHOOK_SECRET = os.environ.get(
+    "STANDARD_WEBHOOK_SECRET", "whsec_ZXhhbXBsZS1zdGFuZGFyZC13ZWJob29rcy1zZWNyZXQ="
+)
 
 # Receipts are printed on the server's console instead of being mailed.
 EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"

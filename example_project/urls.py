@@ -1,5 +1,6 @@
 """URLs of the example project: the payments API under ``/api/`` (its OpenAPI schema at
-``/api/schema/``, Swagger UI at ``/api/docs/``) and the admin."""
+``/api/schema/``, Swagger UI at ``/api/docs/``), its charges through django-ninja under
+``/ninja/`` (schema at ``/ninja/openapi.json``, Swagger UI at ``/ninja/docs``) and the admin."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from django.views import defaults
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from example_project.payments import views
+from example_project.payments import ninja_api, views
 
 router = DefaultRouter()
 router.register("charges", views.ChargeViewSet, basename="charge")
@@ -22,6 +23,9 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("api/", include(router.urls)),
     path("api-auth/", include("rest_framework.urls")),
+    path("ninja/", ninja_api.api.urls),
+    # Webhook endpoints (Stripe, GitHub, Standard Webhooks), each run once per sender's id.
+    path("webhooks/", include("example_project.recipes.urls")),
 ]
 
 

@@ -18,6 +18,11 @@ needs_drf = pytest.mark.skipif(
     reason="needs djangorestframework (the tox env 'core' runs without it)",
 )
 
+needs_ninja = pytest.mark.skipif(
+    not settings.HAS_NINJA,
+    reason="needs django-ninja (the tox env 'core' runs without it)",
+)
+
 postgres_only = pytest.mark.skipif(
     connection.vendor == "sqlite",
     reason="needs real concurrent transactions, each on its own connection: "

@@ -80,7 +80,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
+def server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     settings = connection.settings_dict
     return {
         **os.environ,
@@ -142,9 +142,7 @@ def uvicorn(extra_env: dict[str, str] | None = None) -> Iterator[str]:
 
 @contextmanager
 def _serve(command: list[str], port: int, extra_env: dict[str, str] | None) -> Iterator[str]:
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=_server_env(extra_env), start_new_session=True
-    )
+    process = subprocess.Popen(command, cwd=ROOT, env=server_env(extra_env), start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30

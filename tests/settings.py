@@ -99,7 +99,10 @@ else:
     # The example project's app: its migrations are checked, its models type-checked. (tox
     # runs a copy of tests/ without the example project beside it.)
     if importlib.util.find_spec("example_project") is not None:
-        INSTALLED_APPS.append("example_project.payments")
+        INSTALLED_APPS += ["example_project.payments", "example_project.recipes"]
+
+# django-ninja is optional too: its operations are served under /ninja/ where it is installed.
+HAS_NINJA = importlib.util.find_spec("ninja") is not None
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -130,6 +133,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
+
+# The webhook recipes' signing secrets (example_project/recipes/).
+STRIPE_WEBHOOK_SECRET = "whsec_test_stripe"
+GITHUB_WEBHOOK_SECRET = "test-github-secret"
+STANDARD_WEBHOOK_SECRET = "whsec_dGVzdC1zdGFuZGFyZC13ZWJob29rcy1zZWNyZXQ="
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 

@@ -10,7 +10,7 @@ import pytest
 from django.test import Client, override_settings
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import needs_drf, new_key, postgres_only
+from tests.conftest import needs_drf, needs_ninja, new_key, postgres_only
 from tests.live import basic_auth, request
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
@@ -23,6 +23,14 @@ def session_headers(user) -> dict[str, str]:
     client = Client()
     client.force_login(user)
     return {"Cookie": f"sessionid={client.cookies['sessionid'].value}"}
+
+
+def auth_headers(user, path: str) -> dict[str, str]:
+    """How a plain HTTP client authenticates to ``path``: HTTP Basic for the DRF and ninja
+    APIs (ninja's session authentication would want a CSRF token), a session elsewhere."""
+    if path.startswith(("/api/", "/ninja/")):
+        return basic_auth(user.username)
+    return session_headers(user)
 
 
 def storm(url: str, path: str, headers: dict[str, str], n: int, payload=CHARGE):
@@ -52,11 +60,12 @@ def settle(url, path, headers, payload=CHARGE, attempts=100):
         "/charges/",
         pytest.param("/api/charges/", marks=needs_drf),
         pytest.param("/api/fn-charges/", marks=needs_drf),
+        pytest.param("/ninja/charges", marks=needs_ninja),
     ],
 )
 def test_storm_of_identical_requests_has_one_effect(live_server, user, path):
     rounds, n = 5, 16
-    auth = basic_auth(user.username) if path.startswith("/api/") else session_headers(user)
+    auth = auth_headers(user, path)
     for _ in range(rounds):
         headers = {**auth, "Idempotency-Key": new_key()}
         answers = storm(live_server.url, path, headers, n)
@@ -94,20 +103,33 @@ def test_storm_with_a_changed_payload_in_the_mix(live_server, user):
     assert ProviderCall.objects.count() == 1
 
 
-def test_in_flight_duplicate_gets_a_prompt_409(live_server, user):
-    headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    slow = {**headers, "X-Test": "sleep-after-write:1.5"}
+@pytest.mark.parametrize("path", ["/charges/", pytest.param("/ninja/charges", marks=needs_ninja)])
+def test_in_flight_duplicate_gets_a_prompt_409(live_server, user, path, tmp_path):
+    """The original is held on a gate (a file it waits for, bounded) after its write."""
+    headers = {**auth_headers(user, path), "Idempotency-Key": new_key()}
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    held = {**headers, "X-Test": f"touch-after-write:{started},wait-after-write:{gate}"}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
-        time.sleep(0.5)
-        started = time.monotonic()
-        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
-        waited = time.monotonic() - started
+        original = pool.submit(request, live_server.url, "POST", path, CHARGE, held)
+        deadline = time.monotonic() + 10
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started.exists(), "the original never reached its gate"
+        duplicates = [request(live_server.url, "POST", path, CHARGE, headers) for _ in range(3)]
+        assert not original.done()  # every duplicate was answered while the original held
+        gate.touch()
+        first = original.result(timeout=30)
+    for duplicate in duplicates:
         assert duplicate.status == 409
         assert duplicate.headers["retry-after"] == "1"
-        assert waited < 1.0  # answered while the original still runs
-        assert original.result(timeout=30).status == 201
+        assert duplicate.headers["content-type"] == "application/problem+json"
+        assert duplicate.json()["code"] == "idempotency_key_in_use"
+    assert first.status == 201
+    assert ProviderCall.objects.count() == 1
     assert Charge.objects.count() == 1
+    replay = request(live_server.url, "POST", path, CHARGE, headers)
+    assert replay.replayed
+    assert replay.body == first.body
 
 
 @override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})

@@ -12,7 +12,7 @@ from django.utils import timezone
 from freezegun import freeze_time
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import ApiClient, needs_drf, new_key
+from tests.conftest import ApiClient, needs_drf, needs_ninja, new_key
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -22,6 +22,10 @@ CHARGE = {"amount": 100, "currency": "EUR"}
 
 def drf(path: str):
     return pytest.param(path, marks=needs_drf)
+
+
+def ninja(path: str):
+    return pytest.param(path, marks=needs_ninja)
 
 
 def problem(response, code: str, status: int) -> dict:
@@ -45,6 +49,7 @@ def problem(response, code: str, status: int) -> dict:
         drf("/api/charges/"),
         drf("/api/fn-charges/"),
         drf("/api/generic-charges/"),
+        ninja("/ninja/charges"),
     ],
 )
 def test_retry_replays_identical_bytes_and_runs_once(api, path):
@@ -104,10 +109,11 @@ def test_forbidden_headers_stay_out_even_when_allow_listed(api):
 # -- the payload check ----------------------------------------------------------------
 
 
-def test_same_key_different_payload_is_422_without_effect(api):
+@pytest.mark.parametrize("path", ["/charges/", ninja("/ninja/charges")])
+def test_same_key_different_payload_is_422_without_effect(api, path):
     key = new_key()
-    api.post("/charges/", CHARGE, key=key)
-    response = api.post("/charges/", {"amount": 999, "currency": "EUR"}, key=key)
+    api.post(path, CHARGE, key=key)
+    response = api.post(path, {"amount": 999, "currency": "EUR"}, key=key)
     problem(response, "idempotency_key_reused", 422)
     assert Charge.objects.count() == 1
     assert ProviderCall.objects.count() == 1
@@ -141,36 +147,42 @@ def test_mismatch_is_not_confused_with_a_validation_422(api):
 # -- which outcomes are stored ---------------------------------------------------------
 
 
+OUTCOMES = ["/outcome/", ninja("/ninja/outcome")]
+
+
+@pytest.mark.parametrize("path", OUTCOMES)
 @pytest.mark.parametrize("status", [200, 201, 202, 204, 400, 402, 404, 410, 422])
-def test_deterministic_outcomes_are_stored_and_replayed(api, status):
+def test_deterministic_outcomes_are_stored_and_replayed(api, status, path):
     key = new_key()
     payload = {"status": status, "body": "" if status == 204 else f"outcome {status}"}
-    first = api.post("/outcome/", payload, key=key)
-    retry = api.post("/outcome/", payload, key=key)
+    first = api.post(path, payload, key=key)
+    retry = api.post(path, payload, key=key)
     assert first.status_code == retry.status_code == status
     assert retry.content == first.content
     assert retry["Idempotent-Replayed"] == "true"
     assert Charge.objects.count() == 1
 
 
+@pytest.mark.parametrize("path", OUTCOMES)
 @pytest.mark.parametrize("status", [500, 502, 503, 409, 429])
-def test_transient_and_server_errors_roll_back_and_release(api, status):
+def test_transient_and_server_errors_roll_back_and_release(api, status, path):
     key = new_key()
     payload = {"status": status, "body": "try later"}
-    first = api.post("/outcome/", payload, key=key)
+    first = api.post(path, payload, key=key)
     assert first.status_code == status
     assert Charge.objects.count() == 0  # the view's write was rolled back
     assert not IdempotencyRecord.objects.exists()  # the claim was released
-    again = api.post("/outcome/", payload, key=key)
+    again = api.post(path, payload, key=key)
     assert again.status_code == status
     assert "Idempotent-Replayed" not in again  # it ran afresh
 
 
-def test_exception_rolls_back_and_releases(api):
+@pytest.mark.parametrize("path", OUTCOMES)
+def test_exception_rolls_back_and_releases(api, path):
     key = new_key()
     api.client.raise_request_exception = True
     with pytest.raises(RuntimeError):
-        api.post("/outcome/", {"raise": True}, key=key)
+        api.post(path, {"raise": True}, key=key)
     assert Charge.objects.count() == 0
     assert not IdempotencyRecord.objects.exists()
 
@@ -221,16 +233,20 @@ def test_streaming_response_cannot_be_kept(api):
 # -- the key ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/charges/", drf("/api/charges/"), drf("/api/fn-charges/")])
+@pytest.mark.parametrize(
+    "path",
+    ["/charges/", drf("/api/charges/"), drf("/api/fn-charges/"), ninja("/ninja/charges")],
+)
 def test_missing_key_is_400(api, path):
     problem(api.post(path, CHARGE), "idempotency_key_missing", 400)
     assert Charge.objects.count() == 0
     assert not IdempotencyRecord.objects.exists()
 
 
+@pytest.mark.parametrize("path", ["/charges/", ninja("/ninja/charges")])
 @pytest.mark.parametrize("key", ["", " ", "x" * 256, "caf\u00e9".encode().decode("latin-1"), "a b"])
-def test_malformed_key_is_400(api, key):
-    problem(api.post("/charges/", CHARGE, key=key), "idempotency_key_invalid", 400)
+def test_malformed_key_is_400(api, key, path):
+    problem(api.post(path, CHARGE, key=key), "idempotency_key_invalid", 400)
     assert Charge.objects.count() == 0
     assert not IdempotencyRecord.objects.exists()
 
@@ -242,14 +258,15 @@ def test_structured_field_string_is_the_same_key(api):
     assert Charge.objects.count() == 1
 
 
-def test_key_not_required_runs_unprotected_without_a_record(api):
-    assert api.post("/charges/optional/", CHARGE).status_code == 201
-    assert api.post("/charges/optional/", CHARGE).status_code == 201
+@pytest.mark.parametrize("path", ["/charges/optional/", ninja("/ninja/charges/optional")])
+def test_key_not_required_runs_unprotected_without_a_record(api, path):
+    assert api.post(path, CHARGE).status_code == 201
+    assert api.post(path, CHARGE).status_code == 201
     assert Charge.objects.count() == 2
     assert not IdempotencyRecord.objects.exists()
     key = new_key()
-    api.post("/charges/optional/", CHARGE, key=key)
-    api.post("/charges/optional/", CHARGE, key=key)
+    api.post(path, CHARGE, key=key)
+    api.post(path, CHARGE, key=key)
     assert Charge.objects.count() == 3
 
 
@@ -271,7 +288,9 @@ def test_header_name_setting(api):
 # -- methods ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/charges/", "/cbv/charges/", drf("/api/charges/")])
+@pytest.mark.parametrize(
+    "path", ["/charges/", "/cbv/charges/", drf("/api/charges/"), ninja("/ninja/charges")]
+)
 def test_get_is_untouched(api, path):
     response = api.client.get(path)
     assert response.status_code == 200
@@ -450,8 +469,9 @@ def unreachable_store():
         settings_dict.update(saved)
 
 
-def test_store_unavailable_is_503_and_nothing_runs(anon_api, unreachable_store):
-    response = anon_api.post("/charges/tenant/", CHARGE, key=new_key(), headers={"X-Tenant": "t"})
+@pytest.mark.parametrize("path", ["/charges/tenant/", ninja("/ninja/charges/tenant")])
+def test_store_unavailable_is_503_and_nothing_runs(anon_api, unreachable_store, path):
+    response = anon_api.post(path, CHARGE, key=new_key(), headers={"X-Tenant": "t"})
     body = problem(response, "idempotency_store_unavailable", 503)
     assert response["Retry-After"]
     assert body["status"] == 503

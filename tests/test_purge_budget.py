@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from django_idempotency import maintenance
+from django_idempotency import purge as purge_module
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory
 from tests.test_maintenance import NOW
@@ -24,7 +25,7 @@ def expired() -> None:
     RecordFactory(created_at=NOW, expires_at=NOW + timedelta(hours=1), key="young")
 
 
-def purge(progress=None) -> list[int]:
+def batch_sizes(progress=None) -> list[int]:
     """Purge with a ceiling of 1000 rows; the size of every batch, in order."""
     totals: list[int] = []
 
@@ -40,20 +41,20 @@ def purge(progress=None) -> list[int]:
 
 
 def test_batches_within_the_budget_keep_the_ceiling(expired, monkeypatch):
-    monkeypatch.setattr(maintenance, "_BATCH_BUDGET", 60.0)
-    assert purge() == [1000, 1000, 100]
+    monkeypatch.setattr(purge_module, "BATCH_BUDGET_SECONDS", 60.0)
+    assert batch_sizes() == [1000, 1000, 100]
 
 
 def test_batches_over_the_budget_halve_down_to_the_floor(expired, monkeypatch):
-    monkeypatch.setattr(maintenance, "_BATCH_BUDGET", 0.0)  # every batch is too slow
-    assert purge() == [1000, 500, 250, 125, 100, 100, 25]
+    monkeypatch.setattr(purge_module, "BATCH_BUDGET_SECONDS", 0.0)  # every batch is too slow
+    assert batch_sizes() == [1000, 500, 250, 125, 100, 100, 25]
 
 
 def test_batches_grow_back_when_the_server_is_quick_again(expired, monkeypatch):
-    monkeypatch.setattr(maintenance, "_BATCH_BUDGET", 0.0)
+    monkeypatch.setattr(purge_module, "BATCH_BUDGET_SECONDS", 0.0)
 
     def quick_after_two(batches: int) -> None:
         if batches == 2:
-            monkeypatch.setattr(maintenance, "_BATCH_BUDGET", 60.0)
+            monkeypatch.setattr(purge_module, "BATCH_BUDGET_SECONDS", 60.0)
 
-    assert purge(quick_after_two) == [1000, 500, 600]
+    assert batch_sizes(quick_after_two) == [1000, 500, 600]

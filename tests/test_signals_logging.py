@@ -224,7 +224,7 @@ def test_records_purged(sent):
     RecordFactory()
     maintenance.purge_expired()
     (purged,) = sent.named("records_purged")
-    assert purged == {"count": 3, "audit": 0}
+    assert purged == {"count": 3, "audit": 0, "outbox": 0}
 
 
 def test_a_dry_run_purge_sends_nothing(sent):

@@ -111,6 +111,12 @@ def test_command_json(table):
         "stale_leases",
         "expired",
         "taken_at",
+        "outbox",
+    }
+    assert data["outbox"] == {
+        "by_status": {"pending": 0, "sent": 0, "dead": 0},
+        "due": 0,
+        "oldest_pending_seconds": None,
     }
 
 

@@ -1,4 +1,4 @@
-"""Celery: the beat tasks, deduplicated consumers and enqueue on commit; then a real worker."""
+"""Celery: the beat tasks and deduplicated consumers; then a real worker."""
 
 from __future__ import annotations
 
@@ -19,15 +19,14 @@ import pytest
 
 pytest.importorskip("celery", reason="Celery is an optional dependency")
 
-from django.db import transaction
+from celery import Celery
 from django.utils import timezone
 
 from django_idempotency import tasks
-from django_idempotency.engine import IdempotencyContext
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests import celery_app
 from tests.conftest import postgres_only
-from tests.live import ROOT, _server_env
+from tests.live import ROOT, server_env
 from tests.test_maintenance import completed, in_progress
 from tests.testapp.models import ProviderCall
 from tests.testapp.tasks import (
@@ -159,53 +158,6 @@ def test_maintenance_tasks_return_their_results():
     assert (recovered["found"], recovered["released"]) == (1, 1)
 
 
-# -- enqueue on commit ------------------------------------------------------------------------
-
-CONTEXT = IdempotencyContext(key="k-1", operation="charge.create", account="user:1")
-
-
-class FakeRequest:
-    idempotency = CONTEXT
-
-
-@pytest.mark.parametrize("source", [CONTEXT, FakeRequest()])
-def test_enqueue_on_commit_sends_after_commit_with_the_downstream_key(source):
-    with mock.patch.object(record_effect, "apply_async") as send:
-        with transaction.atomic():
-            task_id = tasks.enqueue_on_commit(source, record_effect, "receipt", hold=0)
-            assert not send.called
-        send.assert_called_once_with(args=("receipt",), kwargs={"hold": 0}, task_id=task_id)
-    assert task_id == CONTEXT.downstream_key("task:tests.record_effect")
-
-
-def test_enqueue_on_commit_sends_nothing_when_the_transaction_rolls_back():
-    def view_that_fails() -> None:
-        with transaction.atomic():
-            tasks.enqueue_on_commit(CONTEXT, record_effect, "receipt")
-            raise ZeroDivisionError
-
-    with mock.patch.object(record_effect, "apply_async") as send:
-        with pytest.raises(ZeroDivisionError):
-            view_that_fails()
-        assert not send.called
-
-
-def test_a_broker_failure_after_the_commit_is_logged_not_raised(caplog):
-    down = ConnectionError("down")
-    broker_down = mock.patch.object(record_effect, "apply_async", side_effect=down)
-    with broker_down, transaction.atomic():
-        tasks.enqueue_on_commit(CONTEXT, record_effect, "receipt")
-    assert "down" in caplog.text
-
-
-def test_enqueue_on_commit_needs_a_protected_request():
-    class Unprotected:
-        idempotency = None
-
-    with pytest.raises(ValueError, match="protected"):
-        tasks.enqueue_on_commit(Unprotected(), record_effect)
-
-
 # -- a real worker ----------------------------------------------------------------------------
 
 WAIT = 60  # seconds: a bound on every wait for the worker
@@ -246,10 +198,22 @@ def wait_drained() -> None:
 
 
 @contextmanager
-def celery_worker(pool: str = "prefork", concurrency: int = 1) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``celery worker`` process on the test database; killed at the end."""
+def celery_worker(
+    pool: str = "prefork", concurrency: int = 1, broker_url: str | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``celery worker`` process on the test database; killed at the end.
+
+    ``broker_url``: another broker than the tests' (a private Redis, say).
+    """
     name = f"idempotency-tests-{uuid.uuid4().hex[:8]}@localhost"
-    env = _server_env({"TEST_CELERY_QUEUE": celery_app.QUEUE})
+    extra = {"TEST_CELERY_QUEUE": celery_app.QUEUE}
+    if broker_url is not None:
+        extra["TEST_CELERY_BROKER"] = broker_url
+    env = server_env(extra)
+    # Only to ping the worker: never the current app, which the tests' tasks use.
+    control = (
+        celery_app.app if broker_url is None else Celery(broker=broker_url, set_as_current=False)
+    )
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
@@ -264,8 +228,7 @@ def celery_worker(pool: str = "prefork", concurrency: int = 1) -> Iterator[subpr
     try:
         wait_until(
             lambda: (
-                process.poll() is not None
-                or celery_app.app.control.ping(destination=[name], timeout=0.5)
+                process.poll() is not None or control.control.ping(destination=[name], timeout=0.5)
             ),
             "the worker to answer a ping",
             timeout=30,
@@ -275,6 +238,8 @@ def celery_worker(pool: str = "prefork", concurrency: int = 1) -> Iterator[subpr
         yield process
     finally:
         stop(process)
+        if control is not celery_app.app:
+            control.close()
 
 
 def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:

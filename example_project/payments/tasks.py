@@ -1,8 +1,9 @@
-"""Receipts: a task the charges endpoint enqueues once its charge has committed.
+"""Receipts: a task the charges endpoint puts in the outbox with its charge.
 
-The view enqueues it with ``enqueue_on_commit``, whose task id is derived from the charge's
-idempotency key: a retried charge request that runs again (after a crash) sends the same task
-id, and ``idempotent_task`` (keyed by the task id) lets only one delivery run.
+The view calls ``django_idempotency.outbox.enqueue`` in the charge's transaction, so there is
+one outbox message per committed charge, and ``manage.py relay_outbox`` sends it with the
+message id as the task id. The relay may send a message twice (it died between the send and
+marking it sent): ``idempotent_task``, keyed by the task id, lets only one delivery run.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.tasks import enqueue_on_commit
+from django_idempotency.outbox import enqueue
 from example_project.payments import provider
 from example_project.payments.models import Charge
 from example_project.payments.serializers import ChargeSerializer, RefundSerializer
@@ -72,9 +72,9 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
         charge = serializer.save(
             user=self.request.user, provider_charge_id=provider_charge.reference
         )
-        # Sent only if this request's transaction commits, with a task id derived from the
-        # key: a second run of this operation (after a crash) cannot send a second receipt.
-        enqueue_on_commit(self.request, send_receipt, charge.pk)
+        # Written to the outbox in this request's transaction: the receipt exists exactly
+        # when the charge committed, and the relay (manage.py relay_outbox) sends it.
+        enqueue(send_receipt, charge.pk)
 
 
 @extend_schema(request=RefundSerializer, responses={201: RefundSerializer, 400: INVALID})

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.apps import apps
 from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
@@ -40,3 +41,14 @@ if settings.HAS_DRF:
         path("api/generic-charges/", drf_views.GenericChargeCreateView.as_view()),
         path("api/fn-charges/", drf_views.api_charge),
     ]
+
+if settings.HAS_NINJA:
+    from tests.testapp.ninja_api import api
+
+    urlpatterns += [path("ninja/", api.urls)]
+
+# The webhook recipes, for the tests that run a real server.
+if apps.is_installed("example_project.recipes"):
+    from tests.testapp import webhook_delay  # noqa: F401  (TEST_WEBHOOK_DELAY)
+
+    urlpatterns.append(path("webhooks/", include("example_project.recipes.urls")))

@@ -55,17 +55,8 @@ def _write_backend_pid(path: str) -> None:
     Path(path + ".tmp").rename(path)  # the test never reads a half-written file
 
 
-def make_charge(request: HttpRequest) -> HttpResponse:
-    """The shared body of the charge views: provider call, then the local write."""
-    steer(request, "start")
-    try:
-        payload = json.loads(request.body or b"{}")
-        amount = int(payload["amount"])
-        currency = str(payload["currency"])
-    except (ValueError, KeyError, TypeError):
-        return JsonResponse({"error": "amount and currency required"}, status=400)
-    if amount <= 0:
-        return JsonResponse({"error": "amount must be positive"}, status=422)
+def record_charge(request: HttpRequest, amount: int, currency: str) -> Charge:
+    """The side effects of a charge: the provider call, then the local write."""
     account = request.idempotency.account if request.idempotency else "anonymous"  # type: ignore[attr-defined]
     provider_key = (
         request.idempotency.downstream_key("provider")  # type: ignore[attr-defined]
@@ -78,8 +69,28 @@ def make_charge(request: HttpRequest) -> HttpResponse:
         account=account, amount=amount, currency=currency, provider_charge=str(provider_id)
     )
     steer(request, "after-write")
+    return charge
+
+
+def make_charge(request: HttpRequest) -> HttpResponse:
+    """The shared body of the charge views: provider call, then the local write."""
+    steer(request, "start")
+    try:
+        payload = json.loads(request.body or b"{}")
+        amount = int(payload["amount"])
+        currency = str(payload["currency"])
+    except (ValueError, KeyError, TypeError):
+        return JsonResponse({"error": "amount and currency required"}, status=400)
+    if amount <= 0:
+        return JsonResponse({"error": "amount must be positive"}, status=422)
+    charge = record_charge(request, amount, currency)
     response = JsonResponse(
-        {"id": charge.pk, "amount": amount, "currency": currency, "provider": provider_id},
+        {
+            "id": charge.pk,
+            "amount": amount,
+            "currency": currency,
+            "provider": int(charge.provider_charge),
+        },
         status=201,
     )
     response["Location"] = f"/charges/{charge.pk}/"
@@ -104,8 +115,15 @@ def charges_fail_policy(request: HttpRequest) -> HttpResponse:
     return make_charge(request)
 
 
+#: The keys a recovery callable was asked about, in order (tests clear it).
+RECOVERY_ASKED: list[str] = []
+
+
 def recover_by_asking_provider(record):  # type: ignore[no-untyped-def]
     """A recovery callable: answers from our own Charge table when it holds the outcome."""
+    RECOVERY_ASKED.append(record.key)
+    if record.key.startswith("raise-"):
+        raise ConnectionError("the provider could not be asked")
     if record.key.startswith("known-"):
         return JsonResponse({"recovered": record.key}, status=200)
     if record.key.startswith("down-"):

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency import conf, stats
-from django_idempotency.models import RecordStatus
+from django_idempotency.models import OutboxStatus, RecordStatus
 
 
 def _size(n: int) -> str:
@@ -37,7 +37,7 @@ def _duration(seconds: float | None) -> str:
 class Command(BaseCommand):
     help = (
         "Show the size of the idempotency records table, records by status, the oldest "
-        "in-progress record, stale leases and expired records not yet purged."
+        "in-progress record, stale leases, expired records not yet purged, and the outbox."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -53,8 +53,10 @@ class Command(BaseCommand):
         if alias not in settings.DATABASES:
             raise CommandError(f"Unknown database {alias!r}.")
         snapshot = stats.collect(using=alias)
+        messages = stats.outbox(using=alias, now=snapshot.taken_at)
         if options["json"]:
-            self.stdout.write(json.dumps(snapshot.as_dict(), indent=2))
+            data = {**snapshot.as_dict(), "outbox": messages.as_dict()}
+            self.stdout.write(json.dumps(data, indent=2))
             return
         rows = [
             ("database", alias),
@@ -72,6 +74,15 @@ class Command(BaseCommand):
             ("oldest in progress", _duration(snapshot.oldest_in_progress_seconds)),
             ("stale leases", f"{snapshot.stale_leases:,}"),
             ("expired, not purged", f"{snapshot.expired:,}"),
+            ("outbox", ""),
+        ]
+        rows += [
+            (f"  {OutboxStatus(status).label}", f"{n:,}")
+            for status, n in messages.by_status.items()
+        ]
+        rows += [
+            ("  due now", f"{messages.due:,}"),
+            ("  oldest pending", _duration(messages.oldest_pending_seconds)),
         ]
         width = max(len(label) for label, _ in rows)
         for label, value in rows:

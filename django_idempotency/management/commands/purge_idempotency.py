@@ -1,4 +1,4 @@
-"""``manage.py purge_idempotency``: delete expired records (and old audit records) in batches."""
+"""``manage.py purge_idempotency``: expired records, old audit records and sent outbox messages."""
 
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ class Command(BaseCommand):
             f"{verb} {result.deleted} expired idempotency records in {result.batches} batches"
             f" and {result.audit_deleted} audit records in {result.audit_batches} batches."
         )
+        if result.outbox_deleted:
+            line += (
+                f" {result.outbox_deleted} sent outbox messages in {result.outbox_batches} batches."
+            )
         if result.archived:
             line += f" {result.archived} records were copied to the audit trail first."
         if not result.dry_run:

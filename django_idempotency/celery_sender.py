@@ -1,0 +1,58 @@
+"""The default outbox sender: Celery's ``apply_async``, with the message id as the task id.
+
+Imported only when ``OUTBOX_SENDER`` names it, so the rest of the app needs no Celery. It
+sends through the current Celery app (the one the project configures), never a new one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import current_app
+from celery.exceptions import NotRegistered
+
+from django_idempotency.models import OutboxMessage
+from django_idempotency.outbox import UnknownTask
+
+# Apps whose task modules were imported already, once per process (by id).
+_loaded: set[int] = set()
+
+
+def send(message: OutboxMessage) -> None:
+    """Send ``message`` with ``apply_async(task_id=str(message.id))``; raise on failure.
+
+    The task is looked up by name in the current app's registry, after importing its task
+    modules (``include``, ``imports``, autodiscovery) the way a worker does: a relay process
+    may not have imported them yet. A name still unknown raises :class:`UnknownTask`, and
+    the message is dead at once.
+
+    Nothing here waits for the broker: a broker that cannot be reached fails the send at
+    once (no connection retries, ``retry=False``), and the outbox retries it with its own
+    backoff instead of holding the batch's row locks meanwhile.
+    """
+    task = _task(message.task)
+    options: dict[str, Any] = {
+        "args": message.args,
+        "kwargs": message.kwargs,
+        "task_id": str(message.id),
+        "retry": False,
+    }
+    app = task.app
+    if app.conf.task_always_eager:
+        task.apply_async(**options)
+        return
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(max_retries=0)
+        task.apply_async(**options, producer=producer)
+
+
+def _task(name: str) -> Any:
+    # The app itself, not the proxy: its identity says whether its modules were imported.
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    if name not in app.tasks and id(app) not in _loaded:
+        app.loader.import_default_modules()
+        _loaded.add(id(app))
+    try:
+        return app.tasks[name]
+    except NotRegistered:
+        raise UnknownTask(f"no task named {name!r} is registered") from None

@@ -1,0 +1,343 @@
+"""The framework-neutral engine: claim, fenced execution, recovery.
+
+The HTTP adapters (``engine.handle``: the decorator, the DRF mixin, the ninja decorator),
+:func:`django_idempotency.run_once` and the Celery task decorator all go through these
+functions; the recovery job too. None of them knows about HTTP: an outcome is a status, a
+few headers and a body, stored as they are.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar
+
+from django.db import DatabaseError, transaction
+from django.utils import timezone
+from django.utils.crypto import salted_hmac
+
+from django_idempotency import conf, problems, signals, store
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.states import COMPLETED, FAILED
+
+logger = logging.getLogger("django_idempotency")
+
+T = TypeVar("T")
+
+RETRY = "retry"
+FAIL = "fail"
+
+
+@dataclass
+class IdempotencyContext:
+    """The running operation: who and what its key belongs to, and whether it was replayed.
+
+    ``request.idempotency`` in a protected view, and :func:`django_idempotency.current`
+    inside a protected view or a :func:`~django_idempotency.run_once` callable.
+    """
+
+    key: str
+    operation: str
+    account: str
+    replayed: bool = False
+    record_id: int | None = field(default=None, repr=False)
+
+    def downstream_key(self, name: str) -> str:
+        """A key for a provider call, the same on every retry, takeover and recovery run.
+
+        A keyed hash (HMAC-SHA256 with ``SECRET_KEY``) of ``(account, operation, key, name)``:
+        the client's raw key never reaches the provider, and two accounts never share one.
+        """
+        message = "\x1f".join((self.account, self.operation, self.key, name))
+        return salted_hmac("django_idempotency.downstream", message, algorithm="sha256").hexdigest()
+
+
+_current: contextvars.ContextVar[IdempotencyContext | None] = contextvars.ContextVar(
+    "django_idempotency_current", default=None
+)
+
+
+def current() -> IdempotencyContext | None:
+    """The running protected operation's context, else ``None``."""
+    return _current.get()
+
+
+@contextmanager
+def running(context: IdempotencyContext) -> Iterator[None]:
+    """Make ``context`` the :func:`current` one while the body runs."""
+    token = _current.set(context)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+_MAX_NAME = 255
+
+
+def storable_name(name: str) -> str:
+    """An account or operation as stored: itself, or ``sha256:<hex>`` when it is longer than
+    the column or holds characters a database cannot store (NUL). Deterministic, so every
+    retry maps to the same record."""
+    if len(name) <= _MAX_NAME and "\x00" not in name:
+        return name
+    return "sha256:" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def recovery_name(recovery: str | Callable[..., Any]) -> str:
+    """How a recovery policy is stored on the record, so the recovery job can apply it."""
+    if isinstance(recovery, str):
+        return recovery
+    return f"{recovery.__module__}.{recovery.__qualname__}"
+
+
+def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
+    """``"retry"``, ``"fail"``, or the callable a dotted path names."""
+    if isinstance(recovery, str) and recovery not in (RETRY, FAIL):
+        return conf.resolve_callable(recovery)
+    return recovery
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What one claim is for: the record's identity, the request's fingerprint, its terms."""
+
+    alias: str
+    account: str
+    operation: str
+    key: str
+    request_hash: str
+    fingerprint_version: str
+    recovery_policy: str
+    lease: timedelta
+    ttl: timedelta
+
+    def claim(self) -> store.ClaimResult:
+        """Claim the record (see :func:`store.claim`), now."""
+        terms = {
+            f.name: getattr(self, f.name) for f in fields(store.ClaimRequest) if f.name != "now"
+        }
+        return store.claim(self.alias, store.ClaimRequest(now=timezone.now(), **terms))
+
+    def fetch(self) -> store.RecordState | None:
+        """The record as it is now."""
+        return store.fetch(self.alias, self.account, self.operation, self.key)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What is stored and answered to every retry: a status, headers and body bytes."""
+
+    response_status: int
+    headers: list[list[str]]
+    body: bytes
+    status: str = COMPLETED
+
+
+def finish(
+    alias: str, record_id: int, token: Any, outcome: Outcome, now: datetime | None = None
+) -> bool:
+    """Store ``outcome``, fenced by the lease token; ``False`` when the lease was lost."""
+    return store.finish(
+        alias,
+        record_id,
+        token,
+        status=outcome.status,
+        response_status=outcome.response_status,
+        response_headers=outcome.headers,
+        response_body=outcome.body,
+        now=now or timezone.now(),
+    )
+
+
+def failure_outcome(key: str, operation: str) -> Outcome:
+    """What the ``"fail"`` recovery policy stores: the "outcome unknown" problem."""
+    detail = (
+        f"The request with key {key!r} for {operation} stopped before it finished; whether it "
+        "took effect is unknown and needs reconciliation. It will not be run again."
+    )
+    return Outcome(
+        problems.OUTCOME_UNKNOWN.status,
+        [["Content-Type", problems.PROBLEM_CONTENT_TYPE]],
+        problems.OUTCOME_UNKNOWN.body(detail),
+        FAILED,
+    )
+
+
+class LeaseLost(Exception):
+    """The fenced completion matched no row: another attempt took the lease over, and this
+    attempt's database work was rolled back."""
+
+
+class _RolledBack(Exception):
+    def __init__(self, result: Any, outcome: Outcome | None) -> None:
+        self.result = result
+        self.outcome = outcome
+
+
+@dataclass(frozen=True)
+class Fenced(Generic[T]):
+    """What a fenced execution gave: the body's result, and whether its outcome was stored
+    (otherwise its work was rolled back and the claim released)."""
+
+    result: T
+    stored: bool
+
+
+def release_quietly(alias: str, record_id: int, token: Any) -> None:
+    """Release a claim; when the database cannot be reached, leave it to its lease."""
+    try:
+        store.release(alias, record_id, token)
+    except DatabaseError:
+        # The lease runs out on its own; the recovery policy takes it from there.
+        logger.exception("could not release an idempotency claim; its lease will expire")
+
+
+def run_fenced(
+    alias: str,
+    record_id: int,
+    token: Any,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+) -> Fenced[T]:
+    """Run ``body`` and complete the record in one transaction.
+
+    ``judge(result)`` says what to store, or ``None``: then the body's work is rolled back and
+    the claim released, so a retry runs afresh. When the body raises, the same happens and
+    the exception propagates. When the body marked its own transaction for rollback, its
+    outcome (if storable) is stored after the rollback: it is still the deterministic answer
+    of this request. Raises :class:`LeaseLost` when another attempt owns the record now.
+    """
+    try:
+        with transaction.atomic(using=alias):
+            result = body()
+            outcome = judge(result)
+            if outcome is None or transaction.get_rollback(using=alias):
+                raise _RolledBack(result, outcome)
+            if not finish(alias, record_id, token, outcome):
+                raise LeaseLost
+            return Fenced(result, stored=True)
+    except _RolledBack as rolled_back:
+        if rolled_back.outcome is not None:
+            if not finish(alias, record_id, token, rolled_back.outcome):
+                raise LeaseLost from None
+            return Fenced(rolled_back.result, stored=True)
+        release_quietly(alias, record_id, token)
+        return Fenced(rolled_back.result, stored=False)
+    except LeaseLost:
+        raise
+    except BaseException:
+        release_quietly(alias, record_id, token)
+        raise
+
+
+# -- recovery -------------------------------------------------------------------------------
+
+Policy = str | Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a recovery policy decided for a stale record.
+
+    ``run``: go on as if new (the request path runs the view; the recovery job releases the
+    record). ``outcome``: stored, and answered to every retry. ``undecided``: the policy
+    answered something that cannot be stored; ``answer`` holds it. ``lease_lost``: the record
+    changed meanwhile (completed, released or taken over) and was left alone.
+    """
+
+    run: bool = False
+    outcome: Outcome | None = None
+    undecided: bool = False
+    answer: Any = None
+    lease_lost: bool = False
+
+
+def recover(
+    policy: Policy,
+    *,
+    load_record: Callable[[], Any],
+    fail_outcome: Callable[[], Outcome],
+    as_outcome: Callable[[Any], Outcome | None],
+    close: Callable[[Outcome], bool],
+) -> Recovered:
+    """Apply a recovery policy to a stale record: the one rule of the request path and of
+    the recovery job.
+
+    ``"retry"`` runs again. ``"fail"`` closes the record with ``fail_outcome()``. A callable
+    gets the record (``load_record()``) and answers ``None`` (run again) or an answer that
+    ``as_outcome`` turns into what is stored, or into ``None`` when it cannot be stored
+    (undecided). ``close(outcome)`` stores an outcome, fenced, and says whether it could. A
+    callable that raises propagates: the caller keeps the record stale for the next ask.
+    """
+    if policy == RETRY:
+        return Recovered(run=True)
+    if policy == FAIL:
+        outcome = fail_outcome()
+        return Recovered(outcome=outcome) if close(outcome) else Recovered(lease_lost=True)
+    assert callable(policy)
+    record = load_record()
+    if record is None:
+        return Recovered(lease_lost=True)
+    answer = policy(record)
+    if answer is None:
+        return Recovered(run=True)
+    stored = as_outcome(answer)
+    if stored is None:
+        return Recovered(undecided=True, answer=answer)
+    if not close(stored):
+        return Recovered(lease_lost=True, answer=answer)
+    return Recovered(outcome=stored, answer=answer)
+
+
+def announce_recovery(
+    account: str, operation: str, key: str, policy: str, outcome: str, record_id: int | None
+) -> None:
+    """Log and signal (``lease_recovered``) what a recovery policy did with a record."""
+    # The record is named by its id: the client's key does not belong in logs.
+    logger.info("recovery policy %s on record %s (%s): %s", policy, record_id, operation, outcome)
+    if signals.lease_recovered.has_listeners(IdempotencyRecord):
+        signals.lease_recovered.send(
+            sender=IdempotencyRecord,
+            account=account,
+            operation=operation,
+            key=key,
+            policy=policy,
+            outcome=outcome,
+        )
+
+
+def give_back(alias: str, record_id: int, token: Any, now: datetime | None = None) -> None:
+    """End an owned lease now, keeping the record in progress (stale) for the next ask."""
+    try:
+        store.give_back(alias, record_id, token, now or timezone.now())
+    except DatabaseError:
+        logger.exception("could not give an idempotency lease back; it will expire")
+
+
+__all__ = [
+    "COMPLETED",
+    "FAIL",
+    "FAILED",
+    "RETRY",
+    "Fenced",
+    "IdempotencyContext",
+    "LeaseLost",
+    "Operation",
+    "Outcome",
+    "Recovered",
+    "current",
+    "finish",
+    "recover",
+    "recovery_name",
+    "release_quietly",
+    "resolve_recovery",
+    "run_fenced",
+    "running",
+    "storable_name",
+]

@@ -1,0 +1,40 @@
+"""The exceptions of the framework-neutral API (:func:`django_idempotency.run_once`)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+from django.utils import timezone
+
+
+class IdempotencyError(Exception):
+    """Base class: the operation was not run, and nothing was committed by this call."""
+
+
+class InProgress(IdempotencyError):
+    """Another attempt holds the key's live lease, or took this attempt's lease over.
+
+    ``retry_after`` is the number of whole seconds (at least 1) left of that lease.
+    """
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class KeyReused(IdempotencyError):
+    """The key was first used with another fingerprint: a new operation needs a new key."""
+
+
+class OutcomeUnknown(IdempotencyError):
+    """An earlier attempt stopped midway and the ``"fail"`` recovery policy closed the record:
+    whether it took effect is unknown, and it is never run again."""
+
+
+def seconds_left(until: datetime | None, now: datetime | None = None) -> int:
+    """Whole seconds from ``now`` until ``until``, rounded up, at least 1."""
+    if until is None:
+        return 1
+    left = (until - (now or timezone.now())).total_seconds()
+    return max(1, math.ceil(left))

@@ -1,0 +1,90 @@
+"""``manage.py relay_outbox``: send the outbox's messages, until stopped or once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_idempotency import conf, outbox
+from django_idempotency.management.commands.purge_idempotency import positive_int, run_job
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM or SIGINT while the block runs (main thread only)."""
+    stopping = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopping
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield stopping
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+class Command(BaseCommand):
+    """A thin wrapper around :func:`django_idempotency.outbox.relay`."""
+
+    help = (
+        "Send the outbox's messages with OUTBOX_SENDER. Runs until SIGTERM or SIGINT (the "
+        "batch in hand is finished first); --once drains what is due and exits."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--once", action="store_true", help="Drain what is due now, then exit.")
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=None,
+            help="Messages per batch (one transaction each). Default: OUTBOX_BATCH_SIZE.",
+        )
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="The database alias of the outbox. Default: IDEMPOTENCY['DATABASE'].",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"] or conf.database()
+        if alias not in settings.DATABASES:
+            raise CommandError(f"Unknown database {alias!r}.")
+        try:
+            sender = outbox.configured_sender()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        with stop_on_signals() as stopping:
+            result = run_job(
+                "relay",
+                outbox.relay,
+                using=alias,
+                batch_size=options["batch_size"],
+                once=options["once"],
+                stop=stopping.is_set,
+                sender=sender,
+            )
+        if int(options["verbosity"]) >= 1:
+            self.stdout.write(self.summary(result))
+
+    @staticmethod
+    def summary(result: outbox.RelayResult) -> str:
+        """The final line: sent, failed (retried later) and dead messages."""
+        return (
+            f"Sent {result.sent} outbox messages; {result.failed} failed (to be retried), "
+            f"{result.dead} dead."
+        )

@@ -1,0 +1,228 @@
+"""``run_once``: the engine's guarantee for any code path, without an HTTP request.
+
+Queue consumers, management commands, scheduled jobs and agent tool calls claim
+``(account, operation, key)`` with the same statements as a request; the callable and the
+completion of the record share one transaction, and a duplicate gets the stored result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from django.core.serializers.json import DjangoJSONEncoder
+
+from django_idempotency import conf, core
+from django_idempotency.exceptions import InProgress, KeyReused, OutcomeUnknown, seconds_left
+from django_idempotency.keys import validate_key
+from django_idempotency.states import COMPLETED, FAILED
+
+logger = logging.getLogger("django_idempotency")
+
+T = TypeVar("T")
+
+#: The fingerprint version of records made by ``run_once``.
+FINGERPRINT_VERSION = "call-v1"
+# Without a fingerprint every call with the same key is the same request.
+_NO_FINGERPRINT = hashlib.sha256(b"").hexdigest()
+
+
+class LeaseTakenOver(InProgress):
+    """This attempt outlived its lease and another attempt took the record over: its work
+    was rolled back. A kind of :class:`InProgress`: the other attempt is running."""
+
+
+def fingerprint_of(value: Any) -> str:
+    """The hash stored for a ``fingerprint=``: a string as it is, any other JSON-able value
+    in canonical form (sorted keys, no insignificant whitespace)."""
+    if value is None:
+        return _NO_FINGERPRINT
+    text = (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
+    )
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def stored_result(result: Any) -> core.Outcome:
+    """The record's outcome for a return value; ``TypeError`` when it is not JSON."""
+    try:
+        body = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"run_once stores the callable's result as JSON, and {type(result).__name__} "
+            f"is not JSON ({exc}); nothing was committed"
+        ) from exc
+    return core.Outcome(200, [["Content-Type", "application/json"]], body)
+
+
+def outcome_of(result: Any) -> core.Outcome | None:
+    """What is stored for a result, or ``None`` when it is not JSON (the recovery job's
+    test of a recovery callable's answer)."""
+    try:
+        return stored_result(result)
+    except TypeError:
+        return None
+
+
+def run_once(
+    func: Callable[..., T],
+    /,
+    *args: Any,
+    account: str,
+    operation: str,
+    key: str,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+    recovery: str | Callable[[Any], Any] | None = None,
+    fingerprint: Any = None,
+    **kwargs: Any,
+) -> T:
+    """Run ``func(*args, **kwargs)`` at most once per ``(account, operation, key)``.
+
+    - First call: ``func`` runs inside one ``transaction.atomic()`` together with the
+      completion of the record, and its result is returned (and stored as JSON).
+    - A completed duplicate returns the stored result (what ``json.loads`` gives back)
+      without calling ``func``. A result that cannot be stored as JSON raises ``TypeError``:
+      nothing commits and the claim is released.
+    - Another live attempt holds the lease: :class:`~django_idempotency.InProgress`, with
+      ``retry_after`` the whole seconds left of that lease. An attempt whose lease was taken
+      over while it ran has its work rolled back and raises it too.
+    - ``fingerprint`` (a string, or a JSON-able value hashed canonically): a used key with
+      another fingerprint raises :class:`~django_idempotency.KeyReused`. A record closed by
+      the ``"fail"`` recovery policy raises :class:`~django_idempotency.OutcomeUnknown`.
+    - ``func`` raises: its database work rolls back, the claim is released, the exception
+      propagates.
+
+    ``ttl``, ``lease`` and ``recovery`` default to the ``TTL``, ``LEASE`` and ``RECOVERY``
+    settings. A recovery callable gets the record and returns a result to store, or
+    ``None`` to run ``func`` again.
+    """
+    return call_once(
+        func,
+        args,
+        kwargs,
+        account=account,
+        operation=operation,
+        key=key,
+        ttl=ttl,
+        lease=lease,
+        recovery=recovery,
+        fingerprint=fingerprint,
+    )
+
+
+def call_once(
+    func: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    account: str,
+    operation: str,
+    key: str,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+    recovery: str | Callable[[Any], Any] | None = None,
+    fingerprint: Any = None,
+) -> T:
+    """:func:`run_once` with the callable's arguments as a tuple and a dict, so that they
+    may use any name (the Celery adapter passes a task's own arguments through)."""
+    policy = recovery if recovery is not None else conf.get("RECOVERY")
+    op = core.Operation(
+        alias=conf.database(),
+        account=core.storable_name(str(account)),
+        operation=core.storable_name(str(operation)),
+        key=validate_key(key),
+        request_hash=fingerprint_of(fingerprint),
+        fingerprint_version=FINGERPRINT_VERSION,
+        recovery_policy=core.recovery_name(policy),
+        ttl=conf.as_timedelta(ttl) if ttl is not None else conf.ttl(),
+        lease=conf.as_timedelta(lease) if lease is not None else conf.lease(),
+    )
+    result = op.claim()
+    state = result.state
+    if not result.claimed:
+        return cast(T, _duplicate(op, state))
+    assert state.lease_token is not None
+    token = state.lease_token
+    context = core.IdempotencyContext(
+        key=op.key, operation=op.operation, account=op.account, record_id=state.id
+    )
+    if result.took_over_stale_lease:
+        recovered = _recover(op, state.id, token, core.resolve_recovery(policy))
+        if recovered is not None:
+            return cast(T, recovered)
+    try:
+        with core.running(context):
+            fenced = core.run_fenced(
+                op.alias, state.id, token, lambda: func(*args, **kwargs), stored_result
+            )
+    except core.LeaseLost:
+        now_state = op.fetch()
+        raise LeaseTakenOver(
+            f"this attempt of {op.operation} lost its lease to another attempt; "
+            "its work was rolled back",
+            retry_after=seconds_left(now_state.lease_expires_at if now_state else None),
+        ) from None
+    return cast(T, fenced.result)
+
+
+def _duplicate(op: core.Operation, state: Any) -> Any:
+    if (
+        state.fingerprint_version == op.fingerprint_version
+        and state.request_hash != op.request_hash
+    ):
+        raise KeyReused(
+            f"key {op.key!r} of {op.operation} was first used with another fingerprint; "
+            "use a new key for a new operation"
+        )
+    if state.status == COMPLETED:
+        return json.loads(state.response_body) if state.response_body else None
+    if state.status == FAILED:
+        raise OutcomeUnknown(
+            f"an earlier attempt of {op.operation} with key {op.key!r} stopped midway; "
+            "whether it took effect is unknown, and it will not be run again"
+        )
+    raise InProgress(
+        f"another attempt of {op.operation} with key {op.key!r} is running",
+        retry_after=seconds_left(state.lease_expires_at),
+    )
+
+
+def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any:
+    from django_idempotency.models import IdempotencyRecord
+
+    try:
+        recovered = core.recover(
+            policy,
+            load_record=lambda: (
+                IdempotencyRecord.objects.using(op.alias)
+                .filter(pk=record_id, lease_token=token)
+                .first()
+            ),
+            fail_outcome=lambda: core.failure_outcome(op.key, op.operation),
+            as_outcome=stored_result,
+            close=lambda outcome: core.finish(op.alias, record_id, token, outcome),
+        )
+    except Exception:
+        core.give_back(op.alias, record_id, token)
+        raise
+    if recovered.lease_lost:
+        raise LeaseTakenOver(
+            f"the recovery of {op.operation} lost its lease to another attempt",
+            retry_after=seconds_left(None),
+        )
+    if recovered.run:
+        return None
+    assert recovered.outcome is not None
+    if recovered.outcome.status == FAILED:
+        raise OutcomeUnknown(
+            f"an earlier attempt of {op.operation} with key {op.key!r} stopped midway; "
+            "whether it took effect is unknown, and it will not be run again"
+        )
+    return recovered.answer

@@ -1,0 +1,45 @@
+"""The one retry helper: a short transaction run again when the database asks for it."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import OperationalError
+
+T = TypeVar("T")
+
+# Deadlock and serialization failures: the database rolled the statement back and asks for a
+# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
+_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
+ATTEMPTS = 5
+
+
+def is_retryable(exc: OperationalError) -> bool:
+    """A deadlock or serialization failure, which the database asks the client to retry."""
+    cause = exc.__cause__
+    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+        return True
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
+
+
+def retrying(func: Callable[[], T]) -> T:
+    """Run ``func`` (one short transaction) again when the database picked it as a deadlock
+    victim or failed it for serialization; other errors propagate at once.
+
+    InnoDB can pick a concurrent duplicate insert, or one of two purgers whose index locks
+    cross, as a victim; each caller's transaction starts afresh, so running it again is safe.
+    Up to five attempts, with a few milliseconds of jittered sleep between them.
+    """
+    for attempt in range(ATTEMPTS):
+        try:
+            return func()
+        except OperationalError as exc:
+            if not is_retryable(exc) or attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -1,0 +1,67 @@
+"""Processes for the outbox tests: a relay, or a writer that dies right after its commit.
+
+    python -m tests.outbox_proc relay '<IDEMPOTENCY as JSON>' [relay_outbox arguments...]
+    python -m tests.outbox_proc enqueue-and-die <tag>
+
+The tests' Celery app is loaded first, so the Celery sender publishes to the broker that
+``TEST_CELERY_BROKER`` names. With ``OUTBOX_GO_FILE`` set, a relay waits (30 s at most) for
+that file to exist before it starts: several relays then begin at the same moment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import django
+
+
+def relay(settings: str, arguments: list[str]) -> None:
+    from django.core.management import call_command
+    from django.test import override_settings
+
+    go = os.environ.get("OUTBOX_GO_FILE")
+    if go:
+        deadline = time.monotonic() + 30
+        while not Path(go).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    with override_settings(IDEMPOTENCY=json.loads(settings)):
+        call_command("relay_outbox", *arguments)
+
+
+def enqueue_and_die(tag: str) -> None:
+    from django.db import transaction
+
+    from django_idempotency.outbox import enqueue
+    from tests.testapp.tasks import record_effect
+
+    with transaction.atomic():
+        message_id = enqueue(record_effect, tag)
+    print(message_id, flush=True)
+    # After the COMMIT, before anything could send the message.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    # The tests' app, not the example project's that setup() imported: shared tasks bind to
+    # the current app, and the Celery sender publishes through it.
+    from tests.celery_app import app
+
+    app.set_current()
+    command, *rest = sys.argv[1:]
+    if command == "relay":
+        relay(rest[0], rest[1:])
+    elif command == "enqueue-and-die":
+        enqueue_and_die(rest[0])
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main()

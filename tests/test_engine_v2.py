@@ -1,0 +1,218 @@
+"""Engine v2: the hot path's statements, what a replay does not do, and the defects it fixed."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_idempotency import store
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
+from tests.conftest import new_key
+from tests.test_purge_concurrency import in_thread
+from tests.testapp import views
+from tests.testapp.models import Charge
+
+CHARGE = {"amount": 1000, "currency": "EUR"}
+# PostgreSQL's single-statement claim; MariaDB's portable claim inserts first, and a duplicate
+# INSERT waits for a row lock held on the record in its way.
+postgresql_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="PostgreSQL's one-statement claim"
+)
+WAIT = 30
+
+
+def record_statements(queries: CaptureQueriesContext) -> list[str]:
+    return [q["sql"] for q in queries.captured_queries if "django_idempotency_record" in q["sql"]]
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_first_request_claims_and_completes_with_one_statement_each(api):
+    with CaptureQueriesContext(connection) as queries:
+        assert api.post("/charges/", CHARGE, key=new_key()).status_code == 201
+    statements = record_statements(queries)
+    assert len(statements) == 2, statements
+    assert statements[0].lstrip().upper().startswith(("WITH CLAIM AS", "INSERT INTO"))
+    assert statements[1].lstrip().upper().startswith("UPDATE")
+    assert Charge.objects.count() == 1
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("status", ["completed", "in_progress"])
+def test_a_replay_or_a_conflict_is_one_statement_and_no_transaction(api, status):
+    key = new_key()
+    if status == "completed":
+        assert api.post("/charges/", CHARGE, key=key).status_code == 201
+    else:
+        _in_flight(api, key)
+    with CaptureQueriesContext(connection) as queries:
+        answer = api.post("/charges/", CHARGE, key=key)
+    assert answer.status_code == (201 if status == "completed" else 409)
+    statements = [q["sql"] for q in queries.captured_queries]
+    # The session lookup and the claim; no SAVEPOINT, no write.
+    assert len(record_statements(queries)) == 1, statements
+    assert not [s for s in statements if s.upper().startswith(("SAVEPOINT", "UPDATE", "DELETE"))]
+
+
+def _in_flight(api: Any, key: str) -> None:
+    """A record of ``key`` held by a live lease, as a running original leaves it."""
+    now = timezone.now()
+    user_id = api.client.session["_auth_user_id"]
+    IdempotencyRecord.objects.create(
+        account=f"user:{user_id}",
+        operation="POST charges/",
+        key=key,
+        request_hash="0" * 64,
+        fingerprint_version="other",
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now + timedelta(minutes=5),
+        expires_at=now + timedelta(hours=1),
+    )
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_replay_waits_for_nobody(api):
+    """A row lock on the record (another retry, the purge, an operator) never delays a replay:
+    the claim reads the row in its way, it does not lock it."""
+    key = new_key()
+    assert api.post("/charges/", CHARGE, key=key).status_code == 201
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        with transaction.atomic():
+            list(IdempotencyRecord.objects.select_for_update().filter(key=key))
+            locked.set()
+            return release.wait(WAIT)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold))
+        assert locked.wait(WAIT)
+        with connection.cursor() as cursor:
+            # A claim that waited for the lock would fail here rather than hang the test.
+            cursor.execute("SET lock_timeout = '2s'")
+        answer = api.post("/charges/", CHARGE, key=key)
+        still_held = not release.is_set()
+        release.set()
+        assert holder.result(WAIT) is True
+    assert answer.status_code == 201
+    assert answer.headers["Idempotent-Replayed"] == "true"
+    assert still_held
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_recovery_callable_that_raises_gives_the_lease_back(api):
+    """Before engine v2 the key stayed locked for a whole new lease: a retry got 409s."""
+    views.RECOVERY_ASKED.clear()
+    key = "raise-" + new_key()
+    now = timezone.now()
+    user_id = api.client.session["_auth_user_id"]
+    IdempotencyRecord.objects.create(
+        account=f"user:{user_id}",
+        operation="charges.create-callable",
+        key=key,
+        request_hash="0" * 64,
+        fingerprint_version="other",  # another fingerprint version: the same request
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now - timedelta(seconds=1),
+        expires_at=now + timedelta(hours=1),
+        recovery_policy="tests.testapp.views.recover_by_asking_provider",
+    )
+    for attempt in (1, 2):
+        with pytest.raises(ConnectionError):
+            api.post("/charges/callable-policy/", CHARGE, key=key)
+        record = IdempotencyRecord.objects.get()
+        assert record.status == RecordStatus.IN_PROGRESS
+        assert record.lease_expires_at <= timezone.now()  # stale again: asked again at once
+        assert record.recovery_attempts == attempt
+    assert [key, key] == views.RECOVERY_ASKED
+    assert Charge.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_every_path_of_the_claim_archives_the_expired_record_it_replaces(settings, monkeypatch):
+    """The claim looks again when the record in its way vanished; that second look, too,
+    copies an expired record to the audit trail before replacing it (before engine v2 the
+    retry branch replaced it without a copy)."""
+    settings.IDEMPOTENCY = {"AUDIT": True}
+    now = timezone.now()
+    expired = IdempotencyRecord.objects.create(
+        account="user:1",
+        operation="op",
+        key="k",
+        request_hash="a" * 64,
+        status=RecordStatus.COMPLETED,
+        response_status=201,
+        expires_at=now - timedelta(seconds=1),
+    )
+    looks = {"insert": 0, "fetch": 0}
+    real_insert, real_fetch = store._insert_or_existing, store.fetch
+
+    def first_sees_nothing(*args: Any) -> Any:
+        looks["insert"] += 1
+        return None if looks["insert"] == 1 else real_insert(*args)
+
+    def vanished_once(*args: Any) -> Any:
+        looks["fetch"] += 1
+        return None if looks["fetch"] == 1 else real_fetch(*args)
+
+    monkeypatch.setattr(store, "_insert_or_existing", first_sees_nothing)
+    monkeypatch.setattr(store, "fetch", vanished_once)
+    result = store.claim(
+        "default",
+        store.ClaimRequest(
+            account="user:1",
+            operation="op",
+            key="k",
+            request_hash="b" * 64,
+            fingerprint_version="v1",
+            recovery_policy="retry",
+            now=now,
+            lease=timedelta(seconds=60),
+            ttl=timedelta(hours=1),
+        ),
+    )
+    assert result.claimed
+    assert looks["insert"] == 2
+    (copy,) = IdempotencyAuditRecord.objects.all()
+    assert (copy.record_id, copy.request_hash, copy.reason) == (expired.pk, "a" * 64, "replaced")
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_retry_claim_commits_before_the_view_runs_and_is_seen_at_once(api):
+    """The claim of a "retry" operation does not wait for its WAL flush, but it is committed
+    and visible to every other connection before the view runs."""
+    seen: list[int] = []
+    key = new_key()
+
+    def look() -> None:
+        with connections["provider"].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM django_idempotency_record WHERE key = %s", [key])
+            seen.append(cursor.fetchone()[0])
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = api.post
+
+        def post_and_look() -> Any:
+            return original("/charges/", CHARGE, key=key, headers={"X-Test": "sleep-start:0.5"})
+
+        future = pool.submit(in_thread(post_and_look))
+        deadline = timezone.now() + timedelta(seconds=WAIT)
+        while not seen or seen[-1] == 0:
+            look()
+            assert timezone.now() < deadline
+        assert future.result(WAIT).status_code == 201
+    assert seen[-1] == 1
+    assert Charge.objects.count() == 1
