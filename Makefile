@@ -32,7 +32,8 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs test-mysql soak tox example-db storm demo clean
+.PHONY: help install lint check-migrations test coverage docs test-mysql test-poolers test-pg16 \
+	soak tox example-db storm demo clean
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
@@ -40,11 +41,14 @@ help:
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
+	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
+	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm, a webhook redelivery and the outbox relay, against a throwaway server"
 	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/ and its outbox relay"
 	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
+	@echo "make bench-scale  the table at 10k, 1M and 10M records and a purge beside traffic"
 	@echo "make clean    remove .venv, .tox, build output and the example database"
 
 $(BIN)/python:
@@ -107,6 +111,37 @@ $(BIN)/.mysqlclient: | $(STAMP)
 
 test-mysql: $(BIN)/.mysqlclient
 	TEST_DB=mysql $(BIN)/pytest
+
+# The suites that race, crash and cut the database, through a connection pooler: PgBouncer in
+# transaction mode (Debian's package, installed here when missing and possible; the harness
+# starts its own on a free port) and Django's own pool, the two runs side by side.
+POOLER_SUITES := tests/test_poolers.py tests/test_concurrency.py tests/test_crash.py \
+	tests/test_faults_crash.py tests/test_faults_database.py tests/test_servers.py
+
+test-poolers: $(STAMP)
+	@command -v pgbouncer >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer; }
+	@mkdir -p $(REPORTS)
+	@$(BIN)/python -m tests.poolers pgbouncer $(POOLER_SUITES) -p no:cacheprovider \
+		> $(REPORTS)/pytest-pgbouncer.log 2>&1 & bouncer=$$!; \
+	$(BIN)/python -m tests.poolers postgres-pool $(POOLER_SUITES) -p no:cacheprovider \
+		> $(REPORTS)/pytest-postgres-pool.log 2>&1 & pool=$$!; \
+	failed=0; wait $$bouncer || failed=1; wait $$pool || failed=1; \
+	for run in pgbouncer postgres-pool; do \
+		echo "==> pytest with TEST_DB=$$run"; \
+		[ $$failed = 0 ] || cat $(REPORTS)/pytest-$$run.log; \
+		printf '  %-14s %s\n' "$$run:" "$$(tail -n 1 $(REPORTS)/pytest-$$run.log)"; \
+	done; \
+	exit $$failed
+
+# The PostgreSQL suite on PostgreSQL 16: the binaries of the pgserver wheel, a private server
+# on a free port (tests/poolers.py starts and removes it).
+$(BIN)/.pgserver: | $(STAMP)
+	$(BIN)/python -m pip install "pgserver>=0.1.4"
+	touch $@
+
+test-pg16: $(BIN)/.pgserver
+	$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
 
 # The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
 SOAK_SECONDS ?= 120
@@ -184,3 +219,13 @@ bench: $(STAMP)
 		&& apt-get install -y -qq wrk >/dev/null 2>&1; } \
 		|| echo "wrk is not installed: benchmarks/loadgen.py generates the load instead"
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# The records table at 10 thousand, 1 million and 10 million rows, then a purge of the
+# largest beside live claims (benchmarks/scale.py): the "Scale" section of RESULTS.md. The
+# 10-million fill needs about 10 GB of disk and most of an hour on 2 cores; SCALE_ARGS=
+# "--sizes 10000,100000" for a smoke run.
+SCALE_ARGS ?= --sizes 10000,1000000,10000000 --purge
+
+.PHONY: bench-scale
+bench-scale: $(STAMP)
+	nice -n 10 $(BIN)/python -m benchmarks.scale $(SCALE_ARGS) --json $(VENV)/scale.json

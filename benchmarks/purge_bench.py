@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,18 @@ DATABASE = "django_idempotency_bench_purge"
 ACCOUNTS = 10_000
 OPERATION = "charge.create"
 
-FILL_SQL = """
+# The columns a generated record fills (benchmarks/scale.py generates them too).
+INSERT_RECORDS = """
 INSERT INTO django_idempotency_record (
     account, operation, key, request_hash, fingerprint_version, status,
     lease_token, lease_expires_at, recovery_policy, recovery_attempts,
     response_status, response_headers, response_body, created_at, completed_at, expires_at
 )
-SELECT
+"""
+
+FILL_SQL = (
+    INSERT_RECORDS
+    + """SELECT
     'user:' || (i %% {accounts}), '{operation}', md5(i::text || 'purge'), md5(i::text), 'v1',
     'completed', NULL, NULL, 'retry', 0, 201,
     '[["Content-Type", "application/json"]]'::jsonb,
@@ -50,6 +56,7 @@ FROM (
     FROM generate_series(1, %(rows)s) AS i
 ) AS source
 """
+)
 
 
 def setup_django() -> None:
@@ -88,13 +95,8 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
     from django_idempotency import store
 
     samples: list[tuple[float, str, float]] = []
-    interval = 1.0 / rate
-    next_at = time.perf_counter()
-    deadline = time.monotonic() + cap
-    n = 0
     store.fetch("default", "warm", "up", "connection")
-    while not os.path.exists(stop_file) and time.monotonic() < deadline:
-        n += 1
+    for n in paced(rate, stop_file, cap):
         if n % 2:
             kind = "new"
             account, key = f"user:{n % ACCOUNTS}", f"claim-{os.getpid()}-{n}"
@@ -119,13 +121,24 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
         if not result.claimed:
             kind += "-not-claimed"
         samples.append((time.time(), kind, elapsed * 1000))
+    Path(out).write_text(json.dumps(samples))
+
+
+def paced(rate: float, stop_file: str, cap: float) -> Iterator[int]:
+    """Yield 1, 2, ... at a steady ``rate`` per second until ``stop_file`` exists."""
+    interval = 1.0 / rate
+    next_at = time.perf_counter()
+    deadline = time.monotonic() + cap
+    n = 0
+    while not os.path.exists(stop_file) and time.monotonic() < deadline:
+        n += 1
+        yield n
         next_at += interval
         pause = next_at - time.perf_counter()
         if pause > 0:
             time.sleep(pause)
         else:
             next_at = time.perf_counter()  # fell behind: no catch-up burst
-    Path(out).write_text(json.dumps(samples))
 
 
 def server_counters() -> dict[str, int]:

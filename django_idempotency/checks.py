@@ -45,12 +45,42 @@ def _check_database(alias: str) -> Iterable[CheckMessage]:
                 "operation refuses to run under ATOMIC_REQUESTS."
             ),
         )
-    if alias != "default":
+    # Where the views' writes go unless they say otherwise: 'default' without routers (W002),
+    # else what the routers answer for the project's models (W010). Elsewhere, the record's
+    # completion no longer commits in one transaction with the business state.
+    hint = (
+        "The record completes in the same transaction as the view's writes only for "
+        "writes to this database; writes to other databases are not covered."
+    )
+    if not settings.DATABASE_ROUTERS:
+        if alias != "default":
+            yield _warning(2, f"IDEMPOTENCY['DATABASE'] is {alias!r}, not 'default'.", hint=hint)
+        return
+    write_alias = _routed_write_alias()
+    if write_alias is not None and alias != write_alias:
         yield _warning(
-            2,
-            f"IDEMPOTENCY['DATABASE'] is {alias!r}, not 'default'.",
-            hint=(
-                "The record completes in the same transaction as the view's writes only for "
-                "writes to this database; writes to other databases are not covered."
-            ),
+            10,
+            f"IDEMPOTENCY['DATABASE'] is {alias!r}, but DATABASE_ROUTERS send the project's "
+            f"writes to {write_alias!r}.",
+            hint=hint,
         )
+
+
+def _routed_write_alias() -> str | None:
+    """The alias ``db_for_write`` answers for most of the project's models, or ``None``.
+
+    The project's models are those outside ``django.contrib`` and this app; a project made
+    only of contrib apps is judged by those.
+    """
+    from collections import Counter
+
+    from django.apps import apps
+    from django.db import router
+
+    models = [m for m in apps.get_models() if m._meta.app_label != "django_idempotency"]
+    own = [m for m in models if not m.__module__.startswith("django.contrib.")]
+    try:
+        votes = Counter(router.db_for_write(model) for model in own or models)
+    except Exception:  # a router that cannot answer without a request: nothing to compare
+        return None
+    return votes.most_common(1)[0][0] if votes else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings as django_settings
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +85,8 @@ def server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "TEST_DB": {"postgresql": "postgres", "mysql": "mysql"}[connection.vendor],
+        # The server reaches the database as this run does: directly, or through a pooler.
+        "TEST_DB": django_settings.TEST_DB if connection.vendor == "postgresql" else "mysql",
         "DB_NAME": settings["NAME"],
         "PGHOST": settings["HOST"] or "127.0.0.1",
         "PGPORT": str(settings["PORT"] or 5432),

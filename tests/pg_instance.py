@@ -43,7 +43,9 @@ def available() -> bool:
 class PostgresInstance:
     """One private server: ``start``, ``stop``, ``restart``, ``query`` and the env to reach it."""
 
-    def __init__(self) -> None:
+    def __init__(self, bin_dir: Path = BIN, max_connections: int = 60) -> None:
+        self.bin = bin_dir
+        self.max_connections = max_connections
         self.root = Path(tempfile.mkdtemp(prefix="idempotency-pg-"))
         self.data = self.root / "data"
         self.log = self.root / "server.log"
@@ -66,11 +68,11 @@ class PostgresInstance:
     def _pg_ctl(self, action: str, *extra: str) -> None:
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root}"
-            " -c fsync=off -c full_page_writes=off -c max_connections=60"
+            f" -c fsync=off -c full_page_writes=off -c max_connections={self.max_connections}"
             " -c shared_buffers=16MB"
         )
         self._as_postgres(
-            str(BIN / "pg_ctl"),
+            str(self.bin / "pg_ctl"),
             action,
             "-D",
             str(self.data),
@@ -86,7 +88,7 @@ class PostgresInstance:
 
     def init(self) -> None:
         self._as_postgres(
-            str(BIN / "initdb"),
+            str(self.bin / "initdb"),
             "-D",
             str(self.data),
             "-U",
@@ -111,7 +113,16 @@ class PostgresInstance:
 
     def running(self) -> bool:
         status = subprocess.run(
-            ["runuser", "-u", SUPERUSER, "--", str(BIN / "pg_ctl"), "status", "-D", str(self.data)],
+            [
+                "runuser",
+                "-u",
+                SUPERUSER,
+                "--",
+                str(self.bin / "pg_ctl"),
+                "status",
+                "-D",
+                str(self.data),
+            ],
             timeout=TIMEOUT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,12 +1,16 @@
 """Test settings. ``TEST_DB`` picks the database: ``sqlite`` (default), ``postgres`` or ``mysql``.
 
-On PostgreSQL an unreachable server fails the run; it is never skipped.
+Two more run PostgreSQL through a connection pooler: ``pgbouncer`` (a PgBouncer in transaction
+mode that ``python -m tests.poolers pgbouncer`` starts and passes in ``PGPORT``) and
+``postgres-pool`` (Django's own pool, ``OPTIONS["pool"]``). On PostgreSQL an unreachable server
+fails the run; it is never skipped.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 SECRET_KEY = "django-idempotency-tests"
 DEBUG = False
@@ -21,7 +25,10 @@ TEST_DB = os.environ.get("TEST_DB", "sqlite")
 # One test database per run, so that runs (tox envs, a developer and CI) never collide.
 TEST_DB_NAME = os.environ.get("TEST_DB_NAME", f"test_django_idempotency_{os.getpid()}")
 
-if TEST_DB == "postgres":
+POSTGRES_DBS = ("postgres", "pgbouncer", "postgres-pool")
+DATABASES: dict[str, dict[str, Any]]
+
+if TEST_DB in POSTGRES_DBS:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.postgresql",
@@ -32,6 +39,21 @@ if TEST_DB == "postgres":
             "TEST": {"NAME": TEST_DB_NAME},
         }
     }
+    if TEST_DB == "pgbouncer":
+        if "PGPORT" not in os.environ:
+            raise RuntimeError("TEST_DB=pgbouncer runs through `python -m tests.poolers pgbouncer`")
+        # Transaction pooling hands each transaction to any server connection: a named
+        # server-side cursor would not outlive its transaction. (Django keeps psycopg's
+        # prepared statements off by default, which this mode needs as well.)
+        DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    elif TEST_DB == "postgres-pool":
+        # Django's pool needs CONN_MAX_AGE = 0 (the default). Enough connections for the
+        # storms of tests/test_concurrency.py (16 requests at once); a short wait for one, so
+        # that with the server down a request answers 503 promptly rather than hanging.
+        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 24, "timeout": 3}}
+        # Without it the pool hands out connections the server has closed (a restart, a
+        # terminated backend), and the next request fails on one.
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 elif TEST_DB == "mysql":
     DATABASES = {
         "default": {
@@ -51,7 +73,9 @@ elif TEST_DB == "sqlite":
         }
     }
 else:
-    raise RuntimeError(f"TEST_DB must be sqlite, postgres or mysql, not {TEST_DB!r}")
+    raise RuntimeError(
+        f"TEST_DB must be sqlite, postgres, pgbouncer, postgres-pool or mysql, not {TEST_DB!r}"
+    )
 
 # The fake payment provider writes through a connection of its own, like an external system.
 DATABASES["provider"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}

@@ -161,6 +161,51 @@ def test_every_wrong_entry_is_reported_at_once():
     ]
 
 
+class WritesTo:
+    """A database router sending every write to one alias."""
+
+    alias = "provider"
+
+    def db_for_write(self, model, **hints):
+        return self.alias
+
+
+class WritesToDefault(WritesTo):
+    alias = "default"
+
+
+class Unanswering:
+    def db_for_write(self, model, **hints):
+        raise RuntimeError("needs the request")
+
+
+def test_w010_a_router_that_raises_does_not_break_the_check():
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}.Unanswering"]):
+        assert check_settings() == []
+
+
+def test_w010_routers_send_writes_elsewhere():
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}.WritesTo"]):
+        messages = check_settings()
+    assert [m.id for m in messages] == ["django_idempotency.W010"]
+    assert "'provider'" in messages[0].msg
+
+
+def test_w010_routers_send_writes_to_the_idempotency_database():
+    # DATABASE is not 'default', but it is where the routers send the writes: no warning.
+    with override_settings(
+        DATABASE_ROUTERS=[f"{__name__}.WritesTo"], IDEMPOTENCY={"DATABASE": "provider"}
+    ):
+        assert check_settings() == []
+
+
+def test_w010_routers_that_keep_writes_on_default():
+    with override_settings(
+        DATABASE_ROUTERS=[f"{__name__}.WritesToDefault"], IDEMPOTENCY={"DATABASE": "provider"}
+    ):
+        assert [m.id for m in check_settings()] == ["django_idempotency.W010"]
+
+
 def test_check_command_passes_with_defaults():
     call_command("check", stdout=StringIO())
 

@@ -112,7 +112,7 @@ def shown_sections() -> dict[str, str]:
 
 def test_every_code_block_is_of_a_tested_kind() -> None:
     kinds = {block.lang for block in all_blocks()}
-    assert kinds <= {"python", "sh", "text", "mermaid"}, kinds
+    assert kinds <= {"python", "sh", "text", "mermaid", "sql"}, kinds
     assert all(block.lang for block in all_blocks())
 
 
@@ -541,3 +541,20 @@ def test_the_api_reference_renders_docstrings_without_sphinx_roles() -> None:
             docs += [inspect.getdoc(m) or "" for n, m in vars(obj).items() if not n.startswith("_")]
         for doc in docs:
             assert not re.search(r":(func|class|meth|exc|data|attr):`", doc), name
+
+
+# --- SQL, on PostgreSQL --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_sql_blocks_run_on_postgresql() -> None:
+    from django.db import connection, transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the SQL shown is PostgreSQL's (TEST_DB=postgres runs it)")
+    shown = [block for block in all_blocks() if block.lang == "sql"]
+    assert shown
+    for block in shown:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(block.text)
+            transaction.set_rollback(True)  # what it changes stays in this test

@@ -66,14 +66,19 @@ def settle(
     payload: Any = CHARGE,
     seconds: float = 30,
 ) -> Answer:
-    """Retry like a good client until the outcome is known: back off on 409 and on no answer."""
+    """Retry like a good client until the outcome is known: back off on 409, on no answer,
+    and on the 503 of an unreachable store (a pooler answers it until the server is back)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         answer = request(url, "POST", path, payload, headers, timeout=15)
-        if answer.status not in (0, 409):
+        if answer.status not in (0, 409) and not unavailable(answer):
             return answer
         time.sleep(0.2)
     raise AssertionError(f"no outcome for {path} within {seconds} s")
+
+
+def unavailable(answer: Answer) -> bool:
+    return answer.status == 503 and b"idempotency_store_unavailable" in answer.body
 
 
 def sleep_past_lease(seconds: float = LEASE_SECONDS) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -362,3 +363,22 @@ def test_a_worker_killed_mid_task_is_redelivered_by_a_new_worker_and_runs_once()
         wait_drained()
     assert (effects("worker-killed"), starts("worker-killed")) == (1, 2)
     assert_completed_after_the_dead_lease(dead_lease_end)
+
+
+BODIES = 40
+DELIVERIES = 3
+
+
+@postgres_only
+@worker_test
+def test_two_workers_consuming_duplicated_deliveries_run_each_body_once():
+    tags = [f"dup-{uuid.uuid4().hex[:10]}" for _ in range(BODIES)]
+    # Every body sent DELIVERIES times under one task id, in a shuffled order, so the
+    # copies of one body reach both workers, often at the same moment.
+    messages = [(tag, str(uuid.uuid4())) for tag in tags] * DELIVERIES
+    random.Random(16).shuffle(messages)
+    with celery_worker(concurrency=2), celery_worker(concurrency=2):
+        for tag, task_id in messages:
+            record_effect.apply_async((tag,), task_id=task_id)
+        wait_drained()
+    assert [(effects(tag), starts(tag)) for tag in tags] == [(1, 1)] * BODIES

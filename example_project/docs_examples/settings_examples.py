@@ -55,3 +55,23 @@ CORS_ALLOWED_ORIGINS = ["https://shop.example.com"]
 CORS_ALLOW_HEADERS = (*default_headers, "idempotency-key")
 CORS_EXPOSE_HEADERS = ["Idempotent-Replayed", "Retry-After", "Location"]
 # --8<-- [end:cors]
+
+# --8<-- [start:pgbouncer]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "HOST": "pgbouncer.internal",
+        "PORT": "6432",
+        "NAME": "shop",
+        # Named cursors do not outlive a transaction, which is all a pooled connection is.
+        "DISABLE_SERVER_SIDE_CURSORS": True,
+        # Leave OPTIONS["prepare_threshold"] unset (None: no prepared statements), unless
+        # PgBouncer is 1.21 or newer with max_prepared_statements set.
+    }
+}
+# --8<-- [end:pgbouncer]
+
+# --8<-- [start:pool]
+DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 2, "max_size": 20, "timeout": 3}}
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True  # CONN_MAX_AGE stays 0, as the pool needs
+# --8<-- [end:pool]
