@@ -32,12 +32,14 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test test-mysql test-poolers test-pg16 soak tox \
-	example-db storm demo clean
+.PHONY: help install lint check-migrations test coverage docs test-mysql test-poolers test-pg16 \
+	soak tox example-db storm demo clean
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
 	@echo "make lint     ruff (lint and format check) and mypy"
+	@echo "make coverage the coverage report of the last make test, with the lines missed"
+	@echo "make docs     the documentation site, mkdocs build --strict into site/"
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
 	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
@@ -67,21 +69,39 @@ lint: $(STAMP)
 check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
 
-# Both databases always run; the summary shows each run's closing pytest line, and the
-# target fails if either run failed.
+# Both databases always run, each under coverage.py (parallel mode: one data file per run,
+# combined at the end); the summary shows each run's closing pytest line and the coverage of
+# both together, and the target fails if either run failed or the coverage is below the
+# floor of pyproject.toml ([tool.coverage.report] fail_under).
 test: lint check-migrations
 	@mkdir -p $(REPORTS)
+	@$(BIN)/coverage erase
 	@failed=0; \
 	for db in sqlite postgres; do \
 		echo "==> pytest with TEST_DB=$$db"; \
-		TEST_DB=$$db $(BIN)/pytest 2>&1 | tee $(REPORTS)/pytest-$$db.log || failed=1; \
+		TEST_DB=$$db $(BIN)/coverage run -m pytest 2>&1 | tee $(REPORTS)/pytest-$$db.log || failed=1; \
 	done; \
+	$(BIN)/coverage combine -q; \
+	echo; \
+	echo "==> Coverage of django_idempotency (SQLite and PostgreSQL runs together)"; \
+	$(BIN)/coverage report --format=total > $(REPORTS)/coverage-total.txt || failed=1; \
 	echo; \
 	echo "==> Test summary"; \
 	for db in sqlite postgres; do \
 		printf '  %-9s %s\n' "$$db:" "$$(tail -n 1 $(REPORTS)/pytest-$$db.log)"; \
 	done; \
+	printf '  %-9s %s%% of lines and branches (floor: %s%%)\n' "coverage:" \
+		"$$(cat $(REPORTS)/coverage-total.txt)" \
+		"$$($(BIN)/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["coverage"]["report"]["fail_under"])')"; \
 	exit $$failed
+
+# The coverage report of the last `make test`, with the lines no test reached.
+coverage: $(STAMP)
+	$(BIN)/coverage report
+
+# The documentation site, built strictly (any warning fails) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # MariaDB/MySQL: mysqlclient builds against libmariadb-dev (Debian), so it is installed here
 # rather than in the dev group.
@@ -183,7 +203,7 @@ demo: storm
 	$(BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:
-	rm -rf $(VENV) .tox build dist *.egg-info example_project/db.sqlite3*
+	rm -rf $(VENV) .tox build dist site *.egg-info example_project/db.sqlite3*
 
 # --- benchmarks ---------------------------------------------------------------------------
 

@@ -92,7 +92,8 @@ def render(results: dict[str, Any]) -> str:
             f'\n"{LABELS["patched"]}" is the mixin with `django_idempotency` imported from '
             f"`{results['patched']}` (a scratch copy of another version of the package)."
         )
-    add("\nSee [README.md](README.md) for what each part measures and how.\n")
+    # A path, not a link: the docs site includes this file, where README.md is not a page.
+    add("\nSee `benchmarks/README.md` for what each part measures and how.\n")
     add("## Machine and versions\n")
     main, alt = versions["main"], versions.get("alternatives") or {}
     rows = [

@@ -37,8 +37,8 @@ FAIL = "fail"
 class IdempotencyContext:
     """The running operation: who and what its key belongs to, and whether it was replayed.
 
-    ``request.idempotency`` in a protected view, and :func:`django_idempotency.current`
-    inside a protected view or a :func:`~django_idempotency.run_once` callable.
+    ``request.idempotency`` in a protected view, and ``django_idempotency.current``
+    inside a protected view or a ``django_idempotency.run_once`` callable.
     """
 
     key: str

@@ -92,7 +92,7 @@ class IdempotencyMixin:
     def get_idempotency_key(self, request: Request) -> str | None:
         """The request's key, ``None`` when it has none; by default from ``idempotency_key``,
         else from the ``HEADER`` setting's header. Raise
-        :class:`~django_idempotency.keys.InvalidKey` for a key that is not usable."""
+        ``django_idempotency.keys.InvalidKey`` for a key that is not usable."""
         source = self._idempotency_key_source()
         if source is None:
             return sources.header(app_settings.HEADER)(request)

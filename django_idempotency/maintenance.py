@@ -69,7 +69,7 @@ def purge_expired(
 
     The command, the Celery task and the admin action all call this; it is
     ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
-    described in :func:`django_idempotency.purge.purge`.
+    described in ``django_idempotency.purge.purge``.
     """
     return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
         batch_size=batch_size,

@@ -283,7 +283,7 @@ class OutboxStatus(models.TextChoices):
 class OutboxMessage(models.Model):
     """A message committed with the business state, sent by the relay (``relay_outbox``).
 
-    Written by :func:`django_idempotency.outbox.enqueue` in the caller's transaction, so it
+    Written by ``django_idempotency.outbox.enqueue`` in the caller's transaction, so it
     exists exactly when that transaction committed. The relay sends it at least once, with
     its ``id`` as the task id; a failed send counts an attempt and moves ``available_at``
     later, and after ``OUTBOX_MAX_ATTEMPTS`` the message is ``dead`` (kept, requeued by

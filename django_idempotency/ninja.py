@@ -105,12 +105,12 @@ def idempotent(
 
     Put it beneath ``@api.post(...)`` / ``@router.post(...)`` (or any ninja operation
     decorator), on a ``def`` or an ``async def`` function; use it bare or with the arguments
-    of :func:`django_idempotency.decorators.idempotent`, every one left out falling back to
+    of ``django_idempotency.decorators.idempotent``, every one left out falling back to
     the ``IDEMPOTENCY`` setting. ``key`` is a callable ``request -> str | None`` (or its
     dotted path) that gives the key instead of the header. The default operation name is the
     route's ``operation_id`` when it sets one, else the method and the URL route
     (``POST api/charges``), as for Django views; the default account is
-    :func:`auth_account`.
+    ``auth_account``.
     """
     # Validated now, when the operation is decorated: a wrong value never reaches a request.
     arguments = validation.view_arguments(

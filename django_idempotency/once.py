@@ -91,12 +91,12 @@ def run_once(
     - A completed duplicate returns the stored result (what ``json.loads`` gives back)
       without calling ``func``. A result that cannot be stored as JSON raises ``TypeError``:
       nothing commits and the claim is released.
-    - Another live attempt holds the lease: :class:`~django_idempotency.InProgress`, with
+    - Another live attempt holds the lease: ``django_idempotency.InProgress``, with
       ``retry_after`` the whole seconds left of that lease. An attempt whose lease was taken
       over while it ran has its work rolled back and raises it too.
     - ``fingerprint`` (a string, or a JSON-able value hashed canonically): a used key with
-      another fingerprint raises :class:`~django_idempotency.KeyReused`. A record closed by
-      the ``"fail"`` recovery policy raises :class:`~django_idempotency.OutcomeUnknown`.
+      another fingerprint raises ``django_idempotency.KeyReused``. A record closed by
+      the ``"fail"`` recovery policy raises ``django_idempotency.OutcomeUnknown``.
     - ``func`` raises: its database work rolls back, the claim is released, the exception
       propagates.
 

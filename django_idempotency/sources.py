@@ -10,7 +10,7 @@ a callable ``request -> str | None`` for ``@idempotent(key=...)`` or the mixin's
     def stripe_webhook(request): ...
 
 A source answers ``None`` when the request carries no id (treated like a missing header:
-``400`` when a key is required), and raises :class:`~django_idempotency.keys.InvalidKey` when
+``400`` when a key is required), and raises ``django_idempotency.keys.InvalidKey`` when
 what it found cannot be a key (``400`` with code ``idempotency_key_invalid``). The engine
 validates every key a source gives like a header key: 1 to 255 printable ASCII characters.
 

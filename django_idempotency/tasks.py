@@ -71,7 +71,7 @@ def idempotent_task(
 
     Put it directly beneath ``@shared_task`` (or ``@app.task``), with parentheses. The key is
     the task id by default, or ``key(*args, **kwargs)``. A thin adapter over
-    :func:`django_idempotency.run_once`: the record lives in the idempotency table under
+    ``django_idempotency.run_once``: the record lives in the idempotency table under
     account ``"task"`` and operation ``"task:<task name>"``, for ``ttl`` (default ``TTL``).
 
     - The body and the completion of the record commit in one transaction: a delivery that

@@ -29,6 +29,15 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ADMIN_STATIC = Path(django.contrib.admin.__file__).parent / "static"
+# The docs' admin page shows these screenshots; in a copy of the tests without the docs
+# beside them (tox), they go to the test's temporary directory.
+DOCS_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images" / "admin"
+
+
+def screenshot_path(tmp_path: Path, name: str) -> Path:
+    """Where a screenshot goes: the docs' images when the docs are here."""
+    return DOCS_IMAGES / name if DOCS_IMAGES.is_dir() else tmp_path / name
+
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -102,7 +111,7 @@ def test_log_in_filter_by_status_and_open_a_record(records, live_server, browser
     rows = page.locator("#result_list tbody tr")
     assert rows.count() == 1
     assert "failed-key" in rows.first.inner_text()
-    page.screenshot(path=tmp_path / "changelist-failed.png", full_page=True)
+    page.screenshot(path=screenshot_path(tmp_path, "changelist-failed.png"), full_page=True)
 
     rows.first.locator("th a").click()
     page.wait_for_url(f"**{changelist}{failed.pk}/change/**")
@@ -110,7 +119,7 @@ def test_log_in_filter_by_status_and_open_a_record(records, live_server, browser
     assert '"code": "idempotency_outcome_unknown"' in body
     assert "<needs reconciliation>" in body  # shown as text, not parsed as markup
     assert page.locator("input[name=_save]").count() == 0
-    shot = tmp_path / "record.png"
+    shot = screenshot_path(tmp_path, "record.png")
     page.screenshot(path=shot, full_page=True)
     assert shot.stat().st_size > 10_000
 
@@ -152,13 +161,13 @@ def test_the_example_projects_admin_in_a_browser(example, browser, tmp_path):
     page.wait_for_url("**status__exact=completed**")
     rows = page.locator("#result_list tbody tr", has_text=headers["Idempotency-Key"])
     assert rows.count() == 1
-    page.screenshot(path=tmp_path / "example-changelist.png", full_page=True)
+    page.screenshot(path=screenshot_path(tmp_path, "example-changelist.png"), full_page=True)
 
     rows.first.locator("th a").click()
     page.wait_for_url("**/change/**")
     body = page.locator("pre.idempotency-body").inner_text()
     assert '"amount": 1234' in body
     assert page.locator("input[name=_save]").count() == 0
-    shot = tmp_path / "example-record.png"
+    shot = screenshot_path(tmp_path, "example-record.png")
     page.screenshot(path=shot, full_page=True)
     assert shot.stat().st_size > 10_000

@@ -29,9 +29,10 @@ from tests.conftest import needs_drf, new_key
 from tests.testapp.models import Charge, ProviderCall
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-needs_readme = pytest.mark.skipif(
-    not README.exists(), reason="the README is not here (tox tests the wheel)"
+SETTINGS_PAGE = ROOT / "docs" / "settings.md"
+CHECKS_PAGE = ROOT / "docs" / "checks.md"
+needs_docs = pytest.mark.skipif(
+    not SETTINGS_PAGE.exists(), reason="the docs are not here (tox tests the wheel)"
 )
 MISSING_PATH = "no_such_module.resolver"
 NOT_CALLABLE = "django_idempotency.conf.DEFAULTS"
@@ -273,17 +274,16 @@ def test_methods_as_a_string_never_runs_a_post_twice(user, path):
     assert ProviderCall.objects.count() == 1
 
 
-# -- the README documents every setting ----------------------------------------------------
+# -- the settings page documents every setting ----------------------------------------------------
 
-_HEADING = re.compile(r"^### `(?P<name>[A-Z_]+)`\n(?P<line>[^\n]*)", re.M)
+_HEADING = re.compile(r"^## `(?P<name>[A-Z_]+)`\n(?P<line>[^\n]*)", re.M)
 _FIRST_LINE = re.compile(
     r"^`(?P<type>[^`]+)` · default `(?P<default>[^`]+)` · check `(?P<check>[^`]+)`$"
 )
 
 
 def _settings_reference() -> dict[str, dict[str, str]]:
-    text = README.read_text()
-    section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    section = SETTINGS_PAGE.read_text()
     documented: dict[str, dict[str, str]] = {}
     for heading in _HEADING.finditer(section):
         line = _FIRST_LINE.match(heading["line"])
@@ -292,26 +292,26 @@ def _settings_reference() -> dict[str, dict[str, str]]:
     return documented
 
 
-@needs_readme
+@needs_docs
 def test_every_setting_is_documented_and_every_documented_setting_exists():
     assert sorted(_settings_reference()) == sorted(conf.DEFAULTS)
 
 
-@needs_readme
+@needs_docs
 @pytest.mark.parametrize("name", sorted(conf.DEFAULTS))
-def test_the_readme_gives_each_setting_its_real_default_and_check(name):
+def test_the_settings_page_gives_each_setting_its_real_default_and_check(name):
     entry = _settings_reference()[name]
     assert eval(entry["default"], {"timedelta": timedelta}) == conf.DEFAULTS[name]
     assert entry["check"] == expected_id(name)
-    checks_table = README.read_text().split("\n## System checks\n", 1)[1]
+    checks_table = CHECKS_PAGE.read_text()
     row = re.search(rf"^\| `{re.escape(entry['check'])}` \| (.*)$", checks_table, re.M)
     assert row, entry["check"]
     assert f"`{name}`" in row[1]
 
 
-@needs_readme
+@needs_docs
 def test_the_checks_table_lists_exactly_the_ids_there_are():
-    checks_table = README.read_text().split("\n## System checks\n", 1)[1]
+    checks_table = CHECKS_PAGE.read_text()
     listed = re.findall(r"^\| `django_idempotency\.([EW]\d{3})` \|", checks_table, re.M)
     # The warnings are the _warning(<n>, ...) calls of the checks module.
     warnings = re.findall(r"_warning\(\s*(\d+),", Path(checks.__file__).read_text())

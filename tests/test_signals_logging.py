@@ -234,15 +234,16 @@ def test_a_dry_run_purge_sends_nothing(sent):
 
 
 def test_signals_are_documented_with_their_arguments():
-    # signals.py says, above each signal, when it fires and with which arguments.
+    # signals.py says, in each signal's docstring (the API reference renders it), when it
+    # fires and with which arguments.
     import inspect
 
     source = inspect.getsource(signals)
     for name in ALL_SIGNALS:
-        assert f"\n{name} = Signal()" in source
-    comment_before = {
-        name: source.split(f"\n{name} = Signal()")[0].rsplit("\n\n", 1)[-1] for name in ALL_SIGNALS
+        assert f"\n{name} = Signal()\n" in source
+    docstring_after = {
+        name: source.split(f"\n{name} = Signal()\n")[1].split('"""')[:3] for name in ALL_SIGNALS
     }
-    for name, comment in comment_before.items():
-        assert comment.lstrip().startswith("#"), name
-        assert "Arguments:" in comment, name
+    for name, (before, docstring, _after) in docstring_after.items():
+        assert before == "", name
+        assert "Arguments:" in docstring, name

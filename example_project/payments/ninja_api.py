@@ -53,6 +53,7 @@ class ChargeOut(Schema):
     created_at: datetime
 
 
+# --8<-- [start:create-charge]
 @api.post("/charges", response={201: ChargeOut}, operation_id="ninja_charge_create")
 @idempotent
 def create_charge(request: HttpRequest, payload: ChargeIn, response: HttpResponse) -> Charge:
@@ -75,6 +76,7 @@ def create_charge(request: HttpRequest, payload: ChargeIn, response: HttpRespons
     )
     response["Location"] = reverse("payments-ninja:ninja-charge-detail", args=[charge.pk])
     return charge
+    # --8<-- [end:create-charge]
 
 
 @api.get("/charges", response=list[ChargeOut])

@@ -15,6 +15,7 @@ from django_idempotency.tasks import idempotent_task
 from example_project.payments.models import Charge
 
 
+# --8<-- [start:send-receipt]
 @shared_task(name="payments.send_receipt", acks_late=True, reject_on_worker_lost=True)
 @idempotent_task()
 def send_receipt(charge_id: int) -> str | None:
@@ -38,3 +39,4 @@ def send_receipt(charge_id: int) -> str | None:
         recipient_list=[charge.user.email],
     )
     return charge.user.email
+    # --8<-- [end:send-receipt]

@@ -42,6 +42,7 @@ NOT_FOUND = OpenApiResponse(
     retrieve=extend_schema(responses={200: ChargeSerializer, 404: NOT_FOUND}),
     create=extend_schema(responses={201: ChargeSerializer, 400: INVALID}),
 )
+# --8<-- [start:charge-viewset]
 class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
     """The caller's charges. ``POST`` needs an ``Idempotency-Key``; operation ``charge.create``.
 
@@ -75,6 +76,7 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
         # Written to the outbox in this request's transaction: the receipt exists exactly
         # when the charge committed, and the relay (manage.py relay_outbox) sends it.
         enqueue(send_receipt, charge.pk)
+        # --8<-- [end:charge-viewset]
 
 
 @extend_schema(request=RefundSerializer, responses={201: RefundSerializer, 400: INVALID})

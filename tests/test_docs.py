@@ -1,0 +1,560 @@
+"""The documentation tells the truth: every code block is tested code, the state diagram is
+the states module, every setting and check id is documented, no page names a private name of
+the package, and the Grafana dashboard queries metrics that exist.
+
+Python blocks of the docs site are snippets (``--8<-- "path:section"``) of the modules in
+``example_project/docs_examples/`` and of the example project, which the tests below import
+and run; the README copies such sections byte for byte. Shell blocks name real ``make``
+targets, extras, commands and options, and their ``curl`` lines run against the example
+project.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import logging
+import logging.config
+import re
+import shlex
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+from django.core.management import call_command, get_commands, load_command_class
+
+from django_idempotency import conf, states
+from tests.test_client_guide import example  # noqa: F401  (the example project, served)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+pytestmark = pytest.mark.skipif(
+    not (DOCS / "index.md").is_file(), reason="the docs are not here (tox tests the wheel)"
+)
+
+PACKAGE = ROOT / "django_idempotency"
+# Files whose sections the docs may show: the tests import and run them, mypy checks them.
+TESTED_SOURCES = (
+    "example_project/docs_examples/",
+    "example_project/payments/",
+    "example_project/client.py",
+    "example_project/recipes/",
+)
+SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$')
+SITE = "https://django-idempotency.readthedocs.io/en/latest/"
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    lang: str
+    text: str
+
+
+def pages() -> list[Path]:
+    return [*sorted(DOCS.glob("*.md")), ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+
+
+def blocks(path: Path) -> list[Block]:
+    found = []
+    lines = path.read_text().splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        opening = re.match(r"^```(\S*)\s*$", lines[i])
+        if opening:
+            j = i + 1
+            while not lines[j].startswith("```"):
+                j += 1
+            found.append(Block(path.name, i + 1, opening.group(1), "".join(lines[i + 1 : j])))
+            i = j
+        i += 1
+    return found
+
+
+def all_blocks() -> list[Block]:
+    return [block for path in pages() for block in blocks(path)]
+
+
+def section(path: str, name: str | None) -> str:
+    """What pymdownx.snippets includes for ``path:name``: the lines between the markers."""
+    text = (ROOT / path).read_text()
+    if name is None:
+        return text
+    match = re.search(
+        rf"^[ \t]*# --8<-- \[start:{name}\]\n(.*?)^[ \t]*# --8<-- \[end:{name}\]\n",
+        text,
+        re.S | re.M,
+    )
+    assert match, f"{path} has no section {name!r}"
+    return textwrap.dedent(match.group(1))
+
+
+def shown_sections() -> dict[str, str]:
+    found = {}
+    for prefix in TESTED_SOURCES:
+        paths = sorted(ROOT.glob(prefix + "**/*.py")) if prefix.endswith("/") else [ROOT / prefix]
+        for path in paths:
+            relative = str(path.relative_to(ROOT))
+            found[relative] = path.read_text()
+            for name in re.findall(r"# --8<-- \[start:([\w-]+)\]", path.read_text()):
+                found[f"{relative}:{name}"] = section(relative, name)
+    return found
+
+
+# --- code blocks -------------------------------------------------------------------------------
+
+
+def test_every_code_block_is_of_a_tested_kind() -> None:
+    kinds = {block.lang for block in all_blocks()}
+    assert kinds <= {"python", "sh", "text", "mermaid", "sql"}, kinds
+    assert all(block.lang for block in all_blocks())
+
+
+def test_python_blocks_of_the_site_are_snippets_of_tested_files() -> None:
+    sections = shown_sections()
+    shown = 0
+    for block in all_blocks():
+        if block.lang != "python" or block.page in {"README.md"}:
+            continue
+        for line in block.text.splitlines():
+            match = SNIPPET.match(line)
+            assert match, f"{block.page}:{block.line} is not a snippet of a tested file: {line}"
+            path, name = match.groups()
+            assert path.startswith(TESTED_SOURCES), f"{block.page}:{block.line}: {path}"
+            assert f"{path}:{name}" in sections if name else path in sections, line
+            shown += 1
+    assert shown >= 15
+
+
+def test_python_blocks_of_the_readme_are_tested_sections_byte_for_byte() -> None:
+    sections = set(shown_sections().values())
+    readme = [block for block in blocks(ROOT / "README.md") if block.lang == "python"]
+    assert readme
+    for block in readme:
+        assert block.text in sections, f"README.md:{block.line} is no section of a tested file"
+
+
+def make_targets() -> set[str]:
+    makefile = (ROOT / "Makefile").read_text()
+    return set(re.findall(r"^([a-z][\w-]*):", makefile, re.M))
+
+
+def extras() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return set(project["optional-dependencies"])
+
+
+def command_options(name: str) -> set[str]:
+    assert name in get_commands(), f"no management command {name!r}"
+    parser = load_command_class(get_commands()[name], name).create_parser("manage.py", name)
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    joined = text.replace("\\\n", " ")
+    commands = []
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            commands.append(words)
+    return commands
+
+
+def check_synopsis(words: list[str]) -> None:
+    """``python manage.py NAME [--option VALUE] ...``: the command and its options exist."""
+    assert words[:2] == ["python", "manage.py"], words
+    options = command_options(words[2])
+    for word in words[3:]:
+        option = word.strip("[]").split("=")[0]
+        if option.startswith("-"):
+            assert option in options, f"{words[2]} has no option {option}"
+
+
+def curl_lines() -> list[tuple[Block, list[str]]]:
+    return [
+        (block, words)
+        for block in all_blocks()
+        if block.lang == "sh"
+        for words in shell_commands(block.text)
+        if words[0] == "curl"
+    ]
+
+
+def test_shell_blocks_name_real_targets_extras_and_commands() -> None:
+    targets, known_extras = make_targets(), extras()
+    checked = 0
+    for block in all_blocks():
+        if block.lang != "sh":
+            continue
+        for words in shell_commands(block.text):
+            checked += 1
+            if words[0] == "make":
+                assert set(words[1:]) <= targets, f"{block.page}:{block.line}: {words}"
+            elif words[:2] == ["pip", "install"]:
+                (spec,) = words[2:]
+                name, _, rest = spec.partition("[")
+                assert name == "django-idempotency"
+                assert set(filter(None, rest.rstrip("]").split(","))) <= known_extras, spec
+            elif words[0] == "python":
+                check_synopsis(words)
+            else:
+                assert words[0] == "curl", f"{block.page}:{block.line}: {words}"
+    assert checked >= 10
+
+
+def test_text_blocks_are_synopses_or_the_stats_output(db: Any) -> None:
+    out = io.StringIO()
+    call_command("idempotency_stats", stdout=out)
+    stats = out.getvalue()
+    for block in all_blocks():
+        if block.lang != "text":
+            continue
+        first = block.text.splitlines()[0]
+        if first.startswith("python manage.py"):
+            for words in shell_commands(block.text):
+                check_synopsis(words)
+            continue
+        # A sample of idempotency_stats: every label it shows is one the command prints.
+        for line in block.text.splitlines():
+            label = re.split(r"\s{2,}", line.strip())[0]
+            assert label in stats, f"{block.page}:{block.line}: {label!r} is not in the output"
+
+
+# --- the state diagram -------------------------------------------------------------------------
+
+
+def diagram_edges() -> dict[tuple[str, str], str]:
+    (diagram,) = [b for b in blocks(DOCS / "how-it-works.md") if b.lang == "mermaid"]
+    lines = [line.strip() for line in diagram.text.splitlines()]
+    assert lines[0] == "stateDiagram-v2"
+    edges = {}
+    for line in lines[1:]:
+        if line.startswith("direction"):
+            continue
+        match = re.fullmatch(r"(\w+) --> (\w+) : (.+)", line)
+        assert match, f"not a transition: {line}"
+        edges[(match.group(1), match.group(2))] = match.group(3)
+    return edges
+
+
+def test_the_state_diagram_is_the_states_module() -> None:
+    module = {(src or "absent", dst): label for (src, dst), label in states.TRANSITIONS.items()}
+    assert diagram_edges() == module
+    shown = {state for edge in diagram_edges() for state in edge}
+    assert shown == {"absent", states.RELEASED, *states.STATUSES}
+
+
+# --- settings, checks, private names -----------------------------------------------------------
+
+
+def documented_settings() -> dict[str, str]:
+    text = (DOCS / "settings.md").read_text()
+    parts = re.split(r"^## `([A-Z_]+)`\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_every_setting_is_documented_with_its_type_and_default() -> None:
+    documented = documented_settings()
+    assert set(documented) == set(conf.DEFAULTS)
+    for name, text in documented.items():
+        first = text.strip().split(". ")[0]
+        assert first.startswith("`"), f"{name}: no type in {first!r}"
+        assert "default" in first, f"{name}: no default in {first!r}"
+
+
+def check_ids() -> set[str]:
+    """Every id the package's checks can emit, and every id its tests exercise."""
+    ids: set[str] = set()
+    for path in PACKAGE.glob("*.py"):
+        source = path.read_text()
+        ids |= set(re.findall(r"django_idempotency\.[EW]\d{3}", source))
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id.lstrip("_") in {"error", "warning"}
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, int)
+            ):
+                letter = "E" if node.func.id.lstrip("_") == "error" else "W"
+                ids.add(f"django_idempotency.{letter}{node.args[0].value:03d}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "check_id"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and isinstance(getattr(conf, node.args[0].id, None), int)
+            ):
+                ids.add(conf.check_id(getattr(conf, node.args[0].id)))
+    # One id per setting, from the settings' own table.
+    ids |= {conf.BY_NAME[name].id for name in conf.DEFAULTS}
+    for path in (ROOT / "tests").glob("test_*.py"):
+        if path.name != "test_docs.py":
+            ids |= set(re.findall(r"django_idempotency\.[EW]\d{3}", path.read_text()))
+    return ids
+
+
+def test_every_check_id_is_documented_and_every_documented_id_exists() -> None:
+    page = (DOCS / "checks.md").read_text()
+    documented = set(re.findall(r"`(django_idempotency\.[EW]\d{3})`", page))
+    assert documented == check_ids()
+
+
+def private_names() -> set[str]:
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_the_docs_name_no_private_name_of_the_package() -> None:
+    private = private_names()
+    assert len(private) >= 50  # the scan sees the package
+    shown = "".join(path.read_text() for path in pages())
+    shown += "".join(shown_sections().values())
+    named = set(re.findall(r"(?<![\w.])_[a-z]\w*", shown)) & private
+    assert not named
+
+
+def test_readme_links_to_the_site_name_existing_pages() -> None:
+    links = re.findall(re.escape(SITE) + r"([\w-]*)/?(#[\w-]+)?", (ROOT / "README.md").read_text())
+    assert len(links) >= 10
+    for page, _anchor in links:
+        assert page == "" or (DOCS / f"{page}.md").is_file(), page
+
+
+def test_the_readme_keeps_the_two_commands_at_the_top() -> None:
+    top = (ROOT / "README.md").read_text().splitlines()[:6]
+    assert top[2] == "```sh"
+    assert top[3].startswith("make demo   # ")
+    assert top[4].startswith("make test   # ")
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 400
+
+
+# --- the Grafana dashboard ---------------------------------------------------------------------
+
+
+def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
+    dashboard = json.loads((DOCS / "grafana" / "django-idempotency.json").read_text())
+    metrics = (PACKAGE / "metrics.py").read_text()
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"django_idempotency_\w+", target["expr"]))
+    assert len(queried) >= 10
+    for name in queried:
+        base = re.sub(r"_(total|created)$", "", name)
+        assert f'"{base}"' in metrics, f"{name} is not a metric of django_idempotency.metrics"
+
+
+# --- the examples run --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def user() -> Any:
+    """A caller; the test's own ``django_db`` mark opens the database."""
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.create_user("docs", password="docs")
+
+
+def post(user: Any, key: str) -> Any:
+    from django.test import RequestFactory
+
+    request = RequestFactory().post(
+        "/orders/", data="{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY=key
+    )
+    request.user = user
+    return request
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "provider"])
+def test_the_function_views_shown_run_once_per_key(user: Any) -> None:
+    pytest.importorskip("rest_framework")
+    from example_project.docs_examples import views
+    from example_project.payments.models import Charge, ProviderCall
+
+    first = views.create_order(post(user, "k1"))
+    again = views.create_order(post(user, "k1"))
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again["Idempotent-Replayed"] == "true"
+    assert views.PayoutView.as_view()(post(user, "k2")).status_code == 201
+
+    views.create_charge(post(user, "k3"))
+    replay = views.create_charge(post(user, "k3"))
+    assert replay["Idempotent-Replayed"] == "true"
+    assert Charge.objects.filter(user=user).count() == 1
+    assert ProviderCall.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_once_outbox_and_sender_examples(user: Any) -> None:
+    pytest.importorskip("celery")
+    from django_idempotency.models import OutboxMessage
+    from django_idempotency.outbox import Undeliverable
+    from example_project.docs_examples import consumers
+    from example_project.payments.models import Charge
+
+    charge = Charge.objects.create(user=user, amount=1000, currency="EUR", provider_charge_id="p")
+    assert consumers.handle_delivery("event-1", charge.pk) == "(receipt sent)"
+    assert consumers.handle_delivery("event-1", charge.pk) == "(receipt sent)"
+    charge.refresh_from_db()
+    assert charge.description == "(receipt sent)"  # the body ran once
+
+    consumers.refund_and_notify(charge)
+    (message,) = OutboxMessage.objects.all()
+    assert (message.task, message.args) == ("payments.send_receipt", [charge.pk])
+    consumers.send(message)
+    assert consumers.producer.sent[-1][:2] == ("receipts", str(message.id))
+    message.task = "unknown.task"
+    with pytest.raises(Undeliverable):
+        consumers.send(message)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_operations_examples(user: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("prometheus_client")
+    from django_idempotency.signals import request_conflicted
+    from example_project.docs_examples import operations
+
+    report = operations.nightly()
+    assert report["complete"] is True
+    assert report["deleted"] == 0
+    assert operations.backlog() == {"expired": 0, "stale": 0}
+    assert operations.stuck_claims() == 0
+    before = operations.conflicts["charges.create"]
+    request_conflicted.send(sender=object, operation="charges.create", key="k", account="a")
+    assert operations.conflicts["charges.create"] == before + 1
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    names = {metric.name for metric in operations.metrics_registry().collect()}
+    assert "django_idempotency_oldest_in_progress_seconds" in names
+
+
+def test_the_settings_shown_are_valid() -> None:
+    from django.core import checks
+    from django.test import override_settings
+
+    from example_project.docs_examples import settings_examples as shown
+
+    with override_settings(IDEMPOTENCY=shown.IDEMPOTENCY):
+        errors = [e for e in checks.run_checks() if e.id and e.id.startswith("django_idempotency")]
+    assert not errors
+    assert "django_idempotency" in shown.INSTALLED_APPS
+
+    logger = logging.getLogger("django_idempotency")
+    saved = (logger.handlers[:], logger.level)
+    try:
+        logging.config.dictConfig(shown.LOGGING)
+        assert logger.level == logging.INFO
+    finally:
+        logger.handlers[:], logger.level = saved[0], saved[1]
+
+    pytest.importorskip("celery")
+    from django_idempotency import tasks
+
+    names = {tasks.purge_expired.name, tasks.recover_stale_leases.name, tasks.relay_outbox.name}
+    assert {entry["task"] for entry in shown.CELERY_BEAT_SCHEDULE.values()} == names
+    assert {"Idempotent-Replayed", "Retry-After"} <= set(shown.CORS_EXPOSE_HEADERS)
+    assert "idempotency-key" in shown.CORS_ALLOW_HEADERS
+
+
+# --- curl lines, against the example project ---------------------------------------------------
+
+
+def as_request(words: list[str], base: str) -> dict[str, Any]:
+    request: dict[str, Any] = {"method": "GET", "headers": {}}
+    args = iter(words[1:])
+    for word in args:
+        if word == "-u":
+            request["auth"] = tuple(next(args).split(":", 1))
+        elif word == "-H":
+            name, _, value = next(args).partition(":")
+            request["headers"][name.strip()] = value.strip()
+        elif word == "-d":
+            request["content"] = next(args)
+            request["method"] = "POST"
+        elif word == "-X":
+            request["method"] = next(args)
+        elif word == "-i":
+            continue
+        else:
+            request["url"] = word.replace("http://127.0.0.1:8000", base)
+    return request
+
+
+def test_the_curl_lines_create_one_charge_and_replay_it(example: Any) -> None:  # noqa: F811
+    import httpx
+
+    from example_project.docs_examples.client_usage import pay
+
+    lines = curl_lines()
+    assert len(lines) >= 2
+    for block, words in lines:
+        request = as_request(words, example.url)
+        url = request.pop("url")
+        first = httpx.request(url=url, timeout=30, **request)
+        again = httpx.request(url=url, timeout=30, **request)
+        assert first.status_code == 201, f"{block.page}:{block.line}: {first.text}"
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.content == first.content
+    assert pay(example.url)["amount"] == 1000
+
+
+# --- the API reference -------------------------------------------------------------------------
+
+
+def test_the_api_reference_renders_docstrings_without_sphinx_roles() -> None:
+    """mkdocstrings renders Markdown: a ``:func:`x``` role would show as written."""
+    import importlib
+    import inspect
+
+    reference = (DOCS / "reference.md").read_text()
+    names = re.findall(r"^::: ([\w.]+)$", reference, re.M)
+    # Rendered without their members (the models: their fields are the admin's business).
+    bare = set(re.findall(r"^::: ([\w.]+)\n    options:\n      members: false$", reference, re.M))
+    assert len(names) >= 20
+    assert bare
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        try:
+            obj = importlib.import_module(name)
+        except ImportError:
+            obj = getattr(importlib.import_module(module_name), attribute)
+        docs = [inspect.getdoc(obj) or ""]
+        if inspect.isclass(obj) and name not in bare:
+            docs += [inspect.getdoc(m) or "" for n, m in vars(obj).items() if not n.startswith("_")]
+        for doc in docs:
+            assert not re.search(r":(func|class|meth|exc|data|attr):`", doc), name
+
+
+# --- SQL, on PostgreSQL --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_sql_blocks_run_on_postgresql() -> None:
+    from django.db import connection, transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the SQL shown is PostgreSQL's (TEST_DB=postgres runs it)")
+    shown = [block for block in all_blocks() if block.lang == "sql"]
+    assert shown
+    for block in shown:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(block.text)
+            transaction.set_rollback(True)  # what it changes stays in this test
