@@ -32,7 +32,7 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs test-mysql test-poolers test-pg16 \
+.PHONY: help install lint check-migrations test coverage docs docs-screenshots test-mysql test-poolers test-pg16 \
 	soak tox example-db storm demo clean
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make lint     ruff (lint and format check) and mypy"
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
+	@echo "make docs-screenshots  the admin screenshots of the docs, taken again"
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
 	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
@@ -102,6 +103,10 @@ coverage: $(STAMP)
 # The documentation site, built strictly (any warning fails) into site/.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The admin screenshots of the docs, taken again by the real-browser test (Debian chromium).
+docs-screenshots: $(STAMP)
+	DOCS_SCREENSHOTS=1 $(BIN)/pytest tests/test_admin_browser.py
 
 # MariaDB/MySQL: mysqlclient builds against libmariadb-dev (Debian), so it is installed here
 # rather than in the dev group.

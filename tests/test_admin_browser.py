@@ -29,14 +29,16 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ADMIN_STATIC = Path(django.contrib.admin.__file__).parent / "static"
-# The docs' admin page shows these screenshots; in a copy of the tests without the docs
-# beside them (tox), they go to the test's temporary directory.
+# The docs' admin page shows these screenshots. They are taken on every run; with
+# DOCS_SCREENSHOTS=1 (`make docs-screenshots`) they replace the docs' images, otherwise they
+# go to the test's temporary directory, so a test run leaves the checkout as it was.
 DOCS_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images" / "admin"
 
 
 def screenshot_path(tmp_path: Path, name: str) -> Path:
-    """Where a screenshot goes: the docs' images when the docs are here."""
-    return DOCS_IMAGES / name if DOCS_IMAGES.is_dir() else tmp_path / name
+    """Where a screenshot goes: the docs' images when asked to and the docs are here."""
+    wanted = os.environ.get("DOCS_SCREENSHOTS") == "1" and DOCS_IMAGES.is_dir()
+    return DOCS_IMAGES / name if wanted else tmp_path / name
 
 
 pytestmark = pytest.mark.django_db(transaction=True)

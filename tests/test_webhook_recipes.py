@@ -280,7 +280,9 @@ def test_standard_webhook_forged_delivery_claims_nothing() -> None:
 def webhook_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[str]:
     with (
         django_db_blocker.unblock(),
-        gunicorn(workers=4, extra_env={"TEST_WEBHOOK_DELAY": "0.5"}) as url,
+        # The handler lingers long enough that, even on a loaded machine, deliveries arrive
+        # while the first one runs (the test asserts that the race really happened).
+        gunicorn(workers=4, extra_env={"TEST_WEBHOOK_DELAY": "2"}) as url,
     ):
         yield url
 
