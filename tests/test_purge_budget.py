@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from itertools import pairwise
 
 import pytest
 
@@ -37,7 +38,7 @@ def batch_sizes(progress=None) -> list[int]:
     result = maintenance.purge_expired(batch_size=1000, now=NOW, progress=seen)
     assert result.deleted == ROWS
     assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["young"]
-    return [b - a for a, b in zip([0, *totals], totals, strict=False)]
+    return [b - a for a, b in pairwise([0, *totals])]
 
 
 def test_batches_within_the_budget_keep_the_ceiling(expired, monkeypatch):
