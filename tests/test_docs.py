@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from django.core.management import call_command, get_commands, load_command_class
 
 from django_idempotency import conf, states
@@ -146,6 +145,7 @@ def make_targets() -> set[str]:
 
 
 def extras() -> set[str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return set(project["optional-dependencies"])
 

@@ -544,6 +544,7 @@ def test_maintenance_checks(settings, expected):
         assert check_ids() == expected
 
 
+@pytest.mark.django_db(databases="__all__")  # the model checks may ask every database
 def test_check_command_reports_maintenance_errors():
     invalid = override_settings(IDEMPOTENCY={"AUDIT": 1})
     with invalid, pytest.raises(SystemCheckError, match="E020"):
