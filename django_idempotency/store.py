@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
@@ -399,16 +400,21 @@ def fetch(alias: str, account: str, operation: str, key: str) -> RecordState | N
     return RecordState.from_row(row) if row is not None else None
 
 
+def _owned_by(quote: Callable[[str], str]) -> str:
+    """The fence of every owner's statement: this record, this lease token, still in progress.
+
+    Its parameters, in order: the record's id, the token, ``IN_PROGRESS``.
+    """
+    return f"{quote('id')} = %s AND {quote('lease_token')} = %s AND {quote('status')} = %s"
+
+
 @functools.lru_cache(maxsize=8)
 def _finish_sql(alias: str) -> str:
     q = connections[alias].ops.quote_name
     stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
     cleared = ("lease_token", "lease_expires_at")
     assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
-    return (
-        f"UPDATE {_table(alias)} SET {', '.join(assignments)}"
-        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
-    )
+    return f"UPDATE {_table(alias)} SET {', '.join(assignments)} WHERE {_owned_by(q)}"
 
 
 def finish(
@@ -441,10 +447,7 @@ def finish(
 @functools.lru_cache(maxsize=8)
 def _release_sql(alias: str) -> str:
     q = connections[alias].ops.quote_name
-    return (
-        f"DELETE FROM {_table(alias)}"
-        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
-    )
+    return f"DELETE FROM {_table(alias)} WHERE {_owned_by(q)}"
 
 
 def release(alias: str, record_id: int, token: uuid.UUID) -> bool:
@@ -459,10 +462,7 @@ def release(alias: str, record_id: int, token: uuid.UUID) -> bool:
 @functools.lru_cache(maxsize=8)
 def _give_back_sql(alias: str) -> str:
     q = connections[alias].ops.quote_name
-    return (
-        f"UPDATE {_table(alias)} SET {q('lease_expires_at')} = %s"
-        f" WHERE {q('id')} = %s AND {q('lease_token')} = %s AND {q('status')} = %s"
-    )
+    return f"UPDATE {_table(alias)} SET {q('lease_expires_at')} = %s WHERE {_owned_by(q)}"
 
 
 def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bool:
