@@ -22,6 +22,7 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from django_idempotency import conf, problems, signals, store
+from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, FAILED
 
@@ -229,7 +230,9 @@ def run_fenced(
             return Fenced(rolled_back.result, stored=True)
         release_quietly(alias, record_id, token)
         return Fenced(rolled_back.result, stored=False)
-    except LeaseLost:
+    except (LeaseLost, SimulatedCrash):
+        # A simulated crash leaves the claim as a killed process would: held until its lease
+        # runs out, then recovered by its policy.
         raise
     except BaseException:
         release_quietly(alias, record_id, token)

@@ -32,6 +32,15 @@ class OutcomeUnknown(IdempotencyError):
     whether it took effect is unknown, and it is never run again."""
 
 
+class SimulatedCrash(BaseException):
+    """Ends an attempt as a killed process would, for tests (``django_idempotency.testing``).
+
+    Raised inside a protected body, it rolls the body's database work back and leaves the
+    claim exactly as a ``SIGKILL`` would: in progress, its lease running, nothing released.
+    A ``BaseException``, so that application code catching ``Exception`` cannot swallow it.
+    """
+
+
 def seconds_left(until: datetime | None, now: datetime | None = None) -> int:
     """Whole seconds from ``now`` until ``until``, rounded up, at least 1."""
     if until is None:
