@@ -14,7 +14,14 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.core.signals import request_finished, request_started
+
         from django_idempotency import checks  # noqa: F401  (registers the checks)
+        from django_idempotency.autonomous import close_idle
+
+        # The claims' second connections are closed when Django closes its own.
+        request_started.connect(close_idle, dispatch_uid="django_idempotency.close_idle")
+        request_finished.connect(close_idle, dispatch_uid="django_idempotency.close_idle_end")
 
         if importlib.util.find_spec("prometheus_client") is not None:
             from django_idempotency import metrics  # noqa: F401  (connects the receivers)

@@ -21,7 +21,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
-from django_idempotency import conf, problems, signals, store
+from django_idempotency import autonomous, conf, problems, signals, store
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, FAILED
@@ -119,15 +119,19 @@ class Operation:
     ttl: timedelta
 
     def claim(self) -> store.ClaimResult:
-        """Claim the record (see :func:`store.claim`), now."""
+        """Claim the record (see :func:`store.claim`), now, committed at once whatever
+        transaction the caller is in (see :mod:`.autonomous`)."""
+        autonomous.refuse_unkeepable(self.alias, self.recovery_policy, self.operation)
         terms = {
             f.name: getattr(self, f.name) for f in fields(store.ClaimRequest) if f.name != "now"
         }
-        return store.claim(self.alias, store.ClaimRequest(now=timezone.now(), **terms))
+        with autonomous.claiming(self.alias):
+            return store.claim(self.alias, store.ClaimRequest(now=timezone.now(), **terms))
 
     def fetch(self) -> store.RecordState | None:
-        """The record as it is now."""
-        return store.fetch(self.alias, self.account, self.operation, self.key)
+        """The record as it is now (committed state, whatever the caller's transaction)."""
+        with autonomous.claiming(self.alias):
+            return store.fetch(self.alias, self.account, self.operation, self.key)
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,10 @@ class Outcome:
 def finish(
     alias: str, record_id: int, token: Any, outcome: Outcome, now: datetime | None = None
 ) -> bool:
-    """Store ``outcome``, fenced by the lease token; ``False`` when the lease was lost."""
+    """Store ``outcome``, fenced by the lease token; ``False`` when the lease was lost.
+
+    On the caller's connection: inside a fenced execution it commits with the work.
+    """
     return store.finish(
         alias,
         record_id,
@@ -190,10 +197,21 @@ class Fenced(Generic[T]):
     stored: bool
 
 
+def close(alias: str, record_id: int, token: Any, outcome: Outcome) -> bool:
+    """Store a recovery policy's ``outcome`` at once, outside any transaction of the caller's
+    (it decides the record for every retry, whatever the caller does next)."""
+    with autonomous.claiming(alias):
+        return finish(alias, record_id, token, outcome)
+
+
 def release_quietly(alias: str, record_id: int, token: Any) -> None:
-    """Release a claim; when the database cannot be reached, leave it to its lease."""
+    """Release a claim; when the database cannot be reached, leave it to its lease.
+
+    Committed at once (the claim was): a retry runs afresh at once.
+    """
     try:
-        store.release(alias, record_id, token)
+        with autonomous.claiming(alias):
+            store.release(alias, record_id, token)
     except DatabaseError:
         # The lease runs out on its own; the recovery policy takes it from there.
         logger.exception("could not release an idempotency claim; its lease will expire")
@@ -318,7 +336,8 @@ def announce_recovery(
 def give_back(alias: str, record_id: int, token: Any, now: datetime | None = None) -> None:
     """End an owned lease now, keeping the record in progress (stale) for the next ask."""
     try:
-        store.give_back(alias, record_id, token, now or timezone.now())
+        with autonomous.claiming(alias):
+            store.give_back(alias, record_id, token, now or timezone.now())
     except DatabaseError:
         logger.exception("could not give an idempotency lease back; it will expire")
 
@@ -334,6 +353,7 @@ __all__ = [
     "Operation",
     "Outcome",
     "Recovered",
+    "close",
     "current",
     "finish",
     "recover",

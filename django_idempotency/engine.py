@@ -340,7 +340,7 @@ class _Owner:
                 ),
                 fail_outcome=lambda: core.failure_outcome(context.key, context.operation),
                 as_outcome=outcome_of,
-                close=lambda outcome: core.finish(self.alias, self.state.id, self.token, outcome),
+                close=lambda outcome: core.close(self.alias, self.state.id, self.token, outcome),
             )
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks

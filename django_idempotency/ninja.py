@@ -28,7 +28,6 @@ from typing import Any, ClassVar, TypeVar, overload
 
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from ninja.operation import AsyncOperation, Operation
@@ -217,16 +216,9 @@ class _Protected(Operation):
     def _handle(
         self, request: HttpRequest, call: Callable[[], HttpResponseBase]
     ) -> HttpResponseBase:
-        alias = app_settings.DATABASE
-        connection = connections[alias]
-        if connection.settings_dict.get("ATOMIC_REQUESTS") and connection.in_atomic_block:
-            # Django wrapped ninja's view in the request's transaction: the claim could not
-            # commit before the operation runs, and duplicates would wait for it.
-            raise ImproperlyConfigured(
-                f"{_name(self)} is idempotent but runs inside ATOMIC_REQUESTS on {alias!r}; "
-                "ninja's views cannot be taken out of it. Turn ATOMIC_REQUESTS off for that "
-                "database: the engine runs each protected operation in a transaction of its own."
-            )
+        # Under ATOMIC_REQUESTS Django has wrapped ninja's view in the request's transaction
+        # (ninja's views cannot be taken out of it): the claim then commits on a connection
+        # of its own (see django_idempotency.autonomous), and the completion with the request.
         return engine.handle(
             request, call, self.idempotency_options, partial(self._default_operation, request)
         )

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency import conf, core
+from django_idempotency import core, validation
 from django_idempotency.conf import app_settings
 from django_idempotency.exceptions import InProgress, KeyReused, OutcomeUnknown, seconds_left
 from django_idempotency.keys import validate_key
@@ -101,8 +102,15 @@ def run_once(
       propagates.
 
     ``ttl``, ``lease`` and ``recovery`` default to the ``TTL``, ``LEASE`` and ``RECOVERY``
-    settings. A recovery callable gets the record and returns a result to store, or
-    ``None`` to run ``func`` again.
+    settings, and follow the decorator's rules: a zero, negative or boolean duration, an
+    unknown policy (``"Fail"``), a ``ttl`` given with a ``lease`` not longer than it, a
+    fingerprint that is not JSON, an empty ``account`` or ``operation`` raise
+    ``ImproperlyConfigured`` before anything runs or is stored. A recovery callable gets the
+    record and returns a result to store, or ``None`` to run ``func`` again.
+
+    Inside a transaction of the caller's (``transaction.atomic()``, a protected view), the
+    claim still commits on its own at once, and the callable's work and the completion
+    commit with the caller's transaction.
     """
     return call_once(
         func,
@@ -133,17 +141,36 @@ def call_once(
 ) -> T:
     """:func:`run_once` with the callable's arguments as a tuple and a dict, so that they
     may use any name (the Celery adapter passes a task's own arguments through)."""
-    policy = recovery if recovery is not None else app_settings.RECOVERY
+    # The decorator's rules, through the same code: a wrong value raises before anything runs.
+    where = f"run_once(operation={operation!r})"
+    checked = validation.view_arguments(
+        where, operation=operation, ttl=ttl, lease=lease, recovery=recovery
+    )
+    if not isinstance(account, str) or not account:
+        raise ImproperlyConfigured(
+            f"{where}: account must be a non-empty string naming who the key belongs to, "
+            f"such as 'consumer:shipping'; got {validation.describe(account)}."
+        )
+    policy = checked["recovery"] if recovery is not None else app_settings.RECOVERY
+    ttl = checked["ttl"] if ttl is not None else app_settings.TTL
+    lease = checked["lease"] if lease is not None else app_settings.LEASE
+    try:
+        request_hash = fingerprint_of(fingerprint)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(
+            f"{where}: fingerprint must be a string or a JSON-able value; "
+            f"got {validation.describe(fingerprint)} ({exc})."
+        ) from None
     op = core.Operation(
         alias=app_settings.DATABASE,
-        account=core.storable_name(str(account)),
-        operation=core.storable_name(str(operation)),
+        account=core.storable_name(account),
+        operation=core.storable_name(operation),
         key=validate_key(key),
-        request_hash=fingerprint_of(fingerprint),
+        request_hash=request_hash,
         fingerprint_version=FINGERPRINT_VERSION,
         recovery_policy=core.recovery_name(policy),
-        ttl=conf.as_timedelta(ttl) if ttl is not None else app_settings.TTL,
-        lease=conf.as_timedelta(lease) if lease is not None else app_settings.LEASE,
+        ttl=ttl,
+        lease=lease,
     )
     result = op.claim()
     state = result.state
@@ -208,7 +235,7 @@ def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any
             ),
             fail_outcome=lambda: core.failure_outcome(op.key, op.operation),
             as_outcome=stored_result,
-            close=lambda outcome: core.finish(op.alias, record_id, token, outcome),
+            close=lambda outcome: core.close(op.alias, record_id, token, outcome),
         )
     except Exception:
         core.give_back(op.alias, record_id, token)

@@ -66,6 +66,7 @@ def idempotent_task(
     *,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
+    recovery: str | Callable[[Any], Any] | None = None,
 ) -> Callable[[F], F]:
     """Run a Celery task's body at most once per delivery key, however often it is delivered.
 
@@ -81,14 +82,21 @@ def idempotent_task(
       (``lease``, default ``LEASE``: make it longer than the task ever runs).
     - The body raises: the claim is released, so a redelivery or a retry runs again.
     - A delivery that outlived its lease while another took over: its work is rolled back
-      and it returns ``None``. A record closed as failed (the admin's "mark as failed"):
-      never run again, and ``None`` is returned.
+      and it returns ``None``. A record closed as failed (by ``recovery="fail"`` after a
+      worker died, or the admin's "mark as failed"): never run again, and ``None`` is
+      returned.
+    - ``recovery``: what a redelivery does with a dead worker's stale lease, as for
+      ``run_once`` (``"retry"`` by default, ``"fail"``, or a callable).
 
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
     ``ImproperlyConfigured`` here, when the task is decorated.
     """
     checked = validation.view_arguments(
-        f"@idempotent_task(...) at {validation.caller()}", key=key, ttl=ttl, lease=lease
+        f"@idempotent_task(...) at {validation.caller()}",
+        key=key,
+        ttl=ttl,
+        lease=lease,
+        recovery=recovery,
     )
     delivery_key: DeliveryKey | None = checked["key"]
     ttl, lease = checked["ttl"], checked["lease"]
@@ -113,8 +121,9 @@ def idempotent_task(
                     ttl=ttl,
                     lease=lease,
                     # Every delivery of a key is the same request: after a worker died, a
-                    # redelivery takes its stale lease over and runs the body again.
-                    recovery=RETRY,
+                    # redelivery takes its stale lease over and applies the policy
+                    # (by default it runs the body again).
+                    recovery=checked["recovery"] or RETRY,
                 )
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -140,7 +149,7 @@ def _task_id(task: Task[Any, Any] | None) -> str | None:
 def _in_progress(task: Task[Any, Any] | None, name: str, countdown: int) -> Any:
     # The other delivery may die: come back when its lease has run out, and either find its
     # result or take its lease over.
-    if task is None or task.request.is_eager:
+    if task is None or task.request.is_eager or task.request.called_directly:
         raise DeliveryInProgress(f"a delivery of {name} holds the lease for {countdown} s more")
     logger.info("delivery of %s in progress elsewhere; retrying in %s s", name, countdown)
     # Waiting on a live lease is not a failure of this task: it does not use up its retries.

@@ -77,8 +77,15 @@ else:
         f"TEST_DB must be sqlite, postgres, pgbouncer, postgres-pool or mysql, not {TEST_DB!r}"
     )
 
+# Servers started by the tests may run every request in a transaction (TEST_ATOMIC_REQUESTS).
+DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("TEST_ATOMIC_REQUESTS") == "1"
+
 # The fake payment provider writes through a connection of its own, like an external system.
-DATABASES["provider"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
+DATABASES["provider"] = {
+    **DATABASES["default"],
+    "ATOMIC_REQUESTS": False,
+    "TEST": {"MIRROR": "default"},
+}
 
 INSTALLED_APPS = [
     "django.contrib.admin",

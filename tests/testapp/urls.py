@@ -25,6 +25,7 @@ urlpatterns = [
     path("faults/charges/fail-policy/", views.fault_charges_fail_policy),
     path("faults/charges/short-ttl/", views.fault_charges_short_ttl),
     path("uploads/", views.uploads),
+    path("txn/", include("tests.testapp.txn_views")),
 ]
 
 if settings.HAS_DRF:

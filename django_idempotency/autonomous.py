@@ -1,0 +1,119 @@
+"""Claims that commit on their own, whatever transaction the caller is in.
+
+The claim must be visible to every other connection before the work runs: that is what turns
+a duplicate into a prompt ``409`` / ``InProgress`` rather than a wait on a row lock, and what
+lets ``"fail"`` hold across a crash. When the caller's connection is inside a transaction
+(``ATOMIC_REQUESTS``, ``run_once`` inside ``transaction.atomic()``, a protected view calling
+``run_once``), a statement on it would commit only with the caller. So the claim-side
+statements (the claim, the reads of the record, the release, the give-back, a recovery's
+closing) then run on a second connection to the same database, in autocommit: an
+*autonomous transaction*. The work and the fenced completion stay on the caller's
+connection, inside its transaction, and commit with it.
+
+The second connection is made only when it is needed, one per thread and database, with the
+caller's settings (so it goes through the same PgBouncer, or comes from the same Django
+pool), and is closed when the request ends, as Django closes its own.
+
+Django's ``TestCase`` (and pytest-django's ``db``) wraps each test in transactions that it
+marks as its own (``_from_testcase``). Those are not a caller's transaction: inside them the
+claim stays on the test's connection, so a retry replays within the test and nothing the
+test claimed outlives it.
+
+SQLite serialises writers on the whole database: a second connection cannot commit while the
+caller's transaction has read or written. There the claim stays in the caller's transaction;
+that keeps "at most one effect" for ``"retry"`` (the claim and the work commit together), and
+the other recovery policies, which must outlive a crash, refuse to run
+(``ImproperlyConfigured``) rather than silently lose their promise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+__all__ = [
+    "claiming",
+    "close_idle",
+    "in_callers_transaction",
+    "refuse_unkeepable",
+]
+
+# The caller's connection wrapper keeps its second connection in this attribute: both are
+# per thread, so they live and die together.
+_ATTRIBUTE = "_django_idempotency_autonomous"
+
+
+def in_callers_transaction(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a statement on ``connection`` would commit only with a transaction the caller
+    opened (an atomic block that is not a test case's, or autocommit turned off)."""
+    if connection.in_atomic_block:
+        blocks: list[Any] = connection.atomic_blocks
+        return not (blocks and getattr(blocks[0], "_from_testcase", False))
+    # Only an open connection can have had autocommit turned off (Django connects in
+    # autocommit); an unopened one is in autocommit as soon as it connects.
+    return connection.connection is not None and not connection.get_autocommit()
+
+
+def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
+    second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
+    if second is None:
+        # The same backend class and the very same settings dictionary as the caller's
+        # connection: the same server, pooler, pool and options.
+        second = type(connection)(connection.settings_dict, connection.alias)
+        setattr(connection, _ATTRIBUTE, second)
+    elif second.errors_occurred:
+        # A connection that failed (the server restarted, a backend was terminated) is
+        # replaced rather than reused broken.
+        second.close_if_unusable_or_obsolete()
+        second.errors_occurred = False
+    return second
+
+
+@contextmanager
+def claiming(alias: str) -> Iterator[None]:
+    """Run the enclosed claim-side statements where they commit at once.
+
+    Where the caller's connection is inside a transaction, ``connections[alias]`` is this
+    thread's second connection for the duration (so the store's statements, the ORM and
+    ``transaction.atomic(using=alias)`` all use it); elsewhere nothing changes.
+    """
+    connection = connections[alias]
+    if connection.vendor == "sqlite" or not in_callers_transaction(connection):
+        yield
+        return
+    connections[alias] = _second_connection(connection)
+    try:
+        yield
+    finally:
+        connections[alias] = connection
+
+
+def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
+    """Raise ``ImproperlyConfigured`` where a claim could not commit on its own and the
+    recovery policy needs it to (SQLite inside a caller's transaction, any policy but
+    ``"retry"``)."""
+    connection = connections[alias]
+    if policy == "retry" or connection.vendor != "sqlite":
+        return
+    if in_callers_transaction(connection):
+        raise ImproperlyConfigured(
+            f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
+            f"database {alias!r}. SQLite cannot commit the claim on its own while that "
+            "transaction is open, so the policy could not hold across a crash. Call it "
+            "outside transaction.atomic() (for views: turn ATOMIC_REQUESTS off, or put "
+            "@transaction.non_atomic_requests above @api_view), or use PostgreSQL or MariaDB."
+        )
+
+
+def close_idle(**kwargs: Any) -> None:
+    """``request_started`` / ``request_finished`` receiver: close the second connections as
+    Django closes its own (``CONN_MAX_AGE``, unusable after an error)."""
+    for connection in connections.all(initialized_only=True):
+        second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
+        if second is not None:
+            second.close_if_unusable_or_obsolete()

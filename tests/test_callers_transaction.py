@@ -1,0 +1,214 @@
+"""The claim commits on its own, whatever transaction the caller is in.
+
+Table-driven over the caller's transaction state (none, ``atomic()``, nested savepoints,
+``ATOMIC_REQUESTS``) by entry point (decorator, mixin, ``@api_view``, ninja, ``run_once``,
+``@idempotent_task``) by recovery policy (``"retry"``, ``"fail"``). For each:
+
+- the claim is visible from another connection before the work runs, the work and the
+  completion commit with the caller, and a retry replays;
+- after a crash inside the work (``SimulatedCrash``: the process's transaction is gone, as
+  after a kill) and the lease's end, the policy keeps its promise: ``"retry"`` runs once more
+  with the same downstream key and commits one local effect, ``"fail"`` never runs again;
+- a duplicate from another connection while the first attempt holds its claim gets ``409`` /
+  ``InProgress`` at once, never a wait on the first attempt's transaction.
+
+The body and the entry points: ``tests/testapp/txn_views.py``. PostgreSQL and MariaDB (each
+attempt has its own connection); ``make test-poolers`` runs this module through PgBouncer in
+transaction mode and Django's pool.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection, connections, transaction
+from django.test import Client
+from django.utils import timezone
+
+from django_idempotency.exceptions import SimulatedCrash
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.conftest import new_key, postgres_only
+from tests.testapp import txn_views
+from tests.testapp.models import Charge, ProviderCall
+
+pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
+
+ENTRIES = ["decorator", "run-once", "task"]
+if settings.HAS_DRF:
+    ENTRIES += ["mixin", "api-view"]
+if settings.HAS_NINJA:
+    ENTRIES += ["ninja"]
+CALLERS = ["none", "atomic", "nested", "atomic-requests"]
+POLICIES = list(txn_views.POLICIES)
+
+
+@contextmanager
+def caller(state: str) -> Iterator[None]:
+    """The caller's transaction state around one request."""
+    with ExitStack() as stack:
+        if state == "atomic-requests":
+            connection.settings_dict["ATOMIC_REQUESTS"] = True
+            stack.callback(connection.settings_dict.__setitem__, "ATOMIC_REQUESTS", False)
+        elif state in ("atomic", "nested"):
+            stack.enter_context(transaction.atomic())
+            if state == "nested":
+                stack.enter_context(transaction.atomic())
+                stack.enter_context(transaction.atomic())
+        yield
+
+
+class Caller:
+    """A logged-in client that posts one operation's key to one entry point."""
+
+    def __init__(self, user: Any, entry: str, policy: str, key: str | None = None) -> None:
+        self.client = Client()
+        self.client.force_login(user)
+        self.path = f"/txn/{entry}/{policy}/"
+        self.key = key or new_key()
+
+    def post(self, test: str = "") -> Any:
+        headers = {"Idempotency-Key": self.key}
+        if test:
+            headers["X-Test"] = test
+        return self.client.post(self.path, "{}", content_type="application/json", headers=headers)
+
+    def twin(self) -> Caller:
+        """The same caller and key on a client of its own (for another thread)."""
+        other = Caller.__new__(Caller)
+        other.client = Client()
+        other.client.cookies = self.client.cookies
+        other.path, other.key = self.path, self.key
+        return other
+
+
+def record() -> IdempotencyRecord:
+    (only,) = IdempotencyRecord.objects.all()
+    return only
+
+
+def end_lease() -> None:
+    """What the passing of the lease does: the attempt's lease is over."""
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("state", CALLERS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_claim_is_visible_elsewhere_and_completes_with_the_caller(user, entry, state, policy):
+    client = Caller(user, entry, policy)
+    with caller(state):
+        first = client.post()
+    assert first.status_code == 201, first.content
+    assert json.loads(first.content)["seen"] is True  # another connection saw the claim
+    assert record().status == RecordStatus.COMPLETED
+    with caller(state):
+        retry = client.post()
+    assert retry.status_code == 201
+    assert json.loads(retry.content) == json.loads(first.content)
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.count() == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("state", CALLERS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_after_a_crash_the_policy_keeps_its_promise(user, entry, state, policy):
+    client = Caller(user, entry, policy)
+    with pytest.raises(SimulatedCrash), caller(state):
+        client.post("crash")
+    # The crashed attempt's transaction is gone; its claim is not.
+    assert record().status == RecordStatus.IN_PROGRESS
+    assert Charge.objects.count() == 0
+    assert ProviderCall.objects.count() == 1
+    with caller(state):
+        early = client.post()
+    assert early.status_code == 409  # the lease still runs: nobody else may run it
+    end_lease()
+    with caller(state):
+        answer = client.post()
+    calls = list(ProviderCall.objects.values_list("key", flat=True))
+    if policy == "retry":
+        assert answer.status_code == 201, answer.content
+        assert Charge.objects.count() == 1
+        assert len(calls) == 2
+        assert len(set(calls)) == 1  # one downstream key: the provider can deduplicate
+        assert record().status == RecordStatus.COMPLETED
+    else:
+        assert answer.status_code == 500, answer.content
+        assert json.loads(answer.content)["code"] == "idempotency_outcome_unknown"
+        assert Charge.objects.count() == 0
+        assert len(calls) == 1  # never run again
+        assert record().status == RecordStatus.FAILED
+    with caller(state):
+        again = client.post()
+    assert again.status_code == answer.status_code
+    assert Charge.objects.count() == (1 if policy == "retry" else 0)
+    assert ProviderCall.objects.count() == len(calls)
+
+
+def _in_thread(call: Callable[[], Any]) -> Any:
+    """``call()`` on a thread of its own (so on a connection of its own); bounded."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            result.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # A duplicate that waited on the first attempt's transaction would wait until the body
+    # returned, and the body waits here: the join would time out.
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the duplicate waited for the first attempt's transaction"
+    return result[0]
+
+
+@pytest.mark.parametrize("state", CALLERS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_duplicate_is_refused_at_once_while_the_first_holds_the_claim(user, entry, state):
+    client = Caller(user, entry, "retry")
+    duplicates: list[Any] = []
+    txn_views.during = lambda: duplicates.append(_in_thread(client.twin().post))
+    try:
+        with caller(state):
+            first = client.post()
+    finally:
+        txn_views.during = None
+    (duplicate,) = duplicates
+    assert duplicate.status_code == 409, duplicate.content
+    assert first.status_code == 201
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.count() == 1
+
+
+def test_an_outer_rollback_leaves_the_claim_as_a_crash_would(user):
+    client = Caller(user, "run-once", "retry")
+    answers = []
+
+    def operation_then_failure() -> None:
+        with transaction.atomic():
+            answers.append(client.post())
+            raise RuntimeError("the caller's transaction rolls back after the operation")
+
+    with pytest.raises(RuntimeError):
+        operation_then_failure()
+    assert answers[0].status_code == 201
+    # The work and the completion rolled back with the caller; the claim is held until its
+    # lease runs out, then recovered by its policy.
+    assert Charge.objects.count() == 0
+    assert record().status == RecordStatus.IN_PROGRESS
+    assert client.post().status_code == 409
+    end_lease()
+    assert client.post().status_code == 201
+    assert Charge.objects.count() == 1
