@@ -121,7 +121,8 @@ test-mysql: $(BIN)/.mysqlclient
 # transaction mode (Debian's package, installed here when missing and possible; the harness
 # starts its own on a free port) and Django's own pool, the two runs side by side.
 POOLER_SUITES := tests/test_poolers.py tests/test_concurrency.py tests/test_crash.py \
-	tests/test_faults_crash.py tests/test_faults_database.py tests/test_servers.py
+	tests/test_faults_crash.py tests/test_faults_database.py tests/test_servers.py \
+	tests/test_callers_transaction.py tests/test_callers_transaction_crash.py
 
 test-poolers: $(STAMP)
 	@command -v pgbouncer >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -41,6 +41,7 @@ __all__ = [
     "close_idle",
     "in_callers_transaction",
     "refuse_unkeepable",
+    "separate",
 ]
 
 # The caller's connection wrapper keeps its second connection in this attribute: both are
@@ -71,7 +72,16 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
         # replaced rather than reused broken.
         second.close_if_unusable_or_obsolete()
         second.errors_occurred = False
+    else:
+        # CONN_HEALTH_CHECKS, as Django applies them to its own: once per request.
+        second.close_if_health_check_failed()
     return second
+
+
+def separate(alias: str) -> bool:
+    """Whether claim-side statements on ``alias`` go to the second connection now."""
+    connection = connections[alias]
+    return connection.vendor != "sqlite" and in_callers_transaction(connection)
 
 
 @contextmanager
@@ -82,10 +92,10 @@ def claiming(alias: str) -> Iterator[None]:
     thread's second connection for the duration (so the store's statements, the ORM and
     ``transaction.atomic(using=alias)`` all use it); elsewhere nothing changes.
     """
-    connection = connections[alias]
-    if connection.vendor == "sqlite" or not in_callers_transaction(connection):
+    if not separate(alias):
         yield
         return
+    connection = connections[alias]
     connections[alias] = _second_connection(connection)
     try:
         yield

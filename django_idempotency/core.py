@@ -24,7 +24,7 @@ from django.utils.crypto import salted_hmac
 from django_idempotency import autonomous, conf, problems, signals, store
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.states import COMPLETED, FAILED
+from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
 logger = logging.getLogger("django_idempotency")
 
@@ -125,8 +125,17 @@ class Operation:
         terms = {
             f.name: getattr(self, f.name) for f in fields(store.ClaimRequest) if f.name != "now"
         }
+        request = store.ClaimRequest(now=timezone.now(), **terms)
+        if autonomous.separate(self.alias):
+            # The caller's transaction may hold this key's outcome already, not yet committed
+            # (an earlier call with the key in the same transaction): its own view of the
+            # record answers, where the second connection would see the claim in progress,
+            # or wait for the caller's lock on the row to take a stale lease over.
+            own = store.fetch(self.alias, self.account, self.operation, self.key)
+            if own is not None and own.status != IN_PROGRESS and not own.replaceable_by(request):
+                return store.ClaimResult(state=own, claimed=False)
         with autonomous.claiming(self.alias):
-            return store.claim(self.alias, store.ClaimRequest(now=timezone.now(), **terms))
+            return store.claim(self.alias, request)
 
     def fetch(self) -> store.RecordState | None:
         """The record as it is now (committed state, whatever the caller's transaction)."""

@@ -1,5 +1,8 @@
 """A process that dies inside a ``run_once`` callable: ``python -m tests.once_worker KEY POLICY``.
 
+With a third argument ``atomic``, ``run_once`` is called inside ``transaction.atomic()`` (a
+consumer that opened a transaction of its own).
+
 The callable records its ``current().downstream_key("provider")`` through the provider
 connection (autocommit, so it survives), writes a local effect in the callable's
 transaction, then SIGKILLs its own process before the completion commits.
@@ -10,11 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import nullcontext
 
 import django
 
 
-def main(key: str, policy: str) -> None:
+def main(key: str, policy: str, caller: str = "") -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
     from django_idempotency import current, run_once
@@ -28,15 +32,18 @@ def main(key: str, policy: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         return "unreachable"
 
-    run_once(
-        ship,
-        account="consumer:shipping",
-        operation="orders.ship",
-        key=key,
-        lease=1,
-        recovery=policy,
-    )
+    from django.db import transaction
+
+    with transaction.atomic(durable=False) if caller == "atomic" else nullcontext():
+        run_once(
+            ship,
+            account="consumer:shipping",
+            operation="orders.ship",
+            key=key,
+            lease=1,
+            recovery=policy,
+        )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

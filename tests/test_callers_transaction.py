@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -32,6 +33,7 @@ from django.db import connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
 
+from django_idempotency import run_once
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.conftest import new_key, postgres_only
@@ -212,3 +214,70 @@ def test_an_outer_rollback_leaves_the_claim_as_a_crash_would(user):
     end_lease()
     assert client.post().status_code == 201
     assert Charge.objects.count() == 1
+
+
+IDENTITY = {"account": "consumer:txn", "operation": "txn.same", "key": "m-1"}
+
+
+def _ship() -> str:
+    Charge.objects.create(account="consumer", amount=1, currency="EUR")
+    return "shipped"
+
+
+def test_the_same_key_twice_in_one_transaction_runs_once():
+    # A batch that holds one message twice: the second call sees the first one's outcome,
+    # which only the caller's transaction can see yet.
+    with transaction.atomic():
+        assert run_once(_ship, **IDENTITY) == "shipped"
+        assert run_once(_ship, **IDENTITY) == "shipped"
+    assert Charge.objects.count() == 1
+    assert record().status == RecordStatus.COMPLETED
+
+
+def test_a_stale_lease_of_this_transactions_own_key_never_waits_on_itself():
+    # The first call completed the record inside the caller's transaction (its row locked by
+    # it) and the lease ran out since: the second call answers from the caller's own view,
+    # where a takeover on the second connection would wait for the caller forever.
+    results: list[Any] = []
+
+    def batch() -> None:
+        try:
+            with transaction.atomic():
+                results.append(run_once(_ship, **IDENTITY, lease=1))
+                time.sleep(1.2)
+                results.append(run_once(_ship, **IDENTITY, lease=1))
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=batch)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "the second call waited on its own transaction's lock"
+    assert results == ["shipped", "shipped"]
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_protected_view_calling_run_once_for_a_sub_operation(user, policy):
+    client = Caller(user, "view-run-once", policy)
+    with pytest.raises(SimulatedCrash):
+        client.post("crash")
+    # Both claims committed on their own: the view's, and the sub-operation's inside it.
+    statuses = set(IdempotencyRecord.objects.values_list("operation", "status"))
+    assert statuses == {
+        (f"txn.view_run_once.{policy}", RecordStatus.IN_PROGRESS),
+        ("txn.run_once", RecordStatus.IN_PROGRESS),
+    }
+    assert ProviderCall.objects.count() == 1
+    end_lease()
+    answer = client.post()
+    if policy == "retry":
+        assert answer.status_code == 201, answer.content
+        assert json.loads(answer.content)["seen"] is True
+        assert Charge.objects.count() == 1
+        assert ProviderCall.objects.count() == 2
+    else:
+        assert answer.status_code == 500
+        assert json.loads(answer.content)["code"] == "idempotency_outcome_unknown"
+        assert Charge.objects.count() == 0
+        assert ProviderCall.objects.count() == 1

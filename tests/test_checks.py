@@ -145,6 +145,11 @@ def test_w001_atomic_requests():
         connection.settings_dict["ATOMIC_REQUESTS"] = False
     assert [m.id for m in found] == ["django_idempotency.W001"]
     assert "non_atomic_requests" in found[0].hint
+    if connection.vendor == "sqlite":
+        assert "SQLite cannot commit a claim on a second connection" in found[0].hint
+    else:
+        assert "claim on a second connection" in found[0].hint
+        assert "two connections at once" in found[0].hint
 
 
 def test_w002_other_database():

@@ -146,6 +146,32 @@ def _run_once_view(policy: str) -> Any:
     return _plain_caller(policy, call)
 
 
+def _local(policy: str) -> Any:
+    """A protected view with a local effect only (for ``TestCase``: one connection)."""
+
+    @idempotent(recovery=policy, operation=f"txn.local.{policy}")
+    def view(request: HttpRequest) -> HttpResponse:
+        charge = Charge.objects.create(account="local", amount=1, currency="EUR")
+        return _answer({"charge": charge.pk})
+
+    return view
+
+
+def _view_run_once(policy: str) -> Any:
+    """A protected view whose work is a sub-operation under ``run_once``."""
+
+    @idempotent(recovery=policy, operation=f"txn.view_run_once.{policy}")
+    def view(request: HttpRequest) -> HttpResponse:
+        key = request.headers["Idempotency-Key"]
+        crash = _crash(request)
+        result = run_once(
+            work, crash, account="consumer:txn", operation="txn.run_once", key=key, recovery=policy
+        )
+        return _answer(result)
+
+    return view
+
+
 def _task_view(policy: str) -> Any:
     return _plain_caller(policy, lambda key, crash: TASKS[policy](key, crash))
 
@@ -155,11 +181,14 @@ for _policy in POLICIES:
     urlpatterns += [
         path(f"decorator/{_policy}/", _decorated(_policy)),
         path(f"run-once/{_policy}/", _run_once_view(_policy)),
+        path(f"view-run-once/{_policy}/", _view_run_once(_policy)),
+        path(f"local/{_policy}/", _local(_policy)),
         path(f"task/{_policy}/", _task_view(_policy)),
     ]
 
 if settings.HAS_DRF:
-    from rest_framework.decorators import api_view
+    from rest_framework.authentication import BasicAuthentication, SessionAuthentication
+    from rest_framework.decorators import api_view, authentication_classes
     from rest_framework.permissions import IsAuthenticated
     from rest_framework.request import Request
     from rest_framework.response import Response
@@ -167,8 +196,12 @@ if settings.HAS_DRF:
 
     from django_idempotency.drf import IdempotencyMixin
 
+    # HTTP Basic first: the live-server tests send no CSRF token (sessions want one).
+    AUTHENTICATION = [BasicAuthentication, SessionAuthentication]
+
     def _mixin(policy: str) -> Any:
         class MixinView(IdempotencyMixin, APIView):
+            authentication_classes = AUTHENTICATION
             permission_classes = [IsAuthenticated]
             idempotency_recovery = policy
             idempotency_operation = f"txn.mixin.{policy}"
@@ -180,6 +213,7 @@ if settings.HAS_DRF:
 
     def _api_view(policy: str) -> Any:
         @api_view(["POST"])
+        @authentication_classes(AUTHENTICATION)
         @idempotent(recovery=policy, operation=f"txn.api_view.{policy}")
         def view(request: Request) -> Response:
             return Response(work(_crash(request)), status=201)
@@ -197,11 +231,12 @@ if settings.HAS_NINJA:
     from ninja.security import django_auth
 
     from django_idempotency.ninja import idempotent as ninja_idempotent
+    from tests.testapp.ninja_api import BasicAuth
 
     api = NinjaAPI(urls_namespace="txn")
 
     def _ninja(policy: str) -> None:
-        @api.post(f"/{policy}/", auth=django_auth, response={201: dict[str, Any]})
+        @api.post(f"/{policy}/", auth=[BasicAuth(), django_auth], response={201: dict[str, Any]})
         @ninja_idempotent(recovery=policy, operation=f"txn.ninja.{policy}")
         def view(request: HttpRequest) -> dict[str, Any]:
             return work(_crash(request))
