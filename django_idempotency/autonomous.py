@@ -104,13 +104,18 @@ def claiming(alias: str) -> Iterator[None]:
 
 
 def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
-    """Raise ``ImproperlyConfigured`` where a claim could not commit on its own and the
-    recovery policy needs it to (SQLite inside a caller's transaction, any policy but
-    ``"retry"``)."""
+    """Raise ``ImproperlyConfigured`` where the claim could not keep its promise:
+
+    - SQLite inside a caller's transaction, for any policy but ``"retry"``: the claim could
+      not commit on its own, so the policy could not hold across a crash;
+    - a caller's transaction under ``REPEATABLE READ`` or ``SERIALIZABLE`` on PostgreSQL:
+      its snapshot cannot see a claim committed on the second connection, so the completion
+      would never find the record.
+    """
     connection = connections[alias]
-    if policy == "retry" or connection.vendor != "sqlite":
+    if not in_callers_transaction(connection):
         return
-    if in_callers_transaction(connection):
+    if connection.vendor == "sqlite" and policy != "retry":
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
             f"database {alias!r}. SQLite cannot commit the claim on its own while that "
@@ -118,6 +123,31 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "outside transaction.atomic() (for views: turn ATOMIC_REQUESTS off, or put "
             "@transaction.non_atomic_requests above @api_view), or use PostgreSQL or MariaDB."
         )
+    level = _snapshot_isolation(connection)
+    if level is not None:
+        raise ImproperlyConfigured(
+            f"{where} runs inside a {level.upper()} transaction on {alias!r}: its snapshot "
+            "cannot see a claim committed on its own, so the operation could never "
+            "complete. Call it in a READ COMMITTED transaction (Django's default) or "
+            "outside transaction.atomic()."
+        )
+
+
+def _snapshot_isolation(connection: BaseDatabaseWrapper) -> str | None:
+    """The caller's isolation level where it keeps the claim out of the caller's sight (or,
+    on MariaDB/MySQL, makes the caller's reads lock what the claim must write), else None."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('transaction_isolation')")
+            (level,) = cursor.fetchone()
+        return str(level) if level in ("repeatable read", "serializable") else None
+    if connection.vendor == "mysql":
+        # InnoDB's UPDATE reads the latest committed row under REPEATABLE READ; SERIALIZABLE
+        # turns the caller's reads into shared locks that the claim's insert would wait on.
+        # Django sets the level per session from OPTIONS["isolation_level"].
+        level = getattr(connection, "isolation_level", None)
+        return "serializable" if level == "serializable" else None
+    return None
 
 
 def close_idle(**kwargs: Any) -> None:

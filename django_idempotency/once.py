@@ -46,7 +46,9 @@ def fingerprint_of(value: Any) -> str:
     text = (
         value
         if isinstance(value, str)
-        else json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
+        else json.dumps(
+            value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder, allow_nan=False
+        )
     )
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -151,6 +153,8 @@ def call_once(
             f"{where}: account must be a non-empty string naming who the key belongs to, "
             f"such as 'consumer:shipping'; got {validation.describe(account)}."
         )
+    if operation is None:  # view_arguments reads None as "the default": there is none here
+        raise ImproperlyConfigured(f"{where}: operation must be a non-empty string; got None.")
     policy = checked["recovery"] if recovery is not None else app_settings.RECOVERY
     ttl = checked["ttl"] if ttl is not None else app_settings.TTL
     lease = checked["lease"] if lease is not None else app_settings.LEASE

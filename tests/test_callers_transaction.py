@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
@@ -281,3 +282,33 @@ def test_a_protected_view_calling_run_once_for_a_sub_operation(user, policy):
         assert json.loads(answer.content)["code"] == "idempotency_outcome_unknown"
         assert Charge.objects.count() == 0
         assert ProviderCall.objects.count() == 1
+
+
+SNAPSHOT_LEVELS = (
+    ["REPEATABLE READ", "SERIALIZABLE"]
+    if connection.vendor == "postgresql"
+    else ["REPEATABLE READ"]
+)
+
+
+@pytest.mark.parametrize("level", SNAPSHOT_LEVELS)
+def test_a_snapshot_transaction_is_refused_on_postgresql(level):
+    calls: list[int] = []
+
+    def attempt() -> None:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+            run_once(lambda: calls.append(1), **IDENTITY)
+
+    if connection.vendor == "postgresql":
+        with pytest.raises(ImproperlyConfigured, match=level):
+            attempt()
+        assert calls == []
+        assert not IdempotencyRecord.objects.exists()
+    else:
+        # InnoDB's UPDATE reads the latest committed row whatever the isolation level.
+        attempt()
+        attempt()
+        assert calls == [1]
+        assert record().status == RecordStatus.COMPLETED
