@@ -20,10 +20,11 @@ __all__ = [
     "OutcomeUnknown",
     "current",
     "run_once",
+    "step",
 ]
 
 if TYPE_CHECKING:
-    from django_idempotency.core import IdempotencyContext, current
+    from django_idempotency.core import IdempotencyContext, current, step
     from django_idempotency.exceptions import (
         IdempotencyError,
         InProgress,
@@ -40,6 +41,7 @@ _WHERE = {
     "KeyReused": "exceptions",
     "OutcomeUnknown": "exceptions",
     "run_once": "once",
+    "step": "core",
 }
 
 

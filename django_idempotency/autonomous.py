@@ -67,6 +67,7 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
         # connection: the same server, pooler, pool and options.
         second = type(connection)(connection.settings_dict, connection.alias)
         setattr(connection, _ATTRIBUTE, second)
+        _close_together(connection, second)
     elif second.errors_occurred:
         # A connection that failed (the server restarted, a backend was terminated) is
         # replaced rather than reused broken.
@@ -82,6 +83,20 @@ def separate(alias: str) -> bool:
     """Whether claim-side statements on ``alias`` go to the second connection now."""
     connection = connections[alias]
     return connection.vendor != "sqlite" and in_callers_transaction(connection)
+
+
+def _close_together(connection: BaseDatabaseWrapper, second: BaseDatabaseWrapper) -> None:
+    # Whoever closes the caller's connection (connections.close_all(), a test runner
+    # dropping its database, Celery after a task) closes the second one too.
+    close = connection.close
+
+    def close_both() -> None:
+        try:
+            close()
+        finally:
+            second.close()
+
+    connection.close = close_both  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -106,6 +121,7 @@ def claiming(alias: str) -> Iterator[None]:
 def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
     """Raise ``ImproperlyConfigured`` where the claim could not keep its promise:
 
+    - ``"resume"`` inside a caller's transaction: its steps could not commit as they finish;
     - SQLite inside a caller's transaction, for any policy but ``"retry"``: the claim could
       not commit on its own, so the policy could not hold across a crash;
     - a caller's transaction under ``REPEATABLE READ`` or ``SERIALIZABLE`` on PostgreSQL:
@@ -115,6 +131,15 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
     connection = connections[alias]
     if not in_callers_transaction(connection):
         return
+    if policy == "resume":
+        raise ImproperlyConfigured(
+            f"{where} uses the recovery policy 'resume' inside a transaction of the caller's "
+            f"on {alias!r}. Its steps must each commit as they finish, so that a later "
+            "attempt finds them after a crash; inside the caller's transaction they would "
+            "commit only with it. Call it outside transaction.atomic() (for views: the mixin "
+            "and plain @idempotent views are taken out of ATOMIC_REQUESTS; put "
+            "@transaction.non_atomic_requests above @api_view)."
+        )
     if connection.vendor == "sqlite" and policy != "retry":
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
@@ -32,6 +34,7 @@ T = TypeVar("T")
 
 RETRY = "retry"
 FAIL = "fail"
+RESUME = "resume"
 
 
 @dataclass
@@ -98,8 +101,8 @@ def recovery_name(recovery: str | Callable[..., Any]) -> str:
 
 
 def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
-    """``"retry"``, ``"fail"``, or the callable a dotted path names."""
-    if isinstance(recovery, str) and recovery not in (RETRY, FAIL):
+    """``"retry"``, ``"fail"``, ``"resume"``, or the callable a dotted path names."""
+    if isinstance(recovery, str) and recovery not in (RETRY, FAIL, RESUME):
         return conf.resolve_callable(recovery)
     return recovery
 
@@ -241,6 +244,8 @@ def run_fenced(
     outcome (if storable) is stored after the rollback: it is still the deterministic answer
     of this request. Raises :class:`LeaseLost` when another attempt owns the record now.
     """
+    # A step() inside belongs to the resumable operation that runs this one, if any: not here.
+    outer_steps = _steps.set(None)
     try:
         with transaction.atomic(using=alias):
             result = body()
@@ -264,6 +269,142 @@ def run_fenced(
     except BaseException:
         release_quietly(alias, record_id, token)
         raise
+    finally:
+        _steps.reset(outer_steps)
+
+
+# -- steps: operations that resume after a crash ------------------------------------------
+
+
+@dataclass
+class _Steps:
+    """The running attempt of a resumable operation: what it owns and what is recorded."""
+
+    alias: str
+    record_id: int
+    token: Any
+    recorded: dict[str, str]
+    used: set[str] = field(default_factory=set)
+    running: bool = False
+
+
+_steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar(
+    "django_idempotency_steps", default=None
+)
+
+_MAX_STEP_NAME = 255
+
+
+def _step_json(name: str, result: Any) -> str:
+    try:
+        return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"step {name!r} returned {type(result).__name__}, which cannot be recorded as JSON "
+            f"({exc}); nothing was recorded and its work was rolled back"
+        ) from exc
+
+
+def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``func(*args, **kwargs)`` once per resumable operation, as its step ``name``.
+
+    Inside an operation under the ``"resume"`` recovery policy: ``func`` runs inside
+    ``transaction.atomic()`` on the idempotency database, together with the record of
+    ``(name, result)``, fenced by the lease token. A step recorded by an earlier attempt of
+    the operation returns its recorded result without calling ``func``. Either way the
+    value returned is what ``json.loads`` gives back for the result, so a body behaves the
+    same on every attempt.
+
+    Raises ``RuntimeError`` outside such an operation (and for a step inside a step),
+    ``ValueError`` for a name used twice in one attempt (names are unique within an
+    operation: ``f"ship:{line.id}"``), ``TypeError`` for a result that is not JSON (nothing
+    is recorded, the step's work rolls back). When the attempt lost its lease, the step's
+    work rolls back and the attempt ends (``409`` for a view, ``InProgress`` for
+    ``run_once``).
+    """
+    steps = _steps.get()
+    if steps is None:
+        raise RuntimeError(
+            'step() runs only inside an operation under the "resume" recovery policy '
+            '(@idempotent(recovery="resume"), run_once(..., recovery="resume"), ...)'
+        )
+    if not isinstance(name, str) or not name or len(name) > _MAX_STEP_NAME or "\x00" in name:
+        raise ValueError(
+            f"a step name is a non-empty string of at most {_MAX_STEP_NAME} characters "
+            f"without NUL; got {name!r}"
+        )
+    if steps.running:
+        raise RuntimeError(f"step {name!r} was called inside another step: steps do not nest")
+    if name in steps.used:
+        raise ValueError(
+            f"step name {name!r} is used twice in one attempt; names are unique within an "
+            'operation (e.g. f"ship:{line.id}")'
+        )
+    steps.used.add(name)
+    recorded = steps.recorded.get(name)
+    if recorded is None:
+        steps.running = True
+        try:
+            with transaction.atomic(using=steps.alias):
+                recorded = _step_json(name, func(*args, **kwargs))
+                if not store.record_step(
+                    steps.alias, steps.record_id, steps.token, name, recorded, timezone.now()
+                ):
+                    raise LeaseLost
+        finally:
+            steps.running = False
+        steps.recorded[name] = recorded
+    return json.loads(recorded)
+
+
+def run_resumable(
+    alias: str,
+    record_id: int,
+    token: Any,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+) -> Fenced[T]:
+    """Run ``body`` as a resumable operation (``"resume"``): outside one transaction, its
+    :func:`step` calls each committing with its recorded result; then store the outcome.
+
+    The steps recorded by earlier attempts are read once, here. When the body raises (or
+    ``judge`` has nothing to store: a 5xx), the recorded steps are kept and the lease is
+    given back at once, so the next attempt resumes at once. ``LeaseLost`` when another
+    attempt owns the record now: at a step, or at the completion.
+    """
+    steps = _Steps(alias, record_id, token, store.recorded_steps(alias, record_id))
+    reset = _steps.set(steps)
+    try:
+        result = body()
+        outcome = judge(result)
+    except (LeaseLost, SimulatedCrash):
+        raise
+    except BaseException:
+        give_back(alias, record_id, token)
+        raise
+    finally:
+        _steps.reset(reset)
+    if outcome is None:
+        give_back(alias, record_id, token)
+        return Fenced(result, stored=False)
+    with transaction.atomic(using=alias):
+        if not finish(alias, record_id, token, outcome):
+            raise LeaseLost
+    return Fenced(result, stored=True)
+
+
+def run_owned(
+    policy: Any,
+    alias: str,
+    record_id: int,
+    token: Any,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+) -> Fenced[T]:
+    """The owner's execution for ``policy``: resumable steps under ``"resume"``, else one
+    fenced transaction (:func:`run_fenced`)."""
+    run = run_resumable if policy == RESUME else run_fenced
+    return run(alias, record_id, token, body, judge)
 
 
 # -- recovery -------------------------------------------------------------------------------
@@ -305,7 +446,8 @@ def recover(
     (undecided). ``close(outcome)`` stores an outcome, fenced, and says whether it could. A
     callable that raises propagates: the caller keeps the record stale for the next ask.
     """
-    if policy == RETRY:
+    if policy in (RETRY, RESUME):
+        # "resume" runs the body again too: its recorded steps are skipped.
         return Recovered(run=True)
     if policy == FAIL:
         outcome = fail_outcome()
@@ -355,6 +497,7 @@ __all__ = [
     "COMPLETED",
     "FAIL",
     "FAILED",
+    "RESUME",
     "RETRY",
     "Fenced",
     "IdempotencyContext",
@@ -370,6 +513,9 @@ __all__ = [
     "release_quietly",
     "resolve_recovery",
     "run_fenced",
+    "run_owned",
+    "run_resumable",
     "running",
+    "step",
     "storable_name",
 ]

@@ -370,10 +370,12 @@ class _Owner:
         return rendered(answer)
 
     def execute(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
-        """The view, its rendering and the completion, in one transaction."""
+        """The view, its rendering and the completion, in one transaction (under
+        ``"resume"``: the view's steps, each in its own, then the completion)."""
         try:
             with core.running(self.protected.context):
-                fenced = core.run_fenced(
+                fenced = core.run_owned(
+                    self.protected.recovery,
                     self.alias,
                     self.state.id,
                     self.token,

@@ -205,6 +205,44 @@ class IdempotencyRecord(models.Model):
         return f"{self.operation} {self.key} ({self.status})"
 
 
+class IdempotencyStep(models.Model):
+    """One recorded step of a resumable operation (``recovery="resume"``): its result.
+
+    Written by :func:`django_idempotency.step` in the step's own transaction, together with
+    the step's work, fenced by the record's lease token; read once when an attempt starts, so
+    a later attempt skips what an earlier one finished. Deleted with its record (the purge, a
+    release, the admin), and when an expired record is replaced by a new operation.
+    """
+
+    # No constraint managed by Django: the migration makes it ON DELETE CASCADE on
+    # PostgreSQL and MariaDB, so every way a record is deleted (the purge's raw batches
+    # included) takes its steps along; elsewhere the ORM cascades.
+    record = models.ForeignKey(
+        IdempotencyRecord,
+        on_delete=models.CASCADE,
+        related_name="steps",
+        db_constraint=False,
+        # The unique (record, name) constraint serves the reads by record.
+        db_index=False,
+    )
+    name = models.CharField(max_length=255)
+    #: The step's result as JSON text, exactly as it was recorded.
+    result = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = _("idempotency step")
+        verbose_name_plural = _("idempotency steps")
+        db_table = "django_idempotency_step"
+        constraints = [
+            # One result per step name and record; it serves the reads by record too.
+            models.UniqueConstraint(fields=["record", "name"], name="idempotency_step_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class IdempotencyAuditRecord(models.Model):
     """A copy of a record taken when it left the deduplication window (append-only).
 

@@ -191,8 +191,8 @@ def call_once(
             return cast(T, recovered)
     try:
         with core.running(context):
-            fenced = core.run_fenced(
-                op.alias, state.id, token, lambda: func(*args, **kwargs), stored_result
+            fenced = core.run_owned(
+                policy, op.alias, state.id, token, lambda: func(*args, **kwargs), stored_result
             )
     except core.LeaseLost:
         now_state = op.fetch()

@@ -199,8 +199,9 @@ def _delete_batch(table: _Table, size: int) -> int:
             table.archive.copy(batch)
         if connection.vendor == "mysql":
             return _mysql_delete(candidates.model, alias, ids)
-        deleted, _ = batch.delete()
-        return int(deleted)
+        # The model's own rows: the ORM's total counts the rows it cascaded to (steps) too.
+        _, by_model = batch.delete()
+        return int(by_model.get(candidates.model._meta.label, 0))
 
 
 def _mysql_delete(model: type[models.Model], alias: str, ids: list[Any]) -> int:

@@ -377,11 +377,14 @@ def _claim(alias: str, request: ClaimRequest) -> ClaimResult:
         if not state.replaceable_by(request):
             return ClaimResult(state=state, claimed=False)
         taken = take_over(alias, request, token, state)
-        if taken is not None:
-            return ClaimResult(state=taken, claimed=True)
-        current = fetch(alias, request.account, request.operation, request.key)
+        current = taken or fetch(alias, request.account, request.operation, request.key)
         if current is not None:
-            return ClaimResult(state=current, claimed=current.lease_token == token)
+            claimed = current.lease_token == token
+            if claimed and states.EXPIRED.test(vars(state), now=request.now):
+                # An expired record replaced by a new operation: an earlier operation's
+                # steps (recovery "resume") are not this one's.
+                forget_steps(alias, state.id)
+            return ClaimResult(state=current, claimed=claimed)
     raise IntegrityError("the idempotency record kept vanishing during one claim")
 
 
@@ -481,3 +484,75 @@ def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bo
     with connections[alias].cursor() as cursor:
         cursor.execute(_give_back_sql(alias), params)
         return int(cursor.rowcount) > 0
+
+
+# -- steps of resumable operations ------------------------------------------------------------
+
+
+def _step_table(alias: str) -> str:
+    from django_idempotency.models import IdempotencyStep
+
+    return str(connections[alias].ops.quote_name(IdempotencyStep._meta.db_table))
+
+
+@functools.lru_cache(maxsize=8)
+def _record_step_sql(alias: str) -> str:
+    """One statement records a step, fenced by the owner's lease token.
+
+    The row of the record is read ``FOR SHARE``: a takeover (an ``UPDATE`` of that row) waits
+    for the step's transaction, so a step either commits before the takeover, and the new
+    owner reads it, or finds the record no longer its own and records nothing.
+    """
+    connection = connections[alias]
+    q = connection.ops.quote_name
+    columns = ", ".join(q(c) for c in ("record_id", "name", "result", "created_at"))
+    lock = " FOR SHARE" if connection.features.has_select_for_update else ""
+    if lock and connection.vendor == "mysql":
+        lock = " LOCK IN SHARE MODE"
+    return (
+        f"INSERT INTO {_step_table(alias)} ({columns})"
+        f" SELECT {q('id')}, %s, %s, %s FROM {_table(alias)} WHERE {_owned_by(q)}{lock}"
+    )
+
+
+def record_step(
+    alias: str, record_id: int, token: uuid.UUID, name: str, result: str, now: datetime
+) -> bool:
+    """Record a step's result for the record this attempt owns; ``False``: the lease was lost."""
+    from django_idempotency.models import IdempotencyStep
+
+    created = IdempotencyStep._meta.get_field("created_at")
+    assert isinstance(created, Field)
+    params = [
+        name,
+        result,
+        created.get_db_prep_save(now, connections[alias]),
+        record_id,
+        _prepared(alias, "lease_token", token),
+        IN_PROGRESS,
+    ]
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_record_step_sql(alias), params)
+        return int(cursor.rowcount) > 0
+
+
+@functools.lru_cache(maxsize=8)
+def _recorded_steps_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return (
+        f"SELECT {q('name')}, {q('result')} FROM {_step_table(alias)} WHERE {q('record_id')} = %s"
+    )
+
+
+def recorded_steps(alias: str, record_id: int) -> dict[str, str]:
+    """The steps recorded for a record so far: ``{name: result as JSON text}``."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_recorded_steps_sql(alias), [record_id])
+        return {str(name): str(result) for name, result in cursor.fetchall()}
+
+
+def forget_steps(alias: str, record_id: int) -> None:
+    """Delete the steps of a record that an expired record's replacement starts afresh."""
+    q = connections[alias].ops.quote_name
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {_step_table(alias)} WHERE {q('record_id')} = %s", [record_id])

@@ -23,6 +23,9 @@ from django.utils.module_loading import import_string
 
 RETRY = "retry"
 FAIL = "fail"
+RESUME = "resume"
+#: The recovery policies named by a word.
+POLICIES = (RETRY, FAIL, RESUME)
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # An RFC 9110 token: what a header or a method name may consist of.
@@ -218,18 +221,20 @@ def callable_ref(value: Any) -> Callable[..., Any]:
 
 
 def recovery(value: Any) -> str | Callable[..., Any]:
-    """A recovery policy: ``"retry"``, ``"fail"``, a callable or the dotted path of one.
+    """A recovery policy: ``"retry"``, ``"fail"``, ``"resume"``, a callable or the dotted path
+    of one.
 
     Returned as given (a dotted path stays a string: it is what the record stores), once
     the path is known to import a callable.
     """
-    if isinstance(value, str) and value in (RETRY, FAIL):
+    if isinstance(value, str) and value in POLICIES:
         return value
     try:
         resolved = callable_ref(value)
     except Invalid as exc:
         raise Invalid(
-            f'"{RETRY}", "{FAIL}", a callable recover(record) or the dotted path of one',
+            f'"{RETRY}", "{FAIL}", "{RESUME}", a callable recover(record) or the dotted path '
+            "of one",
             value,
             exc.detail,
         ) from None

@@ -26,6 +26,7 @@ urlpatterns = [
     path("faults/charges/short-ttl/", views.fault_charges_short_ttl),
     path("uploads/", views.uploads),
     path("txn/", include("tests.testapp.txn_views")),
+    path("steps/", include("tests.testapp.steps")),
 ]
 
 if settings.HAS_DRF:
