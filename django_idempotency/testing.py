@@ -749,10 +749,11 @@ class FakeProvider:
     Put it where the view calls the provider (``monkeypatch.setattr(payments, "charge",
     provider)``, ``unittest.mock.patch``). Each call is recorded in `calls`. A call whose
     ``key_argument`` (a keyword, ``idempotency_key`` by default, or a position: ``0`` for
-    the first argument) carries a key already seen gets that key's first answer again; any other call makes a new effect, recorded in
-    `effects`, whose answer is ``answer(n)`` for the n-th effect (by default ``{"id":
-    "fake_<n>"}``). It lives in memory, so, like a remote system, it keeps what a database
-    rollback undoes. Safe to call from a live server's threads.
+    the first argument) carries a key already seen gets that key's first answer again; any
+    other call makes a new effect, recorded in `effects`, whose answer is ``answer(n)`` for
+    the n-th effect (by default ``{"id": "fake_<n>"}``). It lives in memory, so, like a
+    remote system, it keeps what a database rollback undoes. Safe to call from a live
+    server's threads.
     """
 
     def __init__(
