@@ -158,7 +158,7 @@ def _visit(
     route = _route(levels)
     callback = pattern.callback
     # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again.
-    if "(?P<format>" in route and id(callback) in walk.seen:
+    if ("(?P<format>" in route or ":format>" in route) and id(callback) in walk.seen:
         return
     walk.seen.add(id(callback))
     if _is_ninja_page(callback):

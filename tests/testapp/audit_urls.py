@@ -1,8 +1,8 @@
 """A URLconf with every kind of view the audit resolves, one of each kind unprotected
 (``tests/test_audit.py`` checks ``manage.py idempotency_audit`` over it, line for line).
 
-Each view writes a ``Charge``: the audit tests call the unprotected ones twice with one key
-and count two rows, so the audit's "unprotected" is the truth.
+Each unsafe handler writes a ``Charge``: the audit tests send each listed ``POST`` twice with
+one key and count the rows, so what the audit says of a view is what the view does.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from django_idempotency.ninja import idempotent as ninja_idempotent
 from tests.testapp.models import Charge
 
 
-def written(account: str) -> JsonResponse:
-    charge = Charge.objects.create(account=account, amount=1, currency="EUR")
-    return JsonResponse({"id": charge.pk}, status=201)
+def written(account: str) -> dict[str, int]:
+    """The side effect the tests count: one ``Charge`` per run."""
+    return {"id": Charge.objects.create(account=account, amount=1, currency="EUR").pk}
 
 
 # -- function views -------------------------------------------------------------------------
@@ -42,12 +42,12 @@ def written(account: str) -> JsonResponse:
 @require_POST
 @idempotent(operation="orders.create", recovery="fail", ttl=timedelta(hours=1))
 def create_order(request: HttpRequest) -> HttpResponse:
-    return written("create_order")
+    return JsonResponse(written("create_order"), status=201)
 
 
 def create_order_unprotected(request: HttpRequest) -> HttpResponse:
     """Any method reaches it: its POST and its PATCH are listed."""
-    return written("create_order_unprotected")
+    return JsonResponse(written("create_order_unprotected"), status=201)
 
 
 @require_GET
@@ -58,7 +58,8 @@ def health(request: HttpRequest) -> HttpResponse:
 
 @idempotent(operation="orders.async")
 async def create_order_async(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"async": True}, status=201)
+    charge = await Charge.objects.acreate(account="create_order_async", amount=1, currency="EUR")
+    return JsonResponse({"id": charge.pk}, status=201)
 
 
 # -- class-based views ----------------------------------------------------------------------
@@ -70,21 +71,21 @@ class PayoutView(View):
         return JsonResponse({"payouts": []})
 
     def post(self, request: HttpRequest) -> HttpResponse:
-        return written("payout")
+        return JsonResponse(written("payout"), status=201)
 
 
 class PayoutViewUnprotected(View):
     def post(self, request: HttpRequest) -> HttpResponse:
-        return written("payout_unprotected")
+        return JsonResponse(written("payout_unprotected"), status=201)
 
 
 class NoteView(View):
     @method_decorator(idempotent(required=False, ttl=90))
     def post(self, request: HttpRequest) -> HttpResponse:
-        return written("note")
+        return JsonResponse(written("note"), status=201)
 
     def patch(self, request: HttpRequest) -> HttpResponse:
-        return written("note_patch")
+        return JsonResponse(written("note_patch"), status=201)
 
 
 # -- DRF ------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet):
 
     @action(detail=True, methods=["post"])
     def refund(self, request: Request, pk: str) -> Response:
-        return Response({"refunded": pk})
+        return Response(written("refund_action"), status=201)
 
 
 class ChargeViewSetUnprotected(viewsets.ModelViewSet):
@@ -120,29 +121,29 @@ class TransferView(IdempotencyMixin, APIView):
     idempotency_key = sources.json("transfer_id")
 
     def post(self, request: Request) -> Response:
-        return Response(written("transfer").content, status=201)
+        return Response(written("transfer"), status=201)
 
     def put(self, request: Request) -> Response:
-        return Response({"put": True})
+        return Response(written("transfer_put"))
 
 
 class TransferViewUnprotected(APIView):
     def post(self, request: Request) -> Response:
-        return Response(written("transfer_unprotected").content, status=201)
+        return Response(written("transfer_unprotected"), status=201)
 
     def patch(self, request: Request) -> Response:
-        return Response({"patched": True})
+        return Response(written("transfer_patch"))
 
 
 @api_view(["POST"])
 @idempotent(lease=timedelta(seconds=5))
 def create_refund(request: Request) -> Response:
-    return Response(written("refund").content, status=201)
+    return Response(written("refund"), status=201)
 
 
 @api_view(["GET", "POST"])
 def create_refund_unprotected(request: Request) -> Response:
-    return Response(written("refund_unprotected").content, status=201)
+    return Response(written("refund_unprotected"), status=201)
 
 
 router = DefaultRouter()
@@ -158,7 +159,7 @@ ninja_router = Router()
 @ninja_router.post("/items", operation_id="items_create")
 @ninja_idempotent(recovery="tests.testapp.views.recover_by_asking_provider")
 def create_item(request: HttpRequest) -> dict[str, int]:
-    return {"id": Charge.objects.create(account="item", amount=1, currency="EUR").pk}
+    return written("item")
 
 
 @ninja_router.get("/items")
@@ -168,7 +169,7 @@ def list_items(request: HttpRequest) -> list[int]:
 
 @ninja_router.patch("/items/{int:item_id}")
 def update_item(request: HttpRequest, item_id: int) -> dict[str, int]:
-    return {"id": Charge.objects.create(account="item_patch", amount=1, currency="EUR").pk}
+    return written("item_patch")
 
 
 api.add_router("/shop", ninja_router)
