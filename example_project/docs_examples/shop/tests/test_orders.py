@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+# --8<-- [start:module]
 import pytest
 from django.db import connection
 
@@ -48,6 +49,9 @@ def order(client: Any, key: str, payload: dict[str, Any] = ORDER) -> Any:
 
 def confirmations() -> int:
     return OutboxMessage.objects.filter(task="shop.send_confirmation").count()
+
+
+# --8<-- [end:module]
 
 
 # --8<-- [start:storm]
