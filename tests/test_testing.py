@@ -54,6 +54,7 @@ from tests.testapp.models import Charge
 
 CHARGE = {"amount": 100, "currency": "EUR"}
 PROVIDER = "tests.testapp.provider.charge"
+# Its unprotected views (the URLconf imports DRF and ninja).
 AUDIT_URLS = "tests.testapp.audit_urls"
 
 
@@ -107,6 +108,8 @@ def test_assert_idempotent_passes_on_every_adapter(user, provider, path):
     assert Charge.objects.count() == 1
 
 
+@needs_drf
+@needs_ninja
 @pytest.mark.django_db
 @pytest.mark.urls(AUDIT_URLS)
 def test_assert_idempotent_fails_on_an_unprotected_view(user):
@@ -483,6 +486,8 @@ def test_storm_and_assert_single_execution(live_server, user, provider):
         storm(live_server.url, "/charges/", CHARGE, headers=headers, requests=1)
 
 
+@needs_drf
+@needs_ninja
 @pytest.mark.urls(AUDIT_URLS)
 @LIVE
 @postgres_only
