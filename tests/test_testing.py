@@ -576,3 +576,26 @@ def test_login_headers_pass_drf_session_authentication(
         assert refused.status == 403  # DRF wants the CSRF token with a session
     assert len(provider.effects) == 1
     assert connection.vendor == "postgresql"
+
+
+class Gateway:
+    """Targets of every kind that a view may call."""
+
+    @staticmethod
+    def static(amount: int) -> str:
+        return f"static {amount}"
+
+    @classmethod
+    def bound(cls, amount: int) -> str:
+        return f"{cls.__name__} {amount}"
+
+    def method(self, amount: int) -> str:
+        return f"method {amount}"
+
+
+@pytest.mark.parametrize("name", ["static", "bound", "method"])
+def test_crash_after_a_method_of_a_class(name):
+    with crash_after(f"{__name__}.Gateway.{name}") as point:
+        getattr(Gateway(), name)(5)
+    assert point.crashed
+    assert getattr(Gateway(), name)(5).endswith(" 5")  # unpatched again, and as it was

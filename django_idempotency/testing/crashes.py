@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pkgutil
 import threading
 from collections.abc import Callable, Iterator
@@ -49,7 +50,11 @@ def _wrapped(
     target: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> Iterator[None]:
     owner, name = _owner_and_name(target)
-    with mock.patch.object(owner, name, wrap(getattr(owner, name))):
+    wrapper: Any = wrap(getattr(owner, name))
+    if isinstance(inspect.getattr_static(owner, name), (staticmethod, classmethod)):
+        # getattr gave the function or the class's bound method: called as it is.
+        wrapper = staticmethod(wrapper)
+    with mock.patch.object(owner, name, wrapper):
         yield
 
 
@@ -86,7 +91,8 @@ class CrashPoint:
         if self.crashed:
             return (
                 f"the simulated crash at {self.target} was caught inside the block: "
-                "something catches BaseException there, which a killed process never allows"
+                "something catches BaseException there, which a killed process never allows "
+                "(a live server's handler does: crash requests of the test client)"
             )
         if not self.calls:
             return f"{self.target} was never called in the block, so nothing crashed"

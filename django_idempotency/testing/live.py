@@ -47,7 +47,8 @@ def send(
         body = json.dumps(payload).encode()
         if not any(name.lower() == "content-type" for name in sent):
             sent["Content-Type"] = "application/json"
-    connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+    kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    connection = kind(url.hostname or "127.0.0.1", url.port, timeout=timeout)
     try:
         connection.request(method, path, body=body, headers=sent)
         response = connection.getresponse()
@@ -141,9 +142,9 @@ def settle(
         answer = send(base_url, path, payload, headers=headers, method=method, timeout=left)
         if answer.status != 409 and not answer.error:
             return answer
+        # A 409, a timeout or a dropped connection: the outcome is still unknown.
         assert time.monotonic() + pause < deadline, (
-            f"still no outcome after {timeout} s: the last answer was "
-            f"{Answer.of(answer).describe()}"
+            f"still no outcome after {timeout} s: the last answer was {answer.describe()}"
         )
         time.sleep(pause)
 
