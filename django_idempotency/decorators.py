@@ -143,6 +143,8 @@ def idempotent(
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
         wrapper.__dict__["_non_atomic_requests"] = engine.IdempotencyDatabase(existing)
+        # How manage.py idempotency_audit knows the view is protected, and with what options.
+        wrapper.__dict__["idempotency_options"] = options
         if _has_spectacular() and "schema" not in wrapper.__dict__:
             # DRF's @api_view copies the function's `schema` onto the view class it makes:
             # drf-spectacular then documents the key header and the problem answers. (A

@@ -3,42 +3,26 @@
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings as django_settings
 from django.db import connection
 
+from django_idempotency.testing import Answer, send
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-    @property
-    def replayed(self) -> bool:
-        return self.headers.get("idempotent-replayed") == "true"
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-DISCONNECTED = Answer(status=0)
+DISCONNECTED = Answer(status=0, error="no answer")
 
 
 def basic_auth(username: str, password: str = "password") -> dict[str, str]:
@@ -54,24 +38,17 @@ def request(
     headers: dict[str, str] | None = None,
     timeout: float = 30,
 ) -> Answer:
-    """One HTTP request; ``DISCONNECTED`` when the server dropped the connection."""
-    url = urllib.parse.urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
-    body = json.dumps(payload if payload is not None else {}).encode()
-    all_headers = {"Content-Type": "application/json", **(headers or {})}
-    try:
-        conn.request(method, path, body=body, headers=all_headers)
-        response = conn.getresponse()
-        data = response.read()
-        return Answer(
-            status=response.status,
-            headers={k.lower(): v for k, v in response.getheaders()},
-            body=data,
-        )
-    except (TimeoutError, ConnectionError, http.client.HTTPException):
-        return DISCONNECTED
-    finally:
-        conn.close()
+    """One HTTP request (``django_idempotency.testing.send``; a JSON body, ``{}`` by
+    default); ``DISCONNECTED`` when the server dropped the connection or never answered."""
+    answer = send(
+        base_url,
+        path,
+        payload if payload is not None else {},
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method=method,
+        timeout=timeout,
+    )
+    return DISCONNECTED if answer.error else answer
 
 
 def free_port() -> int:

@@ -106,7 +106,12 @@ else:
     # The example project's app: its migrations are checked, its models type-checked. (tox
     # runs a copy of tests/ without the example project beside it.)
     if importlib.util.find_spec("example_project") is not None:
-        INSTALLED_APPS += ["example_project.payments", "example_project.recipes"]
+        INSTALLED_APPS += [
+            "example_project.payments",
+            "example_project.recipes",
+            # The user app of the docs' testing page, and its test suite's subject.
+            "example_project.docs_examples.shop",
+        ]
 
 # django-ninja is optional too: its operations are served under /ninja/ where it is installed.
 HAS_NINJA = importlib.util.find_spec("ninja") is not None

@@ -10,6 +10,7 @@ import pytest
 from django.test import Client, override_settings
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
+from django_idempotency.testing import assert_replay, assert_single_execution, settle, storm
 from tests.conftest import needs_drf, needs_ninja, new_key, postgres_only
 from tests.live import basic_auth, request
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
@@ -33,27 +34,6 @@ def auth_headers(user, path: str) -> dict[str, str]:
     return session_headers(user)
 
 
-def storm(url: str, path: str, headers: dict[str, str], n: int, payload=CHARGE):
-    barrier = threading.Barrier(n, timeout=10)
-
-    def one(_):
-        barrier.wait()
-        return request(url, "POST", path, payload, headers, timeout=30)
-
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        return list(pool.map(one, range(n)))
-
-
-def settle(url, path, headers, payload=CHARGE, attempts=100):
-    """Retry like a good client (back off on 409) until the outcome is known."""
-    for _ in range(attempts):
-        answer = request(url, "POST", path, payload, headers)
-        if answer.status != 409:
-            return answer
-        time.sleep(0.05)
-    raise AssertionError("still in progress after many retries")
-
-
 @pytest.mark.parametrize(
     "path",
     [
@@ -68,18 +48,12 @@ def test_storm_of_identical_requests_has_one_effect(live_server, user, path):
     auth = auth_headers(user, path)
     for _ in range(rounds):
         headers = {**auth, "Idempotency-Key": new_key()}
-        answers = storm(live_server.url, path, headers, n)
+        answers = storm(live_server.url, path, CHARGE, headers=headers, requests=n, timeout=30)
         statuses = sorted(a.status for a in answers)
         assert set(statuses) <= {201, 409}, statuses
-        created = [a for a in answers if a.status == 201 and not a.replayed]
-        assert len(created) == 1, statuses
-        for conflict in (a for a in answers if a.status == 409):
-            assert conflict.headers["content-type"] == "application/problem+json"
-            assert int(conflict.headers["retry-after"]) >= 0
-            assert conflict.json()["code"] == "idempotency_key_in_use"
-        final = settle(live_server.url, path, headers)
-        assert final.replayed
-        assert final.body == created[0].body
+        created = assert_single_execution(answers)  # the others: 409s or replays of it
+        final = settle(live_server.url, path, CHARGE, headers=headers, timeout=30)
+        assert_replay(created, final)
     assert Charge.objects.count() == rounds
     assert ProviderCharge.objects.count() == rounds
     assert IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count() == rounds

@@ -111,7 +111,7 @@ def shown_sections() -> dict[str, str]:
 
 def test_every_code_block_is_of_a_tested_kind() -> None:
     kinds = {block.lang for block in all_blocks()}
-    assert kinds <= {"python", "sh", "text", "mermaid", "sql"}, kinds
+    assert kinds <= {"python", "sh", "text", "mermaid", "sql", "yaml"}, kinds
     assert all(block.lang for block in all_blocks())
 
 
@@ -216,6 +216,12 @@ def test_text_blocks_are_synopses_or_the_stats_output(db: Any) -> None:
         if block.lang != "text":
             continue
         first = block.text.splitlines()[0]
+        snippet = SNIPPET.match(first)
+        if snippet and snippet.group(1).startswith("tests/audit/"):
+            # A report of idempotency_audit, which tests/test_audit.py compares with the
+            # command's output byte for byte.
+            assert (ROOT / snippet.group(1)).is_file(), first
+            continue
         if first.startswith("python manage.py"):
             for words in shell_commands(block.text):
                 check_synopsis(words)
@@ -224,6 +230,26 @@ def test_text_blocks_are_synopses_or_the_stats_output(db: Any) -> None:
         for line in block.text.splitlines():
             label = re.split(r"\s{2,}", line.strip())[0]
             assert label in stats, f"{block.page}:{block.line}: {label!r} is not in the output"
+
+
+def test_yaml_blocks_are_ci_steps_that_run_real_commands() -> None:
+    yaml = pytest.importorskip("yaml")
+    commands = []
+    for block in all_blocks():
+        if block.lang != "yaml":
+            continue
+        steps = yaml.safe_load(block.text)
+        assert isinstance(steps, list), f"{block.page}:{block.line}: a list of steps"
+        for step in steps:
+            assert set(step) <= {"name", "run", "uses", "with", "env"}, step
+            commands += shell_commands(step.get("run", ""))
+    assert commands
+    for words in commands:
+        if words[:2] == ["python", "manage.py"]:
+            check_synopsis(words)
+        else:
+            assert words[:3] == ["python", "-m", "pytest"], words
+    assert any(words[2:3] == ["idempotency_audit"] for words in commands)
 
 
 # --- the state diagram -------------------------------------------------------------------------

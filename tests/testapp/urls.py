@@ -54,3 +54,6 @@ if apps.is_installed("example_project.recipes"):
     from tests.testapp import webhook_delay  # noqa: F401  (TEST_WEBHOOK_DELAY)
 
     urlpatterns.append(path("webhooks/", include("example_project.recipes.urls")))
+# The user app of the docs' testing page (example_project/docs_examples/shop/).
+if apps.is_installed("example_project.docs_examples.shop"):
+    urlpatterns.append(path("shop/", include("example_project.docs_examples.shop.urls")))

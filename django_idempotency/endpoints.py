@@ -1,0 +1,498 @@
+"""The project's endpoints that take unsafe methods, and how each one is protected: what
+``manage.py idempotency_audit`` lists.
+
+The URL resolver is walked as Django resolves a request: included URLconfs, DRF routers
+(each viewset action its own row), ninja APIs and routers, class-based views, function
+views, DRF's ``@api_view``. A row is one pattern and one method: ``POST`` and ``PATCH``,
+the ``METHODS`` setting's methods, and whatever a view protects besides. How each adapter
+is recognised:
+
+- ``@idempotent`` (a function view, ``method_decorator`` on a class-based view, beneath
+  ``@api_view``): the ``idempotency_options`` it leaves on the view function, found through
+  decorators above it (``functools.wraps`` copies it, ``__wrapped__`` and closures lead to
+  it);
+- ``IdempotencyMixin``: a DRF view class that has it among its bases;
+- ninja's ``@idempotent``: the ``idempotency_options`` of the ninja operation.
+
+A function view accepts every method unless Django's ``require_http_methods`` (or
+``require_POST``...) says otherwise. Left out: the admin's own views (forms for staff in a
+browser, not an API that clients retry) and django-ninja's schema and docs pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.urls import URLPattern, URLResolver, get_resolver
+from django.urls.resolvers import RegexPattern
+
+from django_idempotency import conf, engine, validation
+from django_idempotency.conf import app_settings
+
+__all__ = ["Audit", "Endpoint", "audit", "duration"]
+
+#: Methods listed whether or not the project's settings protect them.
+UNSAFE = ("POST", "PATCH")
+_ORDER = ("POST", "PUT", "PATCH", "DELETE")
+_REQUIRE_METHODS = str(Path("django", "views", "decorators", "http.py"))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One URL pattern and one method, and how that request is protected."""
+
+    method: str
+    #: The pattern as a path, e.g. ``/api/charges/<pk>/``.
+    url: str
+    #: The pattern as Django's ``ResolverMatch.route`` spells it.
+    route: str
+    #: The pattern's name, with its namespaces (``payments-ninja:ninja-charge-detail``).
+    name: str | None
+    #: The view's dotted name.
+    view: str
+    protected: bool
+    #: ``"mixin"``, ``"decorator"``, ``"@api_view"`` or ``"ninja"``; ``None`` unprotected.
+    by: str | None = None
+    operation: str | None = None
+    recovery: str | None = None
+    ttl: timedelta | None = None
+    #: Where the key comes from, e.g. ``Idempotency-Key header``.
+    key: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as JSON: the TTL in seconds."""
+        ttl = self.ttl.total_seconds() if self.ttl is not None else None
+        return {
+            "method": self.method,
+            "url": self.url,
+            "route": self.route,
+            "name": self.name,
+            "view": self.view,
+            "protected": self.protected,
+            "by": self.by,
+            "operation": self.operation,
+            "recovery": self.recovery,
+            "ttl_seconds": int(ttl) if ttl is not None and ttl.is_integer() else ttl,
+            "key": self.key,
+        }
+
+
+@dataclass(frozen=True)
+class Audit:
+    """Every endpoint found, in the order Django tries the patterns."""
+
+    endpoints: list[Endpoint]
+    #: Patterns left out by ``exclude``.
+    excluded: int = 0
+    #: What was left out besides, e.g. ``"the admin's own views"``.
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def unprotected(self) -> list[Endpoint]:
+        """The endpoints no adapter protects."""
+        return [e for e in self.endpoints if not e.protected]
+
+
+@dataclass(frozen=True)
+class _Protection:
+    by: str
+    options: engine.Options
+    #: The operation when the options name none: ``{method}`` stands for the method.
+    operation: str
+
+
+@dataclass
+class _Walk:
+    exclude: Sequence[str]
+    endpoints: list[Endpoint] = field(default_factory=list)
+    excluded: int = 0
+    left_out: list[str] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    # How many patterns of each ninja path view came by: the n-th is its n-th operation.
+    ninja_seen: dict[int, int] = field(default_factory=dict)
+
+    def leave_out(self, what: str) -> None:
+        if what not in self.left_out:
+            self.left_out.append(what)
+
+
+ADMIN = "the admin's own views"
+NINJA_PAGES = "django-ninja's schema and docs pages"
+
+
+def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
+    """Walk ``urlconf`` (default: ``ROOT_URLCONF``) and list its endpoints.
+
+    ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
+    """
+    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude])
+    for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
+        _visit(walk, pattern, levels, names)
+    return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))
+
+
+def _patterns(
+    resolver: URLResolver, levels: tuple[Any, ...], names: tuple[str, ...], walk: _Walk
+) -> Iterator[tuple[URLPattern, tuple[Any, ...], tuple[str, ...]]]:
+    for pattern in resolver.url_patterns:
+        if isinstance(pattern, URLResolver):
+            if pattern.app_name == "admin":
+                walk.leave_out(ADMIN)
+                continue
+            namespace = (pattern.namespace,) if pattern.namespace else ()
+            yield from _patterns(pattern, (*levels, pattern.pattern), names + namespace, walk)
+        else:
+            yield pattern, (*levels, pattern.pattern), names
+
+
+def _visit(
+    walk: _Walk, pattern: URLPattern, levels: tuple[Any, ...], names: tuple[str, ...]
+) -> None:
+    route = _route(levels)
+    callback = pattern.callback
+    # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again.
+    if ("(?P<format>" in route or ":format>" in route) and id(callback) in walk.seen:
+        return
+    walk.seen.add(id(callback))
+    if _is_ninja_page(callback):
+        walk.leave_out(NINJA_PAGES)
+        return
+    url = "/" + "".join(_readable(level) for level in levels)
+    if any(url.lstrip("/").startswith(prefix) for prefix in walk.exclude):
+        walk.excluded += 1
+        return
+    name = ":".join((*names, pattern.name)) if pattern.name else None
+    for method, view, protection in _methods(walk, callback):
+        walk.endpoints.append(_endpoint(method, url, route, name, view, protection))
+
+
+def _endpoint(
+    method: str, url: str, route: str, name: str | None, view: str, protection: _Protection | None
+) -> Endpoint:
+    if protection is None or not protection.options.protects(method):
+        return Endpoint(method, url, route, name, view, protected=False)
+    options = protection.options
+    operation = options.operation or protection.operation.format(method=method, route=route)
+    return Endpoint(
+        method,
+        url,
+        route,
+        name,
+        view,
+        protected=True,
+        by=protection.by,
+        operation=operation,
+        recovery=engine.recovery_name(options.recovery or app_settings.RECOVERY),
+        ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
+        key=_key_source(options),
+    )
+
+
+def _wanted(method: str, protection: _Protection | None) -> bool:
+    """Whether a method a view accepts gets a row: an unsafe one, or one it protects."""
+    method = method.upper()
+    if method in UNSAFE or method in app_settings.METHODS:
+        return True
+    return protection is not None and protection.options.protects(method)
+
+
+def _in_order(methods: Sequence[str]) -> list[str]:
+    unique = {m.upper() for m in methods}
+    return sorted(unique, key=lambda m: (_ORDER.index(m) if m in _ORDER else len(_ORDER), m))
+
+
+Row = tuple[str, str, "_Protection | None"]
+
+
+def _methods(walk: _Walk, callback: Callable[..., Any]) -> list[Row]:
+    """``(method, view name, protection)`` for each listed method of a pattern's view."""
+    cls = getattr(callback, "cls", None)
+    if cls is not None and _is_drf_view(cls):
+        return _drf_rows(callback, cls)
+    path_view = _ninja_path_view(callback)
+    if path_view is not None:
+        return _ninja_rows(walk, path_view)
+    view_class = getattr(callback, "view_class", None)
+    if isinstance(view_class, type):
+        return _class_rows(callback, view_class)
+    found = _options_of(callback)
+    protection = _Protection("decorator", found, _ROUTE_OPERATION) if found else None
+    accepted = _required_methods(callback)
+    if accepted is None:  # every method: the ones that could get a row
+        accepted = [*UNSAFE, *app_settings.METHODS, *(found.methods or () if found else ())]
+    name = validation.name_of(callback)
+    return [(m, name, protection) for m in _in_order(accepted) if _wanted(m, protection)]
+
+
+#: The default operation of a view that is not a viewset: the method and the route.
+_ROUTE_OPERATION = "{method} {route}"
+
+
+def _class_methods(view_class: type) -> list[str]:
+    names = getattr(view_class, "http_method_names", ())
+    return _in_order([m for m in names if hasattr(view_class, m)])
+
+
+def _class_name(view_class: type) -> str:
+    # DRF's @api_view names its class after the function (__name__ only).
+    return f"{view_class.__module__}.{view_class.__name__}"
+
+
+def _class_rows(callback: Callable[..., Any], view_class: type) -> list[Row]:
+    """A Django class-based view: ``method_decorator(idempotent)`` on ``dispatch`` (copied
+    onto the view function by ``as_view``) or on the method itself."""
+    rows: list[Row] = []
+    for method in _class_methods(view_class):
+        found = _options_of(getattr(view_class, method.lower())) or _marker(callback)
+        protection = _Protection("decorator", found, _ROUTE_OPERATION) if found else None
+        if _wanted(method, protection):
+            rows.append((method, _class_name(view_class), protection))
+    return rows
+
+
+# -- DRF -----------------------------------------------------------------------------------
+
+
+def _is_drf_view(cls: Any) -> bool:
+    if importlib.util.find_spec("rest_framework") is None:
+        return False
+    from rest_framework.views import APIView
+
+    return isinstance(cls, type) and issubclass(cls, APIView)
+
+
+def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
+    """A DRF view: a viewset's action per method (a router's pattern), else its handlers."""
+    from django_idempotency.drf import IdempotencyMixin
+
+    initkwargs = dict(getattr(callback, "initkwargs", {}))
+    allowed = {m.upper() for m in getattr(cls, "http_method_names", ())}
+    actions: dict[str, str] | None = getattr(callback, "actions", None)
+    methods = (
+        _in_order([m for m in actions if m.upper() in allowed])
+        if actions is not None
+        else _class_methods(cls)
+    )
+    rows: list[Row] = []
+    for method in methods:
+        protection: _Protection | None
+        if issubclass(cls, IdempotencyMixin):
+            action = actions[method.lower()] if actions is not None else None
+            protection = _mixin_protection(cls, initkwargs, action)
+        else:
+            handler = getattr(cls, method.lower(), None)
+            found = _options_of(handler) if handler is not None else None
+            found = found or _marker(callback)
+            by = (
+                "@api_view"
+                if getattr(handler, "__module__", "") == "rest_framework.decorators"
+                else "decorator"
+            )
+            protection = _Protection(by, found, _ROUTE_OPERATION) if found else None
+        if _wanted(method, protection):
+            rows.append((method, _class_name(cls), protection))
+    return rows
+
+
+def _mixin_protection(cls: Any, initkwargs: dict[str, Any], action: str | None) -> _Protection:
+    from django_idempotency.drf import IdempotencyMixin
+
+    # A view instance as DRF makes one per request: its attributes are validated (a wrong
+    # one raises ImproperlyConfigured, as on the view's first request).
+    view: IdempotencyMixin = cls(**initkwargs)
+    options = view._idempotency_options()
+    basename = initkwargs.get("basename")
+    if cls.get_idempotency_operation is not IdempotencyMixin.get_idempotency_operation:
+        operation = f"{cls.__name__}.get_idempotency_operation()"
+    elif basename and action:
+        operation = f"{basename}.{action}"
+    else:
+        operation = _ROUTE_OPERATION
+    return _Protection("mixin", options, operation)
+
+
+# -- django-ninja ----------------------------------------------------------------------------
+
+
+def _ninja_path_view(callback: Callable[..., Any]) -> Any:
+    """The ninja ``PathView`` a pattern's view belongs to, else ``None``."""
+    if importlib.util.find_spec("ninja") is None:
+        return None
+    from ninja.operation import PathView
+
+    # ninja's view is a method of the path view, or a function that closes over it.
+    candidates = [getattr(callback, "__self__", None), *_closure(callback)]
+    return next((c for c in candidates if isinstance(c, PathView)), None)
+
+
+def _is_ninja_page(callback: Any) -> bool:
+    """ninja's own views (its OpenAPI schema, its docs, its root): ``functools.partial``s of
+    its functions, bound to the API."""
+    func = getattr(callback, "func", callback)
+    return str(getattr(func, "__module__", "")).split(".")[0] == "ninja" and (
+        _ninja_path_view(callback) is None
+    )
+
+
+def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
+    # ninja makes one pattern per operation of a path, each with that operation's name; the
+    # first one resolves every method of the path.
+    index = walk.ninja_seen.get(id(path_view), 0)
+    walk.ninja_seen[id(path_view)] = index + 1
+    if index >= len(path_view.operations):
+        return []
+    operation = path_view.operations[index]
+    found = getattr(operation, "idempotency_options", None)
+    protection = (
+        _Protection("ninja", found, operation.operation_id or _ROUTE_OPERATION)
+        if isinstance(found, engine.Options)
+        else None
+    )
+    name = validation.name_of(operation.view_func)
+    return [(m, name, protection) for m in _in_order(operation.methods) if _wanted(m, protection)]
+
+
+# -- finding the decorator's options ---------------------------------------------------------
+
+
+def _marker(func: Any) -> engine.Options | None:
+    found = getattr(func, "__dict__", {}).get("idempotency_options")
+    return found if isinstance(found, engine.Options) else None
+
+
+def _closure(func: Any) -> list[Any]:
+    func = getattr(func, "__func__", func)
+    cells = getattr(func, "__closure__", None) or ()
+    values = []
+    for cell in cells:
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+def _options_of(func: Any, depth: int = 8) -> engine.Options | None:
+    """The options ``@idempotent`` left on ``func`` or on a function it wraps."""
+    todo, seen = [func], set()
+    while todo and depth:
+        depth -= 1
+        following = []
+        for current in todo:
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            found = _marker(current)
+            if found is not None:
+                return found
+            wrapped = getattr(current, "__wrapped__", None)
+            following += [wrapped] if wrapped is not None else []
+            following += [
+                c
+                for c in _closure(current)
+                if isinstance(c, (types.FunctionType, types.MethodType))
+            ]
+        todo = following
+    return None
+
+
+def _required_methods(func: Any) -> list[str] | None:
+    """The methods Django's ``require_http_methods`` lets through to ``func``, or ``None``
+    when nothing restricts them."""
+    allowed: set[str] | None = None
+    current, depth = func, 8
+    while current is not None and depth:
+        depth -= 1
+        code = getattr(current, "__code__", None)
+        if code is not None and code.co_filename.endswith(_REQUIRE_METHODS):
+            methods = inspect.getclosurevars(current).nonlocals.get("request_method_list")
+            if methods is not None:
+                upper = {str(m).upper() for m in methods}
+                allowed = upper if allowed is None else allowed & upper
+        current = getattr(current, "__wrapped__", None)
+    return None if allowed is None else sorted(allowed)
+
+
+# -- how it reads ----------------------------------------------------------------------------
+
+
+def _key_source(options: engine.Options) -> str:
+    source = options.key
+    if source is None:
+        text = f"{app_settings.HEADER} header"
+    elif isinstance(source, str):
+        text = source
+    else:
+        text = getattr(source, "description", None) or validation.name_of(source)
+    required = app_settings.REQUIRED if options.required is None else options.required
+    return text if required else f"{text}, optional"
+
+
+def _route(levels: tuple[Any, ...]) -> str:
+    """The route as ``ResolverMatch.route`` has it: each level's pattern joined, without the
+    leading ``^`` of a regex below the first."""
+    route = ""
+    for level in reversed(levels):
+        text = str(level)
+        route = text + route.removeprefix("^") if route else text
+    return route
+
+
+def _readable(level: Any) -> str:
+    """A level of a pattern as a path: a regex's groups as ``<name>``, anchors dropped."""
+    text = str(level)
+    if not isinstance(level, RegexPattern):
+        return text
+    text = text.removeprefix("^").removesuffix("$").removesuffix(r"\Z")
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("(?P<", i):
+            end = text.index(">", i)
+            out.append(f"<{text[i + 4 : end]}>")
+            i = _group_end(text, i)
+        elif text[i] == "\\" and i + 1 < len(text):
+            out.append(text[i + 1])
+            i += 2
+        elif text.startswith("/?", i):
+            out.append("/")
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _group_end(text: str, start: int) -> int:
+    """The index after the group that opens at ``start`` (nested groups and escapes kept)."""
+    depth, i = 0, start
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+def duration(value: timedelta) -> str:
+    """A duration in the audit's words: ``4d``, ``1h30m``, ``90s``."""
+    seconds = value.total_seconds()
+    if not seconds.is_integer():
+        return f"{seconds:g}s"
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    return "".join(f"{n}{unit}" for n, unit in parts if n) or "0s"

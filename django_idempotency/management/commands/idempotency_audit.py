@@ -1,0 +1,100 @@
+"""``manage.py idempotency_audit``: every endpoint that takes an unsafe method, protected or
+not, and how (see :mod:`django_idempotency.endpoints`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_idempotency.endpoints import Audit, Endpoint, audit, duration
+
+COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
+
+
+def _cells(endpoint: Endpoint) -> tuple[str, ...]:
+    return (
+        endpoint.method,
+        endpoint.url,
+        "yes" if endpoint.protected else "NO",
+        endpoint.by or "-",
+        endpoint.operation or "-",
+        endpoint.recovery or "-",
+        duration(endpoint.ttl) if endpoint.ttl is not None else "-",
+        endpoint.key or "-",
+        endpoint.view,
+    )
+
+
+def table(found: Audit) -> str:
+    """The text report: one aligned row per endpoint, then a summary."""
+    lines = []
+    if found.endpoints:
+        rows = [COLUMNS, *(_cells(e) for e in found.endpoints)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        for row in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        lines.append("")
+    unprotected = len(found.unprotected)
+    total = len(found.endpoints)
+    lines.append(
+        f"{total} endpoint{'s' if total != 1 else ''} with unsafe methods: "
+        f"{total - unprotected} protected, {unprotected} unprotected."
+    )
+    if found.left_out:
+        lines.append(f"Left out: {'; '.join(found.left_out)}.")
+    if found.excluded:
+        lines.append(
+            f"{found.excluded} pattern{'s' if found.excluded != 1 else ''} left out by --exclude."
+        )
+    return "\n".join(lines)
+
+
+class Command(BaseCommand):
+    help = (
+        "List every URL pattern whose view takes POST or PATCH (or another method it "
+        "protects): whether it is idempotent, by what, its operation, recovery policy, TTL "
+        "and key source."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--fail-on-unprotected",
+            action="store_true",
+            help="Exit with status 1 when an unprotected endpoint is listed (for CI).",
+        )
+        parser.add_argument(
+            "--format",
+            choices=("text", "json"),
+            default="text",
+            help="A table (default) or one JSON object.",
+        )
+        parser.add_argument(
+            "--exclude",
+            action="append",
+            default=[],
+            metavar="PREFIX",
+            help="Leave out the patterns under this URL prefix, e.g. api-auth/ (repeatable).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            found = audit(exclude=options["exclude"])
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        if options["format"] == "json":
+            data = {
+                "endpoints": [e.as_dict() for e in found.endpoints],
+                "protected": len(found.endpoints) - len(found.unprotected),
+                "unprotected": len(found.unprotected),
+                "left_out": list(found.left_out),
+                "excluded": found.excluded,
+            }
+            self.stdout.write(json.dumps(data, indent=2))
+        elif options["verbosity"] >= 1:
+            self.stdout.write(table(found))
+        if options["fail_on_unprotected"] and found.unprotected:
+            named = ", ".join(f"{e.method} {e.url}" for e in found.unprotected)
+            raise CommandError(f"{len(found.unprotected)} unprotected: {named}", returncode=1)

@@ -1,0 +1,197 @@
+"""``manage.py idempotency_audit``: its text and JSON reports, in full, over a URLconf with
+every kind of view (``tests/testapp/audit_urls.py``, one of each kind unprotected) and over
+the example project; its exit status for CI; and that what it says of each view is what
+the view does.
+
+The expected reports are the files of ``tests/audit/``, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("rest_framework")
+pytest.importorskip("ninja")
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.test import Client, override_settings
+from django.urls import path
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.endpoints import audit, duration
+from tests.live import ROOT
+from tests.testapp.models import Charge
+
+EXPECTED = Path(__file__).parent / "audit"
+AUDIT_URLS = "tests.testapp.audit_urls"
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("idempotency_audit", *args, stdout=out)
+    return out.getvalue()
+
+
+# -- every kind of view ----------------------------------------------------------------------
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+def test_the_text_report_over_every_kind_of_view():
+    assert run() == (EXPECTED / "urlconf.txt").read_text()
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+def test_the_json_report_over_every_kind_of_view():
+    assert run("--format", "json") == (EXPECTED / "urlconf.json").read_text()
+    report = json.loads(run("--format", "json"))
+    unprotected = {e["view"].rpartition(".")[2] for e in report["endpoints"] if not e["protected"]}
+    # One of each kind: a function view, a class-based view (and a method of a protected
+    # one), an APIView, a viewset, an @api_view, a ninja operation.
+    assert unprotected == {
+        "create_order_unprotected",
+        "PayoutViewUnprotected",
+        "NoteView",
+        "TransferViewUnprotected",
+        "ChargeViewSetUnprotected",
+        "create_refund_unprotected",
+        "update_item",
+    }
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+def test_fail_on_unprotected_exits_1_and_names_them():
+    with pytest.raises(
+        CommandError, match=r"^10 unprotected: POST /orders/, PATCH /orders/, "
+    ) as e:
+        run("--fail-on-unprotected", "--verbosity", "0")
+    assert e.value.returncode == 1
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+def test_exclude_leaves_prefixes_out_and_says_so():
+    out = run("--exclude", "orders/", "--exclude", "/api/")
+    assert " /orders/ " not in out
+    assert "/api/" not in out
+    assert "/v2/orders/" in out  # a prefix of the URL, not a part of it
+    assert out.endswith("8 patterns left out by --exclude.\n")
+    assert json.loads(run("--format", "json", "--exclude", "notes/"))["excluded"] == 1
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+def test_verbosity_0_prints_no_table():
+    assert run("--verbosity", "0") == ""
+
+
+def accepts(url: str) -> str:
+    """A listed URL with its parameters filled in."""
+    return url.replace("<pk>", str(Charge.objects.create(account="target", amount=1).pk))
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(AUDIT_URLS)
+def test_what_the_audit_says_of_each_post_is_what_the_view_does(user):
+    client = Client()
+    client.force_login(user)
+    report = json.loads(run("--format", "json"))
+    checked = 0
+    for endpoint in report["endpoints"]:
+        if endpoint["method"] != "POST" or "<int:" in endpoint["url"]:
+            continue
+        url, key = accepts(endpoint["url"]), f"key-{checked}"
+        before = Charge.objects.count()
+        for _ in range(2):
+            response = client.post(
+                url,
+                {"amount": 1, "currency": "EUR", "transfer_id": key},
+                content_type="application/json",
+                headers={"Idempotency-Key": key, "X-Request-Id": key},
+            )
+            assert response.status_code in (200, 201), (url, response.content)
+        runs = Charge.objects.count() - before
+        assert runs == (1 if endpoint["protected"] else 2), endpoint
+        checked += 1
+    assert checked == 14  # every listed POST, 5 of them unprotected
+
+
+# -- the example project ----------------------------------------------------------------------
+
+
+def manage(*args: str) -> subprocess.CompletedProcess[str]:
+    if not (ROOT / "example_project").is_dir():
+        pytest.skip("the example project is not here (tox tests the wheel)")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "example_project.settings"}
+    return subprocess.run(
+        [sys.executable, "manage.py", "idempotency_audit", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_reports_over_the_example_project():
+    text, data = manage(), manage("--format", "json")
+    assert (text.returncode, text.stderr) == (0, "")
+    assert text.stdout == (EXPECTED / "example.txt").read_text()
+    assert data.stdout == (EXPECTED / "example.json").read_text()
+
+
+def test_the_example_project_in_ci():
+    # DRF's browsable-API login and logout are forms, not an API: CI leaves them out.
+    passed = manage("--fail-on-unprotected", "--exclude", "api-auth/")
+    assert passed.returncode == 0, passed.stderr
+    assert "8 endpoints" not in passed.stdout
+    failed = manage("--fail-on-unprotected")
+    assert failed.returncode == 1
+    assert failed.stderr == (
+        "CommandError: 2 unprotected: POST /api-auth/login/, POST /api-auth/logout/\n"
+    )
+
+
+# -- parts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (timedelta(days=4), "4d"),
+        (timedelta(hours=24), "1d"),
+        (timedelta(hours=1, minutes=30), "1h30m"),
+        (timedelta(seconds=90), "1m30s"),
+        (timedelta(seconds=1.5), "1.5s"),
+        (timedelta(0), "0s"),
+    ],
+)
+def test_durations(value, shown):
+    assert duration(value) == shown
+
+
+class Misconfigured(IdempotencyMixin, APIView):
+    idempotency_methods = "POST"  # type: ignore[assignment]  # a string, not a list
+
+    def post(self, request: Any) -> Response:
+        return Response(status=201)
+
+
+urlpatterns = [path("wrong/", Misconfigured.as_view())]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_a_wrong_mixin_attribute_is_an_error_of_the_audit():
+    with pytest.raises(ImproperlyConfigured, match="idempotency_methods"):
+        audit()
+    with pytest.raises(CommandError, match="idempotency_methods"):
+        run()

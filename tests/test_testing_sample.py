@@ -1,0 +1,129 @@
+"""The sample shop's test suite (``example_project/docs_examples/shop/tests/``), written with
+``django_idempotency.testing`` alone, passes as it is and fails, test by test, when the
+protection is taken off the shop: each of its eight scenarios can fail.
+
+Both runs are pytest in a subprocess on this run's database engine. The unprotected run
+serves copies of the shop's views and tasks (``tests/unprotected.py``) without
+``IdempotencyMixin``, without ``@idempotent_task()`` and without the gateway key derived
+from the client's key: what a project that never protected them would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from tests.live import ROOT
+
+pytest.importorskip("rest_framework")
+pytest.importorskip("celery")
+
+SHOP = ROOT / "example_project" / "docs_examples" / "shop"
+if not SHOP.is_dir():
+    pytest.skip("the example project is not here (tox tests the wheel)", allow_module_level=True)
+
+# What "unprotected" means, replacement by replacement; each must occur exactly once.
+UNPROTECT = {
+    "views.py": [
+        (
+            "class OrderViewSet(IdempotencyMixin, viewsets.ModelViewSet",
+            "class OrderViewSet(viewsets.ModelViewSet",
+        ),
+        ('self.request.idempotency.downstream_key("payment")', "None"),
+    ],
+    "tasks.py": [("@idempotent_task()\n", "")],
+}
+
+SCENARIOS = {
+    "test_orders.py::test_two_simultaneous_requests_pay_once",
+    "test_orders.py::test_a_changed_payload_is_refused",
+    "test_orders.py::test_a_timeout_after_the_payment",
+    "test_orders.py::test_a_crash_in_progress_holds_the_key",
+    "test_orders.py::test_after_the_lease_the_retry_policy_pays_once",
+    "test_orders.py::test_one_key_from_two_customers_is_two_orders",
+    "test_orders_testcase.py::OrderRetryTests::test_a_retry_after_the_ttl_is_a_new_order",
+    "test_orders_testcase.py::OrderRetryTests::test_a_duplicate_delivery_sends_one_confirmation",
+}
+# Through a live server: skipped on SQLite, by the suite itself.
+LIVE = {
+    "test_orders.py::test_two_simultaneous_requests_pay_once",
+    "test_orders.py::test_a_timeout_after_the_payment",
+}
+
+
+def unprotected_copies(directory: Path) -> dict[str, str]:
+    """The shop's modules without their protection, written to ``directory``."""
+    copies = {}
+    for name, replacements in UNPROTECT.items():
+        source = (SHOP / name).read_text()
+        for old, new in replacements:
+            assert source.count(old) == 1, f"{name} no longer holds {old!r} exactly once"
+            source = source.replace(old, new)
+        copy = directory / name
+        copy.write_text(source)
+        copies[f"example_project.docs_examples.shop.{name.removesuffix('.py')}"] = str(copy)
+    return copies
+
+
+def outcomes(directory: Path, copies: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Run the shop's suite; ``test id -> (outcome, traceback)`` from its JUnit report."""
+    report = directory / "report.xml"
+    env = {**os.environ, "UNPROTECTED_MODULES": json.dumps(copies)}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(SHOP / "tests"),
+            "-p",
+            "tests.unprotected",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={report}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.is_file(), run.stdout + run.stderr
+    found = {}
+    for case in ET.parse(report).iter("testcase"):
+        module, _, cls = (
+            case.get("classname", "")
+            .removeprefix("example_project.docs_examples.shop.tests.")
+            .partition(".")
+        )
+        test_id = "::".join(filter(None, [f"{module}.py", cls, case.get("name")]))
+        result = next(iter(case), None)
+        outcome = result.tag if result is not None else "passed"
+        found[test_id] = (outcome, (result.text or "") if result is not None else "")
+    return found
+
+
+def expected(outcome: str) -> dict[str, str]:
+    skipped = LIVE if connection.vendor == "sqlite" else set()
+    return {test: "skipped" if test in skipped else outcome for test in SCENARIOS}
+
+
+def test_the_sample_suite_passes_against_the_protected_shop(tmp_path):
+    found = outcomes(tmp_path, {})
+    assert {test: outcome for test, (outcome, _) in found.items()} == expected("passed")
+
+
+def test_each_scenario_fails_against_an_unprotected_shop(tmp_path):
+    found = outcomes(tmp_path, unprotected_copies(tmp_path))
+    assert {test: outcome for test, (outcome, _) in found.items()} == expected("failure")
+    for test, (outcome, traceback) in found.items():
+        if outcome == "failure":
+            # An assertion of the toolkit or of the test failed, not the copy that crashed.
+            assert traceback.rstrip().endswith(": AssertionError"), (test, traceback)
