@@ -278,6 +278,33 @@ def test_a_record_no_key_opens_is_treated_as_expired_and_runs_afresh(api, caplog
     assert LOST not in caplog.text
 
 
+@pytest.mark.parametrize("damage", ["tampered token", "not ours", "no token"])
+def test_a_damaged_sealed_response_is_treated_as_expired_everywhere(api, damage):
+    with keys(NEW):
+        post(api, "damaged")
+        record = IdempotencyRecord.objects.get()
+        headers = str(record.response_headers)
+        broken = {
+            "tampered token": headers[:-8]
+            + ("A" * 8 if not headers.endswith("A" * 8) else "B" * 8),
+            "not ours": "hello: a JSON string the package never wrote",
+            "no token": f"fernet:{crypto.key_id(NEW)}",
+        }[damage]
+        IdempotencyRecord.objects.filter(pk=record.pk).update(response_headers=broken)
+        html = detail(_superuser(), record)
+        rotation = maintenance.rotate_encryption()
+        fresh = post(api, "damaged")
+        again = post(api, "damaged")
+    assert "Cannot be read" in html
+    # The rotation passes over what names the first key without reading it.
+    expected = (0, 1, 0) if damage == "tampered token" else (0, 0, 1)
+    assert (rotation.records, rotation.current, rotation.unreadable) == expected
+    assert fresh.status_code == 201
+    assert "Idempotent-Replayed" not in fresh
+    assert answered(again) == answered(fresh)
+    assert charges() == 2
+
+
 def test_turning_encryption_off_makes_sealed_records_expired_not_wrong(api):
     with keys(NEW):
         post(api, "sealed")

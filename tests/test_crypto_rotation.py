@@ -147,22 +147,25 @@ def test_a_completion_between_the_batch_read_and_its_write_is_never_overwritten(
     """The record is replaced and completed anew after the batch read it: the fenced update
     matches nothing and the new response stays (on every database, locks or none)."""
     record = record_under(OLD, 1)
+    gone = record_under(OLD, 2)
     real_reseal = crypto._Walk._reseal
     new_headers, new_body = sealed(NEW, [["Content-Type", "application/json"]], b'{"n": "new"}')
 
-    def completed_meanwhile(walk: Any, todo: Any) -> None:
+    def changed_meanwhile(walk: Any, todo: Any) -> None:
         now = timezone.now()
         IdempotencyRecord.objects.filter(pk=record.pk).update(
             created_at=now, completed_at=now, response_headers=new_headers, response_body=new_body
         )
+        IdempotencyRecord.objects.filter(pk=gone.pk).delete()  # purged meanwhile
         real_reseal(walk, todo)
 
-    monkeypatch.setattr(crypto._Walk, "_reseal", completed_meanwhile)
+    monkeypatch.setattr(crypto._Walk, "_reseal", changed_meanwhile)
     with keys(NEW, OLD):
         result = maintenance.rotate_encryption()
         record.refresh_from_db()
         assert opened(record) == ([["Content-Type", "application/json"]], b'{"n": "new"}')
-    assert (result.records, result.changed) == (0, 1)
+    assert (result.records, result.changed) == (0, 2)
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["r-1"]
 
 
 @postgres_only
