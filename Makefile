@@ -57,7 +57,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja]" --group dev
+	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja,crypto]" --group dev
 	touch $@
 
 install: $(STAMP)

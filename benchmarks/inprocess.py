@@ -9,6 +9,7 @@ Commands: ``{"cmd": "create", "n": N}`` times N first requests (new keys);
 ``{"cmd": "noop", "n": N}`` times N calls of the authenticated no-op endpoint;
 ``{"cmd": "sql"}`` records the statements of one first request and one replay;
 ``{"cmd": "profile", "kind": "create"|"replay", "n": N, "out": PATH}`` runs cProfile;
+``{"cmd": "sealing", "n": N}`` times N seals and opens of a stored response (ENCRYPTION_KEYS);
 ``{"cmd": "quit"}``.
 """
 
@@ -105,6 +106,33 @@ class Worker:
                 for i in range(len(first["wire"]))
             ]
             answer[kind] = first
+        return answer
+
+    def sealing(self, n: int) -> dict[str, Any]:
+        """Microseconds per seal and per open of a response, and its stored size, by body size.
+
+        What ENCRYPTION_KEYS adds to a completion and to a replay, measured alone.
+        """
+        from django_idempotency import crypto
+
+        headers = [["Content-Type", "application/json"], ["Location", "/charges/123/"]]
+        clock = time.perf_counter
+        answer: dict[str, Any] = {}
+        for size in (100, 4096, 65536):
+            body = os.urandom(size)
+            started = clock()
+            for _ in range(n):
+                stored = crypto.seal_response(headers, body)
+            sealed = clock()
+            for _ in range(n):
+                assert crypto.open_response(*stored)[1] == body
+            opened = clock()
+            answer[str(size)] = {
+                "seal_us": (sealed - started) / n * 1e6,
+                "open_us": (opened - sealed) / n * 1e6,
+                "stored_bytes": len(stored[1]) + len(json.dumps(stored[0])),
+                "clear_bytes": size + len(json.dumps(headers)),
+            }
         return answer
 
     def writes(self, kind: str, n: int) -> dict[str, Any]:

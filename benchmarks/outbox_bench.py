@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -346,14 +345,8 @@ def write_section(results: dict[str, Any]) -> None:
     """Put the "Outbox" section into RESULTS.md, in place of an older one."""
     from benchmarks import report
 
-    section = report.outbox(results).strip() + "\n"
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(r"^## Outbox\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text.rstrip() + "\n")
+    RESULTS.write_text(report.replace_section(text, report.outbox(results), "Outbox"))
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ from typing import Any
 LABELS = {
     "plain": "plain DRF, no idempotency",
     "ours": "django-idempotency (IdempotencyMixin)",
+    "sealed": "django-idempotency, ENCRYPTION_KEYS set",
     "patched": "django-idempotency + proposed cuts",
     "dik": "django-idempotency-key 1.3.0",
     "dfi": "drf-idempotency 1.0.0",
@@ -132,6 +133,8 @@ def render(results: dict[str, Any]) -> str:
     add(targets(results))
     if "inprocess" in results:
         add(inprocess(results["inprocess"], results["plan"]))
+        if "sealed.create" in results["inprocess"]["median_ms"]:
+            add(encryption(results["inprocess"], results["plan"], results["machine"]))
         add(sql(results["inprocess"]["sql"]))
         if results["inprocess"].get("writes"):
             add(writes_section(results["inprocess"]["writes"]))
@@ -401,6 +404,110 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
             rows,
         )
     )
+
+
+def encryption(data: dict[str, Any], plan: dict[str, Any], machine: dict[str, Any]) -> str:
+    """The cost of ENCRYPTION_KEYS: the sealed mixin against the same mixin, round by round."""
+    med, rounds = data["median_ms"], data["round_medians_ms"]
+    writes = data.get("writes", {})
+    rows = []
+    for kind, what in (("create", "first request"), ("replay", "replay")):
+        clear, sealed = f"ours.{kind}", f"sealed.{kind}"
+        if clear not in med or sealed not in med:
+            continue
+        per_round = [s / c for s, c in zip(rounds[sealed], rounds[clear], strict=False) if c]
+        wal = [
+            f"{_median_writes(writes[v][kind], 'wal_bytes_per_request'):.0f}"
+            if writes.get(v, {}).get(kind)
+            else "–"
+            for v in ("ours", "sealed")
+        ]
+        rows.append(
+            [
+                what,
+                ms(med[clear]),
+                ms(med[sealed]),
+                ratio(statistics.median(per_round)) if per_round else "–",
+                spread(per_round),
+                f"{wal[0]} / {wal[1]} bytes",
+            ]
+        )
+    sealing = [
+        [
+            f"{int(size):,} bytes",
+            f"{timing['seal_us']:.1f} µs",
+            f"{timing['open_us']:.1f} µs",
+            f"{timing['clear_bytes']:,} → {timing['stored_bytes']:,} bytes",
+        ]
+        for size, timing in (data.get("sealing") or {}).items()
+    ]
+    alone = (
+        "\n\nSealing and opening alone (2000 times each in the sealed worker: a response with "
+        "`Content-Type` and `Location`, random bytes as its body):\n\n"
+        + table(["body", "seal", "open", "stored (headers and body)"], sealing)
+        if sealing
+        else ""
+    )
+    sql = data.get("sql", {})
+    counts = {
+        v: tuple(len(sql[v][k]["wire"]) for k in ("create", "replay"))
+        for v in ("ours", "sealed")
+        if v in sql
+    }
+    statements = (
+        f"the protocol trace counts {counts['ours'][0]} statements per first request and "
+        f"{counts['ours'][1]} per replay for both"
+        if len(counts) == 2 and counts["ours"] == counts["sealed"]
+        else f"statements per first request and replay: {counts}"
+    )
+    return (
+        "\n## Stored responses encrypted\n\n"
+        f"{LABELS['sealed']} (one Fernet key) against {LABELS['ours']} without it, in one "
+        "interleaved run: every round serves both back to back, in a rotating order. With "
+        "keys set, each completion seals the body and the stored headers and each replay "
+        f"opens them; {statements}. The ratio is the median of the per-round ratios "
+        "(sealed median over the unsealed median of the same round); "
+        "WAL per request is the median over the write batches. "
+        f"{plan['inprocess_rounds']} rounds of {plan['inprocess_batch']} requests of each kind; "
+        f"load average {fmt_load(machine['load_average_start'])} at the start and "
+        f"{fmt_load(machine.get('load_average_end', []))} at the end, on {machine['cores']} "
+        "shared cores: the absolute figures are noisy, the ratios less so.\n\n"
+        + table(
+            [
+                "request",
+                "median without",
+                "median with ENCRYPTION_KEYS",
+                "ratio",
+                "per-round",
+                "WAL per request (without / with)",
+            ],
+            rows,
+        )
+        + alone
+    )
+
+
+def replace_section(text: str, rendered: str, title: str) -> str:
+    """``text`` with its section ``## title`` replaced by the one of ``rendered``.
+
+    A section ``text`` does not have yet goes after the section that precedes it in
+    ``rendered``, or at the end.
+    """
+    pattern = re.compile(r"^## ([^\n]+)\n.*?(?=^## |\Z)", re.S | re.M)
+    sections = {m.group(1): m for m in pattern.finditer(rendered)}
+    if title not in sections:
+        raise KeyError(f"the report has no section {title!r}")
+    block = sections[title].group(0).rstrip() + "\n\n"
+    present = {m.group(1): m for m in pattern.finditer(text)}
+    if title in present:
+        old = present[title]
+        return (text[: old.start()] + block + text[old.end() :]).rstrip() + "\n"
+    names = list(sections)
+    before = names[names.index(title) - 1] if names.index(title) else None
+    if before in present:
+        end = present[before].end()
+        return (text[:end] + block + text[end:]).rstrip() + "\n"
+    return text.rstrip() + "\n\n" + block.rstrip() + "\n"
 
 
 def sql(data: dict[str, Any]) -> str:

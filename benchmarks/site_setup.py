@@ -52,7 +52,7 @@ def prepare(variant: str, reset: bool = True) -> str:
     call_command("migrate", verbosity=0)
     if reset:
         tables = ["benchsite_charge"]
-        if variant in ("ours", "patched"):
+        if variant in ("ours", "sealed", "patched"):
             tables.append("django_idempotency_record")
         if variant == "dfi":
             tables.append("drf_idempotency_idempotencyrecord")

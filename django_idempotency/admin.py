@@ -8,6 +8,10 @@ commands and the Celery tasks run:
 - *Release stale claims* and *Mark as failed* need the model's ``change`` permission;
 - *Purge expired records* needs its ``delete`` permission.
 
+A stored response's body and headers are shown only to users with the permission
+``django_idempotency.view_response_body`` (a superuser has it); others see the body's size
+and content type. Responses sealed with ``ENCRYPTION_KEYS`` are shown opened.
+
 The changelist is built for tables of millions of rows: every filter is served by an
 index, the full count is never taken, and the list never loads stored response bodies.
 """
@@ -15,6 +19,7 @@ index, the full count is never taken, and the list never loads stored response b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,7 +33,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import maintenance, outbox, stats, store
+from django_idempotency import crypto, maintenance, outbox, stats, store
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -41,6 +46,9 @@ from django_idempotency.models import (
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
 # most this much of one, so a large body never makes the page itself huge.
 BODY_PREVIEW_BYTES = 64 * 1024
+
+#: Who may see stored response bodies and headers (they can carry personal data).
+VIEW_BODY_PERMISSION = "django_idempotency.view_response_body"
 
 
 def _qs(queryset: Any) -> QuerySet[IdempotencyRecord]:
@@ -147,13 +155,82 @@ def render_body(body: bytes | memoryview | None, headers: list[list[str]]) -> Sa
     return format_html('<pre class="idempotency-body">{}</pre>', text)
 
 
+def stored_response(
+    record: IdempotencyRecord,
+) -> tuple[list[list[str]], bytes | None] | crypto.Unreadable:
+    """The record's stored headers and body, opened when sealed, or the
+    :class:`~django_idempotency.crypto.Unreadable` that says why they cannot be (kept on
+    the record: one page shows them in several fields)."""
+    cached = getattr(record, "_stored_response", None)
+    if cached is None:
+        try:
+            cached = crypto.open_response(record.response_headers, record.response_body)
+        except crypto.Unreadable as exc:
+            cached = exc
+        record._stored_response = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def encryption_state(record: IdempotencyRecord) -> str:
+    """How the record's response is stored: in the clear, or sealed with which key."""
+    if record.response_status is None:
+        return "-"
+    kid = crypto.sealed_with(record.response_headers)
+    if kid is None:
+        return str(_("not encrypted"))
+    keys = app_settings.ENCRYPTION_KEYS
+    ids = [crypto.key_id(key) for key in keys]
+    if kid in ids[:1]:
+        where = _("the first of ENCRYPTION_KEYS")
+    elif kid in ids:
+        where = _("in ENCRYPTION_KEYS, not the first: rotate_idempotency_encryption reseals it")
+    else:
+        where = _("not in ENCRYPTION_KEYS: it cannot be read")
+    return str(_("sealed with key %(key)s (%(where)s)") % {"key": kid or "?", "where": where})
+
+
+def _with_response(
+    record: IdempotencyRecord, show: Callable[[list[list[str]], bytes | None], SafeString]
+) -> SafeString:
+    opened = stored_response(record)
+    if isinstance(opened, crypto.Unreadable):
+        return _unreadable(opened)
+    return show(*opened)
+
+
+def _headers_html(headers: list[list[str]], body: bytes | None) -> SafeString:
+    lines = "\n".join(f"{name}: {value}" for name, value in headers)
+    return format_html('<pre class="idempotency-headers">{}</pre>', lines or "-")
+
+
+def _summary_html(headers: list[list[str]], body: bytes | None) -> SafeString:
+    if body is None:
+        return format_html("<em>{}</em>", _("no response stored"))
+    return format_html(
+        "{} · {}<br><em>{}</em>",
+        ngettext("%(size)d byte", "%(size)d bytes", len(body)) % {"size": len(body)},
+        _content_type(headers) or _("no content type"),
+        _("The body and headers are shown to users with the view_response_body permission."),
+    )
+
+
+def _content_type(headers: list[list[str]]) -> str:
+    return next((v for k, v in headers if k.lower() == "content-type"), "")
+
+
+def _unreadable(exc: crypto.Unreadable) -> SafeString:
+    return format_html(
+        "<em>{}</em>",
+        _("Cannot be read (%(why)s); the record is treated as expired.") % {"why": exc},
+    )
+
+
 def _binary(data: bytes) -> SafeString:
     return format_html("{} {}", len(data), _("bytes of binary data (not shown)"))
 
 
 def _is_json(headers: list[list[str]], text: str) -> bool:
-    content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
-    media = content_type.split(";")[0].strip().lower()
+    media = _content_type(headers).split(";")[0].strip().lower()
     if media and not (media == "application/json" or media.endswith("+json")):
         return False
     try:
@@ -226,14 +303,23 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     readonly_fields = (
         "lease",
         "age",
+        "encryption",
         "response_headers_pretty",
         "response_body_pretty",
+        "response_summary",
     )
     fieldsets = (
         (None, {"fields": ("account", "operation", "key", "status")}),
         (
             _("Response"),
-            {"fields": ("response_status", "response_headers_pretty", "response_body_pretty")},
+            {
+                "fields": (
+                    "response_status",
+                    "encryption",
+                    "response_headers_pretty",
+                    "response_body_pretty",
+                )
+            },
         ),
         (
             _("Lease"),
@@ -260,6 +346,23 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     def has_purge_permission(self, request: HttpRequest) -> bool:
         """Purge expired records: the model's ``delete`` permission."""
         return self._has_model_perm(request, "delete")
+
+    def has_view_response_body_permission(self, request: HttpRequest) -> bool:
+        """See stored bodies and headers: ``django_idempotency.view_response_body``."""
+        return bool(request.user.has_perm(VIEW_BODY_PERMISSION))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Without the permission, the body's size and content type take the place of the
+        # stored headers and body.
+        fieldsets = super().get_fieldsets(request, obj)
+        if self.has_view_response_body_permission(request):
+            return fieldsets
+        hidden = {"response_headers_pretty": None, "response_body_pretty": "response_summary"}
+        shown = []
+        for name, options in fieldsets:
+            fields = [hidden.get(f, f) if isinstance(f, str) else f for f in options["fields"]]
+            shown.append((name, {**options, "fields": [f for f in fields if f is not None]}))
+        return shown
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -310,16 +413,25 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         """Live or stale, for in-progress records."""
         return lease_state(record)
 
+    @admin.display(description=_("encryption"))
+    def encryption(self, record: IdempotencyRecord) -> str:
+        """Whether the stored response is sealed, and with which key (by its id)."""
+        return encryption_state(record)
+
     @admin.display(description=_("response headers"))
     def response_headers_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored headers, one per line."""
-        lines = "\n".join(f"{name}: {value}" for name, value in record.response_headers or [])
-        return format_html('<pre class="idempotency-headers">{}</pre>', lines or "-")
+        return _with_response(record, _headers_html)
 
     @admin.display(description=_("response body"))
     def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored body: indented JSON, escaped text, or a size for binary data."""
-        return render_body(record.response_body, record.response_headers or [])
+        return _with_response(record, lambda headers, body: render_body(body, headers))
+
+    @admin.display(description=_("response body"))
+    def response_summary(self, record: IdempotencyRecord) -> SafeString:
+        """The body's size and content type, for users who may not see the body."""
+        return _with_response(record, _summary_html)
 
     # -- actions: all through the maintenance module --------------------------------------
 

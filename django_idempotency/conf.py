@@ -109,6 +109,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PURGE_MAX_BATCHES", None, 22, validation.optional_positive_int),
     Setting("AUDIT", False, 20, validation.flag),
     Setting("AUDIT_RETENTION", timedelta(days=90), 21, validation.duration),
+    # Stored responses sealed at rest (django_idempotency.crypto); E025 below.
+    Setting("ENCRYPTION_KEYS", (), 24, validation.fernet_keys),
 )
 
 # -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
@@ -143,6 +145,8 @@ NOT_A_DICT = 1
 UNKNOWN_KEY = 2
 TTL_NOT_LONGER_THAN_LEASE = 4
 WAIT_NOT_SHORTER_THAN_LEASE = 11
+# ENCRYPTION_KEYS is set, and the `cryptography` package (the `crypto` extra) cannot be imported.
+CRYPTOGRAPHY_MISSING = 25
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,23 @@ def _relations(values: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
+def _cryptography_problems(values: Mapping[str, Any]) -> list[Problem]:
+    if not values.get("ENCRYPTION_KEYS"):
+        return []
+    try:
+        import cryptography.fernet  # noqa: F401
+    except ImportError as exc:
+        return [
+            Problem(
+                check_id(CRYPTOGRAPHY_MISSING),
+                "IDEMPOTENCY['ENCRYPTION_KEYS'] is set, but the cryptography package cannot be "
+                f"imported ({exc}).",
+                'Install the crypto extra: pip install "django-idempotency[crypto]".',
+            )
+        ]
+    return []
+
+
 def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
     """Every entry of ``IDEMPOTENCY`` (the current setting unless ``raw`` is given), parsed.
 
@@ -223,7 +244,7 @@ def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
                     f"{type(exc).__name__}: {exc}.",
                 )
             )
-    return values, problems + _relations(values)
+    return values, problems + _relations(values) + _cryptography_problems(values)
 
 
 class IdempotencySettings:
@@ -368,6 +389,11 @@ class IdempotencySettings:
     def AUDIT_RETENTION(self) -> timedelta:
         """How long an audit record is kept after it was archived."""
         return cast(timedelta, self._get("AUDIT_RETENTION"))
+
+    @property
+    def ENCRYPTION_KEYS(self) -> tuple[str, ...]:
+        """Fernet keys that seal stored responses: the first seals, any opens; empty: off."""
+        return cast("tuple[str, ...]", self._get("ENCRYPTION_KEYS"))
 
     @property
     def OUTBOX_SENDER(self) -> Callable[..., Any]:

@@ -268,7 +268,8 @@ class _Protected:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.25)
             current = self.operation.fetch()
-            if current is None or current.id != state.id:
+            # Gone, replaced, or done with a response no key opens (treated as expired).
+            if current is None or current.id != state.id or current.unreadable:
                 return None
             if current.status != IN_PROGRESS:
                 return self.replay(current)

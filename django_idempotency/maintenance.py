@@ -1,8 +1,10 @@
-"""Purge and recovery: the one implementation behind the commands, the Celery tasks and the admin.
+"""Purge, recovery and key rotation: the one implementation behind the commands, the Celery
+tasks and the admin.
 
-Everything here is bounded: the purge deletes in batches, each in a short transaction of its
-own, and recovery handles one record per short transaction. Nothing holds a lock while it
-waits on anything else, so both run beside live traffic and beside each other.
+Everything here is bounded: the purge deletes and the rotation reseals in batches, each in a
+short transaction of its own, and recovery handles one record per short transaction. Nothing
+holds a lock while it waits on anything else, so all three run beside live traffic and
+beside each other.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from django_idempotency import core, engine, once, store
+from django_idempotency import core, crypto, engine, once, store
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.purge import Progress, PurgeResult
@@ -33,6 +35,7 @@ __all__ = [
     "purge_expired",
     "recover_stale_leases",
     "release_stale",
+    "rotate_encryption",
 ]
 
 
@@ -76,6 +79,30 @@ def purge_expired(
         max_batches=max_batches,
         dry_run=dry_run,
         now=now,
+        progress=progress,
+    )
+
+
+# -- key rotation -----------------------------------------------------------------------------
+
+
+def rotate_encryption(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> crypto.RotationResult:
+    """Seal every stored response (records and audit records) with the first key of
+    ``ENCRYPTION_KEYS``, in bounded batches beside live traffic.
+
+    The ``rotate_idempotency_encryption`` command calls this; its batches are described in
+    ``django_idempotency.crypto.rotate``.
+    """
+    return crypto.rotate(
+        using=using or app_settings.DATABASE,
+        batch_size=batch_size,
+        dry_run=dry_run,
         progress=progress,
     )
 

@@ -175,6 +175,8 @@ class IdempotencyRecord(models.Model):
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
         db_table = "django_idempotency_record"
+        # The admin shows a stored response's body and headers only with this permission.
+        permissions = [("view_response_body", _("Can view stored response bodies"))]
         constraints = [
             models.UniqueConstraint(
                 fields=["account", "operation", "key"], name="idempotency_record_unique_key"

@@ -115,7 +115,8 @@ def purge(
             rows, batches, complete = _count(table.candidates, size, limit)
         else:
             rows = batches = 0
-            for deleted, seconds in _batches(table, size, limit):
+            run = functools.partial(_delete_batch, table)
+            for deleted, seconds in budgeted_batches(run, size, limit):
                 rows, batches = rows + deleted, batches + 1
                 setattr(result, table.rows_field, rows)
                 setattr(result, table.batches_field, batches)
@@ -153,19 +154,30 @@ def _count(candidates: QuerySet[Any], size: int, limit: int | None) -> tuple[int
     return total, batches, True
 
 
-def _batches(table: _Table, size: int, limit: int | None) -> Iterator[tuple[int, float]]:
-    """Delete the table's candidates batch by batch; yields each batch's rows and duration."""
+def budgeted_batches(
+    run: Callable[[int], int], size: int, limit: int | None
+) -> Iterator[tuple[int, float]]:
+    """Call ``run(n)`` batch after batch; yields each batch's rows and duration.
+
+    ``run(n)`` handles at most ``n`` rows in one short transaction and returns how many it
+    handled; a short batch is the last one. It is run again on a deadlock or serialization
+    failure (:func:`retry.retrying`), so it must change nothing outside its transaction
+    before that commits. ``size`` is a ceiling: a batch slower than ``BATCH_BUDGET_SECONDS``
+    halves the next one (down to ``MIN_BATCH``), one well inside it doubles the next one
+    back. ``limit``: at most that many batches. The purge and the key rotation
+    (:func:`django_idempotency.crypto.rotate`) batch with this.
+    """
     taken, current = 0, size
     while limit is None or taken < limit:
         started = time.monotonic()
-        rows = retry.retrying(functools.partial(_delete_batch, table, current))
+        rows = retry.retrying(functools.partial(run, current))
         if rows == 0:
             return
         taken += 1
         seconds = time.monotonic() - started
         yield rows, seconds
-        # A short batch means the rest is gone, or locked by a concurrent purger that will
-        # delete it: either way this run is done.
+        # A short batch means the rest is gone, or locked by a concurrent transaction that
+        # will change it (for the purge: another purger that deletes it): this run is done.
         if rows < current:
             return
         if seconds > BATCH_BUDGET_SECONDS:

@@ -16,7 +16,7 @@ import functools
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
@@ -27,7 +27,7 @@ from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_idempotency import states
+from django_idempotency import crypto, states
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.retry import is_retryable, retrying
@@ -80,6 +80,8 @@ class RecordState:
     response_status: int | None
     response_headers: list[list[str]]
     response_body: bytes | None
+    #: Its stored response is sealed and no configured key opens it: treated as expired.
+    unreadable: bool = False
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> RecordState:
@@ -91,6 +93,8 @@ class RecordState:
         if token is not None and not isinstance(token, uuid.UUID):
             token = uuid.UUID(str(token))
         body = values["response_body"]
+        if isinstance(headers, str):  # sealed (django_idempotency.crypto)
+            headers, body, values["unreadable"] = crypto.opened(values["id"], headers, body)
         values.update(
             response_headers=headers or [],
             lease_token=token,
@@ -374,11 +378,13 @@ def _claim(alias: str, request: ClaimRequest) -> ClaimResult:
         state, inserted = found
         if inserted:
             return ClaimResult(state=state, claimed=True)
+        if state.unreadable:
+            state = _expire_unreadable(alias, state, request.now)
         if not state.replaceable_by(request):
             return ClaimResult(state=state, claimed=False)
         taken = take_over(alias, request, token, state)
         current = taken or fetch(alias, request.account, request.operation, request.key)
-        if current is not None:
+        if current is not None and not current.unreadable:
             claimed = current.lease_token == token
             if claimed and states.EXPIRED.test(vars(state), now=request.now):
                 # An expired record replaced by a new operation: an earlier operation's
@@ -432,11 +438,12 @@ def finish(
     now: datetime,
 ) -> bool:
     """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
+    headers, body = crypto.seal_response(response_headers, response_body)
     params = [
         status,
         response_status,
-        _prepared(alias, "response_headers", response_headers),
-        _prepared(alias, "response_body", response_body),
+        _prepared(alias, "response_headers", headers),
+        _prepared(alias, "response_body", body),
         _prepared(alias, "completed_at", now),
         record_id,
         _prepared(alias, "lease_token", token),
@@ -556,3 +563,31 @@ def forget_steps(alias: str, record_id: int) -> None:
     q = connections[alias].ops.quote_name
     with connections[alias].cursor() as cursor:
         cursor.execute(f"DELETE FROM {_step_table(alias)} WHERE {q('record_id')} = %s", [record_id])
+
+
+@functools.lru_cache(maxsize=8)
+def _expire_unreadable_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return (
+        f"UPDATE {_table(alias)} SET {q('expires_at')} = %s"
+        f" WHERE {q('id')} = %s AND {q('status')} <> %s AND {q('expires_at')} = %s"
+    )
+
+
+def _expire_unreadable(alias: str, state: RecordState, now: datetime) -> RecordState:
+    """A done record whose stored response no configured key opens, made expired at ``now``.
+
+    It cannot be replayed, so it is treated as a record past its TTL: the claim that met it
+    replaces it (copying it to the audit trail first when ``AUDIT`` is on), and the request
+    runs afresh. Fenced by the expiry that was read: a record replaced meanwhile is left to
+    the claim's own fence.
+    """
+    params = [
+        _prepared(alias, "expires_at", now),
+        state.id,
+        IN_PROGRESS,
+        _prepared(alias, "expires_at", state.expires_at),
+    ]
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_expire_unreadable_sql(alias), params)
+    return replace(state, expires_at=now)

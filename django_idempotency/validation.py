@@ -10,6 +10,7 @@ checks (:mod:`django_idempotency.checks`), the settings object
 
 from __future__ import annotations
 
+import base64
 import functools
 import math
 import re
@@ -198,6 +199,43 @@ def client_error_statuses(value: Any) -> frozenset[int]:
 def seconds(value: Any) -> int:
     """A whole number of seconds, at least 1 (a ``Retry-After`` value)."""
     return _counted(value, "a whole number of seconds, at least 1")
+
+
+_FERNET_KEYS = "a list or tuple of Fernet keys (each made by Fernet.generate_key())"
+
+
+def fernet_keys(value: Any) -> tuple[str, ...]:
+    """A list or tuple (possibly empty) of distinct Fernet keys, as text.
+
+    A key is 32 bytes in URL-safe base64, as ``Fernet.generate_key()`` makes it (``str`` or
+    ``bytes``). No message ever shows a key: they are secrets, and checks end up in logs.
+    """
+    if not isinstance(value, list | tuple):
+        raise Invalid(_FERNET_KEYS, value, f"got a {type(value).__name__}")
+    keys: list[str] = []
+    for number, item in enumerate(value, 1):
+        problem = _fernet_key_problem(item)
+        if problem is not None:
+            raise Invalid(_FERNET_KEYS, value, f"key {number} of {len(value)} {problem}")
+        key = item.decode("ascii") if isinstance(item, bytes) else item
+        if key in keys:
+            raise Invalid(
+                _FERNET_KEYS, value, f"key {number} is the same as key {keys.index(key) + 1}"
+            )
+        keys.append(key)
+    return tuple(keys)
+
+
+def _fernet_key_problem(item: Any) -> str | None:
+    if not isinstance(item, str | bytes):
+        return f"is a {type(item).__name__}, not a str"
+    try:
+        raw = base64.b64decode(item, altchars=b"-_", validate=True)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError; so is non-ASCII text
+        return "is not URL-safe base64"
+    if len(raw) != 32:
+        return f"decodes to {len(raw)} bytes, not 32"
+    return None
 
 
 _CALLABLE = "a callable or the dotted import path of one"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from io import StringIO
 
@@ -135,6 +136,16 @@ def test_e022_purge_max_batches():
 
 def test_e023_purge_batch_size():
     assert "IDEMPOTENCY['PURGE_BATCH_SIZE']" in only("E023", PURGE_BATCH_SIZE=None)
+
+
+def test_e024_encryption_keys():
+    assert "IDEMPOTENCY['ENCRYPTION_KEYS'] must be a list" in only("E024", ENCRYPTION_KEYS="k")
+
+
+def test_e025_keys_without_cryptography(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cryptography.fernet", None)
+    key = "qBVrZ0nW2kkE7z5Q8y6Hn3m1uXc9d0T4aJfLsR2pVYo="
+    assert "cryptography package cannot be imported" in only("E025", ENCRYPTION_KEYS=[key])
 
 
 def test_w001_atomic_requests():

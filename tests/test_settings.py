@@ -35,6 +35,7 @@ needs_docs = pytest.mark.skipif(
     not SETTINGS_PAGE.exists(), reason="the docs are not here (tox tests the wheel)"
 )
 MISSING_PATH = "no_such_module.resolver"
+FERNET_KEY = "qBVrZ0nW2kkE7z5Q8y6Hn3m1uXc9d0T4aJfLsR2pVYo="  # 32 bytes: a well-formed key
 NOT_CALLABLE = "django_idempotency.conf.DEFAULTS"
 
 # Every setting, and values it must refuse: a string for each sequence, None where it is
@@ -59,6 +60,8 @@ BAD_VALUES: dict[str, list[object]] = {
     "PURGE_MAX_BATCHES": [0, -1, "5", 2.0, False],
     "AUDIT": [None, 1, 0, "yes"],
     "AUDIT_RETENTION": [None, 0, -1, timedelta(0), "90d", True],
+    # A key given as a str, not in a list; keys that are not 32 bytes of URL-safe base64.
+    "ENCRYPTION_KEYS": [None, FERNET_KEY, FERNET_KEY.encode(), [""], ["k" * 44], [5], {"k": 1}],
     "OUTBOX_SENDER": [None, 7, "", "send", MISSING_PATH, NOT_CALLABLE],
     "OUTBOX_MAX_ATTEMPTS": [None, 0, -1, "20", 2.5, True],
     "OUTBOX_RETENTION": [None, 0, -1, timedelta(0), "7d", True],
@@ -88,6 +91,7 @@ ERROR_NUMBERS = [setting.check for setting in conf.SETTINGS] + [
     conf.UNKNOWN_KEY,
     conf.TTL_NOT_LONGER_THAN_LEASE,
     conf.WAIT_NOT_SHORTER_THAN_LEASE,
+    conf.CRYPTOGRAPHY_MISSING,
 ]
 
 

@@ -10,10 +10,15 @@ import os
 from typing import Any
 
 VARIANT = os.environ.get("BENCH_VARIANT", "plain")
-if VARIANT not in ("plain", "ours", "patched", "dik", "dfi"):
-    raise RuntimeError(f"BENCH_VARIANT must be plain, ours, patched, dik or dfi, not {VARIANT!r}")
-# "patched" is "ours" with django_idempotency imported from a scratch copy (run.py --patched).
-PROTECTION = "ours" if VARIANT == "patched" else VARIANT
+if VARIANT not in ("plain", "ours", "sealed", "patched", "dik", "dfi"):
+    raise RuntimeError(
+        f"BENCH_VARIANT must be plain, ours, sealed, patched, dik or dfi, not {VARIANT!r}"
+    )
+# "patched" is "ours" with django_idempotency imported from a scratch copy (run.py --patched);
+# "sealed" is "ours" with stored responses encrypted (ENCRYPTION_KEYS).
+PROTECTION = "ours" if VARIANT in ("patched", "sealed") else VARIANT
+# A Fernet key for the benchmark's own throwaway database only.
+BENCH_ENCRYPTION_KEY = "YmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtMzI="
 
 SECRET_KEY = "django-idempotency-benchmarks"
 DEBUG = False
@@ -63,6 +68,8 @@ if PROTECTION == "ours":
     INSTALLED_APPS.append("django_idempotency")
     # Every key at its default: 24 h TTL, 60 s lease, key required on POST and PATCH.
     IDEMPOTENCY: dict[str, Any] = {}
+    if VARIANT == "sealed":
+        IDEMPOTENCY["ENCRYPTION_KEYS"] = [BENCH_ENCRYPTION_KEY]
 elif PROTECTION == "dik":
     # django-idempotency-key: its multi-process configuration from its README. Responses in
     # a Redis cache (django-redis, its own dependency) rather than the per-process memory

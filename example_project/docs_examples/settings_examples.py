@@ -23,6 +23,19 @@ IDEMPOTENCY = {
 }
 # --8<-- [end:idempotency]
 
+# --8<-- [start:encryption]
+import os
+
+
+def encryption_keys() -> list[str]:
+    """Fernet keys from the environment, e.g. IDEMPOTENCY_ENCRYPTION_KEYS="<new>,<old>":
+    the first seals every response stored from now on, each one opens what it sealed."""
+    return [key for key in os.environ.get("IDEMPOTENCY_ENCRYPTION_KEYS", "").split(",") if key]
+
+
+ENCRYPTED = {"ENCRYPTION_KEYS": encryption_keys()}
+# --8<-- [end:encryption]
+
 # --8<-- [start:beat]
 CELERY_BEAT_SCHEDULE = {
     "purge-idempotency-records": {

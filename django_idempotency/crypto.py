@@ -1,0 +1,336 @@
+"""Stored responses sealed at rest: ``IDEMPOTENCY["ENCRYPTION_KEYS"]``.
+
+With keys set, the body and the stored headers of every response a record keeps are written
+sealed with the first key (Fernet, through ``MultiFernet``: AES-128-CBC with HMAC-SHA256)
+and opened on read with any of them. Everything else a record holds stays in the clear,
+because the engine's statements, the purge, the statistics and the admin's filters work on
+it: the account, the operation, the key, the request's fingerprint, the status, the response
+status, the lease and the times.
+
+A row says it is sealed in its ``response_headers`` column, so no column is added to the hot
+path. Headers in the clear are a JSON array (the engine never stores anything else there);
+sealed ones are a JSON string, ``"fernet:<key id>:<token>"``, which no stored plaintext can
+be. The body is then the raw bytes of its own Fernet token (its base64 text would be a third
+larger). A record in progress stores no response, so nothing of it is sealed. Records written
+before keys were set stay readable in the clear until ``rotate_idempotency_encryption``
+seals them.
+
+A sealed response that no configured key opens (its key was removed, or the row is damaged)
+is never replayed: the store treats its record as expired, so the next request with its key
+runs afresh and replaces it (:func:`opened`, ``store.claim``).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
+from django.db.models import QuerySet
+
+from django_idempotency.conf import app_settings
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
+from django_idempotency.purge import budgeted_batches
+from django_idempotency.states import IN_PROGRESS
+
+if TYPE_CHECKING:
+    from cryptography.fernet import MultiFernet
+
+logger = logging.getLogger("django_idempotency")
+
+__all__ = [
+    "ROTATE_BATCH_SIZE",
+    "Keys",
+    "RotationResult",
+    "Unreadable",
+    "key_id",
+    "open_response",
+    "opened",
+    "rotate",
+    "seal_response",
+    "sealed_with",
+]
+
+SCHEME = "fernet"
+_PREFIX = f"{SCHEME}:"
+
+Headers = list[list[str]]
+
+
+class Unreadable(Exception):
+    """A sealed response that no key of ``ENCRYPTION_KEYS`` opens; ``key_id`` names the key
+    that sealed it (``None`` when the stored value is damaged beyond that)."""
+
+    def __init__(self, key_id: str | None, reason: str) -> None:
+        self.key_id = key_id
+        super().__init__(f"sealed with key {key_id or '(unknown)'}: {reason}")
+
+
+def key_id(key: str | bytes) -> str:
+    """A key's public name: 12 hex digits of the SHA-256 of its 32 bytes.
+
+    Stored beside each sealed response and shown by the admin, the logs and the rotation,
+    it says which key sealed what without revealing anything of the key.
+    """
+    return hashlib.sha256(base64.urlsafe_b64decode(key)).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The configured keys, ready: ``fernet`` seals with the first and opens with any."""
+
+    fernet: MultiFernet
+    first: str
+    ids: frozenset[str]
+
+
+@functools.lru_cache(maxsize=8)
+def keys_of(keys: tuple[str, ...]) -> Keys:
+    """The :class:`Keys` of a validated ``ENCRYPTION_KEYS``, built once per value."""
+    from cryptography.fernet import Fernet, MultiFernet
+
+    return Keys(
+        fernet=MultiFernet([Fernet(key) for key in keys]),
+        first=key_id(keys[0]),
+        ids=frozenset(key_id(key) for key in keys),
+    )
+
+
+def _configured() -> Keys | None:
+    keys = app_settings.ENCRYPTION_KEYS
+    return keys_of(keys) if keys else None
+
+
+def sealed_with(stored_headers: Any) -> str | None:
+    """The id of the key that sealed a stored response; ``None`` when it is in the clear."""
+    if not isinstance(stored_headers, str):
+        return None
+    scheme, _, rest = stored_headers.partition(":")
+    kid, separator, _token = rest.partition(":")
+    return kid if scheme == SCHEME and separator else ""
+
+
+# -- sealing and opening ------------------------------------------------------------------
+
+
+def seal_response(headers: Headers, body: bytes) -> tuple[Headers | str, bytes]:
+    """The headers and body of a response as they are stored.
+
+    Sealed with the first key of ``ENCRYPTION_KEYS``; returned as they are when it is empty
+    (one look at the cached setting).
+    """
+    keys = app_settings.ENCRYPTION_KEYS
+    if not keys:
+        return headers, body
+    return _seal(keys_of(keys), headers, body)
+
+
+def _seal(keys: Keys, headers: Headers, body: bytes) -> tuple[str, bytes]:
+    text = json.dumps(headers, separators=(",", ":")).encode("ascii")
+    token = keys.fernet.encrypt(text).decode("ascii")
+    return f"{_PREFIX}{keys.first}:{token}", base64.urlsafe_b64decode(keys.fernet.encrypt(body))
+
+
+def open_response(stored_headers: Any, stored_body: Any) -> tuple[Headers, bytes | None]:
+    """A stored response's headers and body as they were answered.
+
+    In the clear: returned as they are. Sealed: opened with whichever configured key sealed
+    them; ``Unreadable`` when none does.
+    """
+    if not isinstance(stored_headers, str):
+        return stored_headers or [], None if stored_body is None else bytes(stored_body)
+    return _open(_configured(), stored_headers, stored_body)
+
+
+def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Headers, bytes | None]:
+    from cryptography.fernet import InvalidToken
+
+    kid = sealed_with(stored_headers)
+    if not kid:
+        raise Unreadable(None, "the stored headers are neither JSON headers nor sealed ones")
+    if keys is None:
+        raise Unreadable(kid, "ENCRYPTION_KEYS is empty")
+    token = stored_headers.split(":", 2)[2]
+    try:
+        headers = json.loads(keys.fernet.decrypt(token))
+        if stored_body is None:
+            return headers, None
+        return headers, keys.fernet.decrypt(base64.urlsafe_b64encode(bytes(stored_body)))
+    except (InvalidToken, ValueError):  # binascii.Error is a ValueError
+        reason = "no key of ENCRYPTION_KEYS opens it"
+        raise Unreadable(kid, reason if kid not in keys.ids else f"{reason} (damaged)") from None
+
+
+def opened(record_id: int, stored_headers: Any, stored_body: Any) -> tuple[Headers, Any, bool]:
+    """``(headers, body, unreadable)`` of a sealed response, for the store's reads.
+
+    An unreadable response (logged once per read, with the key that sealed it) comes back
+    as no response at all, flagged: the store treats its record as expired.
+    """
+    try:
+        headers, body = open_response(stored_headers, stored_body)
+    except Unreadable as exc:
+        logger.warning(
+            "the stored response of record %s cannot be read (%s): its record is treated as "
+            "expired",
+            record_id,
+            exc,
+        )
+        return [], None, True
+    return headers, body, False
+
+
+# -- rotation -------------------------------------------------------------------------------
+
+#: Rows per rotation batch by default: each batch holds at most this many bodies in memory
+#: (up to MAX_RESPONSE_BYTES each) and locks its rows until it commits.
+ROTATE_BATCH_SIZE = 100
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class RotationResult:
+    """What one rotation run did (or, with ``dry_run``, would do)."""
+
+    #: Records and audit records sealed with the first key by this run (plaintext ones too).
+    records: int = 0
+    audit_records: int = 0
+    #: Already sealed with the first key: left as they are.
+    current: int = 0
+    #: Sealed with a key ``ENCRYPTION_KEYS`` no longer holds: left as they are.
+    unreadable: int = 0
+    #: Replaced, completed anew or deleted between the batch's read and its write: left to
+    #: whoever changed them (a new completion is sealed with the first key already).
+    changed: int = 0
+    batches: int = 0
+    longest_batch_seconds: float = 0.0
+    dry_run: bool = False
+    key_id: str = ""
+
+
+@dataclass
+class _Walk:
+    """One table's rows in id order, a batch at a time: each batch reads ids and headers
+    (locked, skipping rows another transaction holds), then the bodies it must reseal."""
+
+    rows: QuerySet[Any]
+    counter: str
+    #: Columns whose values pin the version of the stored response that was read; the
+    #: update matches only while they are unchanged.
+    fence: tuple[str, ...]
+    keys: Keys
+    result: RotationResult
+    last: Any = 0
+    tally: dict[str, int] = field(default_factory=dict)
+
+    def batch(self, size: int) -> int:
+        self.tally = dict.fromkeys(("current", "unreadable", "changed", self.counter), 0)
+        alias = self.rows.db
+        with transaction.atomic(using=alias):
+            page = self.rows.filter(pk__gt=self.last).order_by("pk")
+            if not self.result.dry_run:
+                features = connections[alias].features
+                page = page.select_for_update(
+                    skip_locked=features.has_select_for_update_skip_locked
+                )
+            found = list(page.values_list("pk", "response_headers", *self.fence)[:size])
+            todo = [row for row in found if self._needs_sealing(row[1])]
+            if self.result.dry_run:
+                self.tally[self.counter] += len(todo)
+            elif todo:
+                self._reseal(todo)
+        # Counted once the batch committed: a batch run again after a deadlock counts once.
+        for name, count in self.tally.items():
+            setattr(self.result, name, getattr(self.result, name) + count)
+        if found:
+            self.last = found[-1][0]
+        return len(found)
+
+    def _needs_sealing(self, stored_headers: Any) -> bool:
+        kid = sealed_with(stored_headers)
+        if kid == self.keys.first:
+            self.tally["current"] += 1
+            return False
+        if kid is not None and kid not in self.keys.ids:
+            self.tally["unreadable"] += 1
+            return False
+        return True
+
+    def _reseal(self, todo: list[tuple[Any, ...]]) -> None:
+        manager = self.rows.model._default_manager.using(self.rows.db)
+        bodies = dict(
+            manager.filter(pk__in=[row[0] for row in todo]).values_list("pk", "response_body")
+        )
+        for pk, stored_headers, *version in todo:
+            if bodies.get(pk) is None:  # deleted, or taken over (no response yet)
+                self.tally["changed"] += 1
+                continue
+            headers, body = stored_headers, bodies[pk]
+            if isinstance(stored_headers, str):
+                try:
+                    headers, body = _open(self.keys, stored_headers, body)
+                except Unreadable:
+                    self.tally["unreadable"] += 1
+                    continue
+            sealed_headers, sealed_body = _seal(self.keys, headers, bytes(body))
+            updated = manager.filter(pk=pk, **dict(zip(self.fence, version, strict=True))).update(
+                response_headers=sealed_headers, response_body=sealed_body
+            )
+            self.tally[self.counter if updated else "changed"] += 1
+
+
+def rotate(
+    *,
+    using: str,
+    batch_size: int | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RotationResult:
+    """Seal every stored response of ``using`` with the first key of ``ENCRYPTION_KEYS``:
+    the records' (never one in progress) and the audit records', in bounded batches.
+
+    Responses in the clear are sealed; those sealed with another configured key are
+    opened and sealed again; those already sealed with the first key are left as they are,
+    so a run can be repeated or stopped at any time. Each batch is one short transaction
+    of at most ``batch_size`` rows (default ``ROTATE_BATCH_SIZE``, shrunk under the
+    purge's time budget) that locks its rows, skipping rows another transaction holds on
+    PostgreSQL and MySQL (a live claim or completion is never waited for). A record's
+    update is fenced by its status and its ``created_at`` and ``completed_at``: a record
+    replaced or completed anew since the batch read it is left alone. ``progress(batches,
+    sealed)`` is called after each batch. Raises ``ImproperlyConfigured`` without keys.
+    """
+    configured = _configured()
+    if configured is None:
+        raise ImproperlyConfigured(
+            "IDEMPOTENCY['ENCRYPTION_KEYS'] is empty: there is no key to seal the stored "
+            "responses with."
+        )
+    result = RotationResult(dry_run=dry_run, key_id=configured.first)
+    records = IdempotencyRecord.objects.using(using).exclude(status=IN_PROGRESS)
+    audits = IdempotencyAuditRecord.objects.using(using)
+    walks = (
+        _Walk(
+            records.filter(response_body__isnull=False),
+            "records",
+            ("status", "created_at", "completed_at"),
+            configured,
+            result,
+        ),
+        # Audit records never change once written: only a purge may delete one meanwhile.
+        _Walk(audits.filter(response_body__isnull=False), "audit_records", (), configured, result),
+    )
+    for walk in walks:
+        for _rows, seconds in budgeted_batches(walk.batch, batch_size or ROTATE_BATCH_SIZE, None):
+            result.batches += 1
+            result.longest_batch_seconds = max(result.longest_batch_seconds, seconds)
+            if progress is not None:
+                progress(result.batches, result.records + result.audit_records)
+    return result

@@ -1,0 +1,251 @@
+"""``rotate_idempotency_encryption``: every stored response sealed with the first key, in
+bounded batches, beside live claims and completions."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.utils import timezone
+
+from django_idempotency import crypto, maintenance
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
+from tests.conftest import ApiClient, postgres_only
+from tests.factories import RecordFactory
+from tests.test_crypto import LOST, NEW, OLD, PAYLOAD, answered, fingerprint_of, keys
+from tests.test_purge_concurrency import in_thread
+from tests.testapp.models import Charge
+
+fernet = pytest.importorskip("cryptography.fernet")
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+WAIT = 30
+
+
+def sealed(key: str, headers: list[list[str]], body: bytes) -> tuple[str, bytes]:
+    """A response as a server holding only ``key`` stores it."""
+    return crypto._seal(crypto.keys_of((key,)), headers, body)
+
+
+def record_under(key: str | None, n: int, **fields: Any) -> IdempotencyRecord:
+    headers: Any = [["Content-Type", "application/json"]]
+    body = json.dumps({"n": n}).encode()
+    if key is not None:
+        headers, body = sealed(key, headers, body)
+    return RecordFactory(
+        key=f"r-{n}",
+        response_headers=headers,
+        response_body=body,
+        completed_at=timezone.now(),
+        **fields,
+    )
+
+
+def key_ids(model: type[Any] = IdempotencyRecord) -> dict[str | None, int]:
+    counted: dict[str | None, int] = {}
+    for headers in model.objects.exclude(status="in_progress").values_list(
+        "response_headers", flat=True
+    ):
+        kid = crypto.sealed_with(headers)
+        counted[kid] = counted.get(kid, 0) + 1
+    return counted
+
+
+def opened(record: IdempotencyRecord) -> tuple[Any, Any]:
+    return crypto.open_response(record.response_headers, record.response_body)
+
+
+def rotate(*args: str) -> str:
+    out = StringIO()
+    call_command("rotate_idempotency_encryption", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_seals_clear_and_old_responses_in_batches_and_leaves_the_rest():
+    for n in range(3):
+        record_under(None, n)
+    for n in range(3, 7):
+        record_under(OLD, n)
+    record_under(NEW, 7)
+    record_under(LOST, 8)
+    held = RecordFactory(
+        key="held",
+        status="in_progress",
+        lease_token=uuid.UUID("6c3f4d1e-2b8a-4c9d-9e0f-1a2b3c4d5e6f"),
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+        response_status=None,
+        response_headers=[],
+        response_body=None,
+    )
+    IdempotencyAuditRecord.objects.create(
+        record_id=99, account="a", operation="o", key="k", request_hash="0" * 64,
+        fingerprint_version="v1", status="completed", recovery_policy="retry",
+        recovery_attempts=0, response_status=200, response_headers=[["Content-Type", "x/y"]],
+        response_body=b"audited", created_at=timezone.now(), expires_at=timezone.now(),
+        reason="purged",
+    )  # fmt: skip
+    readable = IdempotencyRecord.objects.exclude(key__in=["held", "r-8"])
+    with keys(NEW, OLD):
+        before = {r.key: opened(r) for r in readable}
+        dry = rotate("--dry-run", "--batch-size", "2")
+        assert key_ids() == {None: 3, crypto.key_id(OLD): 4, crypto.key_id(NEW): 1,
+                             crypto.key_id(LOST): 1}  # fmt: skip
+        line = rotate("--batch-size", "2", "-v", "2")
+        after = {r.key: opened(r) for r in readable.all()}
+        again = rotate()
+    assert "Would seal 7 idempotency records and 1 audit records" in dry
+    assert f"Sealed 7 idempotency records and 1 audit records with key {crypto.key_id(NEW)}" in line
+    assert "1 were sealed with it already" in line
+    assert "1 are sealed with a key ENCRYPTION_KEYS no longer holds" in line
+    assert "batch 1: " in line
+    assert "Sealed 0 idempotency records and 0 audit records" in again
+    assert "9 were sealed with it already" in again  # 8 records and the audit record
+    assert after == before
+    assert key_ids() == {crypto.key_id(NEW): 8, crypto.key_id(LOST): 1}
+    assert key_ids(IdempotencyAuditRecord) == {crypto.key_id(NEW): 1}
+    with keys(NEW):
+        (audit,) = IdempotencyAuditRecord.objects.all()
+        assert opened(audit) == ([["Content-Type", "x/y"]], b"audited")
+    # The claim in progress was not touched: no response to seal, its lease as it was.
+    held_now = IdempotencyRecord.objects.get(key="held")
+    assert (held_now.lease_token, held_now.lease_expires_at, held_now.response_headers) == (
+        held.lease_token,
+        held.lease_expires_at,
+        [],
+    )
+
+
+def test_batches_follow_the_batch_size_and_the_rows_of_each_table():
+    for n in range(5):
+        record_under(OLD, n)
+    with keys(NEW, OLD):
+        result = maintenance.rotate_encryption(batch_size=2)
+    # 5 records in batches of 2 (2, 2, 1); the audit table is empty.
+    assert (result.records, result.batches) == (5, 3)
+
+
+def test_the_command_refuses_without_keys_and_with_an_unknown_database():
+    record_under(None, 1)
+    with pytest.raises(CommandError, match="ENCRYPTION_KEYS'] is empty"):
+        rotate()
+    with keys(NEW), pytest.raises(CommandError, match="rotation failed"):
+        rotate("--database", "nope")
+    with pytest.raises(CommandError):
+        rotate("--batch-size", "0")
+    assert key_ids() == {None: 1}
+
+
+def test_a_completion_between_the_batch_read_and_its_write_is_never_overwritten(monkeypatch):
+    """The record is replaced and completed anew after the batch read it: the fenced update
+    matches nothing and the new response stays (on every database, locks or none)."""
+    record = record_under(OLD, 1)
+    gone = record_under(OLD, 2)
+    real_reseal = crypto._Walk._reseal
+    new_headers, new_body = sealed(NEW, [["Content-Type", "application/json"]], b'{"n": "new"}')
+
+    def changed_meanwhile(walk: Any, todo: Any) -> None:
+        now = timezone.now()
+        IdempotencyRecord.objects.filter(pk=record.pk).update(
+            created_at=now, completed_at=now, response_headers=new_headers, response_body=new_body
+        )
+        IdempotencyRecord.objects.filter(pk=gone.pk).delete()  # purged meanwhile
+        real_reseal(walk, todo)
+
+    monkeypatch.setattr(crypto._Walk, "_reseal", changed_meanwhile)
+    with keys(NEW, OLD):
+        result = maintenance.rotate_encryption()
+        record.refresh_from_db()
+        assert opened(record) == ([["Content-Type", "application/json"]], b'{"n": "new"}')
+    assert (result.records, result.changed) == (0, 2)
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["r-1"]
+
+
+@postgres_only
+def test_rotation_in_batches_beside_live_claims_and_completions(user, tmp_path):
+    """Real threads, each on its own connection: new requests (claims and completions), slow
+    requests holding their claims while batches pass them, replays of the records being
+    rotated, and takeovers of expired ones, while the rotation walks the table in batches
+    of 10."""
+    api = ApiClient(user)
+    request_hash = fingerprint_of(api, PAYLOAD)
+    rows = 400
+    for n in range(rows):
+        record_under(
+            OLD, n, account=f"user:{user.pk}", operation="POST outcome/", request_hash=request_hash
+        )
+    expired = [f"r-{n}" for n in range(0, rows, 40)]
+    IdempotencyRecord.objects.filter(key__in=expired).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    started = threading.Event()
+    claimed = tmp_path / "claimed"
+    first_answers: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def traffic(name: str) -> list[str]:
+        assert started.wait(WAIT)
+        sent = []
+        for n in range(8):
+            key = f"{name}-{n}"
+            charge = {"amount": n + 1, "currency": "EUR"}
+            # Some requests hold their claim (in progress) for a while after it is made.
+            steer = {"headers": {"X-Test": f"touch-start:{claimed},sleep-start:0.2"}}
+            response = api.post("/charges/", charge, key=key, **(steer if n % 4 == 0 else {}))
+            assert response.status_code == 201, response.content
+            with lock:
+                first_answers[key] = ("/charges/", charge, answered(response))
+            sent.append(key)
+            replayed = api.post("/outcome/", PAYLOAD, key=f"r-{n * 37 + 1}")  # being rotated
+            assert replayed["Idempotent-Replayed"] == "true"
+            assert json.loads(replayed.content) == {"n": n * 37 + 1}
+        for key in expired[int(name[-1]) :: 3]:  # take over expired records of the table
+            response = api.post("/outcome/", PAYLOAD, key=key)
+            assert "Idempotent-Replayed" not in response
+            with lock:
+                first_answers[key] = ("/outcome/", PAYLOAD, answered(response))
+        return sent
+
+    def rotation() -> crypto.RotationResult:
+        def progress(batches: int, sealed: int) -> None:
+            started.set()
+            if batches == 2:  # go on once a claim was held and a new key completed
+                done = IdempotencyRecord.objects.filter(
+                    key__startswith="client", status="completed"
+                )
+                for _ in range(WAIT * 100):
+                    if claimed.exists() and done.exists():
+                        break
+                    threading.Event().wait(0.01)
+                assert claimed.exists(), "no claim was held beside the rotation"
+                assert done.exists(), "no new key completed beside the rotation"
+
+        return maintenance.rotate_encryption(batch_size=10, progress=progress)
+
+    with keys(NEW, OLD), ThreadPoolExecutor(4) as pool:
+        rotated = pool.submit(in_thread(rotation))
+        clients = [pool.submit(in_thread(traffic), f"client{i}") for i in range(3)]
+        sent = [key for client in clients for key in client.result(timeout=WAIT * 4)]
+        result = rotated.result(timeout=WAIT * 4)
+        assert result.batches >= rows // 10
+        # The walk met records completed beside it, sealed with the first key already.
+        assert result.current >= 1
+        # Every answer is replayed byte for byte, the rotated ones and the new ones alike.
+        for key, (path, payload, first) in first_answers.items():
+            again = api.post(path, payload, key=key)
+            assert answered(again) == first, key
+            assert again["Idempotent-Replayed"] == "true"
+        leftover = maintenance.rotate_encryption(dry_run=True)
+    # Each new key and each taken-over expired key ran exactly once.
+    assert Charge.objects.exclude(account="outcome").count() == len(sent)
+    assert Charge.objects.filter(account="outcome").count() == len(expired)
+    assert leftover.records == 0
+    assert key_ids() == {crypto.key_id(NEW): rows + len(sent)}
+    assert not IdempotencyRecord.objects.filter(status="in_progress").exists()
