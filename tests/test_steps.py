@@ -289,3 +289,43 @@ def test_current_names_the_operation_inside_a_step():
 
     run_once(body, **identity(recovery="resume"))
     assert len(seen) == 1
+
+
+@postgres_only
+def test_a_view_whose_step_outlived_its_lease_answers_409_and_rolls_the_step_back(user):
+    from django.test import Client
+
+    from tests.testapp import steps as slow
+
+    slow.reset_slow()
+    late, prompt = Client(), Client()
+    late.force_login(user)
+    prompt.cookies = late.cookies
+    headers = {"Idempotency-Key": "ride-1"}
+    answers: list[Any] = []
+
+    def first() -> None:
+        try:
+            answers.append(late.post("/steps/slow/", {}, headers=headers))
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    try:
+        assert slow.ENTERED.wait(WAIT)
+        end_lease()
+        taken_over = prompt.post("/steps/slow/", {}, headers=headers)
+    finally:
+        slow.RELEASE.set()
+        worker.join(WAIT)
+    assert not worker.is_alive()
+    assert taken_over.status_code == 201
+    (lost,) = answers
+    assert lost.status_code == 409
+    assert lost.json()["code"] == "idempotency_lease_lost"
+    # The late attempt's step rolled back: one ride, the one the takeover recorded.
+    assert list(Charge.objects.filter(account="slow").values_list("pk", flat=True)) == [
+        taken_over.json()["ride"]
+    ]
+    assert prompt.post("/steps/slow/", {}, headers=headers).content == taken_over.content

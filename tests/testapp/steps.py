@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -127,4 +128,31 @@ def book_and_die(request: HttpRequest) -> HttpResponse:
     return response
 
 
-urlpatterns = [path("book/", book_and_die)]
+#: ``/steps/slow/``: the first attempt's step waits inside, after its write, until released.
+ENTERED = threading.Event()
+RELEASE = threading.Event()
+_slow_runs: list[int] = []
+
+
+def write_slowly() -> int:
+    ride = Charge.objects.create(account="slow", amount=1, currency="EUR")
+    _slow_runs.append(ride.pk)
+    if len(_slow_runs) == 1:
+        ENTERED.set()
+        RELEASE.wait(20)
+    return ride.pk
+
+
+@idempotent(recovery="resume", operation="rides.slow")
+def slow_view(request: HttpRequest) -> HttpResponse:
+    """``POST /steps/slow/``: one step that the first attempt holds open."""
+    return JsonResponse({"ride": step("ride", write_slowly)}, status=201)
+
+
+def reset_slow() -> None:
+    ENTERED.clear()
+    RELEASE.clear()
+    _slow_runs.clear()
+
+
+urlpatterns = [path("book/", book_and_die), path("slow/", slow_view)]
