@@ -312,3 +312,46 @@ def test_a_snapshot_transaction_is_refused_on_postgresql(level):
         attempt()
         assert calls == [1]
         assert record().status == RecordStatus.COMPLETED
+
+
+def _seen_elsewhere_inside() -> dict[str, Any]:
+    return txn_views.work("")
+
+
+def test_autocommit_turned_off_is_a_callers_transaction_too():
+    transaction.set_autocommit(False)
+    try:
+        result = run_once(_seen_elsewhere_inside, **IDENTITY)
+        transaction.commit()
+    finally:
+        transaction.set_autocommit(True)
+    assert result["seen"] is True  # the claim committed on its own
+    assert record().status == RecordStatus.COMPLETED
+    assert Charge.objects.count() == 1
+
+
+def test_an_eager_task_inside_a_protected_operation_claims_on_its_own():
+    with transaction.atomic():
+        outcome = txn_views.task_fail.apply(args=("t-1", ""))
+    assert outcome.result["seen"] is True
+    assert IdempotencyRecord.objects.get(key="t-1").status == RecordStatus.COMPLETED
+    assert ProviderCall.objects.count() == 1
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="pg_terminate_backend")
+def test_a_terminated_second_connection_is_replaced():
+    with transaction.atomic():
+        run_once(_ship, **IDENTITY)
+    second = connection._django_idempotency_autonomous  # type: ignore[attr-defined]
+    pid = second.connection.info.backend_pid
+    with connections["provider"].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    failures = 0
+    for key in ("m-2", "m-3"):
+        try:
+            with transaction.atomic():
+                run_once(_ship, **{**IDENTITY, "key": key})
+        except Exception:
+            failures += 1  # the first use of the dead connection fails, as Django's own do
+    assert failures <= 1
+    assert IdempotencyRecord.objects.filter(key="m-3", status=RecordStatus.COMPLETED).exists()
