@@ -10,11 +10,13 @@ commands and the Celery tasks run:
 
 The changelist is built for tables of millions of rows: every filter is served by an
 index, the full count is never taken, and the list never loads stored response bodies.
+
+Every record and every outbox message renders, whatever its stored body, headers or
+arguments hold: they are read as stored and shown through :mod:`django_idempotency.display`.
 """
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,13 +24,12 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
-from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import maintenance, outbox, stats, store
+from django_idempotency import display, maintenance, outbox, stats, store
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -37,10 +38,6 @@ from django_idempotency.models import (
     RecordStatus,
     expired_q,
 )
-
-# Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
-# most this much of one, so a large body never makes the page itself huge.
-BODY_PREVIEW_BYTES = 64 * 1024
 
 
 def _qs(queryset: Any) -> QuerySet[IdempotencyRecord]:
@@ -117,52 +114,6 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
 
 
-def render_body(body: bytes | memoryview | None, headers: list[list[str]]) -> SafeString:
-    """The stored body for display: indented JSON, escaped text, or the size of binary data."""
-    if body is None:
-        return format_html("<em>{}</em>", _("no response stored"))
-    data = bytes(body)
-    if not data:
-        return format_html("<em>{}</em>", _("empty body"))
-    shown = data[:BODY_PREVIEW_BYTES]
-    cut = len(data) > len(shown)
-    try:
-        text = shown.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        # Cutting the preview may split the last multi-byte character: drop that one.
-        # Anything else that is not UTF-8 is binary.
-        if not (cut and exc.start >= len(shown) - 3):
-            return _binary(data)
-        text = shown[: exc.start].decode("utf-8")
-    if "\x00" in text:
-        return _binary(data)
-    if not cut and _is_json(headers, text):
-        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=False)
-    if cut:
-        note = _("first %(shown)s of %(total)s bytes shown") % {
-            "shown": len(shown),
-            "total": len(data),
-        }
-        return format_html('<pre class="idempotency-body">{}</pre><p>{}</p>', text, note)
-    return format_html('<pre class="idempotency-body">{}</pre>', text)
-
-
-def _binary(data: bytes) -> SafeString:
-    return format_html("{} {}", len(data), _("bytes of binary data (not shown)"))
-
-
-def _is_json(headers: list[list[str]], text: str) -> bool:
-    content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
-    media = content_type.split(";")[0].strip().lower()
-    if media and not (media == "application/json" or media.endswith("+json")):
-        return False
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
 class ReadOnlyAdminMixin:
     """No add, change or delete: the maintenance actions check model permissions instead.
 
@@ -189,6 +140,9 @@ class ReadOnlyAdminMixin:
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
+
+# Read only on the detail page, in one query, undecoded.
+_RESPONSE_COLUMNS = ("response_headers", "response_body")
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[IdempotencyRecord]
@@ -265,9 +219,10 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
-        # Bodies can be a megabyte each: only the detail page reads one.
+        # Bodies can be a megabyte each, and headers anything another program wrote: only the
+        # detail page reads them, undecoded (display.stored_columns).
         return _qs(
-            super().get_queryset(request).using(app_settings.DATABASE).defer("response_body")
+            super().get_queryset(request).using(app_settings.DATABASE).defer(*_RESPONSE_COLUMNS)
         )
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
@@ -312,14 +267,16 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     @admin.display(description=_("response headers"))
     def response_headers_pretty(self, record: IdempotencyRecord) -> SafeString:
-        """The stored headers, one per line."""
-        lines = "\n".join(f"{name}: {value}" for name, value in record.response_headers or [])
-        return format_html('<pre class="idempotency-headers">{}</pre>', lines or "-")
+        """The stored headers, one per line (or as stored, when they are not pairs)."""
+        stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
+        return display.render_headers(stored["response_headers"])
 
     @admin.display(description=_("response body"))
     def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored body: indented JSON, escaped text, or a size for binary data."""
-        return render_body(record.response_body, record.response_headers or [])
+        stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
+        headers, _problem = display.read_json(stored["response_headers"])
+        return display.render_body(stored["response_body"], headers)
 
     # -- actions: all through the maintenance module --------------------------------------
 
@@ -405,6 +362,8 @@ class TaskFilter(admin.SimpleListFilter):
         return queryset.filter(task=self.value()) if self.value() else queryset
 
 
+_ARGUMENT_COLUMNS = ("args", "kwargs")
+
 if TYPE_CHECKING:
     _OutboxAdmin = admin.ModelAdmin[OutboxMessage]
 else:
@@ -437,18 +396,19 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         return self._has_model_perm(request, "change")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
-        # Messages live on the IDEMPOTENCY database, whatever the project's routers say.
-        return super().get_queryset(request).using(app_settings.DATABASE)
+        # Messages live on the IDEMPOTENCY database, whatever the project's routers say. The
+        # arguments are read only on the detail page, undecoded (display.stored_columns).
+        return super().get_queryset(request).using(app_settings.DATABASE).defer(*_ARGUMENT_COLUMNS)
 
     @admin.display(description=_("args"))
     def args_pretty(self, message: OutboxMessage) -> SafeString:
-        """The positional arguments, as indented JSON."""
-        return format_html("<pre>{}</pre>", json.dumps(message.args, indent=2))
+        """The positional arguments, as indented JSON (or as stored)."""
+        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["args"])
 
     @admin.display(description=_("kwargs"))
     def kwargs_pretty(self, message: OutboxMessage) -> SafeString:
-        """The keyword arguments, as indented JSON."""
-        return format_html("<pre>{}</pre>", json.dumps(message.kwargs, indent=2, sort_keys=True))
+        """The keyword arguments, as indented JSON (or as stored)."""
+        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
 
     @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
