@@ -230,6 +230,8 @@ def test_an_error_whose_text_cannot_be_read_is_recorded_by_its_class():
 UNREADABLE = {
     # Deeper than Python's recursion limit; MariaDB refuses more than 31 levels itself.
     "nested-1500-deep": ("args", "[" * 1500 + "]" * 1500),
+    # Decodable, but deeper than a sender's own serializer could go again.
+    "nested-600-deep": ("kwargs", '{"a": ' + "[" * 599 + "]" * 599 + "}"),
     "a-5000-digit-number": ("args", "[" + "9" * 5000 + "]"),
     "args-not-a-list": ("args", '{"a": 1}'),
     "kwargs-not-an-object": ("kwargs", "[1, 2]"),
