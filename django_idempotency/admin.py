@@ -14,6 +14,9 @@ and content type. Responses sealed with ``ENCRYPTION_KEYS`` are shown opened.
 
 The changelist is built for tables of millions of rows: every filter is served by an
 index, the full count is never taken, and the list never loads stored response bodies.
+
+Every record and every outbox message renders, whatever its stored body, headers or
+arguments hold: they are read as stored and shown through :mod:`django_idempotency.display`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import crypto, maintenance, outbox, stats, store
+from django_idempotency import crypto, display, maintenance, outbox, stats, store
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -42,10 +45,6 @@ from django_idempotency.models import (
     RecordStatus,
     expired_q,
 )
-
-# Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); the detail page shows at
-# most this much of one, so a large body never makes the page itself huge.
-BODY_PREVIEW_BYTES = 64 * 1024
 
 #: Who may see stored response bodies and headers (they can carry personal data).
 VIEW_BODY_PERMISSION = "django_idempotency.view_response_body"
@@ -125,57 +124,31 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
 
 
-def render_body(body: bytes | memoryview | None, headers: list[list[str]]) -> SafeString:
-    """The stored body for display: indented JSON, escaped text, or the size of binary data."""
-    if body is None:
-        return format_html("<em>{}</em>", _("no response stored"))
-    data = bytes(body)
-    if not data:
-        return format_html("<em>{}</em>", _("empty body"))
-    shown = data[:BODY_PREVIEW_BYTES]
-    cut = len(data) > len(shown)
-    try:
-        text = shown.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        # Cutting the preview may split the last multi-byte character: drop that one.
-        # Anything else that is not UTF-8 is binary.
-        if not (cut and exc.start >= len(shown) - 3):
-            return _binary(data)
-        text = shown[: exc.start].decode("utf-8")
-    if "\x00" in text:
-        return _binary(data)
-    if not cut and _is_json(headers, text):
-        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=False)
-    if cut:
-        note = _("first %(shown)s of %(total)s bytes shown") % {
-            "shown": len(shown),
-            "total": len(data),
-        }
-        return format_html('<pre class="idempotency-body">{}</pre><p>{}</p>', text, note)
-    return format_html('<pre class="idempotency-body">{}</pre>', text)
-
-
-def stored_response(
-    record: IdempotencyRecord,
-) -> tuple[list[list[str]], bytes | None] | crypto.Unreadable:
-    """The record's stored headers and body, opened when sealed, or the
-    :class:`~django_idempotency.crypto.Unreadable` that says why they cannot be (kept on
-    the record: one page shows them in several fields)."""
+def stored_response(record: IdempotencyRecord) -> tuple[Any, bytes | None] | crypto.Unreadable:
+    """The record's stored headers (decoded JSON: anything, pairs when intact) and body,
+    opened when sealed, or the :class:`~django_idempotency.crypto.Unreadable` that says why
+    they cannot be. Read undecoded from the database (``display.stored_columns``), so no
+    stored value stops the page; kept on the record: one page shows it in several fields."""
     cached = getattr(record, "_stored_response", None)
     if cached is None:
+        stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
+        headers, _problem = display.read_json(stored["response_headers"])
+        body = stored["response_body"]
         try:
-            cached = crypto.open_response(record.response_headers, record.response_body)
-        except crypto.Unreadable as exc:
+            cached = crypto.open_response(headers, body)
+        except crypto.Unreadable as exc:  # a string is sealed, or damaged: as the claim sees it
             cached = exc
         record._stored_response = cached  # type: ignore[attr-defined]
-    return cached
+    return cast("tuple[Any, bytes | None] | crypto.Unreadable", cached)
 
 
 def encryption_state(record: IdempotencyRecord) -> str:
     """How the record's response is stored: in the clear, or sealed with which key."""
     if record.response_status is None:
         return "-"
-    kid = crypto.sealed_with(record.response_headers)
+    stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
+    headers, _problem = display.read_json(stored["response_headers"])
+    kid = crypto.sealed_with(headers)
     if kid is None:
         return str(_("not encrypted"))
     keys = app_settings.ENCRYPTION_KEYS
@@ -190,7 +163,7 @@ def encryption_state(record: IdempotencyRecord) -> str:
 
 
 def _with_response(
-    record: IdempotencyRecord, show: Callable[[list[list[str]], bytes | None], SafeString]
+    record: IdempotencyRecord, show: Callable[[Any, bytes | None], SafeString]
 ) -> SafeString:
     opened = stored_response(record)
     if isinstance(opened, crypto.Unreadable):
@@ -198,24 +171,26 @@ def _with_response(
     return show(*opened)
 
 
-def _headers_html(headers: list[list[str]], body: bytes | None) -> SafeString:
-    lines = "\n".join(f"{name}: {value}" for name, value in headers)
-    return format_html('<pre class="idempotency-headers">{}</pre>', lines or "-")
+def _headers_html(record: IdempotencyRecord) -> SafeString:
+    text = display.stored_columns(record, *_RESPONSE_COLUMNS)["response_headers"]
+    stored, _problem = display.read_json(text)
+    if not crypto.sealed_with(stored):  # in the clear, or no sealed value at all: as stored
+        return display.render_headers(text)
+    opened = stored_response(record)
+    if isinstance(opened, crypto.Unreadable):
+        return _unreadable(opened)
+    return display.render_headers(json.dumps(opened[0]))  # as they were answered
 
 
-def _summary_html(headers: list[list[str]], body: bytes | None) -> SafeString:
+def _summary_html(headers: Any, body: bytes | None) -> SafeString:
     if body is None:
         return format_html("<em>{}</em>", _("no response stored"))
     return format_html(
         "{} · {}<br><em>{}</em>",
         ngettext("%(size)d byte", "%(size)d bytes", len(body)) % {"size": len(body)},
-        _content_type(headers) or _("no content type"),
+        display.content_type(headers) or _("no content type"),
         _("The body and headers are shown to users with the view_response_body permission."),
     )
-
-
-def _content_type(headers: list[list[str]]) -> str:
-    return next((v for k, v in headers if k.lower() == "content-type"), "")
 
 
 def _unreadable(exc: crypto.Unreadable) -> SafeString:
@@ -223,21 +198,6 @@ def _unreadable(exc: crypto.Unreadable) -> SafeString:
         "<em>{}</em>",
         _("Cannot be read (%(why)s); the record is treated as expired.") % {"why": exc},
     )
-
-
-def _binary(data: bytes) -> SafeString:
-    return format_html("{} {}", len(data), _("bytes of binary data (not shown)"))
-
-
-def _is_json(headers: list[list[str]], text: str) -> bool:
-    media = _content_type(headers).split(";")[0].strip().lower()
-    if media and not (media == "application/json" or media.endswith("+json")):
-        return False
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 class ReadOnlyAdminMixin:
@@ -266,6 +226,9 @@ class ReadOnlyAdminMixin:
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
+
+# Read only on the detail page, in one query, undecoded.
+_RESPONSE_COLUMNS = ("response_headers", "response_body")
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[IdempotencyRecord]
@@ -368,9 +331,10 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
-        # Bodies can be a megabyte each: only the detail page reads one.
+        # Bodies can be a megabyte each, and headers anything another program wrote: only the
+        # detail page reads them, undecoded (display.stored_columns).
         return _qs(
-            super().get_queryset(request).using(app_settings.DATABASE).defer("response_body")
+            super().get_queryset(request).using(app_settings.DATABASE).defer(*_RESPONSE_COLUMNS)
         )
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
@@ -420,13 +384,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     @admin.display(description=_("response headers"))
     def response_headers_pretty(self, record: IdempotencyRecord) -> SafeString:
-        """The stored headers, one per line."""
-        return _with_response(record, _headers_html)
+        """The stored headers, one per line (or as stored, when they are not pairs)."""
+        return _headers_html(record)
 
     @admin.display(description=_("response body"))
     def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored body: indented JSON, escaped text, or a size for binary data."""
-        return _with_response(record, lambda headers, body: render_body(body, headers))
+        return _with_response(record, lambda headers, body: display.render_body(body, headers))
 
     @admin.display(description=_("response body"))
     def response_summary(self, record: IdempotencyRecord) -> SafeString:
@@ -517,6 +481,8 @@ class TaskFilter(admin.SimpleListFilter):
         return queryset.filter(task=self.value()) if self.value() else queryset
 
 
+_ARGUMENT_COLUMNS = ("args", "kwargs")
+
 if TYPE_CHECKING:
     _OutboxAdmin = admin.ModelAdmin[OutboxMessage]
 else:
@@ -549,18 +515,19 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         return self._has_model_perm(request, "change")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
-        # Messages live on the IDEMPOTENCY database, whatever the project's routers say.
-        return super().get_queryset(request).using(app_settings.DATABASE)
+        # Messages live on the IDEMPOTENCY database, whatever the project's routers say. The
+        # arguments are read only on the detail page, undecoded (display.stored_columns).
+        return super().get_queryset(request).using(app_settings.DATABASE).defer(*_ARGUMENT_COLUMNS)
 
     @admin.display(description=_("args"))
     def args_pretty(self, message: OutboxMessage) -> SafeString:
-        """The positional arguments, as indented JSON."""
-        return format_html("<pre>{}</pre>", json.dumps(message.args, indent=2))
+        """The positional arguments, as indented JSON (or as stored)."""
+        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["args"])
 
     @admin.display(description=_("kwargs"))
     def kwargs_pretty(self, message: OutboxMessage) -> SafeString:
-        """The keyword arguments, as indented JSON."""
-        return format_html("<pre>{}</pre>", json.dumps(message.kwargs, indent=2, sort_keys=True))
+        """The keyword arguments, as indented JSON (or as stored)."""
+        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
 
     @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:

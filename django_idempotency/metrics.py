@@ -70,6 +70,10 @@ outbox_relayed = Counter(
     "Outbox messages handled by the relay: outcome=sent, failed (retried later) or dead.",
     ["outcome"],
 )
+outbox_relay_errors = Counter(
+    "django_idempotency_outbox_relay_errors",
+    "Unexpected errors the outbox relay met (not failed sends): the batch in hand rolled back.",
+)
 
 
 def _read_database(read: Callable[[], float | None], what: str) -> float:
@@ -205,3 +209,8 @@ def _purged(**kwargs: Any) -> None:
 def _outbox_relayed(**kwargs: Any) -> None:
     for outcome in ("sent", "failed", "dead"):
         outbox_relayed.labels(outcome).inc(int(kwargs.get(outcome) or 0))
+
+
+@receiver(signals.outbox_relay_failed, dispatch_uid="django_idempotency.metrics.relay_failed")
+def _outbox_relay_failed(**kwargs: Any) -> None:
+    outbox_relay_errors.inc()

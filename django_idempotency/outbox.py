@@ -16,38 +16,41 @@ message id is the task id, so a consumer under ``@idempotent_task()`` runs once.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections, transaction
-from django.db.models import QuerySet
+from django.db import connections, transaction
+from django.db.models import QuerySet, TextField
+from django.db.models.functions import Cast
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, storable, wakeup
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
+from django_idempotency.wakeup import CHANNEL, Stop
 
 logger = logging.getLogger("django_idempotency")
-
-# The PostgreSQL channel that enqueue() notifies and a waiting relay listens on.
-CHANNEL = "django_idempotency_outbox"
 
 # The longest stored error text of a failed send.
 MAX_ERROR_CHARS = 2000
 
-# A waiting relay looks at its stop flag at least this often, in seconds.
-STOP_CHECK_SECONDS = 0.2
+# After an unexpected error a long-running relay pauses this long before it tries again,
+# doubling after each further error in a row, up to the longest pause (seconds).
+ERROR_PAUSE_SECONDS = 1.0
+ERROR_PAUSE_MAX_SECONDS = 30.0
+
+# Stored arguments nested deeper than this are not handed to a sender: only another program
+# can have written them (enqueue allows storable.MAX_DEPTH levels), and a sender's own
+# serializer would exhaust Python's recursion limit on them.
+MAX_READ_DEPTH = 500
 
 Sender = Callable[[OutboxMessage], object]
-Stop = Callable[[], bool]
 
 
 class Undeliverable(Exception):
@@ -61,6 +64,13 @@ class UnknownTask(Undeliverable):
     """The message names a task that the sender does not know."""
 
 
+class Unreadable(Undeliverable):
+    """The message's stored arguments cannot be read back: it is ``dead`` at once, unsent.
+
+    Only a program other than ``enqueue()`` can have written them.
+    """
+
+
 # -- enqueue ------------------------------------------------------------------------------------
 
 
@@ -69,6 +79,9 @@ def task_name(task: object) -> str:
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"enqueue() needs a Celery task or a task name, not {task!r}")
+    problem = storable.text_problem(name)
+    if problem is not None:
+        raise TypeError(f"a task name that {problem} cannot be stored: {name!r}")
     max_length = OutboxMessage._meta.get_field("task").max_length
     if max_length is not None and len(name) > max_length:
         raise ValueError(f"a task name has at most {max_length} characters")
@@ -79,9 +92,12 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Write one message in the current transaction of the idempotency database.
 
     ``task`` is a Celery task or its registered name; ``args`` and ``kwargs`` must be JSON
-    (``TypeError`` at once otherwise, nothing written). Outside ``transaction.atomic`` on the
-    ``DATABASE`` alias it raises ``TransactionManagementError``: a message written in
-    autocommit would be sent even if the caller's work rolled back. On PostgreSQL a
+    that every supported database stores unchanged (no NUL character, no lone surrogate,
+    integers within 64 bits, at most 31 levels of nesting); otherwise
+    ``TypeError`` before any SQL runs, nothing written, the transaction intact. Outside
+    ``transaction.atomic`` on the ``DATABASE`` alias it raises
+    ``TransactionManagementError``: a message written in autocommit would be sent even if
+    the caller's work rolled back. On PostgreSQL a
     ``NOTIFY`` in the same transaction wakes the relays when it commits. Returns the
     message id, which is also the task id the relay sends it with.
     """
@@ -93,11 +109,9 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
             f"enqueue() must run inside transaction.atomic(using={alias!r}), so that the "
             "message commits or rolls back with the work it belongs to"
         )
-    positional, named = list(args), dict(kwargs)
-    try:
-        json.dumps([positional, named], allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"the arguments of an outbox message must be JSON: {exc}") from exc
+    # Stored as JSON gives them back, so the sender hands on exactly what was checked.
+    positional = storable.json_value(list(args), "the arguments of an outbox message")
+    named = storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
     now = timezone.now()
     message = OutboxMessage.objects.using(alias).create(
         task=name, args=positional, kwargs=named, available_at=now, created_at=now
@@ -119,7 +133,8 @@ def notify(alias: str) -> None:
 
 @dataclass
 class RelayResult:
-    """What one relay run did: messages sent, failed (to be retried) and dead."""
+    """What one relay run did: messages sent, failed (to be retried) and dead, and the
+    unexpected errors a long-running relay survived."""
 
     sent: int = 0
     failed: int = 0
@@ -127,6 +142,7 @@ class RelayResult:
     batches: int = 0
     # Messages the batches took; a batch that takes fewer than its size ends a drain.
     taken: int = 0
+    errors: int = 0
 
     def add(self, other: RelayResult) -> None:
         """Add another run's figures to this one."""
@@ -135,17 +151,27 @@ class RelayResult:
         self.dead += other.dead
         self.batches += other.batches
         self.taken += other.taken
+        self.errors += other.errors
+
+
+_MICROSECOND = timedelta(microseconds=1)
 
 
 def backoff(attempts: int) -> timedelta:
     """The wait before the next send of a message that failed ``attempts`` times.
 
     ``OUTBOX_BACKOFF`` after the first failure, doubling after each further one, never more
-    than ``OUTBOX_BACKOFF_MAX``.
+    than ``OUTBOX_BACKOFF_MAX``. Capped before it is multiplied, in whole microseconds, so
+    no setting and no number of attempts overflows.
     """
-    longest = app_settings.OUTBOX_BACKOFF_MAX
-    wait: timedelta = app_settings.OUTBOX_BACKOFF * (2 ** min(max(attempts - 1, 0), 32))
-    return min(wait, longest)
+    first = app_settings.OUTBOX_BACKOFF // _MICROSECOND
+    longest = app_settings.OUTBOX_BACKOFF_MAX // _MICROSECOND
+    doublings = max(attempts - 1, 0)
+    # first is at least one microsecond: past this many doublings it exceeds any ceiling,
+    # and below it the shift stays a small number.
+    if doublings >= longest.bit_length() or first << doublings >= longest:
+        return timedelta(microseconds=longest)
+    return timedelta(microseconds=first << doublings)
 
 
 def relay_batch(
@@ -159,39 +185,101 @@ def relay_batch(
 
     The batch is locked with ``FOR UPDATE SKIP LOCKED`` (messages another relay holds are
     skipped). Without row locks (SQLite) a no-op write first takes the database's write
-    lock, so two relays still never hold the same message.
+    lock, so two relays still never hold the same message. A sender's own queries on this
+    connection run in a savepoint, so whatever a sender raises (even after a failed query)
+    is recorded on its message and the rest of the batch is sent. Sends ``outbox_relayed``.
     """
-    alias = using or app_settings.DATABASE
+    alias, send = using or app_settings.DATABASE, sender or configured_sender()
+    result = _relay_batch(alias, _batch_size(batch_size), send, now or timezone.now())
+    _relayed(result)
+    return result
+
+
+def _batch_size(batch_size: int | None) -> int:
     size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
     if size <= 0:
         raise ValueError("batch_size must be positive")
-    send = sender or configured_sender()
-    now = now or timezone.now()
+    return size
+
+
+def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
     result = RelayResult(batches=1)
     with transaction.atomic(using=alias):
-        messages = list(_due(alias, now)[:size])
-        result.taken = len(messages)
+        taken = _take(alias, now, size)
+        result.taken = len(taken)
         sent: list[uuid.UUID] = []
-        for message in messages:
-            try:
-                send(message)
-            except Exception as exc:  # a failed send is recorded, never raised
-                dead = _record_failure(alias, message, exc, now)
-                result.dead += dead
-                result.failed += not dead
-            else:
+        for message, unreadable in taken:
+            error = unreadable or _send(alias, send, message)
+            if error is None:
                 sent.append(message.id)
                 logger.info("sent outbox message %s (%s)", message.id, message.task)
+                continue
+            dead = _record_failure(alias, message, error, now)
+            result.dead += dead
+            result.failed += not dead
         if sent:
             OutboxMessage.objects.using(alias).filter(pk__in=sent).update(
                 status=OutboxStatus.SENT, sent_at=timezone.now()
             )
         result.sent = len(sent)
+    return result
+
+
+def _relayed(result: RelayResult) -> None:
     if result.taken:
         signals.outbox_relayed.send(
             sender=OutboxMessage, sent=result.sent, failed=result.failed, dead=result.dead
         )
-    return result
+
+
+def _send(alias: str, send: Sender, message: OutboxMessage) -> Exception | None:
+    """Send one message; the exception it raised, or ``None`` once it was handed over."""
+    queries = _SenderQueries(alias)
+    try:
+        with connections[alias].execute_wrapper(queries):
+            send(message)
+        queries.release()
+    except Exception as exc:  # a failed send is recorded, never raised
+        queries.roll_back()
+        return exc
+    return None
+
+
+class _SenderQueries:
+    """A savepoint taken just before a sender's first query on the relay's connection.
+
+    PostgreSQL aborts a transaction at its first failed statement: a sender whose own query
+    failed on this connection would leave the batch unable to record anything. Rolling back
+    to this savepoint undoes only that send's database work. A sender that runs no query
+    here (the Celery sender) costs no statement.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.savepoint: str | None = None
+        self.opening = False
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        if self.savepoint is None and not self.opening:
+            self.opening = True  # the SAVEPOINT statement passes through here too
+            try:
+                self.savepoint = transaction.savepoint(using=self.alias)
+            finally:
+                self.opening = False
+        return execute(sql, params, many, context)
+
+    def release(self) -> None:
+        # Raises when the sender left the transaction aborted (it caught its own error).
+        if self.savepoint is not None:
+            transaction.savepoint_commit(self.savepoint, using=self.alias)
+
+    def roll_back(self) -> None:
+        if self.savepoint is not None:
+            transaction.savepoint_rollback(self.savepoint, using=self.alias)
+            # As an inner atomic block would: the batch's transaction is usable again.
+            transaction.set_rollback(False, using=self.alias)
 
 
 def configured_sender() -> Sender:
@@ -203,6 +291,51 @@ def configured_sender() -> Sender:
             f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported ({exc}); the default sender "
             "needs Celery: pip install 'django-idempotency[celery]'"
         ) from exc
+
+
+def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unreadable | None]]:
+    """The batch, locked, each message with why its stored arguments cannot be read, if so.
+
+    The arguments are read as text and decoded here, not by the model field: one row that
+    another program wrote (JSON nested deeper than Python decodes, a number of 5,000 digits)
+    must not make the whole batch, and every batch after it, fail to load.
+    """
+    rows = (
+        _due(alias, now)
+        .defer("args", "kwargs")
+        .annotate(
+            stored_args=Cast("args", output_field=TextField()),
+            stored_kwargs=Cast("kwargs", output_field=TextField()),
+        )[:size]
+    )
+    taken: list[tuple[OutboxMessage, Unreadable | None]] = []
+    for message in rows:
+        stored = vars(message)
+        try:
+            message.args = _stored_arguments(stored.pop("stored_args"), "args", list)
+            message.kwargs = _stored_arguments(stored.pop("stored_kwargs"), "kwargs", dict)
+        except Unreadable as exc:
+            taken.append((message, exc))
+        else:
+            taken.append((message, None))
+    return taken
+
+
+def _stored_arguments(text: str | None, column: str, kind: type[Any]) -> Any:
+    what = "a JSON list" if kind is list else "a JSON object"
+    try:
+        value = storable.read_json(text if text is not None else "null")
+    except ValueError as exc:
+        raise Unreadable(f"the stored {column} cannot be decoded: {exc}") from None
+    if not isinstance(value, kind):
+        raise Unreadable(f"the stored {column} are not {what}")
+    # Each level takes two characters at least: short texts need no walk.
+    deep = len(text or "") > 2 * MAX_READ_DEPTH and storable.nested_deeper_than(
+        value, MAX_READ_DEPTH
+    )
+    if deep:
+        raise Unreadable(f"the stored {column} are nested more than {MAX_READ_DEPTH} levels deep")
+    return value
 
 
 def _due(alias: str, now: datetime) -> QuerySet[OutboxMessage]:
@@ -226,11 +359,25 @@ def _due(alias: str, now: datetime) -> QuerySet[OutboxMessage]:
     return due
 
 
+def error_text(exc: BaseException) -> str:
+    """``"ExceptionClass: message"``, fit for any text column, at most ``MAX_ERROR_CHARS``.
+
+    NUL characters and lone surrogates are escaped; an exception whose ``str()`` raises is
+    named by its class.
+    """
+    name = type(exc).__name__
+    try:
+        text = f"{name}: {exc}"
+    except Exception:
+        text = f"{name} (its text could not be read)"
+    return storable.storable_text(text)[:MAX_ERROR_CHARS]
+
+
 def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: datetime) -> bool:
     """Count a failed send; True when the message is now dead."""
     attempts = message.attempts + 1
     dead = isinstance(exc, Undeliverable) or attempts >= app_settings.OUTBOX_MAX_ATTEMPTS
-    error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+    error = error_text(exc)
     fields: dict[str, Any] = {"attempts": attempts, "last_error": error}
     if dead:
         fields["status"] = OutboxStatus.DEAD
@@ -266,15 +413,23 @@ def drain(
     Messages that fail are due again only after their backoff, so a drain always ends.
     ``stop()`` is asked between batches.
     """
-    size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
-    send = sender or configured_sender()
     total = RelayResult()
+    _drain(total, using or app_settings.DATABASE, batch_size, sender or configured_sender(), stop)
+    return total
+
+
+def _drain(
+    total: RelayResult, alias: str, batch_size: int | None, send: Sender, stop: Stop | None
+) -> None:
+    # Each batch's figures are added as soon as it committed, before its signal is sent:
+    # whatever is raised after that, the caller's total keeps them.
+    size = _batch_size(batch_size)
     while stop is None or not stop():
-        batch = relay_batch(using=using, batch_size=size, sender=send)
+        batch = _relay_batch(alias, size, send, timezone.now())
         total.add(batch)
+        _relayed(batch)
         if batch.taken < size:
             break
-    return total
 
 
 def relay(
@@ -292,14 +447,22 @@ def relay(
     ``once``: drain what is due and return. Otherwise drain, then wait for a ``NOTIFY``
     (PostgreSQL, ``listen``) or for ``poll_interval`` seconds (``OUTBOX_POLL_INTERVAL``),
     whichever comes first, and drain again, until ``stop()`` answers true; the batch in hand
-    is always finished first. A failed send never raises: it is counted and recorded. A
-    database error is logged and the relay tries again after the poll interval (with
-    ``once`` it raises).
+    is always finished first. A failed send never raises: it is counted and recorded. Any
+    other error (the database, a signal receiver, anything) is counted (``errors``, the
+    ``outbox_relay_failed`` signal); a long-running relay logs it, pauses (1 s, doubling
+    while errors follow each other, at most 30 s) and goes on, while with ``once`` it
+    raises. The batch in hand when it happened rolled back: its messages are sent later.
     """
     alias = using or app_settings.DATABASE
     send = sender or configured_sender()
     if once:
-        return drain(using=alias, batch_size=batch_size, sender=send, stop=stop)
+        total = RelayResult()
+        try:
+            _drain(total, alias, batch_size, send, stop)
+        except Exception as exc:
+            _failed(exc)
+            raise
+        return total
     should_stop: Stop = stop or (lambda: False)
     interval = (
         poll_interval
@@ -307,104 +470,45 @@ def relay(
         else app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
     )
     total = RelayResult()
-    connection = connections[alias]
-    with _listener(alias, listen) as wait:
+    in_a_row = 0
+    with wakeup.listener(alias, listen) as wait:
         while not should_stop():
-            # A long-running relay has no request cycle to recycle its connection: after a
-            # database error or past CONN_MAX_AGE it is closed here and opened afresh.
-            connection.close_if_unusable_or_obsolete()
             try:
-                total.add(drain(using=alias, batch_size=batch_size, sender=send, stop=should_stop))
-            except DatabaseError:
-                # The batch rolled back: its messages are still pending and are sent later.
-                logger.exception("the outbox relay could not read or record a batch")
-                connection.close()
-            wait(interval, should_stop)
+                # A long-running relay has no request cycle to recycle its connection: after
+                # an error or past CONN_MAX_AGE it is closed here and opened afresh.
+                connections[alias].close_if_unusable_or_obsolete()
+                _drain(total, alias, batch_size, send, should_stop)
+                wait(interval, should_stop)
+            except Exception as exc:
+                in_a_row += 1
+                total.errors += 1
+                logger.exception(
+                    "the outbox relay hit an unexpected error (%s in a row); the batch in "
+                    "hand rolled back and its messages are sent later",
+                    in_a_row,
+                )
+                _failed(exc)
+                with contextlib.suppress(Exception):
+                    connections[alias].close()
+                wakeup.sleep(_error_pause(in_a_row), should_stop)
+            else:
+                in_a_row = 0
     return total
 
 
-Wait = Callable[[float, Stop], None]
+def _error_pause(in_a_row: int) -> float:
+    doublings = min(in_a_row - 1, 8)  # 2**8 s is past the longest pause already
+    pause: float = ERROR_PAUSE_SECONDS * 2**doublings
+    return min(pause, ERROR_PAUSE_MAX_SECONDS)
 
 
-@contextlib.contextmanager
-def _listener(alias: str, listen: bool) -> Iterator[Wait]:
-    """A wait that a ``NOTIFY`` cuts short, on a dedicated connection (PostgreSQL)."""
-    connection = connections[alias]
-    if not listen or connection.vendor != "postgresql":
-        yield _sleep
-        return
-    listener = _Listener(alias)
-    try:
-        yield listener.wait
-    finally:
-        listener.close()
-
-
-def _sleep(seconds: float, stop: Stop) -> None:
-    deadline = time.monotonic() + seconds
-    while not stop():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(left, STOP_CHECK_SECONDS))
-
-
-class _Listener:
-    """``LISTEN`` on a connection of its own (psycopg 3), opened again after a failure.
-
-    The Django connection cannot listen: it may sit in a transaction, and notifications are
-    delivered between transactions only. Whatever goes wrong here, the relay falls back to
-    polling, so a lost notification costs at most one poll interval.
-    """
-
-    def __init__(self, alias: str) -> None:
-        self.alias = alias
-        self.connection: Any = None
-
-    def _connect(self) -> Any:
-        if self.connection is not None:
-            return self.connection
-        try:
-            import psycopg
-        except ImportError:
-            return None
-        django_connection = connections[self.alias]
-        try:
-            params = django_connection.get_connection_params()
-            params.pop("cursor_factory", None)
-            self.connection = psycopg.connect(**params, autocommit=True)
-            self.connection.execute(f"LISTEN {CHANNEL}")
-        except (psycopg.Error, TypeError) as exc:
-            logger.warning("the outbox relay cannot listen (%s); polling only", exc)
-            self.close()
-        return self.connection
-
-    def wait(self, seconds: float, stop: Stop) -> None:
-        connection = self._connect()
-        if connection is None:
-            _sleep(seconds, stop)
-            return
-        import psycopg
-
-        deadline = time.monotonic() + seconds
-        try:
-            while not stop():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                # One notification is enough: the drain that follows reads everything due.
-                wait = min(left, STOP_CHECK_SECONDS)
-                for _notify in connection.notifies(timeout=wait, stop_after=1):
-                    return
-        except psycopg.Error as exc:
-            logger.warning("the outbox relay lost its listening connection: %s", exc)
-            self.close()
-
-    def close(self) -> None:
-        if self.connection is not None:
-            with contextlib.suppress(Exception):
-                self.connection.close()
-        self.connection = None
+def _failed(exc: Exception) -> None:
+    # Sent robustly: a receiver that raises here must not end the relay it reports on.
+    for _receiver, response in signals.outbox_relay_failed.send_robust(
+        sender=OutboxMessage, error=exc
+    ):
+        if isinstance(response, Exception):
+            logger.warning("a receiver of outbox_relay_failed raised: %s", error_text(response))
 
 
 # -- operator actions ---------------------------------------------------------------------------

@@ -39,3 +39,9 @@ records_purged = Signal()
 outbox_relayed = Signal()
 """The outbox relay finished a batch (sent with sender=OutboxMessage). Arguments: sent, failed (to
 be retried after a backoff), dead (given up on); all counts."""
+
+outbox_relay_failed = Signal()
+"""The outbox relay hit an unexpected error, anything but a failed send (sent with
+sender=OutboxMessage): the batch in hand rolled back and its messages are sent later; a
+long-running relay goes on after a pause, ``relay_outbox --once`` and the Celery task raise it.
+Arguments: error (the exception)."""

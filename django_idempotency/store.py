@@ -87,14 +87,22 @@ class RecordState:
     def from_row(cls, row: tuple[Any, ...]) -> RecordState:
         values = dict(zip(_STATE_COLUMNS, row, strict=True))
         headers = values["response_headers"]
+        damaged = False
         if isinstance(headers, str):
-            headers = json.loads(headers)
+            try:
+                headers = json.loads(headers)
+            except (ValueError, RecursionError):
+                headers, damaged = None, True
         token = values["lease_token"]
         if token is not None and not isinstance(token, uuid.UUID):
             token = uuid.UUID(str(token))
         body = values["response_body"]
         if isinstance(headers, str):  # sealed (django_idempotency.crypto)
             headers, body, values["unreadable"] = crypto.opened(values["id"], headers, body)
+        elif damaged or not _header_pairs(headers):
+            # Stored headers that are not [name, value] pairs cannot be replayed: the record
+            # is treated like one no key opens (as expired), never answered with a 500.
+            headers, values["unreadable"] = [], values["status"] != IN_PROGRESS
         values.update(
             response_headers=headers or [],
             lease_token=token,
@@ -112,6 +120,19 @@ class RecordState:
             hash=request.request_hash,
             version=request.fingerprint_version,
         )
+
+
+def _header_pairs(headers: Any) -> bool:
+    """Whether stored headers are a list of ``[name, value]`` pairs of strings (or empty)."""
+    if headers is None:
+        return True  # a raw cursor on a NULL column: no headers stored
+    return isinstance(headers, list) and all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and isinstance(pair[1], str)
+        for pair in headers
+    )
 
 
 def _aware(value: Any) -> Any:

@@ -57,6 +57,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def finished(process: subprocess.Popen[str], timeout: float = 60) -> str:
+    """Wait for a process to end; its output. Killed (and the test failed) after ``timeout``."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=10)
+        raise AssertionError(f"the process did not end within {timeout} s") from None
+    assert process.returncode == 0, err
+    return out
+
+
 def server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     settings = connection.settings_dict
     return {

@@ -5,7 +5,9 @@
 
 The tests' Celery app is loaded first, so the Celery sender publishes to the broker that
 ``TEST_CELERY_BROKER`` names. With ``OUTBOX_GO_FILE`` set, a relay waits (30 s at most) for
-that file to exist before it starts: several relays then begin at the same moment.
+that file to exist before it starts: several relays then begin at the same moment. With
+``OUTBOX_FAULT_FILE`` set, a receiver of ``outbox_relayed`` raises after a batch whenever that
+file exists (and removes it, so it raises once per file): a fault in the relay's own process.
 """
 
 from __future__ import annotations
@@ -20,9 +22,30 @@ from pathlib import Path
 import django
 
 
+class InjectedFault(Exception):
+    """Raised by the relay's faulty receiver: nothing the relay could foresee."""
+
+
+def connect_fault(path: Path) -> None:
+    from django_idempotency import signals
+
+    def faulty_receiver(**kwargs: object) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        raise InjectedFault("a receiver of outbox_relayed failed")
+
+    signals.outbox_relayed.connect(faulty_receiver, weak=False)
+
+
 def relay(settings: str, arguments: list[str]) -> None:
     from django.core.management import call_command
     from django.test import override_settings
+
+    fault = os.environ.get("OUTBOX_FAULT_FILE")
+    if fault:
+        connect_fault(Path(fault))
 
     go = os.environ.get("OUTBOX_GO_FILE")
     if go:

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.utils.html import escape
 
 from django_idempotency import admin as records_admin
-from django_idempotency import store
+from django_idempotency import display, store
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
 
@@ -324,11 +324,11 @@ def test_detail_shows_json_text_as_text_when_not_served_as_json(admin_client):
 
 
 def test_detail_cuts_a_large_body(admin_client):
-    body = b"x" * (records_admin.BODY_PREVIEW_BYTES + 10)
+    body = b"x" * (display.BODY_PREVIEW_BYTES + 10)
     record = make(response_body=body, response_headers=[["Content-Type", "text/plain"]])
     html = admin_client.get(detail_url(record)).content.decode()
-    assert f"first {records_admin.BODY_PREVIEW_BYTES} of {len(body)} bytes shown" in html
-    assert "x" * (records_admin.BODY_PREVIEW_BYTES + 1) not in html
+    assert f"first {display.BODY_PREVIEW_BYTES} of {len(body)} bytes shown" in html
+    assert "x" * (display.BODY_PREVIEW_BYTES + 1) not in html
 
 
 def test_detail_of_an_in_progress_record(admin_client):
@@ -360,14 +360,14 @@ def test_no_add_and_no_delete(admin_client):
 
 
 def test_render_body_handles_a_cut_inside_a_character():
-    body = b"a" * (records_admin.BODY_PREVIEW_BYTES - 1) + "é".encode() + b"tail"
-    html = str(records_admin.render_body(body, [["Content-Type", "text/plain"]]))
+    body = b"a" * (display.BODY_PREVIEW_BYTES - 1) + "é".encode() + b"tail"
+    html = str(display.render_body(body, [["Content-Type", "text/plain"]]))
     assert "bytes of binary data" not in html
     assert "bytes shown" in html
 
 
 def test_render_body_of_an_empty_body():
-    assert "empty body" in str(records_admin.render_body(b"", []))
+    assert "empty body" in str(display.render_body(b"", []))
 
 
 # -- actions ----------------------------------------------------------------------------

@@ -333,7 +333,8 @@ def test_autocommit_turned_off_is_a_callers_transaction_too():
 def test_an_eager_task_inside_a_protected_operation_claims_on_its_own():
     with transaction.atomic():
         outcome = txn_views.task_fail.apply(args=("t-1", ""))
-    assert outcome.result["seen"] is True
+    result: Any = outcome.result
+    assert result["seen"] is True
     assert IdempotencyRecord.objects.get(key="t-1").status == RecordStatus.COMPLETED
     assert ProviderCall.objects.count() == 1
 

@@ -8,7 +8,6 @@ a relay is counted by the senders of ``tests.testapp.outbox``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from django_idempotency import outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
 from tests import celery_app
 from tests.conftest import postgres_only
-from tests.live import ROOT, free_port, server_env
+from tests.live import ROOT, finished, free_port, server_env
 from tests.test_tasks import (  # noqa: F401  (run_queue and clean_queue are fixtures)
     celery_worker,
     clean_queue,
@@ -85,18 +84,6 @@ def relay_process(
         text=True,
         start_new_session=True,
     )
-
-
-def finished(process: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
-    """Wait for a process to end; its output. Killed (and the test failed) after ``timeout``."""
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate(timeout=10)
-        raise AssertionError(f"the process did not end within {timeout} s") from None
-    assert process.returncode == 0, err
-    return out
 
 
 def summary(out: str) -> tuple[int, int, int]:

@@ -8,11 +8,12 @@ write lock, it is written in the relay's own transaction instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_idempotency.models import OutboxMessage
 from django_idempotency.outbox import Undeliverable
@@ -20,6 +21,40 @@ from tests.testapp.models import ProviderCall
 
 BROKEN = "tests.broken"
 UNDELIVERABLE = "tests.undeliverable"
+# Its send runs a failing query on the relay's connection, catches the error and returns.
+SWALLOWS_QUERY_ERROR = "tests.swallows_query_error"
+
+
+class UnprintableError(Exception):
+    """An exception whose text cannot even be read: ``str()`` of it raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def _failed_query() -> None:
+    # A statement that fails on the relay's own connection, inside its batch transaction:
+    # on PostgreSQL it aborts that transaction unless something rolls it back.
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT * FROM no_such_table_for_the_outbox")
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+# Task names whose send fails in an unusual way (the sender ``record`` raises for them).
+FAILURES = {
+    "tests.fails.nul_in_error": lambda: _raise(
+        ConnectionError("the broker said \x00 then \ud800 then \U0001f600")
+    ),
+    "tests.fails.unprintable_error": lambda: _raise(UnprintableError()),
+    "tests.fails.key_error": lambda: _raise(KeyError("topic")),
+    "tests.fails.recursion_error": lambda: _raise(RecursionError("maximum recursion depth")),
+    "tests.fails.overflow_error": lambda: _raise(OverflowError("int too large")),
+    "tests.fails.failed_query": _failed_query,
+    "tests.fails.long_error": lambda: _raise(ConnectionError("x" * 100_000)),
+}
 
 
 def count_send(message: OutboxMessage) -> None:
@@ -33,11 +68,17 @@ def sends(message_id: object) -> int:
 
 
 def record(message: OutboxMessage) -> None:
-    """Send nowhere; count the send. ``tests.broken`` fails; ``tests.undeliverable`` for good."""
+    """Send nowhere; count the send. ``tests.broken`` fails; ``tests.undeliverable`` for good;
+    the tasks of ``FAILURES`` fail in their own ways."""
     if message.task == BROKEN:
         raise ConnectionError("the broker is down")
     if message.task == UNDELIVERABLE:
         raise Undeliverable("no such topic")
+    if message.task in FAILURES:
+        FAILURES[message.task]()
+    if message.task == SWALLOWS_QUERY_ERROR:
+        with contextlib.suppress(DatabaseError):
+            _failed_query()
     count_send(message)
 
 

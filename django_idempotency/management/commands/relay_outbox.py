@@ -85,8 +85,12 @@ class Command(BaseCommand):
 
     @staticmethod
     def summary(result: outbox.RelayResult) -> str:
-        """The final line: sent, failed (retried later) and dead messages."""
-        return (
+        """The final line: sent, failed (retried later) and dead messages, and the unexpected
+        errors the relay went on after (logged), if any."""
+        line = (
             f"Sent {result.sent} outbox messages; {result.failed} failed (to be retried), "
-            f"{result.dead} dead."
+            f"{result.dead} dead"
         )
+        if result.errors:
+            line += f"; {result.errors} error{'' if result.errors == 1 else 's'}"
+        return line + "."

@@ -1,0 +1,119 @@
+"""What every supported database stores and gives back unchanged, and reading back what it holds.
+
+The same value must be storable everywhere (PostgreSQL's ``jsonb``, MariaDB's and MySQL's
+JSON, SQLite's JSON text) or refused everywhere, before any SQL runs: a statement the
+database refuses would abort the caller's transaction on PostgreSQL. The limits:
+
+- no NUL character (``jsonb`` and PostgreSQL's text columns refuse it) and no lone surrogate
+  (neither ``jsonb`` nor MariaDB's JSON validation takes one), in any string or key;
+- integers from ``-2**63`` to ``2**64 - 1`` (MySQL's JSON turns larger ones into floats);
+- no ``NaN`` or infinity (not JSON);
+- at most :data:`MAX_DEPTH` levels of nesting (MariaDB refuses a 32nd level).
+
+Stored JSON is read back with :func:`read_json`, which never raises anything but
+``ValueError``: another program may have written what this package would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+# MariaDB's JSON columns refuse a document nested 32 levels deep; the list of a message's
+# arguments (or the dict of its keyword arguments) is the first level.
+MAX_DEPTH = 31
+# The integers MySQL's JSON keeps as integers: signed and unsigned 64-bit.
+MIN_JSON_INT = -(2**63)
+MAX_JSON_INT = 2**64 - 1
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_problem(text: str) -> str | None:
+    """Why no database column can hold ``text``, or ``None`` when every one can."""
+    if "\x00" in text:
+        return "holds a NUL character"
+    if _LONE_SURROGATE.search(text):
+        return "holds a lone surrogate (half of a UTF-16 pair)"
+    return None
+
+
+def storable_text(text: str) -> str:
+    """``text`` with its NUL characters and lone surrogates written as escapes (``\\x00``,
+    ``\\ud800``): fit for any text column and for an HTML page, readable by a person."""
+    text = text.replace("\x00", "\\x00")
+    return _LONE_SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+
+
+def json_value(value: Any, what: str) -> Any:
+    """``value`` as every database stores it and JSON gives it back (tuples become lists,
+    keys become strings), checked against the limits of this module.
+
+    Raises ``TypeError`` naming ``what`` when it is not JSON or not storable everywhere;
+    never touches the database.
+    """
+    try:
+        text = json.dumps(value, allow_nan=False)
+        decoded = json.loads(text)
+    except RecursionError:
+        raise TypeError(
+            f"{what} are nested too deeply for a JSON column (at most {MAX_DEPTH} levels)"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} must be JSON: {exc}") from exc
+    problem = _unstorable(decoded)
+    if problem is not None:
+        raise TypeError(f"{what} cannot be stored in a JSON column: {problem}")
+    return decoded
+
+
+def _unstorable(value: Any) -> str | None:
+    # Iterative, so that no depth of nesting can exhaust the stack here.
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            problem = text_problem(item)
+            if problem is not None:
+                return f"a string {problem}"
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not MIN_JSON_INT <= item <= MAX_JSON_INT:
+                return (
+                    f"an integer of {item.bit_length()} bits is outside "
+                    f"{MIN_JSON_INT}..{MAX_JSON_INT} (pass it as a string)"
+                )
+        elif isinstance(item, list | dict):
+            if depth > MAX_DEPTH:
+                return f"it is nested more than {MAX_DEPTH} levels deep"
+            if isinstance(item, dict):
+                for key in item:
+                    problem = text_problem(key)
+                    if problem is not None:
+                        return f"a key {problem}"
+                pending.extend((child, depth + 1) for child in item.values())
+            else:
+                pending.extend((child, depth + 1) for child in item)
+    return None
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether decoded JSON ``value`` has lists or dicts more than ``limit`` levels deep."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, list | dict):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+    return False
+
+
+def read_json(text: str) -> Any:
+    """Stored JSON text, decoded; ``ValueError`` when it cannot be (invalid, a number of more
+    digits than Python converts, or nested deeper than Python's recursion limit)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to be decoded") from None
