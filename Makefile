@@ -32,7 +32,7 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs docs-screenshots test-mysql test-poolers test-pg16 \
+.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 \
 	soak tox example-db storm demo clean
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make lint     ruff (lint and format check) and mypy"
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
+	@echo "make docs-code  the code blocks of the docs, copied again from the tested files"
 	@echo "make docs-screenshots  the admin screenshots of the docs, taken again"
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
@@ -65,7 +66,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy django_idempotency tests example_project
+	$(BIN)/mypy django_idempotency tests example_project docs/hooks.py
 
 check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
@@ -103,6 +104,11 @@ coverage: $(STAMP)
 # The documentation site, built strictly (any warning fails) into site/.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The Python blocks of the docs pages written anew from the tested files they copy (each names
+# its source in a comment above it; tests/test_docs.py fails while one differs).
+docs-code: $(STAMP)
+	$(BIN)/python -m tests.docs_code
 
 # The admin screenshots of the docs, taken again by the real-browser test (Debian chromium).
 docs-screenshots: $(STAMP)

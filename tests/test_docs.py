@@ -18,7 +18,6 @@ import logging
 import logging.config
 import re
 import shlex
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 from django.core.management import call_command, get_commands, load_command_class
 
 from django_idempotency import conf, states
+from tests import docs_code
 from tests.test_client_guide import example  # noqa: F401  (the example project, served)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,14 +37,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 PACKAGE = ROOT / "django_idempotency"
-# Files whose sections the docs may show: the tests import and run them, mypy checks them.
-TESTED_SOURCES = (
-    "example_project/docs_examples/",
-    "example_project/payments/",
-    "example_project/client.py",
-    "example_project/recipes/",
-)
-SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$')
 SITE = "https://django-idempotency.readthedocs.io/en/latest/"
 
 
@@ -80,29 +72,16 @@ def all_blocks() -> list[Block]:
     return [block for path in pages() for block in blocks(path)]
 
 
-def section(path: str, name: str | None) -> str:
-    """What pymdownx.snippets includes for ``path:name``: the lines between the markers."""
-    text = (ROOT / path).read_text()
-    if name is None:
-        return text
-    match = re.search(
-        rf"^[ \t]*# --8<-- \[start:{name}\]\n(.*?)^[ \t]*# --8<-- \[end:{name}\]\n",
-        text,
-        re.S | re.M,
-    )
-    assert match, f"{path} has no section {name!r}"
-    return textwrap.dedent(match.group(1))
-
-
 def shown_sections() -> dict[str, str]:
+    """The code of every file the docs may show, and of every section of those files."""
     found = {}
-    for prefix in TESTED_SOURCES:
+    for prefix in docs_code.TESTED_SOURCES:
         paths = sorted(ROOT.glob(prefix + "**/*.py")) if prefix.endswith("/") else [ROOT / prefix]
         for path in paths:
             relative = str(path.relative_to(ROOT))
-            found[relative] = path.read_text()
+            found[relative] = docs_code.section(relative, None)
             for name in re.findall(r"# --8<-- \[start:([\w-]+)\]", path.read_text()):
-                found[f"{relative}:{name}"] = section(relative, name)
+                found[f"{relative}:{name}"] = docs_code.section(relative, name)
     return found
 
 
@@ -115,20 +94,65 @@ def test_every_code_block_is_of_a_tested_kind() -> None:
     assert all(block.lang for block in all_blocks())
 
 
-def test_python_blocks_of_the_site_are_snippets_of_tested_files() -> None:
-    sections = shown_sections()
-    shown = 0
-    for block in all_blocks():
-        if block.lang != "python" or block.page in {"README.md"}:
-            continue
-        for line in block.text.splitlines():
-            match = SNIPPET.match(line)
-            assert match, f"{block.page}:{block.line} is not a snippet of a tested file: {line}"
-            path, name = match.groups()
-            assert path.startswith(TESTED_SOURCES), f"{block.page}:{block.line}: {path}"
-            assert f"{path}:{name}" in sections if name else path in sections, line
-            shown += 1
-    assert shown >= 15
+def test_every_python_block_of_the_docs_copies_a_tested_file() -> None:
+    """Each block names its source (a tested file or a section of one) right above it."""
+    copied = {
+        (code.page.name, code.line)
+        for page in docs_code.pages()
+        for code in docs_code.shown_code(page)
+    }
+    on_pages = {(b.page, b.line) for b in all_blocks() if b.lang == "python"}
+    python = {(page, line) for page, line in on_pages if (DOCS / page).is_file()}
+    assert python == copied
+    assert len(copied) >= 25
+
+
+def test_the_code_shown_is_the_code_of_its_source_byte_for_byte() -> None:
+    stale = [f"{code.where} ({code.source})" for code in docs_code.out_of_sync()]
+    assert not stale, f"run `make docs-code`: these blocks are not their source's code: {stale}"
+
+
+def test_a_changed_source_is_seen_and_written_back(tmp_path: Path) -> None:
+    """The check and the writer, on a copy of a page: a block whose source moved on is
+    reported, and writing it makes it that source's code again."""
+    page = DOCS / "recovery.md"
+    (code,) = docs_code.shown_code(page)
+    copy = tmp_path / "recovery.md"
+    copy.write_text(page.read_text().replace(code.expected, code.expected + "x = 1\n"))
+    (stale,) = docs_code.shown_code(copy)
+    assert stale.shown != stale.expected
+    assert docs_code.write(copy)
+    assert copy.read_text() == page.read_text()
+    assert not docs_code.write(copy)
+
+
+def load_hooks() -> Any:
+    """``docs/hooks.py``, loaded from its file as MkDocs loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec
+    assert spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_page_shows_an_include_line_raw() -> None:
+    """GitHub shows a page as it is: no pymdownx.snippets line anywhere, and a page that is a
+    file of the repository on the site links to that file."""
+    hooks = load_hooks()
+    included = 0
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        assert not re.search(r"^\s*--8<--", text, re.M), page.name
+        for path in re.findall(r"^<!-- include: (\S+) -->$", text, re.M):
+            assert f"](../{path})" in text, f"{page.name} does not link to {path} on GitHub"
+            rendered = hooks.include_files(text, ROOT)
+            assert (ROOT / path).read_text() in rendered
+            assert f"](../{path})" not in rendered  # no link the site could not follow
+            included += 1
+    assert included == 4
 
 
 def test_python_blocks_of_the_readme_are_tested_sections_byte_for_byte() -> None:
