@@ -32,7 +32,7 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 \
+.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 test-quickstart \
 	soak tox example-db storm demo clean
 
 help:
@@ -45,6 +45,7 @@ help:
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
 	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
+	@echo "make test-quickstart  the README's quickstart in a new project, with the built wheel"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm, a webhook redelivery and the outbox relay, against a throwaway server"
@@ -158,6 +159,11 @@ test-pg16: $(BIN)/.pgserver
 SOAK_SECONDS ?= 120
 soak: $(STAMP)
 	RUN_SOAK=1 SOAK_SECONDS=$(SOAK_SECONDS) TEST_DB=postgres $(BIN)/pytest -m soak
+
+# The README's quickstart pasted into a new `django-admin startproject`, with the built wheel
+# in a venv of its own, on PostgreSQL: its curl sequence and its function views (about 1 min).
+test-quickstart: $(STAMP)
+	RUN_QUICKSTART=1 $(BIN)/pytest tests/test_quickstart.py -p no:cacheprovider
 
 $(BIN)/tox: | $(STAMP)
 	$(BIN)/python -m pip install "tox>=4.22"

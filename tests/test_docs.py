@@ -26,7 +26,7 @@ import pytest
 from django.core.management import call_command, get_commands, load_command_class
 
 from django_idempotency import conf, states
-from tests import docs_code
+from tests import docs_code, quickstart
 from tests.test_client_guide import example  # noqa: F401  (the example project, served)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,12 +155,93 @@ def test_no_page_shows_an_include_line_raw() -> None:
     assert included == 4
 
 
-def test_python_blocks_of_the_readme_are_tested_sections_byte_for_byte() -> None:
-    sections = set(shown_sections().values())
+def test_every_python_block_of_the_readme_is_a_step_of_its_quickstart() -> None:
+    """The README's Python blocks are the installation and the quickstarts, each naming the
+    file it goes into: test_quickstart.py pastes them, in order, into a new project."""
     readme = [block for block in blocks(ROOT / "README.md") if block.lang == "python"]
-    assert readme
-    for block in readme:
-        assert block.text in sections, f"README.md:{block.line} is no section of a tested file"
+    pastes = quickstart.pastes()
+    assert [block.text for block in readme] == [paste.code for paste in pastes]
+    assert {paste.path for paste in pastes} >= {
+        "mysite/settings.py",
+        "mysite/urls.py",
+        "orders/models.py",
+        "orders/views.py",
+    }
+
+
+def test_the_quickstarts_import_only_django_drf_and_the_package() -> None:
+    import sys
+
+    for paste in quickstart.pastes():
+        compile(paste.code, paste.path, "exec")
+        others = quickstart.imported_modules(paste.code) - quickstart.ALLOWED_IMPORTS
+        assert others <= sys.stdlib_module_names, f"{paste.path}: {others}"
+
+
+def test_the_quickstart_names_nothing_it_does_not_import_or_define() -> None:
+    """Every name a block uses is imported or defined by it, or, for a block added at the end
+    of a file, by what that file had before (startproject's settings define INSTALLED_APPS)."""
+    import builtins
+
+    # What startproject's settings.py defines, for the blocks added at its end.
+    known: dict[str, set[str]] = {"mysite/settings.py": {"INSTALLED_APPS"}}
+    for paste in quickstart.pastes():
+        tree = ast.parse(paste.code)
+        defined = known[paste.path] if paste.append else set()
+        known[paste.path] = defined
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+        used = {
+            node.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+        }
+        missing = used - defined - set(dir(builtins))
+        assert not missing, f"{paste.path}: {missing}"
+
+
+def test_the_readme_webhook_line_replays_a_stripe_redelivery(db: Any) -> None:
+    """The README's webhook decorator, as written, on a view that records each event: a
+    redelivery whose body changed in Stripe's bookkeeping is replayed, not refused 422."""
+    from django.http import JsonResponse
+    from django.test import RequestFactory
+
+    from django_idempotency import sources
+    from django_idempotency.decorators import idempotent
+    from example_project.recipes.models import WebhookEvent
+    from example_project.recipes.webhooks import same_delivery
+
+    (line,) = re.findall(r"^- \*\*Webhooks\*\*: `(@idempotent\(.*\))`$", README(), re.M)
+    names = {"idempotent": idempotent, "sources": sources, "same_delivery": same_delivery}
+    decorate = eval(line[1:], names)  # the decorator expression, as the README writes it
+
+    @decorate
+    def webhook(request: Any) -> Any:
+        event = json.loads(request.body)
+        WebhookEvent.objects.create(sender="stripe", event_id=event["id"], type=event["type"])
+        return JsonResponse({"received": event["id"]})
+
+    def deliver(pending: int) -> Any:
+        event = {"id": "evt_readme", "type": "charge.succeeded", "pending_webhooks": pending}
+        body = json.dumps(event)
+        return webhook(RequestFactory().post("/", body, content_type="application/json"))
+
+    first, again = deliver(2), deliver(1)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert WebhookEvent.objects.filter(event_id="evt_readme").count() == 1
+
+
+def README() -> str:
+    return (ROOT / "README.md").read_text()
 
 
 def make_targets() -> set[str]:
@@ -172,6 +253,15 @@ def extras() -> set[str]:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return set(project["optional-dependencies"])
+
+
+def installable() -> set[str]:
+    """What ``pip install`` may name: the package on PyPI, a clone of the repository, and the
+    wheel that ``python -m build`` writes there, of the version of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    wheel = f"./django-idempotency/dist/django_idempotency-{version}-py3-none-any.whl"
+    return {"django-idempotency", "./django-idempotency", wheel}
 
 
 def command_options(name: str) -> set[str]:
@@ -201,10 +291,11 @@ def check_synopsis(words: list[str]) -> None:
 
 
 def curl_lines() -> list[tuple[Block, list[str]]]:
+    """The ``curl`` lines of the docs; the README's quickstart has its own project."""
     return [
         (block, words)
         for block in all_blocks()
-        if block.lang == "sh"
+        if block.lang == "sh" and block.page != "README.md"
         for words in shell_commands(block.text)
         if words[0] == "curl"
     ]
@@ -223,7 +314,7 @@ def test_shell_blocks_name_real_targets_extras_and_commands() -> None:
             elif words[:2] == ["pip", "install"]:
                 (spec,) = words[2:]
                 name, _, rest = spec.partition("[")
-                assert name == "django-idempotency"
+                assert name in installable(), f"{block.page}:{block.line}: {name}"
                 assert set(filter(None, rest.rstrip("]").split(","))) <= known_extras, spec
             elif words[0] == "python":
                 check_synopsis(words)
