@@ -44,7 +44,7 @@ endif
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
-	@echo "make lint     ruff (lint and format check) and mypy"
+	@echo "make lint     ruff (lint and format check), mypy, yamllint and actionlint"
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
 	@echo "make docs-code  the code blocks of the docs, copied again from the tested files"
@@ -83,6 +83,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy django_idempotency tests example_project docs/hooks.py
+	$(BIN)/yamllint --strict .
+	$(BIN)/actionlint -color=false
 
 check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
