@@ -183,3 +183,30 @@ def test_the_release_workflow_publishes_a_tag_with_trusted_publishing() -> None:
     # Only the publishing job may ask for an OIDC token.
     others = [job for name, job in jobs.items() if name != "publish"]
     assert all("id-token" not in job.get("permissions", {}) for job in others)
+
+
+# --- the demo's venv ----------------------------------------------------------------------------
+
+
+def group(name: str) -> set[str]:
+    """The names of the packages of a dependency group, its included groups resolved."""
+    tomllib = pytest.importorskip("tomllib")
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]
+    names = set()
+    for item in groups[name]:
+        if isinstance(item, dict):
+            names |= group(item["include-group"])
+        else:
+            names.add(re.split(r"[\[<>=;! ]", item, maxsplit=1)[0].lower())
+    return names
+
+
+def test_the_demo_installs_nothing_of_the_test_or_docs_tooling() -> None:
+    demo = group("demo")
+    assert {"gunicorn", "celery"} <= demo
+    tooling = (group("test") | group("lint") | group("docs") | group("packaging")) - group(
+        "example"
+    )
+    assert not demo & tooling, demo & tooling
+    makefile = (ROOT / "Makefile").read_text()
+    assert '-e ".[$(EXTRAS)]" --group demo' in makefile
