@@ -3,6 +3,9 @@
 # Everything runs from a virtualenv in .venv, made with $(PYTHON) when missing. The package is
 # installed there in editable mode with all extras and the `dev` dependency group, again only
 # when pyproject.toml changed since the last install (a stamp file inside .venv remembers).
+# The example project (`make demo`, `make storm`) runs from .venv-demo instead: the package
+# with its extras and the `demo` group, nothing of the test or docs tooling. Both venvs get
+# a current pip first: `--group` needs pip 25.1 or later.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -13,6 +16,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 REPORTS := $(VENV)/reports
+EXTRAS := drf,celery,postgres,openapi,ninja,crypto
+DEMO_VENV := .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
 
 # The example project: its database (sqlite or postgres), the port of the throwaway server
 # the retry storm runs against, and where `make demo` serves in the end.
@@ -32,32 +39,42 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs docs-screenshots test-mysql test-poolers test-pg16 \
+.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 test-quickstart \
 	soak tox example-db storm demo clean
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
-	@echo "make lint     ruff (lint and format check) and mypy"
+	@echo "make lint     ruff (lint and format check), mypy, yamllint and actionlint"
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
+	@echo "make docs-code  the code blocks of the docs, copied again from the tested files"
 	@echo "make docs-screenshots  the admin screenshots of the docs, taken again"
 	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
 	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
+	@echo "make test-quickstart  the README's quickstart in a new project, with the built wheel"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
 	@echo "make storm    the example project's retry storm, a webhook redelivery and the outbox relay, against a throwaway server"
 	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/ and its outbox relay"
 	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
 	@echo "make bench-scale  the table at 10k, 1M and 10M records and a purge beside traffic"
-	@echo "make clean    remove .venv, .tox, build output and the example database"
+	@echo "make clean    remove .venv, .venv-demo, .tox, build output and the example database"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[drf,celery,postgres,openapi,ninja,crypto]" --group dev
+	$(BIN)/python -m pip install -e ".[$(EXTRAS)]" --group dev
+	touch $@
+
+$(DEMO_BIN)/python:
+	$(PYTHON) -m venv $(DEMO_VENV)
+
+$(DEMO_STAMP): pyproject.toml | $(DEMO_BIN)/python
+	$(DEMO_BIN)/python -m pip install --quiet --upgrade pip
+	$(DEMO_BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]" --group demo
 	touch $@
 
 install: $(STAMP)
@@ -65,7 +82,9 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy django_idempotency tests example_project
+	$(BIN)/mypy django_idempotency tests example_project docs/hooks.py
+	$(BIN)/yamllint --strict .
+	$(BIN)/actionlint -color=false
 
 check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
@@ -103,6 +122,11 @@ coverage: $(STAMP)
 # The documentation site, built strictly (any warning fails) into site/.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The Python blocks of the docs pages written anew from the tested files they copy (each names
+# its source in a comment above it; tests/test_docs.py fails while one differs).
+docs-code: $(STAMP)
+	$(BIN)/python -m tests.docs_code
 
 # The admin screenshots of the docs, taken again by the real-browser test (Debian chromium).
 docs-screenshots: $(STAMP)
@@ -155,6 +179,11 @@ SOAK_SECONDS ?= 120
 soak: $(STAMP)
 	RUN_SOAK=1 SOAK_SECONDS=$(SOAK_SECONDS) TEST_DB=postgres $(BIN)/pytest -m soak
 
+# The README's quickstart pasted into a new `django-admin startproject`, with the built wheel
+# in a venv of its own, on PostgreSQL: its curl sequence and its function views (about 1 min).
+test-quickstart: $(STAMP)
+	RUN_QUICKSTART=1 $(BIN)/pytest tests/test_quickstart.py -p no:cacheprovider
+
 $(BIN)/tox: | $(STAMP)
 	$(BIN)/python -m pip install "tox>=4.22"
 
@@ -163,32 +192,34 @@ tox: $(BIN)/tox
 
 # --- the example project ------------------------------------------------------------------
 
-example-db: $(STAMP)
+example-db: $(DEMO_STAMP)
 ifeq ($(EXAMPLE_DB),postgres)
 	@psql -h 127.0.0.1 -U postgres -tAc \
 		"SELECT 1 FROM pg_database WHERE datname = '$(EXAMPLE_PGDATABASE)'" | grep -q 1 \
 		|| createdb -h 127.0.0.1 -U postgres $(EXAMPLE_PGDATABASE)
 endif
-	$(BIN)/python manage.py makemigrations --check --dry-run
-	$(BIN)/python manage.py migrate
-	$(BIN)/python manage.py ensure_demo_user --username demo --password demo
+	$(DEMO_BIN)/python manage.py makemigrations --check --dry-run
+	$(DEMO_BIN)/python manage.py migrate
+	$(DEMO_BIN)/python manage.py ensure_demo_user --username demo --password demo
 
 # A threaded development server in the background, the storm against it, then a Stripe
 # webhook delivered twice (the retry answered from the record); the server is stopped
 # whatever the outcome, and the target fails when either step found a problem.
 storm: example-db
-	@$(BIN)/python manage.py runserver --noreload 127.0.0.1:$(STORM_PORT) \
-		> $(VENV)/storm-server.log 2>&1 & \
+	@$(DEMO_BIN)/python manage.py runserver --noreload 127.0.0.1:$(STORM_PORT) \
+		> $(DEMO_VENV)/storm-server.log 2>&1 & \
 	server=$$!; \
 	trap 'kill $$server 2>/dev/null || true' EXIT; \
-	$(BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
+	$(DEMO_BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
 		--user demo --password demo; \
-	$(BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT)
+	$(DEMO_BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT)
 	@echo "==> The storm's receipt, sent from the outbox by the relay:"
-	$(BIN)/python manage.py relay_outbox --once
+	@out=$$($(DEMO_BIN)/python manage.py relay_outbox --once); echo "$$out"; \
+	[[ "$$(tail -n 1 <<< "$$out")" =~ ^Sent\ [1-9][0-9]*\ .*\ 0\ failed.*\ 0\ dead\.$$ ]] \
+		|| { echo "the relay did not send the storm's receipt" >&2; exit 1; }
 
 demo: storm
-	@key=$$($(BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
+	@key=$$($(DEMO_BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
 	echo "The example API is starting on http://$(DEMO_ADDR)/ (admin: /admin/, demo/demo)."; \
 	echo "Create a charge; run the same line again to get the replay:"; \
 	echo; \
@@ -200,17 +231,17 @@ demo: storm
 	echo "(Swagger UI: http://$(DEMO_ADDR)/ninja/docs; DRF's: http://$(DEMO_ADDR)/api/docs/)."; \
 	echo "Deliver a signed Stripe event twice to /webhooks/stripe/ (the retry is replayed):"; \
 	echo; \
-	echo "  .venv/bin/python -m example_project.demo_webhook --url http://$(DEMO_ADDR)"; \
+	echo "  $(DEMO_BIN)/python -m example_project.demo_webhook --url http://$(DEMO_ADDR)"; \
 	echo; \
 	echo "The outbox relay runs beside the server: each receipt it sends is printed here."; \
 	echo
-	@$(BIN)/python manage.py relay_outbox & \
+	@$(DEMO_BIN)/python manage.py relay_outbox & \
 	relay=$$!; \
 	trap 'kill $$relay 2>/dev/null || true' EXIT; \
-	$(BIN)/python manage.py runserver $(DEMO_ADDR)
+	$(DEMO_BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:
-	rm -rf $(VENV) .tox build dist site *.egg-info example_project/db.sqlite3*
+	rm -rf $(VENV) $(DEMO_VENV) .tox build dist site *.egg-info example_project/db.sqlite3*
 
 # --- benchmarks ---------------------------------------------------------------------------
 

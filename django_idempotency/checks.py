@@ -7,7 +7,7 @@ a value that cannot be validated is reported as an Error of its entry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.conf import settings
@@ -20,6 +20,10 @@ def _warning(n: int, msg: str, hint: str) -> Warning:
     return Warning(msg, hint=hint, id=f"{conf.CHECK_PREFIX}W{n:03d}")
 
 
+def _error(n: int, msg: str, hint: str) -> Error:
+    return Error(msg, hint=hint, id=conf.check_id(n))
+
+
 @register(Tags.compatibility)
 def check_settings(**kwargs: Any) -> list[CheckMessage]:
     """Validate ``IDEMPOTENCY`` and its interplay with ``DATABASES``."""
@@ -28,6 +32,32 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     if "DATABASE" in values:
         messages += _check_database(values["DATABASE"])
     return messages
+
+
+@register(Tags.compatibility)
+def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
+    """The outbox's sender can be imported: the default one needs Celery (E037).
+
+    Not a wrong value of the setting, so requests are not refused over it, and a project
+    that never calls ``enqueue()`` may silence it (``SILENCED_SYSTEM_CHECKS``).
+    """
+    raw = getattr(settings, "IDEMPOTENCY", {})
+    if not isinstance(raw, Mapping):  # E001, reported by check_settings
+        return []
+    if not conf.sender_lacks_celery(raw.get("OUTBOX_SENDER", conf.DEFAULT_OUTBOX_SENDER)):
+        return []
+    return [
+        _error(
+            37,
+            "IDEMPOTENCY['OUTBOX_SENDER'] is the Celery sender (the default), but Celery is "
+            "not installed: relay_outbox cannot send the outbox's messages.",
+            hint=(
+                "Install Celery (pip install 'django-idempotency[celery]'), or set "
+                "IDEMPOTENCY['OUTBOX_SENDER'] to a sender of your own. A project that never "
+                "calls enqueue() can add 'django_idempotency.E037' to SILENCED_SYSTEM_CHECKS."
+            ),
+        )
+    ]
 
 
 def _check_database(alias: str) -> Iterable[CheckMessage]:

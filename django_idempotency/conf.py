@@ -118,10 +118,21 @@ SETTINGS: tuple[Setting, ...] = (
 DEFAULT_OUTBOX_SENDER = "django_idempotency.celery_sender.send"
 
 
+def sender_lacks_celery(value: Any) -> bool:
+    """Whether ``value`` is the default sender, Celery's, and Celery is not installed."""
+    if value != DEFAULT_OUTBOX_SENDER:
+        return False
+    try:
+        return importlib.util.find_spec("celery") is None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        return True
+
+
 def _outbox_sender(value: Any) -> str | Callable[..., Any]:
-    # The outbox is optional: without Celery the default sender is never imported here, and
-    # relay_outbox says so if it is run (outbox.configured_sender).
-    if value == DEFAULT_OUTBOX_SENDER and importlib.util.find_spec("celery") is None:
+    # Without Celery the default sender is never imported here: the settings stay valid for
+    # the requests, `check` reports it (E037, checks.py), and relay_outbox refuses to start
+    # (outbox.configured_sender).
+    if sender_lacks_celery(value):
         return DEFAULT_OUTBOX_SENDER
     return validation.callable_ref(value)
 

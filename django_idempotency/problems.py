@@ -43,8 +43,10 @@ class Problem:
         return response
 
 
-KEY_MISSING = Problem("idempotency_key_missing", 400, "Idempotency-Key header required")
-KEY_INVALID = Problem("idempotency_key_invalid", 400, "Invalid Idempotency-Key header")
+# The titles name no header: the key may come from another header, the JSON body or a form
+# field (django_idempotency.sources); the detail says which.
+KEY_MISSING = Problem("idempotency_key_missing", 400, "Idempotency key required")
+KEY_INVALID = Problem("idempotency_key_invalid", 400, "Invalid idempotency key")
 ACCOUNT_MISSING = Problem(
     "idempotency_account_missing", 403, "Idempotency keys need an identified caller"
 )

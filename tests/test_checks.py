@@ -12,7 +12,7 @@ from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.test import override_settings
 
-from django_idempotency.checks import check_settings
+from django_idempotency.checks import check_outbox_sender, check_settings
 
 
 def messages(**idempotency):
@@ -224,6 +224,50 @@ def test_w010_routers_that_keep_writes_on_default():
 
 def test_check_command_passes_with_defaults():
     call_command("check", stdout=StringIO())
+
+
+@pytest.fixture
+def no_celery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery as if it were not installed: ``None`` in ``sys.modules`` is how Python marks a
+    module that cannot be imported (``find_spec`` answers ``None``, ``import`` fails)."""
+    monkeypatch.setitem(sys.modules, "celery", None)
+
+
+def sender_ids(**idempotency):
+    with override_settings(IDEMPOTENCY=idempotency):
+        return [message.id for message in check_outbox_sender()]
+
+
+@pytest.mark.usefixtures("no_celery")
+def test_e037_the_default_sender_without_celery():
+    with override_settings(IDEMPOTENCY={}):
+        (message,) = check_outbox_sender()
+    assert message.id == "django_idempotency.E037"
+    assert "Celery is not installed" in message.msg
+    assert "SILENCED_SYSTEM_CHECKS" in message.hint
+    # Named explicitly, it is the same sender and the same Error.
+    assert sender_ids(OUTBOX_SENDER="django_idempotency.celery_sender.send") == [message.id]
+    # A sender of one's own needs no Celery; a setting that is no dict is E001's.
+    assert sender_ids(OUTBOX_SENDER="tests.testapp.outbox.record") == []
+    with override_settings(IDEMPOTENCY=None):
+        assert check_outbox_sender() == []
+    # Not a wrong value: the settings stay readable, so requests are not refused over it.
+    assert ids() == []
+
+
+def test_e037_not_with_celery_installed():
+    pytest.importorskip("celery")
+    assert sender_ids() == []
+
+
+@pytest.mark.usefixtures("no_celery")
+def test_e037_stops_the_check_command_unless_silenced():
+    errors = override_settings(IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=[])
+    with errors, pytest.raises(SystemCheckError, match="E037"):
+        call_command("check", stdout=StringIO(), stderr=StringIO())
+    silenced = override_settings(IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=["django_idempotency.E037"])
+    with silenced:
+        call_command("check", stdout=StringIO())
 
 
 def test_check_command_fails_on_an_error():

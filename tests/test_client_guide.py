@@ -1,4 +1,4 @@
-"""The client guide's retry snippet (``example_project/client.py``): the guide includes this
+"""The client guide's retry code (``example_project/client.py``): the guide shows this
 file, and it charges once against a real server of the example project, whatever
 the retries; its retry decisions, answer by answer, against a mock transport."""
 
@@ -35,9 +35,8 @@ IMPATIENT = 0.3
 
 def test_the_guide_shows_the_tested_code() -> None:
     guide = GUIDE.read_text()
-    # The docs site includes the file itself (pymdownx.snippets), whole.
-    assert '```python\n--8<-- "example_project/client.py"\n```' in guide
-    assert CLIENT.is_file()
+    # The page holds the file itself, whole, under the comment naming it (tests/docs_code.py).
+    assert f"<!-- code: example_project/client.py -->\n```python\n{CLIENT.read_text()}```" in guide
 
 
 # --- against the example project -------------------------------------------------------------

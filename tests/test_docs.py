@@ -18,7 +18,6 @@ import logging
 import logging.config
 import re
 import shlex
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 from django.core.management import call_command, get_commands, load_command_class
 
 from django_idempotency import conf, states
+from tests import docs_code, quickstart
 from tests.test_client_guide import example  # noqa: F401  (the example project, served)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,14 +37,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 PACKAGE = ROOT / "django_idempotency"
-# Files whose sections the docs may show: the tests import and run them, mypy checks them.
-TESTED_SOURCES = (
-    "example_project/docs_examples/",
-    "example_project/payments/",
-    "example_project/client.py",
-    "example_project/recipes/",
-)
-SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$')
 SITE = "https://django-idempotency.readthedocs.io/en/latest/"
 
 
@@ -80,29 +72,16 @@ def all_blocks() -> list[Block]:
     return [block for path in pages() for block in blocks(path)]
 
 
-def section(path: str, name: str | None) -> str:
-    """What pymdownx.snippets includes for ``path:name``: the lines between the markers."""
-    text = (ROOT / path).read_text()
-    if name is None:
-        return text
-    match = re.search(
-        rf"^[ \t]*# --8<-- \[start:{name}\]\n(.*?)^[ \t]*# --8<-- \[end:{name}\]\n",
-        text,
-        re.S | re.M,
-    )
-    assert match, f"{path} has no section {name!r}"
-    return textwrap.dedent(match.group(1))
-
-
 def shown_sections() -> dict[str, str]:
+    """The code of every file the docs may show, and of every section of those files."""
     found = {}
-    for prefix in TESTED_SOURCES:
+    for prefix in docs_code.TESTED_SOURCES:
         paths = sorted(ROOT.glob(prefix + "**/*.py")) if prefix.endswith("/") else [ROOT / prefix]
         for path in paths:
             relative = str(path.relative_to(ROOT))
-            found[relative] = path.read_text()
+            found[relative] = docs_code.section(relative, None)
             for name in re.findall(r"# --8<-- \[start:([\w-]+)\]", path.read_text()):
-                found[f"{relative}:{name}"] = section(relative, name)
+                found[f"{relative}:{name}"] = docs_code.section(relative, name)
     return found
 
 
@@ -115,28 +94,155 @@ def test_every_code_block_is_of_a_tested_kind() -> None:
     assert all(block.lang for block in all_blocks())
 
 
-def test_python_blocks_of_the_site_are_snippets_of_tested_files() -> None:
-    sections = shown_sections()
-    shown = 0
-    for block in all_blocks():
-        if block.lang != "python" or block.page in {"README.md"}:
-            continue
-        for line in block.text.splitlines():
-            match = SNIPPET.match(line)
-            assert match, f"{block.page}:{block.line} is not a snippet of a tested file: {line}"
-            path, name = match.groups()
-            assert path.startswith(TESTED_SOURCES), f"{block.page}:{block.line}: {path}"
-            assert f"{path}:{name}" in sections if name else path in sections, line
-            shown += 1
-    assert shown >= 15
+def test_every_python_block_of_the_docs_copies_a_tested_file() -> None:
+    """Each block names its source (a tested file or a section of one) right above it."""
+    copied = {
+        (code.page.name, code.line)
+        for page in docs_code.pages()
+        for code in docs_code.shown_code(page)
+        if not code.source.startswith("tests/audit/")  # text: the audit's reports
+    }
+    on_pages = {(b.page, b.line) for b in all_blocks() if b.lang == "python"}
+    python = {(page, line) for page, line in on_pages if (DOCS / page).is_file()}
+    assert python == copied
+    assert len(copied) >= 25
 
 
-def test_python_blocks_of_the_readme_are_tested_sections_byte_for_byte() -> None:
-    sections = set(shown_sections().values())
+def test_the_code_shown_is_the_code_of_its_source_byte_for_byte() -> None:
+    stale = [f"{code.where} ({code.source})" for code in docs_code.out_of_sync()]
+    assert not stale, f"run `make docs-code`: these blocks are not their source's code: {stale}"
+
+
+def test_a_changed_source_is_seen_and_written_back(tmp_path: Path) -> None:
+    """The check and the writer, on a copy of a page: a block whose source moved on is
+    reported, and writing it makes it that source's code again."""
+    page = DOCS / "recovery.md"
+    (code,) = docs_code.shown_code(page)
+    copy = tmp_path / "recovery.md"
+    copy.write_text(page.read_text().replace(code.expected, code.expected + "x = 1\n"))
+    (stale,) = docs_code.shown_code(copy)
+    assert stale.shown != stale.expected
+    assert docs_code.write(copy)
+    assert copy.read_text() == page.read_text()
+    assert not docs_code.write(copy)
+
+
+def load_hooks() -> Any:
+    """``docs/hooks.py``, loaded from its file as MkDocs loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec
+    assert spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_page_shows_an_include_line_raw() -> None:
+    """GitHub shows a page as it is: no pymdownx.snippets line anywhere, and a page that is a
+    file of the repository on the site links to that file."""
+    hooks = load_hooks()
+    included = 0
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        assert not re.search(r"^\s*--8<--", text, re.M), page.name
+        for path in re.findall(r"^<!-- include: (\S+) -->$", text, re.M):
+            assert f"](../{path})" in text, f"{page.name} does not link to {path} on GitHub"
+            rendered = hooks.include_files(text, ROOT)
+            assert (ROOT / path).read_text() in rendered
+            assert f"](../{path})" not in rendered  # no link the site could not follow
+            included += 1
+    assert included == 4
+
+
+def test_every_python_block_of_the_readme_is_a_step_of_its_quickstart() -> None:
+    """The README's Python blocks are the installation and the quickstarts, each naming the
+    file it goes into: test_quickstart.py pastes them, in order, into a new project."""
     readme = [block for block in blocks(ROOT / "README.md") if block.lang == "python"]
-    assert readme
-    for block in readme:
-        assert block.text in sections, f"README.md:{block.line} is no section of a tested file"
+    pastes = quickstart.pastes()
+    assert [block.text for block in readme] == [paste.code for paste in pastes]
+    assert {paste.path for paste in pastes} >= {
+        "mysite/settings.py",
+        "mysite/urls.py",
+        "orders/models.py",
+        "orders/views.py",
+    }
+
+
+def test_the_quickstarts_import_only_django_drf_and_the_package() -> None:
+    import sys
+
+    for paste in quickstart.pastes():
+        compile(paste.code, paste.path, "exec")
+        others = quickstart.imported_modules(paste.code) - quickstart.ALLOWED_IMPORTS
+        assert others <= sys.stdlib_module_names, f"{paste.path}: {others}"
+
+
+def test_the_quickstart_names_nothing_it_does_not_import_or_define() -> None:
+    """Every name a block uses is imported or defined by it, or, for a block added at the end
+    of a file, by what that file had before (startproject's settings define INSTALLED_APPS)."""
+    import builtins
+
+    # What startproject's settings.py defines, for the blocks added at its end.
+    known: dict[str, set[str]] = {"mysite/settings.py": {"INSTALLED_APPS"}}
+    for paste in quickstart.pastes():
+        tree = ast.parse(paste.code)
+        defined = known[paste.path] if paste.append else set()
+        known[paste.path] = defined
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+        used = {
+            node.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+        }
+        missing = used - defined - set(dir(builtins))
+        assert not missing, f"{paste.path}: {missing}"
+
+
+def test_the_readme_webhook_line_replays_a_stripe_redelivery(db: Any) -> None:
+    """The README's webhook decorator, as written, on a view that records each event: a
+    redelivery whose body changed in Stripe's bookkeeping is replayed, not refused 422."""
+    from django.http import JsonResponse
+    from django.test import RequestFactory
+
+    from django_idempotency import sources
+    from django_idempotency.decorators import idempotent
+    from example_project.recipes.models import WebhookEvent
+    from example_project.recipes.webhooks import same_delivery
+
+    (line,) = re.findall(r"^- \*\*Webhooks\*\*: `(@idempotent\(.*\))`$", README(), re.M)
+    names = {"idempotent": idempotent, "sources": sources, "same_delivery": same_delivery}
+    decorate = eval(line[1:], names)  # the decorator expression, as the README writes it
+
+    @decorate
+    def webhook(request: Any) -> Any:
+        event = json.loads(request.body)
+        WebhookEvent.objects.create(sender="stripe", event_id=event["id"], type=event["type"])
+        return JsonResponse({"received": event["id"]})
+
+    def deliver(pending: int) -> Any:
+        event = {"id": "evt_readme", "type": "charge.succeeded", "pending_webhooks": pending}
+        body = json.dumps(event)
+        return webhook(RequestFactory().post("/", body, content_type="application/json"))
+
+    first, again = deliver(2), deliver(1)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert WebhookEvent.objects.filter(event_id="evt_readme").count() == 1
+
+
+def README() -> str:
+    return (ROOT / "README.md").read_text()
 
 
 def make_targets() -> set[str]:
@@ -148,6 +254,15 @@ def extras() -> set[str]:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return set(project["optional-dependencies"])
+
+
+def installable() -> set[str]:
+    """What ``pip install`` may name: the package on PyPI, a clone of the repository, and the
+    wheel that ``python -m build`` writes there, of the version of pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    wheel = f"./django-idempotency/dist/django_idempotency-{version}-py3-none-any.whl"
+    return {"django-idempotency", "./django-idempotency", wheel}
 
 
 def command_options(name: str) -> set[str]:
@@ -177,10 +292,11 @@ def check_synopsis(words: list[str]) -> None:
 
 
 def curl_lines() -> list[tuple[Block, list[str]]]:
+    """The ``curl`` lines of the docs; the README's quickstart has its own project."""
     return [
         (block, words)
         for block in all_blocks()
-        if block.lang == "sh"
+        if block.lang == "sh" and block.page != "README.md"
         for words in shell_commands(block.text)
         if words[0] == "curl"
     ]
@@ -199,7 +315,7 @@ def test_shell_blocks_name_real_targets_extras_and_commands() -> None:
             elif words[:2] == ["pip", "install"]:
                 (spec,) = words[2:]
                 name, _, rest = spec.partition("[")
-                assert name == "django-idempotency"
+                assert name in installable(), f"{block.page}:{block.line}: {name}"
                 assert set(filter(None, rest.rstrip("]").split(","))) <= known_extras, spec
             elif words[0] == "python":
                 check_synopsis(words)
@@ -212,16 +328,18 @@ def test_text_blocks_are_synopses_or_the_stats_output(db: Any) -> None:
     out = io.StringIO()
     call_command("idempotency_stats", stdout=out)
     stats = out.getvalue()
+    # Copies of the audit's reports, which tests/test_audit.py compares with the command's
+    # output byte for byte (and the test above with the page).
+    reports = {
+        (code.page.name, code.line)
+        for page in docs_code.pages()
+        for code in docs_code.shown_code(page)
+        if code.source.startswith("tests/audit/")
+    }
     for block in all_blocks():
-        if block.lang != "text":
+        if block.lang != "text" or (block.page, block.line) in reports:
             continue
         first = block.text.splitlines()[0]
-        snippet = SNIPPET.match(first)
-        if snippet and snippet.group(1).startswith("tests/audit/"):
-            # A report of idempotency_audit, which tests/test_audit.py compares with the
-            # command's output byte for byte.
-            assert (ROOT / snippet.group(1)).is_file(), first
-            continue
         if first.startswith("python manage.py"):
             for words in shell_commands(block.text):
                 check_synopsis(words)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from example_project.payments import provider
+from example_project.payments.models import Charge
+
+# --8<-- [start:function-views]
 from datetime import timedelta
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -11,10 +15,6 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from example_project.payments import provider
-from example_project.payments.models import Charge
-
-# --8<-- [start:function-views]
 from django_idempotency.decorators import idempotent
 
 
