@@ -243,7 +243,7 @@ UNREADABLE = {
 def test_a_message_whose_stored_arguments_cannot_be_read_is_dead_and_the_rest_are_sent(
     column, text
 ):
-    if connection.vendor == "mysql" and text.startswith("[" * 32):
+    if connection.vendor == "mysql" and "[" * 32 in text:
         pytest.skip("MariaDB's JSON columns refuse more than 31 levels of nesting")
     before, unreadable, after = enqueued("tests.a", 1), enqueued("tests.c"), enqueued("tests.b")
     store_raw_json(OutboxMessage, unreadable, column, text)
