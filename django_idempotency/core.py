@@ -295,6 +295,19 @@ _steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar(
 _MAX_STEP_NAME = 255
 
 
+def _storable_step_name(name: Any) -> bool:
+    """Whether every supported database stores ``name`` and tells it from every other."""
+    if not isinstance(name, str) or not name or len(name) > _MAX_STEP_NAME:
+        return False
+    if "\x00" in name or name != name.strip():
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def _step_json(name: str, result: Any) -> str:
     try:
         return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
@@ -328,10 +341,11 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
             'step() runs only inside an operation under the "resume" recovery policy '
             '(@idempotent(recovery="resume"), run_once(..., recovery="resume"), ...)'
         )
-    if not isinstance(name, str) or not name or len(name) > _MAX_STEP_NAME or "\x00" in name:
+    if not _storable_step_name(name):
         raise ValueError(
-            f"a step name is a non-empty string of at most {_MAX_STEP_NAME} characters "
-            f"without NUL; got {name!r}"
+            f"a step name is a non-empty string of at most {_MAX_STEP_NAME} characters, "
+            "without NUL, lone surrogates or whitespace at either end (MariaDB compares "
+            f"names without trailing spaces); got {name!r}"
         )
     if steps.running:
         raise RuntimeError(f"step {name!r} was called inside another step: steps do not nest")

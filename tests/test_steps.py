@@ -170,7 +170,9 @@ def test_a_step_name_used_twice_is_a_value_error():
     assert IdempotencyStep.objects.count() == 1
 
 
-@pytest.mark.parametrize("name", ["", None, "x" * 256, "a\x00b", 42])
+@pytest.mark.parametrize(
+    "name", ["", None, "x" * 256, "a\x00b", 42, "line:\ud800", "ride ", " ride", "\tride"]
+)
 def test_a_step_name_must_be_a_short_string(name):
     with pytest.raises(ValueError, match="step name"):
         run_once(lambda: step(name, write, "ride"), **identity(recovery="resume"))
