@@ -182,7 +182,8 @@ storm: example-db
 	trap 'kill $$server 2>/dev/null || true' EXIT; \
 	$(BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
 		--user demo --password demo; \
-	$(BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT)
+	$(BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT); \
+	$(BIN)/python -m example_project.demo_steps --url http://127.0.0.1:$(STORM_PORT)
 	@echo "==> The storm's receipt, sent from the outbox by the relay:"
 	$(BIN)/python manage.py relay_outbox --once
 
