@@ -208,7 +208,7 @@ def release_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
 
 def resumable_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     """How many records of ``queryset`` are resumable (``"resume"``) with a stale lease:
-    what :func:`release_stale` leaves alone."""
+    what `release_stale` leaves alone."""
     return int(queryset.filter(stale_lease_q(timezone.now()), recovery_policy=core.RESUME).count())
 
 

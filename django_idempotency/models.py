@@ -220,7 +220,7 @@ class IdempotencyRecord(models.Model):
 class IdempotencyStep(models.Model):
     """One recorded step of a resumable operation (``recovery="resume"``): its result.
 
-    Written by :func:`django_idempotency.step` in the step's own transaction, together with
+    Written by ``django_idempotency.step`` in the step's own transaction, together with
     the step's work, fenced by the record's lease token; read once when an attempt starts, so
     a later attempt skips what an earlier one finished. Deleted with its record (the purge, a
     release, the admin), and when an expired record is replaced by a new operation.
