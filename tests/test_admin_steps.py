@@ -256,3 +256,11 @@ def test_the_changelist_stats_and_purge_work_with_steps_present():
     assert purge_expired().deleted == 1
     assert list(IdempotencyStep.objects.values_list("record__key", flat=True)) == ["k-2"]
     assert superuser().get(URL).status_code == 200
+
+
+def test_step_times_show_milliseconds_with_and_without_time_zones():
+    from datetime import datetime, timezone
+
+    moment = datetime(2026, 1, 2, 3, 4, 5, 678901)
+    assert display._when(moment) == "2026-01-02 03:04:05.678"
+    assert display._when(moment.replace(tzinfo=timezone.utc)).startswith("2026-01-02 03:04:05.678")
