@@ -490,6 +490,7 @@ def test_operations_examples(user: Any, tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     names = {metric.name for metric in operations.metrics_registry().collect()}
     assert "django_idempotency_oldest_in_progress_seconds" in names
+    assert "django_idempotency_resumable_records" in names
 
 
 def test_the_settings_shown_are_valid() -> None:
