@@ -212,7 +212,8 @@ storm: example-db
 	trap 'kill $$server 2>/dev/null || true' EXIT; \
 	$(DEMO_BIN)/python -m example_project.demo_storm --url http://127.0.0.1:$(STORM_PORT) \
 		--user demo --password demo; \
-	$(DEMO_BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT)
+	$(DEMO_BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT); \
+	$(DEMO_BIN)/python -m example_project.demo_steps --url http://127.0.0.1:$(STORM_PORT)
 	@echo "==> The storm's receipt, sent from the outbox by the relay:"
 	@out=$$($(DEMO_BIN)/python manage.py relay_outbox --once); echo "$$out"; \
 	[[ "$$(tail -n 1 <<< "$$out")" =~ ^Sent\ [1-9][0-9]*\ .*\ 0\ failed.*\ 0\ dead\.$$ ]] \

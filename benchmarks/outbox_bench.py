@@ -74,30 +74,9 @@ def _redis() -> Any:
 
 def configure() -> None:
     """Django on the benchmark's own database, with the outbox's defaults."""
-    import django
-    from django.conf import settings
+    from benchmarks.site_setup import configure_package_only
 
-    if settings.configured:
-        return
-    settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": DATABASE,
-                "USER": os.environ.get("PGUSER", "postgres"),
-                "PASSWORD": os.environ.get("PGPASSWORD", ""),
-                "HOST": os.environ.get("PGHOST", "127.0.0.1"),
-                "PORT": os.environ.get("PGPORT", "5432"),
-                "CONN_MAX_AGE": 600,
-            }
-        },
-        INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"],
-        USE_TZ=True,
-        SECRET_KEY="django-idempotency-outbox-bench",
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        IDEMPOTENCY={},
-    )
-    django.setup()
+    configure_package_only(DATABASE, "django-idempotency-outbox-bench")
     app.set_current()
 
 

@@ -145,6 +145,8 @@ def render(results: dict[str, Any]) -> str:
         add(purge(results["purge"], results["plan"]))
     if results.get("outbox", {}).get("throughput"):
         add(outbox(results["outbox"]))
+    if results.get("steps"):
+        add(steps(results["steps"]))
     if "inprocess" in results and results["inprocess"].get("profiles"):
         add(profiles(results["inprocess"]["profiles"]))
     if EXPERIMENTS.exists():
@@ -277,6 +279,8 @@ def targets(results: dict[str, Any]) -> str:
         )
     if results.get("outbox", {}).get("throughput"):
         rows += outbox_targets(results["outbox"])
+    if results.get("steps"):
+        rows.append(steps_target(results["steps"]))
     return table(["target", "measured", ""], rows)
 
 
@@ -809,3 +813,104 @@ if __name__ == "__main__":
     here = Path(__file__).resolve().parent
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
     (here / "RESULTS.md").write_text(render(json.loads(source.read_text())))
+
+
+def _per_unit(data: dict[str, Any], way: str) -> dict[str, Any]:
+    """What one more unit of work costs ``way``: half the difference between 3 and 1 units."""
+    sql = data["sql"]
+    one, three = f"{way}.1", f"{way}.3"
+    rounds = data["round_medians_ms"]
+    per_round = [(b - a) / 2 for a, b in zip(rounds[one], rounds[three], strict=False)]
+    return {
+        "statements": (sql[three]["statements"] - sql[one]["statements"]) / 2,
+        "transactions": (sql[three]["transactions"] - sql[one]["transactions"]) / 2,
+        "ms": (data["median_ms"][three] - data["median_ms"][one]) / 2,
+        "per_round": per_round,
+    }
+
+
+def steps_target(data: dict[str, Any]) -> list[str]:
+    """The target of the steps: one fenced write more per step than a unit in one block."""
+    extra = _per_unit(data, "resume")["statements"] - _per_unit(data, "retry")["statements"]
+    return [
+        "steps: one fenced write more per step than the same work in one atomic() block",
+        f"{extra:+.0f} statement per step",
+        verdict(extra == 1),
+    ]
+
+
+def steps(data: dict[str, Any]) -> str:
+    """The "Recovery points" section: ``benchmarks/steps_bench.py``."""
+    labels = {
+        "plain": "`atomic()`, no idempotency",
+        "retry": '`run_once`, `"retry"`: one transaction',
+        "resume": '`run_once`, `"resume"`: one step per INSERT',
+    }
+    sql, med, rounds = data["sql"], data["median_ms"], data["round_medians_ms"]
+    rows = []
+    for kind in sql:
+        way, units = kind.split(".")
+        # "claim (INSERT … ON CONFLICT …)" is "claim" here: one statement either way.
+        shown = ", ".join(f"{n}× {name.split(' (')[0]}" for name, n in sql[kind]["by_kind"].items())
+        rows.append(
+            [
+                labels[way],
+                units,
+                f"{sql[kind]['statements']} ({shown})",
+                sql[kind]["transactions"],
+                ms(med[kind]),
+                f"{min(rounds[kind]):.2f}–{max(rounds[kind]):.2f} ms",
+            ]
+        )
+    per_unit = {way: _per_unit(data, way) for way in ("plain", "retry", "resume")}
+    unit_rows = [
+        [
+            labels[way],
+            f"{cost['statements']:+.0f}",
+            f"{cost['transactions']:+.0f}",
+            f"{cost['ms']:+.2f} ms",
+            f"{min(cost['per_round']):+.2f} to {max(cost['per_round']):+.2f} ms",
+        ]
+        for way, cost in per_unit.items()
+    ]
+    step, block = per_unit["resume"], per_unit["retry"]
+    load = " / ".join(f"{v:.2f}" for v in data["load_average"])
+    return (
+        f"\n## {SECTION_STEPS}\n\n"
+        "`benchmarks/steps_bench.py`, in one process on its own database: operations of 1 and "
+        "3 units of work, one `INSERT` each, done three ways and interleaved (every round runs "
+        "a batch of every kind, in an order that rotates). Statements are those Django sends "
+        "(`CaptureQueriesContext`), without `BEGIN` and `COMMIT`; transactions are the "
+        "commits of `atomic()` blocks and the statements outside any, each its own. "
+        f"{data['rounds']} rounds of {data['batch']} operations of each kind; load average "
+        f"{load} at the end, on shared cores.\n\n"
+        + table(
+            [
+                "operation",
+                "units",
+                "statements",
+                "transactions",
+                "median",
+                "per-round medians",
+            ],
+            rows,
+        )
+        + "\n\nOne more unit of work (the difference between 3 and 1 units, halved):\n\n"
+        + table(
+            ["operation", "statements", "transactions", "latency", "per round"],
+            unit_rows,
+        )
+        + "\n\nA step costs "
+        f"{step['statements'] - block['statements']:+.0f} statement (its fenced record, an "
+        "`INSERT … SELECT` of the owner's row `FOR SHARE`) and "
+        f"{step['transactions'] - block['transactions']:+.0f} transaction more than the same "
+        "`INSERT` in "
+        f'the one transaction of `"retry"`: {step["ms"] - block["ms"]:+.2f} ms per step '
+        "here, for the statement, the transaction's `BEGIN` and its `COMMIT`, which waits for "
+        "the write-ahead log to be flushed. Once per attempt, the resumable operation also "
+        "reads its recorded steps, and it stores its outcome in a transaction of its own.\n\n"
+        + table(["target", "measured", ""], [steps_target(data)])
+    )
+
+
+SECTION_STEPS = "Recovery points: the cost of a step"

@@ -6,7 +6,9 @@ minute or two. See ``benchmarks/README.md`` for what each part measures and why.
 Parts (``--only`` picks some): ``inprocess`` (Django's test client, A/B/A/B, statements
 per request, cProfile), ``server`` (gunicorn + wrk: throughput and latency, then the
 retry storm), ``purge`` (a million expired records and claims beside the purge), ``outbox``
-(the relay into Redis: messages/s, and commit-to-consumer latency; ``outbox_bench.py``).
+(the relay into Redis: messages/s, and commit-to-consumer latency; ``outbox_bench.py``),
+``steps`` (what a step of ``"resume"`` costs next to the same work in one transaction;
+``steps_bench.py``).
 ``--patched DIR`` adds a variant ``patched``: the mixin with the ``django_idempotency``
 package of another checkout (a patch applied in a scratch copy), measured in the same
 interleaved run as this checkout's.
@@ -582,15 +584,32 @@ def run_outbox(plan: Plan) -> dict[str, Any]:
         log("outbox: skipped, redis-server is not installed")
         return {"throughput": [], "latency": [], "skipped": "redis-server is not installed"}
     log("outbox: relay throughput into Redis, then commit-to-consumer latency")
-    command = [sys.executable, "-m", "benchmarks.outbox_bench"]
-    if plan.quick:
-        command += ["--messages", "2000", "--latency-messages", "50"]
+    quick = ["--messages", "2000", "--latency-messages", "50"]
+    return run_alone("benchmarks.outbox_bench", quick if plan.quick else [])
+
+
+def run_alone(module: str, args: list[str]) -> dict[str, Any]:
+    """A benchmark that runs alone (``python -m module args``); the JSON of its last line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     output = subprocess.run(
-        command, cwd=ROOT, env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     data: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
     return data
+
+
+# -- steps ----------------------------------------------------------------------------------
+
+
+def run_steps(plan: Plan) -> dict[str, Any]:
+    log("steps: a step against the same INSERT in one transaction, interleaved")
+    quick = ["--rounds", "2", "--batch", "20"]
+    return run_alone("benchmarks.steps_bench", quick if plan.quick else [])
 
 
 # -- machine and versions -------------------------------------------------------------------
@@ -654,7 +673,7 @@ def versions(alt_python: Path | None) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a minute or two")
-    parser.add_argument("--only", default="inprocess,server,purge,outbox")
+    parser.add_argument("--only", default="inprocess,server,purge,outbox,steps")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
@@ -686,6 +705,8 @@ def main() -> int:
         variants.insert(variants.index("ours") + 1 if "ours" in variants else 0, "patched")
     skipped: dict[str, str] = {}
     alt_python: Path | None = None
+    if not parts & {"inprocess", "server"}:
+        variants = []  # the other parts run on databases of their own
     if any(v in ALTERNATIVES for v in variants):
         alt_python, why = ensure_alternatives_venv()
         if alt_python is None:
@@ -721,6 +742,8 @@ def main() -> int:
             results["purge"] += [{**p, "variant": "patched"} for p in run_purge(plan, patched_env)]
     if "outbox" in parts:
         results["outbox"] = run_outbox(plan)
+    if "steps" in parts:
+        results["steps"] = run_steps(plan)
     results["versions"] = versions(alt_python)
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()

@@ -32,6 +32,35 @@ def ensure_database(name: str) -> None:
             conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def configure_package_only(database: str, secret: str) -> None:
+    """Django for a benchmark of the package alone (no site): its own PostgreSQL
+    ``database``, the package's settings at their defaults. Once per process."""
+    import django
+    from django.conf import settings
+
+    if settings.configured:
+        return
+    settings.configure(
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": database,
+                "USER": os.environ.get("PGUSER", "postgres"),
+                "PASSWORD": os.environ.get("PGPASSWORD", ""),
+                "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+                "PORT": os.environ.get("PGPORT", "5432"),
+                "CONN_MAX_AGE": 600,
+            }
+        },
+        INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"],
+        USE_TZ=True,
+        SECRET_KEY=secret,
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        IDEMPOTENCY={},
+    )
+    django.setup()
+
+
 def configure(variant: str) -> None:
     """Point Django at the variant's settings and database; call before ``django.setup()``."""
     os.environ["BENCH_VARIANT"] = variant

@@ -10,7 +10,11 @@ commands and the Celery tasks run:
 
 A stored response's body and headers are shown only to users with the permission
 ``django_idempotency.view_response_body`` (a superuser has it); others see the body's size
-and content type. Responses sealed with ``ENCRYPTION_KEYS`` are shown opened.
+and content type. Responses sealed with ``ENCRYPTION_KEYS`` are shown opened. The page of a
+resumable record (recovery policy ``"resume"``) lists its recorded steps: each one's name and
+time, and its result under the same permission (others see its size). *Release stale
+claims* leaves resumable records alone (it would delete their steps, which would then run
+again); *Mark as failed* closes them like any other.
 
 The changelist is built for tables of millions of rows: every filter is served by an
 index, the full count is never taken, and the list never loads stored response bodies.
@@ -38,6 +42,7 @@ from django.utils.translation import ngettext
 
 from django_idempotency import crypto, display, maintenance, outbox, stats, store
 from django_idempotency.conf import app_settings
+from django_idempotency.core import RESUME
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -270,6 +275,8 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         "response_headers_pretty",
         "response_body_pretty",
         "response_summary",
+        "steps_pretty",
+        "steps_summary",
     )
     fieldsets = (
         (None, {"fields": ("account", "operation", "key", "status")}),
@@ -316,11 +323,19 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         # Without the permission, the body's size and content type take the place of the
-        # stored headers and body.
-        fieldsets = super().get_fieldsets(request, obj)
+        # stored headers and body, and the steps' result sizes that of their results.
+        fieldsets = list(super().get_fieldsets(request, obj))
+        if obj is not None and (
+            obj.recovery_policy == RESUME or display.has_steps(app_settings.DATABASE, obj.pk)
+        ):
+            fieldsets.insert(2, (_("Steps"), {"fields": ("steps_pretty",)}))
         if self.has_view_response_body_permission(request):
             return fieldsets
-        hidden = {"response_headers_pretty": None, "response_body_pretty": "response_summary"}
+        hidden = {
+            "response_headers_pretty": None,
+            "response_body_pretty": "response_summary",
+            "steps_pretty": "steps_summary",
+        }
         shown = []
         for name, options in fieldsets:
             fields = [hidden.get(f, f) if isinstance(f, str) else f for f in options["fields"]]
@@ -397,16 +412,48 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         """The body's size and content type, for users who may not see the body."""
         return _with_response(record, _summary_html)
 
+    @admin.display(description=_("recorded steps"))
+    def steps_pretty(self, record: IdempotencyRecord) -> SafeString:
+        """The steps of a resumable record: name, when, and the result, bounded."""
+        return display.render_steps(app_settings.DATABASE, record.pk, show_results=True)
+
+    @admin.display(description=_("recorded steps"))
+    def steps_summary(self, record: IdempotencyRecord) -> SafeString:
+        """The steps' names and times, and their results' sizes, for users who may not see
+        stored results."""
+        return display.render_steps(app_settings.DATABASE, record.pk, show_results=False)
+
     # -- actions: all through the maintenance module --------------------------------------
 
     @admin.action(permissions=["maintain"], description=_("Release stale claims"))
     def release_stale_claims(
         self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]
     ) -> None:
-        """Delete the selected in-progress records whose lease ran out, so a retry runs."""
+        """Delete the selected in-progress records whose lease ran out, so a retry runs.
+
+        Resumable records (recovery policy ``"resume"``) are left alone, with a message:
+        releasing one would delete its recorded steps, and its next attempt would run them
+        again. Their next attempt resumes them; *Mark as failed* closes them.
+        """
         selected = queryset.count()
+        resumable = maintenance.resumable_stale(queryset)
         released = maintenance.release_stale(queryset)
-        self._report(request, released, selected, _("released"))
+        self._report(request, released, selected, _("released"), resumable=resumable)
+        if resumable:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d selected record is resumable and was not released: releasing "
+                    "it would delete its recorded steps, and they would run again. Its next "
+                    "attempt resumes it; Mark as failed closes it.",
+                    "%(count)d selected records are resumable and were not released: "
+                    "releasing them would delete their recorded steps, and they would run "
+                    "again. Their next attempt resumes them; Mark as failed closes them.",
+                    resumable,
+                )
+                % {"count": resumable},
+                messages.WARNING,
+            )
 
     @admin.action(permissions=["maintain"], description=_("Mark as failed"))
     def mark_as_failed(self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]) -> None:
@@ -443,8 +490,11 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
             )
         self.message_user(request, message, messages.SUCCESS)
 
-    def _report(self, request: HttpRequest, done: int, selected: int, verb: Any) -> None:
-        skipped = selected - done
+    def _report(
+        self, request: HttpRequest, done: int, selected: int, verb: Any, resumable: int = 0
+    ) -> None:
+        # Resumable records left alone get a message of their own.
+        skipped = selected - done - resumable
         message = _("%(done)d of %(selected)d selected records %(verb)s.") % {
             "done": done,
             "selected": selected,

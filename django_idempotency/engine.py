@@ -351,7 +351,8 @@ class _Owner:
         if recovered.lease_lost:
             return self.protected.lease_lost()
         if recovered.run:
-            _recovered(context, name, "retried")
+            # Under "resume" the body runs again to resume after its recorded steps.
+            _recovered(context, name, "resumed" if name == core.RESUME else "retried")
             return None
         if recovered.undecided:
             # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:

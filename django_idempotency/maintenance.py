@@ -35,6 +35,7 @@ __all__ = [
     "purge_expired",
     "recover_stale_leases",
     "release_stale",
+    "resumable_stale",
     "rotate_encryption",
 ]
 
@@ -52,6 +53,9 @@ class RecoveryResult:
     # The policy raised, could not be imported, or answered a response that cannot be kept;
     # the attempt is counted on the record and the next run tries again.
     errors: int = 0
+    # Under the recovery policy "resume": left in progress for the operation's next attempt,
+    # which runs its body again and skips the recorded steps (a job has no body to run).
+    resumable: int = 0
     dry_run: bool = False
     policies: dict[str, int] = field(default_factory=dict)
 
@@ -152,6 +156,9 @@ def recover_stale_leases(
     ``"retry"``: the record is released (deleted), so the next retry runs afresh.
     ``"fail"``: the record becomes ``failed`` with the "outcome unknown" problem, replayed to
     every retry. A callable gets the record: a response completes it, ``None`` releases it.
+    ``"resume"``: the record is left as it is and counted in ``resumable``. Only the
+    operation's next attempt can resume it (it runs the body and skips the recorded steps);
+    releasing it would delete its recorded steps, and they would run again.
     Every step is fenced by the stale owner's lease token, so a record that completed or was
     taken over meanwhile is left alone. Attempts are counted on the record
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
@@ -164,6 +171,9 @@ def recover_stale_leases(
     for row in _stale_rows(stale, limit):
         result.found += 1
         policies[row.policy] += 1
+        if row.policy == core.RESUME:
+            result.resumable += 1
+            continue
         if dry_run:
             continue
         try:
@@ -189,16 +199,26 @@ def release_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     """Release the in-progress records of ``queryset`` whose lease ran out (the admin action).
 
     Fenced like the recovery job: a record that completed or was taken over is untouched.
-    Returns how many were released.
+    A resumable record (recovery policy ``"resume"``) is never released: that would delete
+    its recorded steps, and its next attempt would run them again. Returns how many were
+    released.
     """
-    return _force(queryset, engine.RETRY)
+    return _force(queryset.exclude(recovery_policy=core.RESUME), engine.RETRY)
+
+
+def resumable_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
+    """How many records of ``queryset`` are resumable (``"resume"``) with a stale lease:
+    what `release_stale` leaves alone."""
+    return int(queryset.filter(stale_lease_q(timezone.now()), recovery_policy=core.RESUME).count())
 
 
 def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
     """Close the in-progress records of ``queryset`` whose lease ran out as ``failed``.
 
     Every retry then gets the "outcome unknown" problem and the side effect never runs
-    again. Fenced by the lease token. Returns how many were marked.
+    again. Fenced by the lease token. A resumable record is closed too (someone decided that
+    its operation must not go on); its recorded steps stay with it until the purge, for
+    reconciliation. Returns how many were marked.
     """
     return _force(queryset, engine.FAIL)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from django.db import DatabaseError, connections
 from django.dispatch import receiver
@@ -25,6 +25,9 @@ from prometheus_client.registry import Collector
 
 from django_idempotency import outbox, signals, stats
 from django_idempotency.conf import app_settings
+from django_idempotency.models import RecordStatus
+
+T = TypeVar("T")
 
 logger = logging.getLogger("django_idempotency")
 
@@ -50,7 +53,8 @@ mismatches = Counter(
 )
 recoveries = Counter(
     "django_idempotency_recoveries",
-    "Stale leases handled by a recovery policy, on a retry, by the recovery job or the admin.",
+    "Stale leases handled by a recovery policy, on a retry, by the recovery job or the admin."
+    ' outcome="resumed": a retry took a resumable operation over, to resume it.',
     ["policy", "outcome"],
 )
 lease_losses = Counter(
@@ -76,8 +80,8 @@ outbox_relay_errors = Counter(
 )
 
 
-def _read_database(read: Callable[[], float | None], what: str) -> float:
-    """One figure read on scrape; NaN when the database cannot answer, 0 for ``None``.
+def _query(read: Callable[[], T], what: str, failed: T) -> T:
+    """What ``read()`` reads on scrape; ``failed`` when the database cannot answer.
 
     A scrape usually runs in a thread of the metrics server, outside any request, where
     nothing would close a connection this query opens: it is closed again here.
@@ -85,13 +89,18 @@ def _read_database(read: Callable[[], float | None], what: str) -> float:
     connection = connections[app_settings.DATABASE]
     opened_here = connection.connection is None
     try:
-        value = read()
+        return read()
     except DatabaseError:
         logger.warning("could not read %s", what, exc_info=True)
-        return math.nan
+        return failed
     finally:
         if opened_here and not connection.in_atomic_block:
             connection.close()
+
+
+def _read_database(read: Callable[[], float | None], what: str) -> float:
+    """One figure read on scrape; NaN when the database cannot answer, 0 for ``None``."""
+    value = _query(read, what, cast(float | None, math.nan))
     return float(value or 0.0)
 
 
@@ -156,12 +165,35 @@ class OutboxOldestPendingCollector(DatabaseGauge):
         )
 
 
+class ResumableRecordsCollector(Collector):
+    """``django_idempotency_resumable_records``: records under the recovery policy
+    ``"resume"``, by ``status``, read from the database on scrape (their partial index).
+    Every status is NaN when the database cannot answer."""
+
+    name = "django_idempotency_resumable_records"
+    documentation = (
+        'Records of resumable operations (recovery policy "resume") by status, read on scrape.'
+    )
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=["status"])]
+
+    def collect(self) -> Iterable[Metric]:
+        counts = _query(stats.resumable_by_status, "the resumable idempotency records", None)
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["status"])
+        for status in RecordStatus.values:
+            family.add_metric([status], math.nan if counts is None else float(counts[status]))
+        yield family
+
+
 oldest_in_progress = OldestInProgressCollector()
 REGISTRY.register(oldest_in_progress)
 outbox_pending = OutboxPendingCollector()
 REGISTRY.register(outbox_pending)
 outbox_oldest_pending = OutboxOldestPendingCollector()
 REGISTRY.register(outbox_oldest_pending)
+resumable_records = ResumableRecordsCollector()
+REGISTRY.register(resumable_records)
 
 
 def _operation(kwargs: dict[str, Any]) -> str:

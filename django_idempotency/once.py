@@ -250,6 +250,8 @@ def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any
             retry_after=seconds_left(None),
         )
     if recovered.run:
+        if policy == core.RESUME:
+            core.announce_recovery(op.account, op.operation, op.key, policy, "resumed", record_id)
         return None
     assert recovered.outcome is not None
     if recovered.outcome.status == FAILED:

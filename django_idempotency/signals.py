@@ -29,8 +29,10 @@ rolled back. Arguments: request, account, operation, key."""
 
 lease_recovered = Signal()
 """A stale lease was handled by a recovery policy, on a retry, by the recovery job or by an admin
-action. Arguments: account, operation, key, policy ("retry", "fail" or the callable's path),
-outcome ("retried", "released", "failed" or "completed")."""
+action. Arguments: account, operation, key, policy ("retry", "fail", "resume" or the callable's
+path), outcome ("retried", "resumed", "released", "failed" or "completed"). "resumed": a retry
+(a request, run_once or a task) took over a resumable operation's stale lease to resume it; the
+recovery job leaves those records to that retry and sends nothing for them."""
 
 records_purged = Signal()
 """The purge deleted records. Arguments: count, audit (rows purged from the audit table), outbox

@@ -12,11 +12,12 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connections
-from django.db.models import Count, Min
+from django.db.models import Count, Min, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_idempotency.conf import app_settings
+from django_idempotency.core import RESUME
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -40,6 +41,10 @@ class TableStats:
     stale_leases: int
     # What the purge would delete now: past the TTL and not held by a live lease.
     expired: int
+    # Records under the recovery policy "resume", by status, and those of them in progress
+    # with a stale lease: left by the recovery job to their operation's next attempt.
+    resumable: dict[str, int]
+    resumable_stale: int
     taken_at: datetime = field(repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,11 +68,26 @@ def count_by_status(using: str | None = None) -> dict[str, int]:
 
     Grouping by ``status`` reads the ``(status, lease_expires_at)`` index only.
     """
+    return _by_status(records(using))
+
+
+def _by_status(queryset: QuerySet[IdempotencyRecord]) -> dict[str, int]:
     counts = dict.fromkeys(RecordStatus.values, 0)
-    rows = records(using).order_by().values_list("status").annotate(n=Count("*"))
-    for status, n in rows:
+    for status, n in queryset.order_by().values_list("status").annotate(n=Count("*")):
         counts[status] = n
     return counts
+
+
+def resumable_records(using: str | None = None) -> QuerySet[IdempotencyRecord]:
+    """The records of resumable operations (recovery policy ``"resume"``), read through
+    their partial index."""
+    resumable: QuerySet[IdempotencyRecord] = records(using).filter(recovery_policy=RESUME)
+    return resumable
+
+
+def resumable_by_status(using: str | None = None) -> dict[str, int]:
+    """Resumable records per status, every status present (zero when none)."""
+    return _by_status(resumable_records(using))
 
 
 def oldest_in_progress_seconds(
@@ -119,6 +139,10 @@ def collect(using: str | None = None, now: datetime | None = None) -> TableStats
         oldest_in_progress_seconds=oldest_in_progress_seconds(using, now),
         stale_leases=qs.filter(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now).count(),
         expired=qs.filter(expired_q(now)).count(),
+        resumable=resumable_by_status(using),
+        resumable_stale=resumable_records(using)
+        .filter(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now)
+        .count(),
         taken_at=now,
     )
 

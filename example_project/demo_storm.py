@@ -139,9 +139,14 @@ class Api:
                 self.cookies[name] = morsel.value
 
     def request(
-        self, method: str, path: str, payload: Any = None, key: str | None = None
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        key: str | None = None,
+        extra: dict[str, str] | None = None,
     ) -> Answer:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", **(extra or {})}
         body = None
         if payload is not None:
             body = json.dumps(payload).encode()
@@ -249,26 +254,38 @@ def problems_with(outcomes: list[Outcome], mismatch: Answer, counts: dict[str, i
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def client_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a demo that logs in to the example server: ``--url``, ``--user``,
+    ``--password``, ``--wait``, ``--basic``."""
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--user", default="demo")
     parser.add_argument("--password", default="demo")
-    parser.add_argument("--requests", type=int, default=16, help="concurrent requests (16)")
-    parser.add_argument(
-        "--retry-for", type=float, default=30, help="seconds a request keeps retrying 409s (30)"
-    )
     parser.add_argument(
         "--wait", type=float, default=30, help="seconds to wait for the server to answer (30)"
     )
     parser.add_argument(
         "--basic", action="store_true", help="send HTTP Basic credentials on every request"
     )
-    args = parser.parse_args(argv)
 
+
+def connect(args: argparse.Namespace) -> Api:
+    """A client of the server ``args`` name, once the server answers, logged in."""
     api = Api(args.url, args.user, args.password, basic=args.basic)
     wait_for_server(api, args.wait)
     api.login()
+    return api
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    client_arguments(parser)
+    parser.add_argument("--requests", type=int, default=16, help="concurrent requests (16)")
+    parser.add_argument(
+        "--retry-for", type=float, default=30, help="seconds a request keeps retrying 409s (30)"
+    )
+    args = parser.parse_args(argv)
+
+    api = connect(args)
     key = str(uuid.uuid4())
     description = f"demo storm {key[:8]}"
     payload = {"amount": 1999, "currency": "EUR", "description": description}

@@ -48,6 +48,12 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# make demo's crash switch (example_project/payments/demo.py): a request with
+# X-Demo-Crash ends mid-way, as a killed process would. With DEBUG only, never in production
+# (the middleware refuses to load without DEBUG too).
+if DEBUG:
+    MIDDLEWARE.append("example_project.payments.demo.DemoCrashMiddleware")
+
 ROOT_URLCONF = "example_project.urls"
 WSGI_APPLICATION = "example_project.wsgi.application"
 

@@ -1,6 +1,7 @@
-"""URLs of the example project: the payments API under ``/api/`` (its OpenAPI schema at
-``/api/schema/``, Swagger UI at ``/api/docs/``), its charges through django-ninja under
-``/ninja/`` (schema at ``/ninja/openapi.json``, Swagger UI at ``/ninja/docs``) and the admin."""
+"""URLs of the example project: the payments API under ``/api/`` (charges, refunds and rides;
+its OpenAPI schema at ``/api/schema/``, Swagger UI at ``/api/docs/``), its charges through
+django-ninja under ``/ninja/`` (schema at ``/ninja/openapi.json``, Swagger UI at
+``/ninja/docs``) and the admin."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from django.views import defaults
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from example_project.payments import ninja_api, views
+from example_project.payments import ninja_api, rides, views
 
 router = DefaultRouter()
 router.register("charges", views.ChargeViewSet, basename="charge")
@@ -19,6 +20,8 @@ router.register("charges", views.ChargeViewSet, basename="charge")
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/refunds/", views.create_refund, name="refund-create"),
+    # A ride in steps that resume after a crash (recovery="resume").
+    path("api/rides/", rides.book_ride, name="ride-book"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("api/", include(router.urls)),

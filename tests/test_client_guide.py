@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ def test_the_guide_shows_the_tested_code() -> None:
 class Example:
     url: str
     database: Path
+    #: The server's environment: a script run with it reads the server's database.
+    env: dict[str, str] = field(default_factory=dict)
 
     def count(self, table: str, description: str) -> int:
         with sqlite3.connect(self.database) as db:
@@ -55,11 +58,12 @@ class Example:
         return int(n)
 
 
-@pytest.fixture(scope="module")
-def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
-    """The example project on a fresh SQLite file, served by ``runserver`` on a free port."""
+@contextmanager
+def example_server(database: Path, **extra_env: str) -> Iterator[Example]:
+    """The example project on a fresh SQLite file ``database``, migrated, with the demo user
+    demo/demo, served by ``runserver`` on a free port; ``extra_env`` overrides its settings'
+    environment (``EXAMPLE_DEBUG``, ``EXAMPLE_PROVIDER_LATENCY``, ...)."""
     pytest.importorskip("celery", reason="the example project sends its receipts with Celery")
-    database = tmp_path_factory.mktemp("example") / "db.sqlite3"
     env = {
         **os.environ,
         "EXAMPLE_DB": "sqlite",
@@ -70,6 +74,7 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
         "EXAMPLE_DEBUG": "0",
         "DJANGO_SETTINGS_MODULE": "example_project.settings",
         "PYTHONPATH": str(ROOT),
+        **extra_env,
     }
     manage = [sys.executable, str(ROOT / "manage.py")]
     for command in (["migrate"], ["ensure_demo_user", "--username", "demo", "--password", "demo"]):
@@ -94,10 +99,17 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "the example project did not start"
                 time.sleep(0.1)
-        yield Example(url, database)
+        yield Example(url, database, env)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
+    """The example project on a fresh SQLite file, served by ``runserver`` on a free port."""
+    with example_server(tmp_path_factory.mktemp("example") / "db.sqlite3") as served:
+        yield served
 
 
 def api(

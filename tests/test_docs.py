@@ -571,6 +571,26 @@ def test_run_once_outbox_and_sender_examples(user: Any) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_steps_example_ships_each_line_once_across_a_crash() -> None:
+    from django_idempotency.testing import crash_after, expire_lease
+    from example_project.docs_examples import steps
+
+    steps.carrier.shipped.clear()
+    steps.carrier.notified.clear()
+    lines = [{"id": 1, "sku": "red"}, {"id": 2, "sku": "blue"}, {"id": 3, "sku": "green"}]
+    # The consumer dies inside the second line's step, after the carrier took the parcel.
+    with crash_after("example_project.docs_examples.steps.Carrier.ship", on_call=2):
+        steps.handle_order_message(7, lines)
+    expire_lease("order:7")
+    done = steps.handle_order_message(7, lines)
+    assert done == {"order": 7, "parcels": ["P-7-1", "P-7-2", "P-7-3"]}
+    assert steps.handle_order_message(7, lines) == done  # a redelivery: the stored result
+    # The first line once; the second twice (the crash came inside its step); the third once.
+    assert steps.carrier.shipped == [(7, "red"), (7, "blue"), (7, "blue"), (7, "green")]
+    assert steps.carrier.notified == [7]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_operations_examples(user: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("prometheus_client")
     from django_idempotency.signals import request_conflicted
@@ -588,6 +608,7 @@ def test_operations_examples(user: Any, tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     names = {metric.name for metric in operations.metrics_registry().collect()}
     assert "django_idempotency_oldest_in_progress_seconds" in names
+    assert "django_idempotency_resumable_records" in names
 
 
 def test_the_settings_shown_are_valid() -> None:

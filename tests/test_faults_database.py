@@ -43,8 +43,8 @@ pytestmark = [
 
 OPERATION = "faults.charge"
 TABLES = (
-    "testapp_charge, testapp_providercharge, testapp_providercall, django_idempotency_record,"
-    " django_idempotency_step"
+    "testapp_charge, testapp_providercharge, testapp_providercall, django_idempotency_step, "
+    "django_idempotency_record"
 )
 # Set on the private database while a test needs it; the test's own connections never wait.
 STATEMENT_TIMEOUT_MS = 500

@@ -20,6 +20,7 @@ from django_idempotency import checks, maintenance, signals
 from django_idempotency.models import (
     IdempotencyAuditRecord,
     IdempotencyRecord,
+    IdempotencyStep,
     RecordStatus,
 )
 from tests.factories import RecordFactory
@@ -494,23 +495,61 @@ def test_purge_command_fails_loudly():
         run("purge_idempotency", "--batch-size", "0")
 
 
+def test_recovery_leaves_resumable_records_to_their_next_attempt(recovered):
+    record = in_progress(lease_in=STALE, key="resumable", policy="resume")
+    IdempotencyStep.objects.create(record=record, name="ride", result="1")
+    in_progress(lease_in=STALE, key="retry", policy="retry")
+
+    dry = maintenance.recover_stale_leases(now=NOW, dry_run=True)
+    assert (dry.found, dry.resumable, dry.policies) == (2, 1, {"resume": 1, "retry": 1})
+    result = maintenance.recover_stale_leases(now=NOW)
+
+    assert (result.found, result.released, result.resumable, result.errors) == (2, 1, 1, 0)
+    record.refresh_from_db()
+    assert (record.status, record.recovery_attempts) == (RecordStatus.IN_PROGRESS, 0)
+    assert IdempotencyStep.objects.filter(record=record).count() == 1
+    assert [(e["key"], e["outcome"]) for e in recovered] == [("retry", "released")]
+    # Every run finds it again, until its next attempt resumes it.
+    assert maintenance.recover_stale_leases(now=NOW).resumable == 1
+
+
+def test_the_admin_helpers_release_no_resumable_record_and_mark_it_failed(recovered):
+    now = datetime.now(timezone.utc)
+    record = in_progress(lease_in=-timedelta(seconds=1), now=now, key="r", policy="resume")
+    IdempotencyStep.objects.create(record=record, name="ride", result="1")
+    selected = IdempotencyRecord.objects.all()
+
+    assert maintenance.resumable_stale(selected) == 1
+    assert maintenance.release_stale(selected) == 0
+    assert IdempotencyStep.objects.filter(record=record).count() == 1
+    assert maintenance.mark_failed(selected) == 1
+    record.refresh_from_db()
+    assert record.status == RecordStatus.FAILED
+    assert IdempotencyStep.objects.filter(record=record).count() == 1
+    assert maintenance.resumable_stale(selected) == 0
+    assert [(e["policy"], e["outcome"]) for e in recovered] == [("fail", "failed")]
+
+
 def test_recover_command(calls):
     now = datetime.now(timezone.utc)
     in_progress(lease_in=-timedelta(seconds=1), now=now, key="retry", policy="retry")
     in_progress(lease_in=-timedelta(seconds=1), now=now, key="fail", policy="fail")
 
+    in_progress(lease_in=-timedelta(seconds=1), now=now, key="resume", policy="resume")
+
     dry = run("recover_idempotency", "--dry-run", "-v", "2")
     assert dry.splitlines() == [
         "policy fail: 1 stale leases",
+        "policy resume: 1 stale leases",
         "policy retry: 1 stale leases",
-        "Would recover 2 stale leases.",
+        "Would recover 2 stale leases (1 resumable left to their next attempt).",
     ]
     out = run("recover_idempotency", "--limit", "5")
     assert out.strip() == (
         "Recovered 2 stale leases: 1 released, 1 failed, 0 completed, 0 changed meanwhile, "
-        "0 errors."
+        "0 errors; 1 resumable left to their next attempt."
     )
-    assert remaining_keys() == {"fail"}
+    assert remaining_keys() == {"fail", "resume"}
 
 
 def test_recover_command_exits_non_zero_on_errors(calls):

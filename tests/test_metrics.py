@@ -223,3 +223,108 @@ def test_the_gauge_serves_another_registry_too():
     )
     sample = registry.get_sample_value("django_idempotency_oldest_in_progress_seconds")
     assert sample == pytest.approx(90, abs=5)
+
+
+# -- resumable operations --------------------------------------------------------------------
+
+
+def resumable_gauge() -> dict[str, float]:
+    return {
+        status: REGISTRY.get_sample_value(
+            "django_idempotency_resumable_records", {"status": status}
+        )
+        for status in RecordStatus.values
+    }
+
+
+@pytest.mark.django_db
+def test_the_resumable_records_gauge_reads_them_by_status():
+    assert resumable_gauge() == {"in_progress": 0.0, "completed": 0.0, "failed": 0.0}
+    RecordFactory.create_batch(2, recovery_policy="resume")
+    RecordFactory(recovery_policy="resume", status=RecordStatus.FAILED)
+    RecordFactory(
+        recovery_policy="resume",
+        status=RecordStatus.IN_PROGRESS,
+        lease_expires_at=timezone.now() + timedelta(minutes=1),
+    )
+    RecordFactory.create_batch(3)  # "retry": not resumable
+    assert resumable_gauge() == {"in_progress": 1.0, "completed": 2.0, "failed": 1.0}
+
+
+@pytest.mark.django_db
+def test_the_resumable_records_gauge_is_nan_when_the_database_fails(monkeypatch):
+    def unreachable(*args, **kwargs):
+        raise DatabaseError("connection refused")
+
+    monkeypatch.setattr(stats, "resumable_by_status", unreachable)
+    assert all(math.isnan(v) for v in resumable_gauge().values())
+
+
+def test_registering_the_resumable_gauge_runs_no_query():
+    prometheus_client.CollectorRegistry().register(metrics.ResumableRecordsCollector())
+
+
+def recoveries(policy: str, outcome: str) -> float:
+    return value("django_idempotency_recoveries_total", policy=policy, outcome=outcome)
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_resume_of_run_once_is_counted_apart_from_retries():
+    from django_idempotency import run_once, step
+    from django_idempotency.exceptions import SimulatedCrash
+    from django_idempotency.testing import expire_lease
+    from tests.testapp.models import Charge
+
+    crash = [True]
+
+    def body() -> int:
+        pk = step("ride", lambda: Charge.objects.create(account="ride", amount=1).pk)
+        if crash.pop():
+            raise SimulatedCrash
+        return pk
+
+    identity = {"account": "consumer:rides", "operation": "rides.book", "key": "k-1"}
+    resumed, retried = recoveries("resume", "resumed"), recoveries("resume", "retried")
+    with pytest.raises(SimulatedCrash):
+        run_once(body, **identity, recovery="resume")
+    expire_lease("k-1")
+    crash.append(False)
+    run_once(body, **identity, recovery="resume")
+    run_once(body, **identity, recovery="resume")  # a replay: no recovery
+    assert recoveries("resume", "resumed") == resumed + 1
+    assert recoveries("resume", "retried") == retried
+    assert Charge.objects.filter(account="ride").count() == 1
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_a_resume_of_a_view_is_counted_apart_from_retries(api):
+    from django_idempotency.testing import crash_after, expire_lease
+    from tests.testapp.models import Charge, ProviderCall
+
+    key = new_key()
+    resumed, retried = recoveries("resume", "resumed"), recoveries("resume", "retried")
+    with crash_after("tests.testapp.steps.charge"):
+        api.post("/steps/book/", key=key)
+    expire_lease(key)
+    assert api.post("/steps/book/", key=key).status_code == 201
+    assert recoveries("resume", "resumed") == resumed + 1
+    assert recoveries("resume", "retried") == retried
+    # The ride once; the charge's call twice (the crash came inside that step), one key.
+    assert Charge.objects.filter(account="ride").count() == 1
+    charges = ProviderCall.objects.exclude(key__startswith="receipt:")
+    assert charges.count() == 2
+    assert len(set(charges.values_list("key", flat=True))) == 1
+    assert ProviderCall.objects.filter(key__startswith="receipt:").count() == 1
+
+
+@pytest.mark.django_db
+def test_the_recovery_job_counts_no_recovery_of_a_resumable_record():
+    left = {policy: recoveries("resume", policy) for policy in ("released", "resumed")}
+    RecordFactory(
+        recovery_policy="resume",
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )
+    assert maintenance.recover_stale_leases().resumable == 1
+    assert {policy: recoveries("resume", policy) for policy in left} == left

@@ -9,10 +9,11 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from django_idempotency import stats
-from django_idempotency.models import RecordStatus
+from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory
 
 pytestmark = pytest.mark.django_db
@@ -74,11 +75,26 @@ def test_an_expired_claim_with_a_live_lease_is_not_counted_as_expired():
     assert stats.collect(now=now).expired == 0
 
 
+def labelled(output: str, section: str | None = None) -> dict[str, str]:
+    """The command's lines by label, the first of a repeated label winning (the records'
+    statuses come before the resumable ones); ``section``: the lines indented under it."""
+    lines: dict[str, str] = {}
+    heading = ""
+    for line in output.splitlines():
+        label, value = (part.strip() for part in line.rsplit("  ", 1))
+        if not line.startswith(" "):
+            heading = label
+        elif section is not None and heading != section:
+            continue
+        if section is None or line.startswith(" "):
+            lines.setdefault(label, value)
+    return lines
+
+
 def test_command_prints_a_table(table):
     out = StringIO()
     call_command("idempotency_stats", stdout=out)
-    lines = dict(line.rsplit("  ", 1) for line in out.getvalue().splitlines())
-    lines = {label.strip(): value.strip() for label, value in lines.items()}
+    lines = labelled(out.getvalue())
     assert lines["database"] == "default"
     assert lines["rows"] == "6"
     assert lines["in progress"] == "2"
@@ -110,6 +126,8 @@ def test_command_json(table):
         "oldest_in_progress_seconds",
         "stale_leases",
         "expired",
+        "resumable",
+        "resumable_stale",
         "taken_at",
         "outbox",
     }
@@ -118,6 +136,70 @@ def test_command_json(table):
         "due": 0,
         "oldest_pending_seconds": None,
     }
+
+
+@pytest.fixture
+def resumable(table):
+    """Beside the table: resumable records, one completed, one failed, one live claim and
+    two stale ones (the recovery job leaves those to their next attempt)."""
+    resume = {"recovery_policy": "resume"}
+    RecordFactory(**resume)
+    RecordFactory(**resume, status=RecordStatus.FAILED)
+    for lease in (timedelta(seconds=30), -timedelta(seconds=1), -timedelta(minutes=5)):
+        RecordFactory(
+            **resume,
+            status=RecordStatus.IN_PROGRESS,
+            response_status=None,
+            lease_expires_at=table + lease,
+        )
+    return table
+
+
+def test_collect_counts_resumable_records_by_status(resumable):
+    snapshot = stats.collect(now=resumable)
+    assert snapshot.resumable == {"in_progress": 3, "completed": 1, "failed": 1}
+    assert snapshot.resumable_stale == 2
+    assert snapshot.by_status == {"in_progress": 5, "completed": 4, "failed": 2}
+
+
+def test_command_prints_the_resumable_records(resumable):
+    out = StringIO()
+    call_command("idempotency_stats", stdout=out)
+    assert labelled(out.getvalue(), "resumable") == {
+        "in progress": "3",
+        "completed": "1",
+        "failed": "1",
+        "stale leases": "2",
+    }
+    assert labelled(out.getvalue())["in progress"] == "5"
+    out = StringIO()
+    call_command("idempotency_stats", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["resumable"] == {"in_progress": 3, "completed": 1, "failed": 1}
+    assert data["resumable_stale"] == 2
+
+
+def test_the_resumable_records_have_an_index_of_their_own():
+    # Only they are in it: a claim of another policy never writes to it.
+    (index,) = [i for i in IdempotencyRecord._meta.indexes if i.name == "idempotency_resumable_idx"]
+    assert index.condition == Q(recovery_policy="resume")
+    # Not over status: the completion changes it, and would no longer be a HOT update.
+    assert index.fields == ["recovery_policy"]
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's planner")
+def test_the_resumable_count_reads_its_index_on_a_large_table():
+    now = timezone.now()
+    records = RecordFactory.build_batch(20_000, expires_at=now + timedelta(hours=1))
+    for n, record in enumerate(records):
+        record.key = f"bulk-{n}"
+        record.recovery_policy = "resume" if n % 5000 == 0 else "retry"
+    IdempotencyRecord.objects.bulk_create(records, batch_size=5000)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_idempotency_record")
+    queryset = stats.resumable_records().order_by().values_list("status").annotate(n=Count("*"))
+    assert "idempotency_resumable_idx" in queryset.explain()
+    assert stats.resumable_by_status()["completed"] == 4
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "provider"])

@@ -152,10 +152,12 @@ def test_maintenance_tasks_return_their_results():
     now = timezone.now()
     completed(expires_in=-timedelta(seconds=1), now=now)
     in_progress(lease_in=-timedelta(seconds=1), now=now)
+    in_progress(lease_in=-timedelta(seconds=1), now=now, policy="resume")
     purged = tasks.purge_expired.apply(kwargs={"batch_size": 10}).get()
     assert (purged["deleted"], purged["batches"]) == (1, 1)
     recovered = tasks.recover_stale_leases.apply().get()
-    assert (recovered["found"], recovered["released"]) == (1, 1)
+    assert (recovered["found"], recovered["released"], recovered["resumable"]) == (2, 1, 1)
+    assert IdempotencyRecord.objects.get().recovery_policy == "resume"
 
 
 # -- a real worker ----------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from django_idempotency.metrics import (
     OldestInProgressCollector,
     OutboxOldestPendingCollector,
     OutboxPendingCollector,
+    ResumableRecordsCollector,
 )
 
 
@@ -72,6 +73,7 @@ def metrics_registry() -> CollectorRegistry:
     registry.register(OldestInProgressCollector())
     registry.register(OutboxPendingCollector())
     registry.register(OutboxOldestPendingCollector())
+    registry.register(ResumableRecordsCollector())
     return registry
 
 

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from example_project.payments.models import Charge, ProviderCall, ProviderCharge, Refund
+from example_project.payments.models import (
+    Charge,
+    ProviderCall,
+    ProviderCharge,
+    Refund,
+    Ride,
+    SentMail,
+)
 
 
 class RefundInline(admin.TabularInline):  # type: ignore[type-arg]
@@ -36,3 +43,16 @@ class ProviderChargeAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 class ProviderCallAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ["id", "key", "description", "created_at"]
     search_fields = ["key", "description"]
+
+
+@admin.register(Ride)
+class RideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ["id", "user", "origin", "target", "amount", "currency", "provider_charge_id"]
+    search_fields = ["origin", "target", "provider_charge_id", "user__username"]
+    date_hierarchy = "created_at"
+
+
+@admin.register(SentMail)
+class SentMailAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ["id", "recipient", "subject", "created_at"]
+    search_fields = ["recipient", "subject"]

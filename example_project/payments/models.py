@@ -80,3 +80,44 @@ class ProviderCall(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class Ride(models.Model):
+    """A ride booked through ``POST /api/rides/``, in the manner of Stripe's rocket-rides: the
+    ride is created, then charged, then its receipt is mailed, each a step of one operation
+    that resumes after a crash (``recovery="resume"``)."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="rides"
+    )
+    origin = models.CharField(max_length=200)
+    target = models.CharField(max_length=200)
+    amount = models.PositiveIntegerField(
+        validators=[MinValueValidator(1)], help_text="In the currency's minor unit (cents)."
+    )
+    currency = models.CharField(max_length=3, validators=[currency_code])
+    #: Set by the charge step, with the step's recorded result.
+    provider_charge_id = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(amount__gt=0), name="ride_amount_positive")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.origin} → {self.target}"
+
+
+class SentMail(models.Model):
+    """The fake mail service's outbox: one row per mail it was asked to send. A mail service
+    takes no idempotency key: every call sends a mail."""
+
+    recipient = models.CharField(max_length=254)
+    subject = models.CharField(max_length=200)
+    body = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.subject} to {self.recipient}"

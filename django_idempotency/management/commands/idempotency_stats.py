@@ -7,6 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import TextChoices
 
 from django_idempotency import stats
 from django_idempotency.conf import app_settings
@@ -35,10 +36,16 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds:.1f} s"
 
 
+def _counts(labels: type[TextChoices], counts: dict[str, int]) -> list[tuple[str, str]]:
+    # One indented line per status, under the heading before it.
+    return [(f"  {labels(status).label}", f"{n:,}") for status, n in counts.items()]
+
+
 class Command(BaseCommand):
     help = (
         "Show the size of the idempotency records table, records by status, the oldest "
-        "in-progress record, stale leases, expired records not yet purged, and the outbox."
+        "in-progress record, stale leases, expired records not yet purged, the resumable "
+        "records (recovery policy resume), and the outbox."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -67,19 +74,16 @@ class Command(BaseCommand):
                 _size(snapshot.table_bytes) if snapshot.table_bytes is not None else "n/a",
             ),
         ]
-        rows += [
-            (f"  {RecordStatus(status).label}", f"{n:,}")
-            for status, n in snapshot.by_status.items()
-        ]
+        rows += _counts(RecordStatus, snapshot.by_status)
         rows += [
             ("oldest in progress", _duration(snapshot.oldest_in_progress_seconds)),
             ("stale leases", f"{snapshot.stale_leases:,}"),
             ("expired, not purged", f"{snapshot.expired:,}"),
+            ("resumable", ""),
+            *_counts(RecordStatus, snapshot.resumable),
+            ("  stale leases", f"{snapshot.resumable_stale:,}"),
             ("outbox", ""),
-        ]
-        rows += [
-            (f"  {OutboxStatus(status).label}", f"{n:,}")
-            for status, n in messages.by_status.items()
+            *_counts(OutboxStatus, messages.by_status),
         ]
         rows += [
             ("  due now", f"{messages.due:,}"),

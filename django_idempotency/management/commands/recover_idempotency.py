@@ -19,7 +19,8 @@ class Command(BaseCommand):
 
     help = (
         "Find in-progress idempotency records whose lease ran out and apply each one's "
-        "recovery policy: retry (release), fail, or the configured callable."
+        "recovery policy: retry (release), fail, or the configured callable. Resumable "
+        "records (resume) are left to their next attempt, and counted."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -48,10 +49,13 @@ class Command(BaseCommand):
     @staticmethod
     def summary(result: maintenance.RecoveryResult) -> str:
         """The final line: what was (or would be) done."""
+        # Resumable records are found but never recovered here: their next attempt resumes
+        # them (it runs the body; a job has none to run).
+        left = f"{result.resumable} resumable left to their next attempt"
         if result.dry_run:
-            return f"Would recover {result.found} stale leases."
+            return f"Would recover {result.found - result.resumable} stale leases ({left})."
         return (
-            f"Recovered {result.found} stale leases: {result.released} released, "
-            f"{result.failed} failed, {result.completed} completed, {result.skipped} changed "
-            f"meanwhile, {result.errors} errors."
+            f"Recovered {result.found - result.resumable} stale leases: {result.released} "
+            f"released, {result.failed} failed, {result.completed} completed, "
+            f"{result.skipped} changed meanwhile, {result.errors} errors; {left}."
         )
