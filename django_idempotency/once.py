@@ -249,14 +249,21 @@ def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any
             f"the recovery of {op.operation} lost its lease to another attempt",
             retry_after=seconds_left(None),
         )
+    name = core.recovery_name(policy)
+
+    def announce(outcome: str) -> None:
+        core.announce_recovery(op.account, op.operation, op.key, name, outcome, record_id)
+
     if recovered.run:
-        if policy == core.RESUME:
-            core.announce_recovery(op.account, op.operation, op.key, policy, "resumed", record_id)
+        # As the request path says it: the policy ran the callable again, or resumes it.
+        announce("resumed" if policy == core.RESUME else "retried")
         return None
     assert recovered.outcome is not None
     if recovered.outcome.status == FAILED:
+        announce("failed")
         raise OutcomeUnknown(
             f"an earlier attempt of {op.operation} with key {op.key!r} stopped midway; "
             "whether it took effect is unknown, and it will not be run again"
         )
+    announce("completed")
     return recovered.answer
