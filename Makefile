@@ -146,8 +146,7 @@ test-mysql: $(BIN)/.mysqlclient
 # starts its own on a free port) and Django's own pool, the two runs side by side.
 POOLER_SUITES := tests/test_poolers.py tests/test_concurrency.py tests/test_crash.py \
 	tests/test_faults_crash.py tests/test_faults_database.py tests/test_servers.py \
-	tests/test_callers_transaction.py tests/test_callers_transaction_crash.py \
-	tests/test_steps.py tests/test_steps_crash.py
+	tests/test_callers_transaction.py
 
 test-poolers: $(STAMP)
 	@command -v pgbouncer >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -265,7 +265,7 @@ class _SenderQueries:
         if self.savepoint is None and not self.opening:
             self.opening = True  # the SAVEPOINT statement passes through here too
             try:
-                self.savepoint = transaction.savepoint(using=self.alias)
+                self.savepoint = _savepoint(using=self.alias)
             finally:
                 self.opening = False
         return execute(sql, params, many, context)
@@ -280,6 +280,10 @@ class _SenderQueries:
             transaction.savepoint_rollback(self.savepoint, using=self.alias)
             # As an inner atomic block would: the batch's transaction is usable again.
             transaction.set_rollback(False, using=self.alias)
+
+
+# Django 6.1 names it savepoint_create (savepoint() is deprecated there).
+_savepoint: Callable[..., str] = getattr(transaction, "savepoint_create", transaction.savepoint)
 
 
 def configured_sender() -> Sender:

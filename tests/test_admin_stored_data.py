@@ -126,6 +126,15 @@ BROKEN_HEADERS: dict[str, Any] = {
 }
 
 
+def python_decodes(text: str) -> bool:
+    """Whether this Python's JSON decoder reads ``text`` (its depth limit varies)."""
+    try:
+        json.loads(text)
+    except RecursionError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("headers", list(BROKEN_HEADERS.values()), ids=list(BROKEN_HEADERS))
 def test_headers_that_are_not_a_list_of_pairs_render_as_stored(admin_client, headers):
     record = cast(IdempotencyRecord, RecordFactory(response_body=b'{"ok": true}'))
@@ -147,7 +156,10 @@ def test_headers_python_cannot_decode_render_as_stored(admin_client):
     if connection.vendor == "mysql":
         pytest.skip("MariaDB's JSON columns refuse more than 31 levels of nesting")
     record = cast(IdempotencyRecord, RecordFactory(response_body=b'{"ok": true}'))
-    store_raw_json(IdempotencyRecord, record.pk, "response_headers", "[" * 1500 + "]" * 1500)
+    text = "[" * 1500 + "]" * 1500
+    if python_decodes(text):
+        pytest.skip("this Python's JSON decoder reads 1500 levels (3.13 and later)")
+    store_raw_json(IdempotencyRecord, record.pk, "response_headers", text)
     before = stored_records()
     _listing, detail = pages(admin_client, RECORDS, record.pk)
     assert "nested too deeply to be decoded" in detail
@@ -178,6 +190,8 @@ ARGUMENTS: dict[str, tuple[str, str, str]] = {
 
 @pytest.mark.parametrize(("column", "text", "shown"), list(ARGUMENTS.values()), ids=list(ARGUMENTS))
 def test_every_stored_outbox_message_renders(admin_client, column, text, shown):
+    if "nested too deeply to be decoded" in shown and python_decodes(text):
+        pytest.skip("this Python's JSON decoder reads 1500 levels (3.13 and later)")
     if connection.vendor == "mysql" and text.startswith("[" * 32):
         pytest.skip("MariaDB's JSON columns refuse more than 31 levels of nesting")
     if connection.vendor == "mysql" and "\\ud800" in text:

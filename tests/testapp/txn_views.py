@@ -16,6 +16,7 @@ key, so they run inside whatever transaction the request is in.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -23,7 +24,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from celery import shared_task
 from django.conf import settings
 from django.db import connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -34,7 +34,6 @@ from django_idempotency.decorators import idempotent
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import IN_PROGRESS
-from django_idempotency.tasks import DeliveryInProgress, idempotent_task
 from tests.testapp.models import Charge, ProviderCall
 
 POLICIES = ("retry", "fail")
@@ -100,21 +99,32 @@ def _decorated(policy: str) -> Any:
     return view
 
 
-@shared_task(name="tests.txn_task_retry")
-@idempotent_task(key=lambda key, crash: key, recovery="retry")
-def task_retry(key: str, crash: str) -> dict[str, Any]:
-    """The operation as a deduplicated task (``"retry"``)."""
-    return work(crash)
+#: Celery is optional (the tox env ``core`` runs without it): the task entry point then
+#: is not there.
+HAS_CELERY = importlib.util.find_spec("celery") is not None
+TASKS: dict[str, Any] = {}
+_NOT_A_DELIVERY: tuple[type[BaseException], ...] = ()
 
+if HAS_CELERY:
+    from celery import shared_task
 
-@shared_task(name="tests.txn_task_fail")
-@idempotent_task(key=lambda key, crash: key, recovery="fail")
-def task_fail(key: str, crash: str) -> dict[str, Any]:
-    """The operation as a deduplicated task (``"fail"``)."""
-    return work(crash)
+    from django_idempotency.tasks import DeliveryInProgress, idempotent_task
 
+    _NOT_A_DELIVERY = (DeliveryInProgress,)
 
-TASKS = {"retry": task_retry, "fail": task_fail}
+    @shared_task(name="tests.txn_task_retry")
+    @idempotent_task(key=lambda key, crash: key, recovery="retry")
+    def task_retry(key: str, crash: str) -> dict[str, Any]:
+        """The operation as a deduplicated task (``"retry"``)."""
+        return work(crash)
+
+    @shared_task(name="tests.txn_task_fail")
+    @idempotent_task(key=lambda key, crash: key, recovery="fail")
+    def task_fail(key: str, crash: str) -> dict[str, Any]:
+        """The operation as a deduplicated task (``"fail"``)."""
+        return work(crash)
+
+    TASKS = {"retry": task_retry, "fail": task_fail}
 
 
 def _plain_caller(policy: str, call: Any) -> Any:
@@ -126,7 +136,7 @@ def _plain_caller(policy: str, call: Any) -> Any:
             result = call(key, _crash(request))
         except InProgress as exc:
             return JsonResponse({"code": "in_progress", "retry_after": exc.retry_after}, status=409)
-        except DeliveryInProgress:
+        except _NOT_A_DELIVERY:
             return JsonResponse({"code": "in_progress"}, status=409)
         except OutcomeUnknown:
             return JsonResponse({"code": "idempotency_outcome_unknown"}, status=500)
@@ -183,8 +193,9 @@ for _policy in POLICIES:
         path(f"run-once/{_policy}/", _run_once_view(_policy)),
         path(f"view-run-once/{_policy}/", _view_run_once(_policy)),
         path(f"local/{_policy}/", _local(_policy)),
-        path(f"task/{_policy}/", _task_view(_policy)),
     ]
+    if HAS_CELERY:
+        urlpatterns.append(path(f"task/{_policy}/", _task_view(_policy)))
 
 if settings.HAS_DRF:
     from rest_framework.authentication import BasicAuthentication, SessionAuthentication
