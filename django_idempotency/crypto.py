@@ -150,13 +150,13 @@ def open_response(stored_headers: Any, stored_body: Any) -> tuple[Headers, bytes
 
 
 def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Headers, bytes | None]:
-    from cryptography.fernet import InvalidToken
-
     kid = sealed_with(stored_headers)
     if not kid:
         raise Unreadable(None, "the stored headers are neither JSON headers nor sealed ones")
     if keys is None:
         raise Unreadable(kid, "ENCRYPTION_KEYS is empty")
+    # Only now: without keys (and so perhaps without cryptography) nothing is opened.
+    from cryptography.fernet import InvalidToken
     token = stored_headers.split(":", 2)[2]
     try:
         headers = json.loads(keys.fernet.decrypt(token))

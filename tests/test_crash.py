@@ -10,6 +10,7 @@ import time
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.conftest import new_key, postgres_only
@@ -62,9 +63,15 @@ def test_retry_policy_runs_again_with_one_effect(server, user, stage):
     record = crash(server, path, headers, stage)
     # Before the lease runs out the record is still owned: the retry gets a 409.
     early = request(server, "POST", path, CHARGE, headers)
-    assert early.status == 409
-    wait_for_lease(record)
-    answer = retry_until_answered(server, path, headers)
+    if early.status == 409:
+        wait_for_lease(record)
+        answer = retry_until_answered(server, path, headers)
+    else:
+        # On a loaded machine the one-second lease can be over before this retry reaches the
+        # server: then it took the lease over, as any retry after the lease does.
+        assert record.lease_expires_at is not None
+        assert timezone.now() >= record.lease_expires_at
+        answer = early
     assert answer.status == 201
     assert not answer.replayed
     assert Charge.objects.count() == 1
