@@ -102,7 +102,7 @@ def fill(rows: int, refill: bool) -> None:
         return
     started = time.perf_counter()
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_idempotency_record")
+        cursor.execute("TRUNCATE django_idempotency_record, django_idempotency_step")
         cursor.execute(FILL_SQL, {"rows": rows})
     # VACUUM sets the visibility map, so index-only scans work as on a table that has been
     # live for a while; ANALYZE gives the planner real statistics.

@@ -79,7 +79,9 @@ def fill(rows: int) -> float:
     call_command("migrate", verbosity=0)
     started = time.perf_counter()
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_idempotency_record, django_idempotency_audit")
+        cursor.execute(
+            "TRUNCATE django_idempotency_record, django_idempotency_step, django_idempotency_audit"
+        )
         cursor.execute(FILL_SQL.format(accounts=ACCOUNTS, operation=OPERATION), {"rows": rows})
     with connection.cursor() as cursor:
         cursor.execute("VACUUM ANALYZE django_idempotency_record")

@@ -184,7 +184,7 @@ def fill(rows: int) -> float:
 
     call_command("migrate", verbosity=0)
     started = time.perf_counter()
-    execute("TRUNCATE django_idempotency_record, django_idempotency_audit")
+    execute("TRUNCATE django_idempotency_record, django_idempotency_step, django_idempotency_audit")
     for first in range(1, rows + 1, CHUNK):
         last = min(rows, first + CHUNK - 1)
         execute(FILL_SQL.format(accounts=ACCOUNTS), {"first": first, "last": last})

@@ -82,7 +82,8 @@ def prepare(variant: str, reset: bool = True) -> str:
     if reset:
         tables = ["benchsite_charge"]
         if variant in ("ours", "sealed", "patched"):
-            tables.append("django_idempotency_record")
+            # The steps' foreign key cascades: they are emptied with the records.
+            tables += ["django_idempotency_record", "django_idempotency_step"]
         if variant == "dfi":
             tables.append("drf_idempotency_idempotencyrecord")
         with connection.cursor() as cursor:
