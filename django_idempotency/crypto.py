@@ -157,6 +157,7 @@ def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Hea
         raise Unreadable(kid, "ENCRYPTION_KEYS is empty")
     # Only now: without keys (and so perhaps without cryptography) nothing is opened.
     from cryptography.fernet import InvalidToken
+
     token = stored_headers.split(":", 2)[2]
     try:
         headers = json.loads(keys.fernet.decrypt(token))
