@@ -244,7 +244,12 @@ GROUP BY 1 ORDER BY 3 DESC
 
 def _tables(connection: Any) -> list[str]:
     names = connection.introspection.table_names()
-    wanted = ("benchsite_charge", "django_idempotency_record", "drf_idempotency_idempotencyrecord")
+    wanted = (
+        "benchsite_charge",
+        "benchsite_floorrecord",
+        "django_idempotency_record",
+        "drf_idempotency_idempotencyrecord",
+    )
     return [name for name in wanted if name in names]
 
 
@@ -258,9 +263,11 @@ def _statements(call: Any) -> dict[str, Any]:
     from django.db import connection
 
     seen: list[str] = []
+    bound: list[int] = []
 
     def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         seen.append(" ".join(sql.split()))
+        bound.append(len(params) if params else 0)
         return execute(sql, params, many, context)
 
     connection.ensure_connection()
@@ -274,7 +281,30 @@ def _statements(call: Any) -> dict[str, Any]:
             pgconn.untrace()
         trace.seek(0)
         wire, round_trips = _wire(trace.read())
-    return {"status": status, "django": seen, "wire": wire, "round_trip_ms": round_trips}
+    return {
+        "status": status,
+        "django": seen,
+        "wire": wire,
+        "round_trip_ms": round_trips,
+        "parameters": _parameters(wire, seen, bound),
+    }
+
+
+def _parameters(wire: list[str], seen: list[str], bound: list[int]) -> list[int]:
+    """The values bound to each statement on the wire: those Django passed with it (``BEGIN``,
+    ``COMMIT`` and savepoints that psycopg or Django send without parameters count 0)."""
+    counts = []
+    position = 0
+    for statement in wire:
+        head = statement.split(None, 1)[0].upper() if statement else ""
+        if head in ("BEGIN", "COMMIT", "ROLLBACK") and not (
+            position < len(seen) and seen[position].upper().startswith(head)
+        ):
+            counts.append(0)
+            continue
+        counts.append(bound[position] if position < len(bound) else 0)
+        position += 1
+    return counts
 
 
 def _clock(stamp: str) -> float:

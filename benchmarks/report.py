@@ -11,6 +11,7 @@ from typing import Any
 
 LABELS = {
     "plain": "plain DRF, no idempotency",
+    "floor": "the floor: claim and completion by hand",
     "ours": "django-idempotency (IdempotencyMixin)",
     "sealed": "django-idempotency, ENCRYPTION_KEYS set",
     "patched": "django-idempotency + proposed cuts",
@@ -50,7 +51,7 @@ def statement_kind(sql: str) -> str:
         return "claim (read, or INSERT … ON CONFLICT DO UPDATE … RETURNING)"
     if upper.startswith("WITH CLAIM AS"):
         return "claim (INSERT … ON CONFLICT DO NOTHING RETURNING, or the row in the way)"
-    if upper.startswith("UPDATE") and "COMPLETED_AT" in upper:
+    if upper.startswith("UPDATE") and ("COMPLETED_AT" in upper or "'COMPLETED'" in upper):
         return "fenced completion UPDATE"
     for word in ("BEGIN", "COMMIT", "ROLLBACK", "RELEASE SAVEPOINT", "SAVEPOINT"):
         if upper.startswith(word):
@@ -136,6 +137,8 @@ def render(results: dict[str, Any]) -> str:
         if "sealed.create" in results["inprocess"]["median_ms"]:
             add(encryption(results["inprocess"], results["plan"], results["machine"]))
         add(sql(results["inprocess"]["sql"]))
+        if {"ours", "floor"} <= set(results["inprocess"]["sql"]):
+            add(statements(results["inprocess"]["sql"]))
         if results["inprocess"].get("writes"):
             add(writes_section(results["inprocess"]["writes"]))
     if "server" in results:
@@ -211,6 +214,8 @@ def targets(results: dict[str, Any]) -> str:
                 verdict(replay - noop <= 0.2),
             ]
         )
+    if "inprocess" in results:
+        rows += floor_targets_inprocess(results["inprocess"])
     writes = results.get("inprocess", {}).get("writes", {})
     if "ours" in writes:
         ours = writes["ours"]
@@ -244,6 +249,16 @@ def targets(results: dict[str, Any]) -> str:
                     "first request throughput ≥ 0.75× plain (real server; stretch 0.8×)",
                     ratio(value),
                     verdict(value >= 0.75) + (" (stretch met)" if value >= 0.8 else ""),
+                ]
+            )
+        versus = _floor_ratios(runs, "ours.create", "rps")
+        if versus:
+            value = statistics.median(versus)
+            rows.append(
+                [
+                    "first request throughput ≥ 0.9× the floor (real server)",
+                    f"{ratio(value)} ({spread(versus)})",
+                    verdict(value >= 0.9),
                 ]
             )
         ours = results["server"]["storm"].get("ours")
@@ -282,6 +297,41 @@ def targets(results: dict[str, Any]) -> str:
     if results.get("steps"):
         rows.append(steps_target(results["steps"]))
     return table(["target", "measured", ""], rows)
+
+
+def _floor_ratios(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> list[float]:
+    """``name``'s figure over the floor's of the same kind, round by round."""
+    floor = runs.get(f"floor.{name.split('.')[1]}", [])
+    mine = runs.get(name, [])
+    return [m[key] / f[key] for m, f in zip(mine, floor, strict=False) if f[key]]
+
+
+def floor_ratio(data: dict[str, Any], name: str) -> tuple[float, list[float]] | None:
+    """In-process: ``name``'s median over the floor's median of the same kind of request,
+    and the same ratio round by round; ``None`` without the floor."""
+    med, rounds = data["median_ms"], data["round_medians_ms"]
+    floor = f"floor.{name.split('.')[1]}"
+    if floor not in med or name not in med:
+        return None
+    per_round = [m / f for m, f in zip(rounds[name], rounds[floor], strict=False) if f]
+    return med[name] / med[floor], per_round
+
+
+def floor_targets_inprocess(data: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for kind, what in (("create", "first request"), ("replay", "replay")):
+        found = floor_ratio(data, f"ours.{kind}")
+        if found is None:
+            continue
+        value, per_round = found
+        rows.append(
+            [
+                f"{what} median latency ≤ 1.1× the floor (in-process)",
+                f"{ratio(value)} (per round {spread(per_round)})",
+                verdict(value <= 1.1),
+            ]
+        )
+    return rows
 
 
 def outbox_targets(data: dict[str, Any]) -> list[list[str]]:
@@ -372,6 +422,7 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
         base_rounds = rounds.get("plain.create", [])
         per_round = [m / b for m, b in zip(rounds[name], base_rounds, strict=False)]
         what = {"create": "first request", "replay": "replay", "noop": "authenticated no-op"}[kind]
+        versus = floor_ratio(data, name)
         rows.append(
             [
                 LABELS[variant],
@@ -380,6 +431,7 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
                 ms(p90[name]),
                 ratio(med[name] / base) if base else "–",
                 spread(per_round),
+                f"{ratio(versus[0])} ({spread(versus[1])})" if versus else "–",
                 data["requests"][name],
                 ", ".join(f"{k}: {v}" for k, v in sorted(data["statuses"][name].items())),
             ]
@@ -393,7 +445,9 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
         "spread of the same ratio computed round by round. The authenticated no-op endpoint "
         "(token authentication, permission check, a constant answer) is the floor of any "
         "replay: a replay is answered only after authentication, because keys are scoped by "
-        "the caller.\n\n"
+        'the caller. "vs the floor" divides by the floor\'s median of the same kind of '
+        "request (the claim and the completion written by hand in the view, "
+        "`benchmarks/benchsite/floor.py`), with the spread of that ratio round by round.\n\n"
         + table(
             [
                 "variant",
@@ -402,6 +456,7 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
                 "p90",
                 "ratio to plain create",
                 "per-round",
+                "vs the floor",
                 "requests",
                 "statuses",
             ],
@@ -563,6 +618,42 @@ def sql(data: dict[str, Any]) -> str:
     )
 
 
+def statements(data: dict[str, Any]) -> str:
+    """Ours against the floor, statement by statement: round trip and values bound."""
+    rows = []
+    for kind in ("create", "replay"):
+        for variant in ("floor", "ours"):
+            call = data[variant][kind]
+            bound = call.get("parameters") or [0] * len(call["wire"])
+            for number, (statement, took, values) in enumerate(
+                zip(call["wire"], call["round_trip_ms"], bound, strict=False), start=1
+            ):
+                rows.append(
+                    [
+                        "first request" if kind == "create" else "replay",
+                        LABELS[variant],
+                        number,
+                        statement_kind(statement),
+                        f"{took * 1000:.0f} µs",
+                        values,
+                        len(statement),
+                    ]
+                )
+            total = sum(call["round_trip_ms"]) * 1000
+            rows.append(["", f"**{LABELS[variant]}: total**", "", "", f"{total:.0f} µs", "", ""])
+    return (
+        "\n## Statement by statement: ours and the floor\n\n"
+        "The same traces as above: each statement of one first request and of one replay, "
+        "its median round trip (µs, from sending it to the server's `ReadyForQuery`), the "
+        "values bound to it (psycopg binds them client-side, into the text sent) and the "
+        "length of the text sent, in characters.\n\n"
+        + table(
+            ["request", "variant", "#", "statement", "round trip", "values bound", "characters"],
+            rows,
+        )
+    )
+
+
 def writes_section(data: dict[str, Any]) -> str:
     rows = []
     detail = []
@@ -638,14 +729,22 @@ def server(data: dict[str, Any], plan: dict[str, Any]) -> str:
         p50 = [r["p50_ms"] for r in runs[name]]
         through = _server_ratio(runs, name, "rps")
         latency = _server_ratio(runs, name, "p50_ms")
+        floor_through = _floor_ratios(runs, name, "rps")
+        floor_latency = _floor_ratios(runs, name, "p50_ms")
         rows.append(
             [
                 LABELS[variant],
                 "first request" if kind == "create" else "replay",
                 f"{statistics.median(rps):,.0f}",
                 f"{statistics.median(through):.0%} ({spread(through)})" if through else "–",
+                f"{statistics.median(floor_through):.2f}× ({spread(floor_through)})"
+                if floor_through
+                else "–",
                 ms(statistics.median(p50)),
                 f"{statistics.median(latency):.2f}× ({spread(latency)})" if latency else "–",
+                f"{statistics.median(floor_latency):.2f}× ({spread(floor_latency)})"
+                if floor_latency
+                else "–",
                 ms(statistics.median(r["p99_ms"] for r in runs[name])),
                 sum(r["non_2xx_3xx"] for r in runs[name]),
                 sum(r["errors"] for r in runs[name]),
@@ -658,8 +757,9 @@ def server(data: dict[str, Any], plan: dict[str, Any]) -> str:
         f"{plan['server_seconds']} s per run, {plan['server_rounds']} rounds of every variant "
         "(rotating order) after a warm-up. Replays cycle through "
         f"{plan['replay_keys']} keys created beforehand. Ratios are to the plain endpoint's "
-        "first requests of the same round; the median ratio is shown with the spread of the "
-        "rounds. Requests per second count only 2xx answers (the median of the rounds); "
+        "first requests of the same round, and to the floor's of the same kind of request; the "
+        "median ratio is shown with the spread of the rounds. Requests per second count only "
+        "2xx answers (the median of the rounds); "
         '"non-2xx" are the other answers of all rounds together (django-idempotency-key '
         "answers 423 Locked when its global Redis lock is busy for 0.1 s).\n\n"
         + table(
@@ -668,8 +768,10 @@ def server(data: dict[str, Any], plan: dict[str, Any]) -> str:
                 "request",
                 "req/s",
                 "throughput vs plain",
+                "throughput vs the floor",
                 "median latency",
                 "latency vs plain",
+                "latency vs the floor",
                 "p99",
                 "non-2xx",
                 "socket errors",

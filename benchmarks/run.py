@@ -49,7 +49,7 @@ WRK_SCRIPT = BENCH / "wrk" / "post.lua"
 
 # "sealed" is the mixin with ENCRYPTION_KEYS set: measured in-process only (its cost is
 # CPU in the request, which the real-server runs would only blur with more noise).
-VARIANTS = ("plain", "ours", "sealed", "dik", "dfi")
+VARIANTS = ("plain", "floor", "ours", "sealed", "dik", "dfi")
 IN_PROCESS_ONLY = ("sealed",)
 ALTERNATIVES = ("dik", "dfi")
 BODY = {"amount": 1000, "currency": "EUR", "description": "bench"}

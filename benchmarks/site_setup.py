@@ -84,6 +84,8 @@ def prepare(variant: str, reset: bool = True) -> str:
         if variant in ("ours", "sealed", "patched"):
             # The steps' foreign key cascades: they are emptied with the records.
             tables += ["django_idempotency_record", "django_idempotency_step"]
+        if variant == "floor":
+            tables.append("benchsite_floorrecord")
         if variant == "dfi":
             tables.append("drf_idempotency_idempotencyrecord")
         with connection.cursor() as cursor:

@@ -10,12 +10,13 @@ import os
 from typing import Any
 
 VARIANT = os.environ.get("BENCH_VARIANT", "plain")
-if VARIANT not in ("plain", "ours", "sealed", "patched", "dik", "dfi"):
+if VARIANT not in ("plain", "floor", "ours", "sealed", "patched", "dik", "dfi"):
     raise RuntimeError(
-        f"BENCH_VARIANT must be plain, ours, sealed, patched, dik or dfi, not {VARIANT!r}"
+        f"BENCH_VARIANT must be plain, floor, ours, sealed, patched, dik or dfi, not {VARIANT!r}"
     )
 # "patched" is "ours" with django_idempotency imported from a scratch copy (run.py --patched);
-# "sealed" is "ours" with stored responses encrypted (ENCRYPTION_KEYS).
+# "sealed" is "ours" with stored responses encrypted (ENCRYPTION_KEYS). "floor" is the claim
+# and the completion written by hand in the view (benchsite/floor.py), no package at all.
 PROTECTION = "ours" if VARIANT in ("patched", "sealed") else VARIANT
 # A Fernet key for the benchmark's own throwaway database only.
 BENCH_ENCRYPTION_KEY = "YmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtMzI="

@@ -1,4 +1,4 @@
-"""One DRF create endpoint, four ways: unprotected, and protected by each library.
+"""One DRF create endpoint, five ways: unprotected, by hand (the floor), and by each library.
 
 Every variant runs the same serializer, the same ``perform_create`` and the same
 authentication; only the idempotency layer differs. ``delay`` (the storm's routes) stands
@@ -51,6 +51,10 @@ def protected(base: type[PlainChargeViewSet]) -> type[PlainChargeViewSet]:
         from django_idempotency.drf import IdempotencyMixin
 
         return type(f"Ours{base.__name__}", (IdempotencyMixin, base), {})
+    if variant == "floor":
+        from benchmarks.benchsite.floor import FloorMixin
+
+        return type(f"Floor{base.__name__}", (FloorMixin, base), {})
     if variant == "dik":
         from idempotency_key.decorators import idempotency_key
 
