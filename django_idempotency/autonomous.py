@@ -47,6 +47,9 @@ __all__ = [
 # The caller's connection wrapper keeps its second connection in this attribute: both are
 # per thread, so they live and die together.
 _ATTRIBUTE = "_django_idempotency_autonomous"
+# Whether this process ever made a second connection: until it has, closing them after a
+# request has nothing to look at.
+_made = False
 
 
 def in_callers_transaction(connection: BaseDatabaseWrapper) -> bool:
@@ -63,6 +66,8 @@ def in_callers_transaction(connection: BaseDatabaseWrapper) -> bool:
 def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
     if second is None:
+        global _made
+        _made = True
         # The same backend class and the very same settings dictionary as the caller's
         # connection: the same server, pooler, pool and options.
         second = type(connection)(connection.settings_dict, connection.alias)
@@ -178,6 +183,8 @@ def _snapshot_isolation(connection: BaseDatabaseWrapper) -> str | None:
 def close_idle(**kwargs: Any) -> None:
     """``request_started`` / ``request_finished`` receiver: close the second connections as
     Django closes its own (``CONN_MAX_AGE``, unusable after an error)."""
+    if not _made:
+        return
     for connection in connections.all(initialized_only=True):
         second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
         if second is not None:

@@ -14,12 +14,12 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -107,7 +107,7 @@ def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
     return recovery
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Operation:
     """What one claim is for: the record's identity, the request's fingerprint, its terms."""
 
@@ -124,11 +124,22 @@ class Operation:
     def claim(self) -> store.ClaimResult:
         """Claim the record (see :func:`store.claim`), now, committed at once whatever
         transaction the caller is in (see :mod:`.autonomous`)."""
+        request = store.ClaimRequest(
+            self.account,
+            self.operation,
+            self.key,
+            self.request_hash,
+            self.fingerprint_version,
+            self.recovery_policy,
+            timezone.now(),
+            self.lease,
+            self.ttl,
+        )
+        if not autonomous.in_callers_transaction(connections[self.alias]):
+            # The usual case: autocommit (or a test case's transaction), where the claim
+            # commits at once on the caller's own connection.
+            return store.claim(self.alias, request)
         autonomous.refuse_unkeepable(self.alias, self.recovery_policy, self.operation)
-        terms = {
-            f.name: getattr(self, f.name) for f in fields(store.ClaimRequest) if f.name != "now"
-        }
-        request = store.ClaimRequest(now=timezone.now(), **terms)
         if autonomous.separate(self.alias):
             # The caller's transaction may hold this key's outcome already, not yet committed
             # (an earlier call with the key in the same transaction): its own view of the

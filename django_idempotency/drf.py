@@ -5,7 +5,7 @@ This is the only module that imports DRF.
 
 from __future__ import annotations
 
-import inspect
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,6 +18,11 @@ from django_idempotency import conf, engine, sources, validation
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
+# Per view class: the raw idempotency_* values last validated, what they validated to, and the
+# key source. Weak: a class made in a test goes with it.
+_VALIDATED: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], dict[str, Any], Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _finalized(
@@ -100,9 +105,21 @@ class IdempotencyMixin:
         return key
 
     def _idempotency_key_source(self) -> Callable[[Any], str | None] | str | None:
-        # Read past the descriptor protocol: a function stored on the class would otherwise
-        # come back as a method of the view and get the view as its first argument.
-        source = inspect.getattr_static(self, "idempotency_key", None)
+        return self._validated_key_source(self._raw_idempotency_key())
+
+    def _raw_idempotency_key(self) -> Any:
+        # Read past the descriptor protocol (as inspect.getattr_static does, more cheaply):
+        # a function stored on the class would otherwise come back as a method of the view
+        # and get the view as its first argument.
+        found = self.__dict__.get("idempotency_key", _MISSING)
+        if found is not _MISSING:
+            return found
+        for klass in type(self).__mro__:
+            if "idempotency_key" in klass.__dict__:
+                return klass.__dict__["idempotency_key"]
+        return None
+
+    def _validated_key_source(self, source: Any) -> Callable[[Any], str | None] | str | None:
         if isinstance(source, staticmethod):
             source = source.__func__
         elif isinstance(source, classmethod):
@@ -115,7 +132,8 @@ class IdempotencyMixin:
         return _viewset_operation(self) or engine.route_operation(request, type(self))
 
     def _idempotency_options(self) -> engine.Options:
-        # Built (and validated) once per request: DRF makes a view instance per request.
+        # Read twice per request (dispatch, then initial): worked out once per view instance,
+        # which DRF makes per request, from what is validated once per class.
         options: engine.Options | None = self.__dict__.get("_idempotency_validated")
         if options is None:
             options = self._validated_options()
@@ -124,8 +142,41 @@ class IdempotencyMixin:
 
     def _validated_options(self) -> engine.Options:
         cls = type(self)
-        # An overridden hook is the view's own account or fingerprint; otherwise the settings'
-        # (so the stored fingerprint version is the settings' one).
+        # What the attributes hold, read as the view reads them (an instance's own values
+        # first: as_view(idempotency_ttl=...)); the recovery from the class, where a
+        # function assigned in the class body is the policy itself, not a method.
+        raw = (
+            self.idempotency_operation,
+            self.idempotency_required,
+            self.idempotency_ttl,
+            self.idempotency_lease,
+            cls.idempotency_recovery,
+            self.idempotency_methods,
+            self._raw_idempotency_key(),
+        )
+        # Validated on the view's first call (a wrong one raises ImproperlyConfigured before
+        # anything runs, as nothing is read at import time), and again whenever one of the
+        # values is another object than the one validated.
+        cached = _VALIDATED.get(cls)
+        if cached is None or any(old is not new for old, new in zip(cached[0], raw, strict=True)):
+            operation, required, ttl, lease, recovery, methods, key = raw
+            arguments = validation.view_arguments(
+                f"IdempotencyMixin on {validation.name_of(cls)}",
+                prefix="idempotency_",
+                operation=operation,
+                required=required,
+                ttl=ttl,
+                lease=lease,
+                recovery=recovery,
+                methods=methods,
+            )
+            overridden = cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
+            cached = (raw, arguments, None if overridden else self._validated_key_source(key))
+            _VALIDATED[cls] = cached
+        _, arguments, source = cached
+        # An overridden hook is the view's own account, fingerprint or key; otherwise the
+        # settings' (so the stored fingerprint version is the settings' one), and the
+        # attribute's key source, else the header.
         account = (
             self.get_idempotency_account
             if cls.get_idempotency_account is not IdempotencyMixin.get_idempotency_account
@@ -136,25 +187,10 @@ class IdempotencyMixin:
             if cls.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
             else None
         )
-        # The same for the key: the overridden method, else the attribute, else the header.
         key = (
             self.get_idempotency_key
             if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
-            else self._idempotency_key_source()
-        )
-        # The attributes are validated on the view's first call (a wrong one raises
-        # ImproperlyConfigured before anything runs), as nothing is read at import time.
-        arguments = validation.view_arguments(
-            f"IdempotencyMixin on {validation.name_of(cls)}",
-            prefix="idempotency_",
-            operation=self.idempotency_operation,
-            required=self.idempotency_required,
-            ttl=self.idempotency_ttl,
-            lease=self.idempotency_lease,
-            # Read from the class: a function assigned in the class body is the policy
-            # itself, not a method of the view.
-            recovery=cls.idempotency_recovery,
-            methods=self.idempotency_methods,
+            else source
         )
         return engine.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 

@@ -7,6 +7,7 @@ execution and the recovery rule are the framework-neutral ones of :mod:`.core`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from django_idempotency.core import (
     storable_name,
 )
 from django_idempotency.fingerprint import django_request, fingerprint_version
-from django_idempotency.keys import InvalidKey, parse_key, validate_key
+from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import FAILED, IN_PROGRESS
 
@@ -77,12 +78,15 @@ class Options:
     #: ``None``: the ``HEADER`` setting's header.
     key: KeySource | str | None = None
 
+    def __post_init__(self) -> None:
+        # Read on every request: upper-cased once here (the setting's are already).
+        methods = frozenset(m.upper() for m in self.methods) if self.methods else None
+        object.__setattr__(self, "_methods", methods)
+
     def protects(self, method: str | None) -> bool:
         """Whether requests with ``method`` need (or may carry) a key."""
-        allowed = (
-            frozenset(m.upper() for m in self.methods) if self.methods else app_settings.METHODS
-        )
-        return (method or "").upper() in allowed
+        allowed: frozenset[str] = self._methods or app_settings.METHODS  # type: ignore[attr-defined]
+        return method in allowed or (method or "").upper() in allowed
 
 
 def context_of(request: Any) -> IdempotencyContext | None:
@@ -110,9 +114,12 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
     """The request's key; ``None`` when it carries none; a problem answer when it is bad."""
     if options.key is None:
         header = app_settings.HEADER
-        # request.headers, not META: test clients that build META themselves (ninja's) need
-        # not spell the WSGI name of the header.
-        raw = inner.headers.get(header)
+        # META first: request.headers builds a mapping of every header on first use. Test
+        # clients that build META themselves (ninja's) need not spell the WSGI name of the
+        # header, so a miss asks request.headers.
+        raw = inner.META.get(_meta_name(header))
+        if raw is None:
+            raw = inner.headers.get(header)
         if raw is None:
             return None
         try:
@@ -124,6 +131,11 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
         return None if value is None else validate_key(value)
     except InvalidKey as exc:
         return problems.KEY_INVALID.response(f"The request's idempotency key is invalid: {exc}.")
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_name(header: str) -> str:
+    return header_meta_name(header)
 
 
 def handle(
@@ -168,14 +180,18 @@ def handle(
     return _Protected.of(request, context, options, alias).answer(call_view)
 
 
-@dataclass(frozen=True)
 class _Protected:
     """One protected request: what it claims, and its answer for each state of the record."""
 
-    request: Any
-    context: IdempotencyContext
-    operation: core.Operation
-    recovery: Recovery
+    __slots__ = ("context", "operation", "recovery", "request")
+
+    def __init__(
+        self, request: Any, context: IdempotencyContext, operation: core.Operation, recovery: Any
+    ) -> None:
+        self.request = request
+        self.context = context
+        self.operation = operation
+        self.recovery = recovery
 
     @classmethod
     def of(
@@ -184,17 +200,15 @@ class _Protected:
         fingerprint = conf.resolve_callable(options.fingerprint or app_settings.FINGERPRINT)
         recovery = options.recovery or app_settings.RECOVERY
         operation = core.Operation(
-            alias=alias,
-            account=context.account,
-            operation=context.operation,
-            key=context.key,
-            request_hash=fingerprint(request),
-            fingerprint_version=fingerprint_version(fingerprint),
-            recovery_policy=recovery_name(recovery),
-            ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
-            lease=conf.as_timedelta(options.lease)
-            if options.lease is not None
-            else app_settings.LEASE,
+            alias,
+            context.account,
+            context.operation,
+            context.key,
+            fingerprint(request),
+            fingerprint_version(fingerprint),
+            recovery if recovery.__class__ is str else recovery_name(recovery),
+            conf.as_timedelta(options.lease) if options.lease is not None else app_settings.LEASE,
+            conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
         )
         return cls(request, context, operation, recovery)
 
@@ -445,9 +459,13 @@ def outcome_of(response: Any) -> core.Outcome | None:
 
 
 def _response(outcome: core.Outcome) -> HttpResponse:
-    response = HttpResponse(outcome.body, status=outcome.response_status)
+    return _headed(HttpResponse(outcome.body, status=outcome.response_status), outcome.headers)
+
+
+def _headed(response: HttpResponse, headers: list[list[str]]) -> HttpResponse:
+    """``response`` with exactly the stored headers (no default ``Content-Type`` of its own)."""
     del response["Content-Type"]
-    for name, value in outcome.headers:
+    for name, value in headers:
         response[name] = value
     return response
 
@@ -455,8 +473,9 @@ def _response(outcome: core.Outcome) -> HttpResponse:
 def replay_response(state: store.RecordState) -> HttpResponse:
     """The stored outcome as a response: same status, same body bytes, same stored headers."""
     assert state.response_status is not None
-    response = _response(
-        core.Outcome(state.response_status, state.response_headers, state.response_body or b"")
+    response = _headed(
+        HttpResponse(state.response_body or b"", status=state.response_status),
+        state.response_headers,
     )
     response[REPLAYED_HEADER] = "true"
     return response

@@ -108,6 +108,10 @@ def _body_of(request: Any, inner: HttpRequest) -> Any:
         return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=str))}
 
 
+# Sorted keys, no insignificant whitespace, text as it is: made once, used per request.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> bytes:
     """The canonical bytes the default fingerprint hashes, for tests and custom fingerprints."""
     inner = django_request(request)
@@ -121,7 +125,7 @@ def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> by
         "body": _body_of(request, inner),
     }
     form.update(parts)
-    text = json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = _CANONICAL_JSON.encode(form)
     # A JSON body may escape a lone surrogate ("\ud800"); "surrogatepass" encodes it, and
     # every valid string exactly as before, so no stored fingerprint changes.
     return text.encode("utf-8", "surrogatepass")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 MAX_KEY_LENGTH = 255
+# A usable key, whole: what validate_key accepts, tested at once on the request path.
+_USABLE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}")
 
 
 class InvalidKey(ValueError):
@@ -39,6 +43,8 @@ def parse_key(raw: str) -> str:
     not contain ``,``: that is how a header sent twice arrives, and it must not read as a
     third key.
     """
+    if _USABLE.fullmatch(raw) and "," not in raw and raw[0] != '"':
+        return raw  # a bare key, as nearly every client sends it
     value = raw.strip(" \t")
     if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
         value = _unquote_sf_string(value)
@@ -51,6 +57,8 @@ def parse_key(raw: str) -> str:
 def validate_key(value: object) -> str:
     """``value`` if it is a usable key: a string of 1 to 255 printable ASCII characters
     without space (0x21-0x7E); else :class:`InvalidKey` says why."""
+    if isinstance(value, str) and _USABLE.fullmatch(value):
+        return value
     if not isinstance(value, str):
         raise InvalidKey(f"a key must be a string, not {type(value).__name__}")
     if not value:

@@ -1,33 +1,35 @@
 """Signals sent by django-idempotency, with ``sender=IdempotencyRecord`` (or ``OutboxMessage``).
 
 Receivers run inline on the request path: keep them quick, and never let them raise. Each
-signal's docstring says when it is sent and with which keyword arguments.
+signal's docstring says when it is sent and with which keyword arguments. The signals of the
+request path cache their receivers per sender (``use_caching``), so asking whether anybody
+listens costs a dictionary lookup.
 """
 
 from __future__ import annotations
 
 from django.dispatch import Signal
 
-record_claimed = Signal()
+record_claimed = Signal(use_caching=True)
 """A request claimed its key and is about to run the view. Arguments: request, account, operation,
 key, takeover (True when a stale lease was taken over)."""
 
-response_replayed = Signal()
+response_replayed = Signal(use_caching=True)
 """A stored response was replayed. Arguments: request, account, operation, key, status."""
 
-request_conflicted = Signal()
+request_conflicted = Signal(use_caching=True)
 """A retry met an in-progress original and was answered 409. Arguments: request, account,
 operation, key."""
 
-payload_mismatched = Signal()
+payload_mismatched = Signal(use_caching=True)
 """A key was reused with a different request and was answered 422. Arguments: request, account,
 operation, key."""
 
-lease_lost = Signal()
+lease_lost = Signal(use_caching=True)
 """An attempt could not complete because another attempt took its lease over; its database work was
 rolled back. Arguments: request, account, operation, key."""
 
-lease_recovered = Signal()
+lease_recovered = Signal(use_caching=True)
 """A stale lease was handled by a recovery policy, on a retry, by the recovery job or by an admin
 action. Arguments: account, operation, key, policy ("retry", "fail", "resume" or the callable's
 path), outcome ("retried", "resumed", "released", "failed" or "completed"). "resumed": a retry

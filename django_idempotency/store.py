@@ -12,6 +12,7 @@ more.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import uuid
@@ -84,8 +85,14 @@ class RecordState:
     unreadable: bool = False
 
     @classmethod
-    def from_row(cls, row: tuple[Any, ...]) -> RecordState:
-        values = dict(zip(_STATE_COLUMNS, row, strict=True))
+    def from_row(
+        cls, row: tuple[Any, ...], columns: tuple[str, ...] = _STATE_COLUMNS
+    ) -> RecordState:
+        """The state from a row of ``columns`` (every state column unless told otherwise;
+        a column not read is empty: no lease token, no recovery attempts)."""
+        values = dict(zip(columns, row, strict=True))
+        values.setdefault("lease_token", None)
+        values.setdefault("recovery_attempts", 0)
         headers = values["response_headers"]
         damaged = False
         if isinstance(headers, str):
@@ -137,7 +144,9 @@ def _header_pairs(headers: Any) -> bool:
 
 def _aware(value: Any) -> Any:
     # A raw cursor gives SQLite's and MySQL's datetimes as stored (naive, in UTC); the ORM
-    # would have made them aware.
+    # would have made them aware. PostgreSQL's come aware already.
+    if value is None or (isinstance(value, datetime) and value.tzinfo is not None):
+        return value
     if isinstance(value, str):
         value = parse_datetime(value)
     if isinstance(value, datetime) and settings.USE_TZ and timezone.is_naive(value):
@@ -145,7 +154,7 @@ def _aware(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClaimRequest:
     """Everything one claim attempt writes."""
 
@@ -216,15 +225,65 @@ def _returning(alias: str) -> str:
     return ", ".join(quote(c) for c in _STATE_COLUMNS)
 
 
+# What the claim hands back of a record in its way: what a replay, a conflict and the
+# decision to take it over read. A claim that inserted reads nothing back but the id: it
+# wrote every other column itself.
+_EXISTING_COLUMNS = (
+    "id",
+    "status",
+    "lease_expires_at",
+    "expires_at",
+    "request_hash",
+    "fingerprint_version",
+    "response_status",
+    "response_headers",
+    "response_body",
+)
+
+# The columns a claim writes, as ``(column, value)``: a parameter of the claim, or a
+# constant written into the statement. The columns it leaves out are NULL.
+_CLAIM_VALUES = (
+    ("account", "account"),
+    ("operation", "operation"),
+    ("key", "key"),
+    ("request_hash", "request_hash"),
+    ("fingerprint_version", "fingerprint_version"),
+    ("status", f"'{IN_PROGRESS}'"),
+    ("lease_token", "lease_token"),
+    ("lease_expires_at", "lease_expires_at"),
+    ("recovery_policy", "recovery_policy"),
+    ("recovery_attempts", "0"),
+    ("response_headers", "'[]'::jsonb"),
+    ("created_at", "created_at"),
+    ("expires_at", "expires_at"),
+)
+#: The claim's parameters: the identity, the fingerprint and its version, the lease token,
+#: the policy and three times.
+CLAIM_PARAMETERS = (
+    "account",
+    "operation",
+    "key",
+    "request_hash",
+    "fingerprint_version",
+    "lease_token",
+    "lease_expires_at",
+    "recovery_policy",
+    "created_at",
+    "expires_at",
+)
+
+
 @functools.lru_cache(maxsize=16)
-def _postgres_claim_sql(alias: str, columns: tuple[str, ...], durable: bool) -> str:
+def _postgres_claim_sql(alias: str, durable: bool) -> str:
     """The claim: insert a new key, or hand back the existing row, in one statement.
 
     The INSERT runs only when no row holds the key (``NOT EXISTS``): a replay or a conflict
     then writes nothing, takes no transaction id (not even the id sequence's, which an
     attempted insert would advance) and waits for nobody. Two new claims racing for one key
     meet in ``ON CONFLICT DO NOTHING``, which does not lock the winner's row. The outer
-    SELECT hands back the row in the way, from the statement's snapshot.
+    SELECT hands back the row in the way, from the statement's snapshot. Its first row tells
+    which happened: a NULL status is the claim's own insert. Ten values are bound; the
+    constants of a new record are written into the statement.
 
     ``durable=False``: the claim's commit does not wait for its WAL flush. For operations
     whose recovery policy is ``"retry"`` only: the view's own commit, which follows, flushes
@@ -232,23 +291,41 @@ def _postgres_claim_sql(alias: str, columns: tuple[str, ...], durable: bool) -> 
     work, and an absent claim is what ``"retry"`` does anyway. The claim is visible to
     every other claim at once either way.
     """
-    connection = connections[alias]
-    quote = connection.ops.quote_name
+    quote = connections[alias].ops.quote_name
     table = _table(alias)
-    returning = _returning(alias)
-    fields = {f.column: f for f in IdempotencyRecord._meta.concrete_fields}
-    # Values come through a SELECT, not VALUES: PostgreSQL cannot take their types from the
-    # target columns, so each one is cast.
-    values = ", ".join(f"CAST(%({c})s AS {fields[c].db_type(connection)})" for c in columns)
+    columns = ", ".join(quote(column) for column, _ in _CLAIM_VALUES)
+    values = ", ".join(
+        f"%({value})s" if value in CLAIM_PARAMETERS else value for _, value in _CLAIM_VALUES
+    )
     identity = " AND ".join(f"{quote(c)} = %({c})s" for c in ("account", "operation", "key"))
-    flush = "" if durable else ", set_config('synchronous_commit', 'off', true)"
+    existing = ", ".join(quote(c) for c in _EXISTING_COLUMNS)
+    nulls = ", ".join("NULL" for _ in _EXISTING_COLUMNS[1:])
+    flush = "NULL" if durable else "set_config('synchronous_commit', 'off', true)"
     return (
-        f"WITH claim AS (INSERT INTO {table} ({', '.join(quote(c) for c in columns)})"
-        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {identity})"
-        f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returning})"
-        f" SELECT {returning}, true{flush} FROM claim"
-        f" UNION ALL SELECT {returning}, false{', NULL' if flush else ''} FROM {table}"
-        f" WHERE {identity} AND NOT EXISTS (SELECT 1 FROM claim)"
+        f"WITH claim AS (INSERT INTO {table} ({columns}) SELECT {values}"
+        f" WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {identity})"
+        f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {quote('id')})"
+        f" SELECT {quote('id')}, {nulls}, {flush} FROM claim"
+        # The outer SELECT shares the INSERT's snapshot, so it never sees the row the claim
+        # inserted: no guard is needed to keep the two branches apart.
+        f" UNION ALL SELECT {existing}, NULL FROM {table} WHERE {identity}"
+    )
+
+
+def _inserted(request: ClaimRequest, token: uuid.UUID, record_id: int) -> RecordState:
+    """The state of the record a claim has just inserted (nothing read back but its id)."""
+    return RecordState(
+        id=record_id,
+        status=IN_PROGRESS,
+        lease_token=token,
+        lease_expires_at=request.now + request.lease,
+        expires_at=request.now + request.ttl,
+        request_hash=request.request_hash,
+        fingerprint_version=request.fingerprint_version,
+        recovery_attempts=0,
+        response_status=None,
+        response_headers=[],
+        response_body=None,
     )
 
 
@@ -261,28 +338,51 @@ def _insert_or_existing(
     snapshot, or released meanwhile).
     """
     connection = connections[alias]
-    new_row = request.new_row(token)
-    row = _prepared_row(alias, new_row)
     if connection.vendor == "postgresql":
+        # PostgreSQL takes these values as they are (psycopg adapts them): no per-field
+        # preparation, which only the other backends need (strings for SQLite's times).
+        now = request.now
+        params = {
+            "account": request.account,
+            "operation": request.operation,
+            "key": request.key,
+            "request_hash": request.request_hash,
+            "fingerprint_version": request.fingerprint_version,
+            "lease_token": token,
+            "lease_expires_at": now + request.lease,
+            "recovery_policy": request.recovery_policy,
+            "created_at": now,
+            "expires_at": now + request.ttl,
+        }
+        durable = request.recovery_policy != "retry"
         with connection.cursor() as cursor:
-            durable = request.recovery_policy != "retry"
-            cursor.execute(_postgres_claim_sql(alias, tuple(row), durable), row)
-            result = cursor.fetchone()
-        if result is None:
+            cursor.execute(_postgres_claim_sql(alias, durable), params)
+            row = cursor.fetchone()
+        if row is None:
             return None
-        found = result[: len(_STATE_COLUMNS)]
-        return RecordState.from_row(found), bool(result[len(_STATE_COLUMNS)])
-    # Elsewhere: a savepoint-guarded insert, then a read of the record in its way.
+        if row[1] is None:  # no status: the row is the claim's own insert
+            return _inserted(request, token, row[0]), True
+        return RecordState.from_row(row[:-1], _EXISTING_COLUMNS), False
+    # Elsewhere: an insert, and the record in its way read when the unique constraint
+    # refused it. In autocommit (the claim's usual place) a refused INSERT leaves nothing to
+    # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
+    # saves three round trips); inside an atomic block a savepoint keeps the block usable.
+    row = _prepared_row(alias, request.new_row(token))
     try:
-        with transaction.atomic(using=alias), connection.cursor() as cursor:
+        with (
+            (
+                transaction.atomic(using=alias)
+                if connection.in_atomic_block
+                else contextlib.nullcontext()
+            ),
+            connection.cursor() as cursor,
+        ):
             cursor.execute(_insert_sql(alias, tuple(row)), row)
             record_id = int(cursor.lastrowid)
     except IntegrityError:
         state = fetch(alias, request.account, request.operation, request.key)
         return None if state is None else (state, False)
-    values: dict[str, Any] = {c: new_row.get(c) for c in _STATE_COLUMNS}
-    values["id"] = record_id
-    return RecordState(**values), True
+    return _inserted(request, token, record_id), True
 
 
 @functools.lru_cache(maxsize=8)
@@ -444,6 +544,8 @@ def _finish_sql(alias: str) -> str:
     stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
     cleared = ("lease_token", "lease_expires_at")
     assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
+    if connections[alias].vendor == "postgresql":
+        assignments[2] += "::jsonb"  # the headers come as JSON text
     return f"UPDATE {_table(alias)} SET {', '.join(assignments)} WHERE {_owned_by(q)}"
 
 
@@ -460,17 +562,23 @@ def finish(
 ) -> bool:
     """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
     headers, body = crypto.seal_response(response_headers, response_body)
-    params = [
-        status,
-        response_status,
-        _prepared(alias, "response_headers", headers),
-        _prepared(alias, "response_body", body),
-        _prepared(alias, "completed_at", now),
-        record_id,
-        _prepared(alias, "lease_token", token),
-        IN_PROGRESS,
-    ]
-    with connections[alias].cursor() as cursor:
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        # As the JSON field would store it (json.dumps), without its per-call preparation;
+        # psycopg adapts the rest as it is.
+        params = [status, response_status, json.dumps(headers), body, now, record_id, token]
+    else:
+        params = [
+            status,
+            response_status,
+            _prepared(alias, "response_headers", headers),
+            _prepared(alias, "response_body", body),
+            _prepared(alias, "completed_at", now),
+            record_id,
+            _prepared(alias, "lease_token", token),
+        ]
+    params.append(IN_PROGRESS)
+    with connection.cursor() as cursor:
         cursor.execute(_finish_sql(alias), params)
         return int(cursor.rowcount) > 0
 

@@ -8,6 +8,7 @@ stored response).
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -239,10 +240,13 @@ def test_signals_are_documented_with_their_arguments():
     import inspect
 
     source = inspect.getsource(signals)
+    definitions = {}
     for name in ALL_SIGNALS:
-        assert f"\n{name} = Signal()\n" in source
+        found = re.search(rf"\n{name} = Signal\((use_caching=True)?\)\n", source)
+        assert found, name
+        definitions[name] = found.group(0)
     docstring_after = {
-        name: source.split(f"\n{name} = Signal()\n")[1].split('"""')[:3] for name in ALL_SIGNALS
+        name: source.split(definitions[name])[1].split('"""')[:3] for name in ALL_SIGNALS
     }
     for name, (before, docstring, _after) in docstring_after.items():
         assert before == "", name
