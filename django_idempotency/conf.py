@@ -14,6 +14,7 @@ Errors, one id per setting.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 from collections.abc import Callable, Mapping
@@ -357,9 +358,7 @@ class IdempotencySettings:
     @property
     def stored_headers(self) -> tuple[str, ...]:
         """Every response header a record keeps: ``Content-Type``, ``Location``, the extras."""
-        always = {name.lower() for name in ALWAYS_STORED_HEADERS}
-        extra = tuple(name for name in self.REPLAY_HEADERS if name.lower() not in always)
-        return ALWAYS_STORED_HEADERS + extra
+        return _stored_headers(self.REPLAY_HEADERS)
 
     @property
     def MAX_RESPONSE_BYTES(self) -> int | None:
@@ -442,6 +441,13 @@ class IdempotencySettings:
     def OUTBOX_POLL_INTERVAL(self) -> timedelta:
         """How often a waiting relay looks for due messages."""
         return cast(timedelta, self._get("OUTBOX_POLL_INTERVAL"))
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_headers(extra: tuple[str, ...]) -> tuple[str, ...]:
+    # Read by every completion: worked out once per value of REPLAY_HEADERS.
+    always = {name.lower() for name in ALWAYS_STORED_HEADERS}
+    return ALWAYS_STORED_HEADERS + tuple(name for name in extra if name.lower() not in always)
 
 
 app_settings = IdempotencySettings()
