@@ -342,7 +342,7 @@ def _insert_or_existing(
         # PostgreSQL takes these values as they are (psycopg adapts them): no per-field
         # preparation, which only the other backends need (strings for SQLite's times).
         now = request.now
-        params = {
+        params: dict[str, Any] = {
             "account": request.account,
             "operation": request.operation,
             "key": request.key,
@@ -566,7 +566,15 @@ def finish(
     if connection.vendor == "postgresql":
         # As the JSON field would store it (json.dumps), without its per-call preparation;
         # psycopg adapts the rest as it is.
-        params = [status, response_status, json.dumps(headers), body, now, record_id, token]
+        params: list[Any] = [
+            status,
+            response_status,
+            json.dumps(headers),
+            body,
+            now,
+            record_id,
+            token,
+        ]
     else:
         params = [
             status,

@@ -85,6 +85,8 @@ class FloorMixin:
         with connection.cursor() as cursor:
             cursor.execute(CLAIM, params)
             row = cursor.fetchone()
+        if row is None:  # a racing claim committed after this statement's snapshot
+            return _problem(409, "idempotency_key_in_use", **{"Retry-After": "1"})
         record_id, claimed = row[0], row[1]
         if not claimed:
             if row[3] != params["hash"]:
