@@ -18,9 +18,10 @@ from django_idempotency import conf, engine, sources, validation
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
-# Per view class: the raw idempotency_* values last validated, what they validated to, and the
-# key source. Weak: a class made in a test goes with it.
-_VALIDATED: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], dict[str, Any], Any]] = (
+# Per view class: the raw idempotency_* values last validated, what they validated to, the
+# key source, and the whole Options when no hook is overridden. Weak: a class made in a test
+# goes with it.
+_VALIDATED: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], dict[str, Any], Any, Any]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -171,9 +172,20 @@ class IdempotencyMixin:
                 methods=methods,
             )
             overridden = cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
-            cached = (raw, arguments, None if overridden else self._validated_key_source(key))
+            source = None if overridden else self._validated_key_source(key)
+            hooks = (
+                cls.get_idempotency_account is not IdempotencyMixin.get_idempotency_account
+                or cls.get_idempotency_fingerprint
+                is not IdempotencyMixin.get_idempotency_fingerprint
+                or overridden
+            )
+            # Without an overridden hook, nothing depends on the instance: one Options serves.
+            whole = None if hooks else engine.Options(**arguments, key=source)
+            cached = (raw, arguments, source, whole)
             _VALIDATED[cls] = cached
-        _, arguments, source = cached
+        _, arguments, source, whole = cached
+        if whole is not None:
+            return whole
         # An overridden hook is the view's own account, fingerprint or key; otherwise the
         # settings' (so the stored fingerprint version is the settings' one), and the
         # attribute's key source, else the header.
