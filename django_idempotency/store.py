@@ -240,37 +240,23 @@ _EXISTING_COLUMNS = (
     "response_body",
 )
 
-# The columns a claim writes, as ``(column, value)``: a parameter of the claim, or a
-# constant written into the statement. The columns it leaves out are NULL.
-_CLAIM_VALUES = (
-    ("account", "account"),
-    ("operation", "operation"),
-    ("key", "key"),
-    ("request_hash", "request_hash"),
-    ("fingerprint_version", "fingerprint_version"),
-    ("status", f"'{IN_PROGRESS}'"),
-    ("lease_token", "lease_token"),
-    ("lease_expires_at", "lease_expires_at"),
-    ("recovery_policy", "recovery_policy"),
-    ("recovery_attempts", "0"),
-    ("response_headers", "'[]'::jsonb"),
-    ("created_at", "created_at"),
-    ("expires_at", "expires_at"),
-)
-#: The claim's parameters: the identity, the fingerprint and its version, the lease token,
-#: the policy and three times.
-CLAIM_PARAMETERS = (
-    "account",
-    "operation",
-    "key",
-    "request_hash",
-    "fingerprint_version",
-    "lease_token",
-    "lease_expires_at",
-    "recovery_policy",
-    "created_at",
-    "expires_at",
-)
+# The columns a claim writes: a constant written into the statement, or None for a value
+# bound under the column's own name. The columns it leaves out are NULL.
+_CLAIM_COLUMNS: dict[str, str | None] = {
+    "account": None,
+    "operation": None,
+    "key": None,
+    "request_hash": None,
+    "fingerprint_version": None,
+    "status": f"'{IN_PROGRESS}'",
+    "lease_token": None,
+    "lease_expires_at": None,
+    "recovery_policy": None,
+    "recovery_attempts": "0",
+    "response_headers": "'[]'::jsonb",
+    "created_at": None,
+    "expires_at": None,
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -293,10 +279,8 @@ def _postgres_claim_sql(alias: str, durable: bool) -> str:
     """
     quote = connections[alias].ops.quote_name
     table = _table(alias)
-    columns = ", ".join(quote(column) for column, _ in _CLAIM_VALUES)
-    values = ", ".join(
-        f"%({value})s" if value in CLAIM_PARAMETERS else value for _, value in _CLAIM_VALUES
-    )
+    columns = ", ".join(quote(column) for column in _CLAIM_COLUMNS)
+    values = ", ".join(constant or f"%({column})s" for column, constant in _CLAIM_COLUMNS.items())
     identity = " AND ".join(f"{quote(c)} = %({c})s" for c in ("account", "operation", "key"))
     existing = ", ".join(quote(c) for c in _EXISTING_COLUMNS)
     nulls = ", ".join("NULL" for _ in _EXISTING_COLUMNS[1:])

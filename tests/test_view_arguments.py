@@ -135,6 +135,31 @@ def test_a_wrong_mixin_attribute_fails_the_first_call_before_anything_runs(
 
 
 @needs_drf
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_an_attribute_changed_after_the_first_call_is_validated_and_used_again(user, monkeypatch):
+    """The mixin validates its attributes once per class, not per request: a value put on
+    the class after a view served is checked on the next call all the same, and a good new
+    value is the one used."""
+    from django_idempotency.models import IdempotencyRecord
+    from tests.testapp.drf_views import ChargeViewSet
+
+    api = ApiClient(user)
+    charge = {"amount": 100, "currency": "EUR"}
+    assert api.post("/api/charges/", charge, key=new_key()).status_code == 201
+    monkeypatch.setattr(ChargeViewSet, "idempotency_ttl", -5)
+    with pytest.raises(ImproperlyConfigured, match="idempotency_ttl must be a timedelta"):
+        api.post("/api/charges/", charge, key=new_key())
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.count() == 1
+    monkeypatch.setattr(ChargeViewSet, "idempotency_ttl", timedelta(hours=3))
+    key = new_key()
+    assert api.post("/api/charges/", charge, key=key).status_code == 201
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == timedelta(hours=3)
+    assert Charge.objects.count() == 2
+
+
+@needs_drf
 @pytest.mark.django_db(transaction=True)
 def test_a_recovery_function_in_the_class_body_is_the_policy_not_a_method(user, monkeypatch):
     from tests.testapp.drf_views import ChargeViewSet
