@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -297,6 +297,14 @@ class IdempotencySettings:
             raise ImproperlyConfigured(error)
         return values
 
+    def loaded(self) -> dict[str, Any]:
+        """The validated values as one mapping, the same object until the setting changes:
+        what is worked out from them can be kept as long as it is this one."""
+        values, error = self._values, self._error
+        if error is not None:
+            raise ImproperlyConfigured(error)
+        return values if values is not None else self._load()
+
     def _get(self, name: str) -> Any:
         values, error = self._values, self._error
         if error is not None:
@@ -308,52 +316,62 @@ class IdempotencySettings:
     @property
     def HEADER(self) -> str:
         """The request header that carries the key."""
-        return cast(str, self._get("HEADER"))
+        value: str = self._get("HEADER")
+        return value
 
     @property
     def REQUIRED(self) -> bool:
         """Whether a protected method without a key is refused with ``400``."""
-        return cast(bool, self._get("REQUIRED"))
+        value: bool = self._get("REQUIRED")
+        return value
 
     @property
     def TTL(self) -> timedelta:
         """How long a record deduplicates retries, from its claim."""
-        return cast(timedelta, self._get("TTL"))
+        value: timedelta = self._get("TTL")
+        return value
 
     @property
     def LEASE(self) -> timedelta:
         """How long a claim is owned before a retry may take it over."""
-        return cast(timedelta, self._get("LEASE"))
+        value: timedelta = self._get("LEASE")
+        return value
 
     @property
     def METHODS(self) -> frozenset[str]:
         """The protected methods, upper-case."""
-        return cast(frozenset[str], self._get("METHODS"))
+        value: frozenset[str] = self._get("METHODS")
+        return value
 
     @property
     def ACCOUNT_RESOLVER(self) -> Callable[[Any], str | None]:
         """``request -> str | None``: the caller's server-side identity (imported)."""
-        return cast(Callable[[Any], "str | None"], self._get("ACCOUNT_RESOLVER"))
+        value: Callable[[Any], str | None] = self._get("ACCOUNT_RESOLVER")
+        return value
 
     @property
     def FINGERPRINT(self) -> Callable[[Any], str]:
         """``request -> str``: the hash a retry is compared by (imported)."""
-        return cast(Callable[[Any], str], self._get("FINGERPRINT"))
+        value: Callable[[Any], str] = self._get("FINGERPRINT")
+        return value
 
     @property
     def RECOVERY(self) -> str | Callable[..., Any]:
         """``"retry"``, ``"fail"``, a callable, or a dotted path known to import one."""
-        return cast("str | Callable[..., Any]", self._get("RECOVERY"))
+        value: str | Callable[..., Any] = self._get("RECOVERY")
+        return value
 
     @property
     def DATABASE(self) -> str:
         """The alias of the database that holds the records."""
-        return cast(str, self._get("DATABASE"))
+        value: str = self._get("DATABASE")
+        return value
 
     @property
     def REPLAY_HEADERS(self) -> tuple[str, ...]:
         """The extra response headers to store and replay, as configured."""
-        return cast("tuple[str, ...]", self._get("REPLAY_HEADERS"))
+        value: tuple[str, ...] = self._get("REPLAY_HEADERS")
+        return value
 
     @property
     def stored_headers(self) -> tuple[str, ...]:
@@ -363,47 +381,56 @@ class IdempotencySettings:
     @property
     def MAX_RESPONSE_BYTES(self) -> int | None:
         """The largest body kept for replay; ``None``: no limit."""
-        return cast("int | None", self._get("MAX_RESPONSE_BYTES"))
+        value: int | None = self._get("MAX_RESPONSE_BYTES")
+        return value
 
     @property
     def TRANSIENT_STATUSES(self) -> frozenset[int]:
         """4xx statuses that are not stored: the view's work is rolled back."""
-        return cast(frozenset[int], self._get("TRANSIENT_STATUSES"))
+        value: frozenset[int] = self._get("TRANSIENT_STATUSES")
+        return value
 
     @property
     def IN_PROGRESS_WAIT(self) -> timedelta:
         """How long an in-flight duplicate may wait for the original's outcome."""
-        return cast(timedelta, self._get("IN_PROGRESS_WAIT"))
+        value: timedelta = self._get("IN_PROGRESS_WAIT")
+        return value
 
     @property
     def RETRY_AFTER(self) -> int:
         """The ``Retry-After`` seconds of a ``409`` or ``503``."""
-        return cast(int, self._get("RETRY_AFTER"))
+        value: int = self._get("RETRY_AFTER")
+        return value
 
     @property
     def PURGE_BATCH_SIZE(self) -> int:
         """Rows per purge batch, and records per page of the recovery job."""
-        return cast(int, self._get("PURGE_BATCH_SIZE"))
+        value: int = self._get("PURGE_BATCH_SIZE")
+        return value
 
     @property
     def PURGE_MAX_BATCHES(self) -> int | None:
         """The most batches one purge run takes per table; ``None``: until done."""
-        return cast("int | None", self._get("PURGE_MAX_BATCHES"))
+        value: int | None = self._get("PURGE_MAX_BATCHES")
+        return value
 
     @property
     def AUDIT(self) -> bool:
         """Whether records are copied to the audit trail before they leave the window."""
-        return cast(bool, self._get("AUDIT"))
+        value: bool = self._get("AUDIT")
+        return value
 
     @property
     def AUDIT_RETENTION(self) -> timedelta:
         """How long an audit record is kept after it was archived."""
-        return cast(timedelta, self._get("AUDIT_RETENTION"))
+        value: timedelta = self._get("AUDIT_RETENTION")
+        return value
 
     @property
     def ENCRYPTION_KEYS(self) -> tuple[str, ...]:
         """Fernet keys that seal stored responses: the first seals, any opens; empty: off."""
-        return cast("tuple[str, ...]", self._get("ENCRYPTION_KEYS"))
+        value: tuple[str, ...] = self._get("ENCRYPTION_KEYS")
+        return value
 
     @property
     def OUTBOX_SENDER(self) -> Callable[..., Any]:
@@ -415,32 +442,38 @@ class IdempotencySettings:
     @property
     def OUTBOX_MAX_ATTEMPTS(self) -> int:
         """Failed sends after which a message is ``dead``."""
-        return cast(int, self._get("OUTBOX_MAX_ATTEMPTS"))
+        value: int = self._get("OUTBOX_MAX_ATTEMPTS")
+        return value
 
     @property
     def OUTBOX_RETENTION(self) -> timedelta:
         """How long a sent message is kept before the purge deletes it."""
-        return cast(timedelta, self._get("OUTBOX_RETENTION"))
+        value: timedelta = self._get("OUTBOX_RETENTION")
+        return value
 
     @property
     def OUTBOX_BATCH_SIZE(self) -> int:
         """Messages the relay takes (and locks) per batch."""
-        return cast(int, self._get("OUTBOX_BATCH_SIZE"))
+        value: int = self._get("OUTBOX_BATCH_SIZE")
+        return value
 
     @property
     def OUTBOX_BACKOFF(self) -> timedelta:
         """The wait after a message's first failed send; it doubles with every failure."""
-        return cast(timedelta, self._get("OUTBOX_BACKOFF"))
+        value: timedelta = self._get("OUTBOX_BACKOFF")
+        return value
 
     @property
     def OUTBOX_BACKOFF_MAX(self) -> timedelta:
         """The longest wait between two sends of one message."""
-        return cast(timedelta, self._get("OUTBOX_BACKOFF_MAX"))
+        value: timedelta = self._get("OUTBOX_BACKOFF_MAX")
+        return value
 
     @property
     def OUTBOX_POLL_INTERVAL(self) -> timedelta:
         """How often a waiting relay looks for due messages."""
-        return cast(timedelta, self._get("OUTBOX_POLL_INTERVAL"))
+        value: timedelta = self._get("OUTBOX_POLL_INTERVAL")
+        return value
 
 
 @functools.lru_cache(maxsize=8)

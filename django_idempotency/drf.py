@@ -5,6 +5,7 @@ This is the only module that imports DRF.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -159,7 +160,7 @@ class IdempotencyMixin:
         # anything runs, as nothing is read at import time), and again whenever one of the
         # values is another object than the one validated.
         cached = _VALIDATED.get(cls)
-        if cached is None or any(old is not new for old, new in zip(cached[0], raw, strict=True)):
+        if cached is None or not all(map(operator.is_, cached[0], raw)):
             operation, required, ttl, lease, recovery, methods, key = raw
             arguments = validation.view_arguments(
                 f"IdempotencyMixin on {validation.name_of(cls)}",

@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -77,16 +77,55 @@ class Options:
     #: Where the key comes from: a callable ``request -> str | None`` (or its dotted path);
     #: ``None``: the ``HEADER`` setting's header.
     key: KeySource | str | None = None
+    #: The terms worked out under one loading of the settings: ``(settings, terms)``.
+    _terms: tuple[dict[str, Any], _Terms] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
-    def __post_init__(self) -> None:
-        # Read on every request: upper-cased once here (the setting's are already).
-        methods = frozenset(m.upper() for m in self.methods) if self.methods else None
-        object.__setattr__(self, "_methods", methods)
+    def terms(self) -> _Terms:
+        """These options with the settings filled in, worked out again only when the
+        settings change (``setting_changed``); read on every request."""
+        settings = app_settings.loaded()
+        cached = self._terms
+        if cached is not None and cached[0] is settings:
+            return cached[1]
+        fingerprint = conf.resolve_callable(self.fingerprint or app_settings.FINGERPRINT)
+        recovery = self.recovery or app_settings.RECOVERY
+        terms = _Terms(
+            methods=(
+                frozenset(m.upper() for m in self.methods) if self.methods else app_settings.METHODS
+            ),
+            database=app_settings.DATABASE,
+            account=conf.resolve_callable(self.account or app_settings.ACCOUNT_RESOLVER),
+            fingerprint=fingerprint,
+            fingerprint_version=fingerprint_version(fingerprint),
+            recovery=recovery,
+            recovery_name=recovery if recovery.__class__ is str else recovery_name(recovery),
+            lease=conf.as_timedelta(self.lease) if self.lease is not None else app_settings.LEASE,
+            ttl=conf.as_timedelta(self.ttl) if self.ttl is not None else app_settings.TTL,
+        )
+        object.__setattr__(self, "_terms", (settings, terms))
+        return terms
 
     def protects(self, method: str | None) -> bool:
         """Whether requests with ``method`` need (or may carry) a key."""
-        allowed: frozenset[str] = self._methods or app_settings.METHODS  # type: ignore[attr-defined]
+        allowed = self.terms().methods
         return method in allowed or (method or "").upper() in allowed
+
+
+@dataclass(frozen=True, slots=True)
+class _Terms:
+    """An :class:`Options` with the settings filled in and its callables imported."""
+
+    methods: frozenset[str]
+    database: str
+    account: Resolver
+    fingerprint: Fingerprint
+    fingerprint_version: str
+    recovery: Recovery
+    recovery_name: str
+    lease: timedelta
+    ttl: timedelta
 
 
 def context_of(request: Any) -> IdempotencyContext | None:
@@ -149,10 +188,12 @@ def handle(
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
     and returns its (possibly unrendered) response.
     """
-    alias = app_settings.DATABASE
+    terms = options.terms()
+    alias = terms.database
     inner = django_request(request)
     inner.idempotency = None  # type: ignore[attr-defined]
-    if not options.protects(inner.method):
+    method = inner.method
+    if method not in terms.methods and (method or "").upper() not in terms.methods:
         return with_atomic_requests(alias, call_view)
     key = _key_of(request, inner, options)
     if isinstance(key, HttpResponse):
@@ -166,7 +207,7 @@ def handle(
             )
             return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
-    account = conf.resolve_callable(options.account or app_settings.ACCOUNT_RESOLVER)(request)
+    account = terms.account(request)
     if not account:
         return problems.ACCOUNT_MISSING.response(
             "This request carries an idempotency key but no authenticated caller to scope it to."
@@ -177,7 +218,7 @@ def handle(
         account=storable_name(str(account)),
     )
     inner.idempotency = context  # type: ignore[attr-defined]
-    return _Protected.of(request, context, options, alias).answer(call_view)
+    return _Protected.of(request, context, terms).answer(call_view)
 
 
 class _Protected:
@@ -194,27 +235,24 @@ class _Protected:
         self.recovery = recovery
 
     @classmethod
-    def of(
-        cls, request: Any, context: IdempotencyContext, options: Options, alias: str
-    ) -> _Protected:
-        fingerprint = conf.resolve_callable(options.fingerprint or app_settings.FINGERPRINT)
-        recovery = options.recovery or app_settings.RECOVERY
+    def of(cls, request: Any, context: IdempotencyContext, terms: _Terms) -> _Protected:
         operation = core.Operation(
-            alias,
+            terms.database,
             context.account,
             context.operation,
             context.key,
-            fingerprint(request),
-            fingerprint_version(fingerprint),
-            recovery if recovery.__class__ is str else recovery_name(recovery),
-            conf.as_timedelta(options.lease) if options.lease is not None else app_settings.LEASE,
-            conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
+            terms.fingerprint(request),
+            terms.fingerprint_version,
+            terms.recovery_name,
+            terms.lease,
+            terms.ttl,
         )
-        return cls(request, context, operation, recovery)
+        return cls(request, context, operation, terms.recovery)
 
     def send(self, signal: Any, **extra: Any) -> None:
-        # Building the arguments costs more than a signal nobody listens to.
-        if signal.has_listeners(IdempotencyRecord):
+        # Building the arguments costs more than a signal nobody listens to (a receiver for
+        # another sender only: send() finds it does not apply).
+        if signal.receivers:
             signal.send(
                 sender=IdempotencyRecord,
                 request=self.request,

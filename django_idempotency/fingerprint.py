@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.core.files.uploadedfile import UploadedFile
@@ -55,6 +55,14 @@ def json_body(request: HttpRequest) -> Any:
 
 def _sorted_pairs(data: QueryDict) -> list[list[str]]:
     return sorted([key, value] for key, values in data.lists() for value in values)
+
+
+def _query(request: HttpRequest) -> list[list[str]]:
+    # No query string and no GET set on the request: no pairs, without building a QueryDict
+    # (most requests that carry a key). A GET a middleware assigned is read as it is.
+    if "GET" not in request.__dict__ and not request.META.get("QUERY_STRING"):
+        return []
+    return _sorted_pairs(request.GET)
 
 
 def _file_digest(upload: UploadedFile[Any]) -> str:
@@ -112,20 +120,59 @@ def _body_of(request: Any, inner: HttpRequest) -> Any:
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _canonical_encoder() -> Callable[[Any], str]:
+    """``_CANONICAL_JSON.encode``, with its C encoder made once instead of per call.
+
+    ``JSONEncoder.encode`` builds a C encoder on every call; the same one (the same
+    options, so the same text) serves every request here. Without circular-reference
+    markers, which it would have to empty again after an error: what is encoded is parsed
+    JSON and the request's strings, never circular (a custom fingerprint's circular part
+    fails with RecursionError instead of ValueError). Where the interpreter has no C encoder
+    (``json.encoder.c_make_encoder`` is None), ``encode`` itself.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    options = _CANONICAL_JSON
+    try:
+        encoder = make(  # type: ignore[misc]
+            None,  # no markers: see above
+            options.default,
+            json.encoder.encode_basestring,  # ensure_ascii=False
+            None,  # indent
+            options.key_separator,
+            options.item_separator,
+            options.sort_keys,
+            options.skipkeys,
+            options.allow_nan,
+        )
+    except TypeError:  # None, or another interpreter's signature
+        return options.encode
+
+    def encode(value: Any) -> str:
+        return "".join(encoder(value, 0))
+
+    # The same text as JSONEncoder.encode, or that one is used.
+    sample = {"b": [1, 2.5, None, True], "a": {"é": '\ud800"\\'}}
+    return encode if encode(sample) == options.encode(sample) else options.encode
+
+
+_encode = _canonical_encoder()
+
+
 def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> bytes:
     """The canonical bytes the default fingerprint hashes, for tests and custom fingerprints."""
     inner = django_request(request)
     context = getattr(inner, "idempotency", None)
     match = inner.resolver_match
+    kwargs = match.kwargs if match else None
     form: dict[str, Any] = {
         "method": inner.method,
         "operation": getattr(context, "operation", None),
-        "url_kwargs": {k: str(v) for k, v in (match.kwargs if match else {}).items()},
-        "query": _sorted_pairs(inner.GET),
+        "url_kwargs": {k: str(v) for k, v in kwargs.items()} if kwargs else {},
+        "query": _query(inner),
         "body": _body_of(request, inner),
     }
     form.update(parts)
-    text = _CANONICAL_JSON.encode(form)
+    text = _encode(form)
     # A JSON body may escape a lone surrogate ("\ud800"); "surrogatepass" encodes it, and
     # every valid string exactly as before, so no stored fingerprint changes.
     return text.encode("utf-8", "surrogatepass")

@@ -31,22 +31,52 @@ T = TypeVar("T")
 
 logger = logging.getLogger("django_idempotency")
 
-claims = Counter(
+
+class _RequestCounter(Counter):
+    """A counter a request increments: its children are kept by label values, so that a
+    request finds its own with one lookup instead of ``labels()``' checks and lock. Removing
+    children (``remove``, ``remove_by_labels``, ``clear``) forgets the kept ones too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept: dict[tuple[str, ...], Counter] = {}
+
+    def child(self, *values: str) -> Counter:
+        """``labels(*values)``, kept."""
+        found = self._kept.get(values)
+        if found is None:
+            found = self._kept[values] = self.labels(*values)
+        return found
+
+    def remove(self, *labelvalues: Any) -> None:
+        self._kept.clear()
+        super().remove(*labelvalues)
+
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        self._kept.clear()
+        super().remove_by_labels(labels)
+
+    def clear(self) -> None:
+        self._kept.clear()
+        super().clear()
+
+
+claims = _RequestCounter(
     "django_idempotency_claims",
     "Keys claimed by a request, which then ran its view. takeover: a stale lease was taken over.",
     ["operation", "takeover"],
 )
-replays = Counter(
+replays = _RequestCounter(
     "django_idempotency_replays",
     "Stored responses replayed to a retry.",
     ["operation"],
 )
-conflicts = Counter(
+conflicts = _RequestCounter(
     "django_idempotency_conflicts",
     "Retries answered 409 because the original was still in progress.",
     ["operation"],
 )
-mismatches = Counter(
+mismatches = _RequestCounter(
     "django_idempotency_mismatches",
     "Keys reused with a different request, answered 422.",
     ["operation"],
@@ -57,7 +87,7 @@ recoveries = Counter(
     ' outcome="resumed": a retry took a resumable operation over, to resume it.',
     ["policy", "outcome"],
 )
-lease_losses = Counter(
+lease_losses = _RequestCounter(
     "django_idempotency_lease_losses",
     "Attempts rolled back because a newer attempt took their lease over.",
     ["operation"],
@@ -202,22 +232,22 @@ def _operation(kwargs: dict[str, Any]) -> str:
 
 @receiver(signals.record_claimed, dispatch_uid="django_idempotency.metrics.claimed")
 def _claimed(**kwargs: Any) -> None:
-    claims.labels(_operation(kwargs), str(bool(kwargs.get("takeover"))).lower()).inc()
+    claims.child(_operation(kwargs), "true" if kwargs.get("takeover") else "false").inc()
 
 
 @receiver(signals.response_replayed, dispatch_uid="django_idempotency.metrics.replayed")
 def _replayed(**kwargs: Any) -> None:
-    replays.labels(_operation(kwargs)).inc()
+    replays.child(_operation(kwargs)).inc()
 
 
 @receiver(signals.request_conflicted, dispatch_uid="django_idempotency.metrics.conflicted")
 def _conflicted(**kwargs: Any) -> None:
-    conflicts.labels(_operation(kwargs)).inc()
+    conflicts.child(_operation(kwargs)).inc()
 
 
 @receiver(signals.payload_mismatched, dispatch_uid="django_idempotency.metrics.mismatched")
 def _mismatched(**kwargs: Any) -> None:
-    mismatches.labels(_operation(kwargs)).inc()
+    mismatches.child(_operation(kwargs)).inc()
 
 
 @receiver(signals.lease_recovered, dispatch_uid="django_idempotency.metrics.recovered")
@@ -227,7 +257,7 @@ def _recovered(**kwargs: Any) -> None:
 
 @receiver(signals.lease_lost, dispatch_uid="django_idempotency.metrics.lease_lost")
 def _lease_lost(**kwargs: Any) -> None:
-    lease_losses.labels(_operation(kwargs)).inc()
+    lease_losses.child(_operation(kwargs)).inc()
 
 
 @receiver(signals.records_purged, dispatch_uid="django_idempotency.metrics.purged")

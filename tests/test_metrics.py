@@ -328,3 +328,23 @@ def test_the_recovery_job_counts_no_recovery_of_a_resumable_record():
     )
     assert maintenance.recover_stale_leases().resumable == 1
     assert {policy: recoveries("resume", policy) for policy in left} == left
+
+
+@pytest.mark.parametrize("forget", ["clear", "remove", "remove_by_labels"])
+def test_a_request_counter_counts_again_after_its_children_are_removed(forget):
+    # The request counters keep their children; removing them must not leave a kept child
+    # that nothing exports any more.
+    send(signals.response_replayed, operation="t.kept", status=201)
+    assert value("django_idempotency_replays_total", operation="t.kept") >= 1
+    if forget == "clear":
+        metrics.replays.clear()
+    elif forget == "remove":
+        metrics.replays.remove("t.kept")
+    else:
+        if not hasattr(prometheus_client.Counter, "remove_by_labels"):
+            pytest.skip("this prometheus_client has no remove_by_labels")
+        metrics.replays.remove_by_labels({"operation": "t.kept"})
+    assert value("django_idempotency_replays_total", operation="t.kept") == 0
+    send(signals.response_replayed, operation="t.kept", status=201)
+    send(signals.response_replayed, operation="t.kept", status=201)
+    assert value("django_idempotency_replays_total", operation="t.kept") == 2

@@ -1,0 +1,188 @@
+"""The claim statement's details: what it writes into its text, what it binds, what it reads.
+
+PostgreSQL's claim writes an operation's constants into the statement and binds the rest; it
+reads a record in its way with its times as seconds since the epoch. Each of these must give
+the same record, and the same state, as the plain reading would.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_idempotency import store
+from django_idempotency.models import IdempotencyRecord
+
+UTC = timezone.utc
+postgresql_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="PostgreSQL's one-statement claim"
+)
+
+
+def claim_request(**overrides: object) -> store.ClaimRequest:
+    values: dict[str, object] = {
+        "account": "user:1",
+        "operation": "charge.create",
+        "key": uuid.uuid4().hex,
+        "request_hash": "a" * 64,
+        "fingerprint_version": "v1",
+        "recovery_policy": "retry",
+        # Odd microseconds: every digit of the time must come back.
+        "now": datetime(2026, 12, 2, 9, 31, 7, 123457, tzinfo=UTC),
+        "lease": timedelta(seconds=61, microseconds=3),
+        "ttl": timedelta(days=3, microseconds=999_999),
+    }
+    values.update(overrides)
+    return store.ClaimRequest(**values)  # type: ignore[arg-type]
+
+
+def complete(state: store.RecordState) -> None:
+    assert state.lease_token is not None
+    assert store.finish(
+        "default",
+        state.id,
+        state.lease_token,
+        status=store.COMPLETED,
+        response_status=201,
+        response_headers=[["Content-Type", "application/json"]],
+        response_body=b"{}",
+        now=datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("complete_first", [False, True], ids=["in progress", "completed"])
+def test_the_record_in_the_way_reads_as_the_record_itself(complete_first):
+    request = claim_request()
+    first = store.claim("default", request)
+    assert first.claimed
+    if complete_first:
+        complete(first.state)
+    again = store.claim("default", request)
+    assert not again.claimed
+    stored = store.fetch("default", request.account, request.operation, request.key)
+    assert stored is not None
+    # The claim reads the times as doubles: to the microsecond, the stored ones.
+    assert again.state.expires_at == stored.expires_at == request.now + request.ttl
+    assert again.state.lease_expires_at == stored.lease_expires_at
+    if not complete_first:
+        assert stored.lease_expires_at == request.now + request.lease
+    assert again.state.status == stored.status
+    assert again.state.request_hash == stored.request_hash
+    assert again.state.response_headers == stored.response_headers
+    assert again.state.response_body == stored.response_body
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_claim_holds_the_lease_token_that_was_stored():
+    result = store.claim("default", claim_request())
+    assert result.claimed
+    token = result.state.lease_token
+    assert isinstance(token, uuid.UUID)
+    record = IdempotencyRecord.objects.get(pk=result.state.id)
+    assert record.lease_token == token
+    assert record.lease_expires_at == result.state.lease_expires_at
+    assert record.expires_at == result.state.expires_at
+    # The completion is fenced by that token: it is the owner's.
+    complete(result.state)
+    assert IdempotencyRecord.objects.get(pk=result.state.id).status == store.COMPLETED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_claims_draw_two_lease_tokens():
+    first = store.claim("default", claim_request())
+    second = store.claim("default", claim_request())
+    assert first.claimed
+    assert second.claimed
+    assert first.state.lease_token != second.state.lease_token
+
+
+HOSTILE_NAMES = [
+    "it's",  # a quote
+    "100% sure",  # a percent sign: the statement is a template
+    "back\\slash",
+    "%(key)s",  # a placeholder of the statement's own
+    "'; DELETE FROM django_idempotency_record; --",
+    "ünïcödé",
+]
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
+    others = store.claim("default", claim_request(operation="other"))
+    request = claim_request(operation=name, fingerprint_version=name, recovery_policy="fail")
+    with CaptureQueriesContext(connection) as queries:
+        first = store.claim("default", request)
+    assert first.claimed
+    sql = store._postgres_claim_sql("default", name, name, "fail", request.lease, request.ttl)
+    assert f"'{name}'" not in sql
+    assert "%(operation)s" in sql
+    assert "%(fingerprint_version)s" in sql
+    again = store.claim("default", request)
+    assert not again.claimed
+    assert again.state.id == first.state.id
+    record = IdempotencyRecord.objects.get(pk=first.state.id)
+    assert (record.operation, record.fingerprint_version) == (name, name)
+    # Nothing else was touched, and the statement ran once.
+    assert IdempotencyRecord.objects.filter(pk=others.state.id).exists()
+    assert IdempotencyRecord.objects.count() == 2
+    assert len(queries.captured_queries) == 1
+
+
+@postgresql_only
+def test_an_operation_of_plain_words_is_written_into_the_statement():
+    request = claim_request()
+    sql = store._postgres_claim_sql(
+        "default", "charge.create", "v1", "retry", request.lease, request.ttl
+    )
+    assert "'charge.create'" in sql
+    assert "'v1'" in sql
+    assert "'retry'" in sql
+    assert "%(operation)s" not in sql
+    assert "%(fingerprint_version)s" not in sql
+    assert "%(recovery_policy)s" not in sql
+    # What differs per request is bound.
+    for bound in ("account", "key", "request_hash", "created_at"):
+        assert f"%({bound})s" in sql
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        datetime(1970, 1, 1, 0, 0, 0, 1, tzinfo=UTC),
+        datetime(2026, 12, 2, 9, 31, 7, 999_999, tzinfo=UTC),
+        datetime(2038, 1, 19, 3, 14, 8, 500_001, tzinfo=UTC),
+        datetime(2105, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+    ],
+)
+def test_a_time_read_as_seconds_since_the_epoch_comes_back_to_the_microsecond(moment):
+    # What PostgreSQL's date_part('epoch', ...) gives: the double nearest the microseconds.
+    microseconds = (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+    assert store._from_epoch(microseconds / 1e6) == moment
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("path", ["/charges/", "/api/charges/"], ids=["decorator", "mixin"])
+def test_a_view_already_called_takes_changed_settings_up(api, settings, path):
+    # What a view's options resolve to is kept between requests: only as long as the
+    # settings are the same ones.
+    from tests.conftest import new_key
+
+    assert api.post(path, {"amount": 1, "currency": "EUR"}, key=new_key()).status_code == 201
+    settings.IDEMPOTENCY = {"LEASE": timedelta(seconds=7), "TTL": timedelta(hours=5)}
+    key = new_key()
+    assert api.post(path, {"amount": 1, "currency": "EUR"}, key=key).status_code == 201
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == timedelta(hours=5)
+    if path != "/charges/":
+        return  # the viewset's own code reads request.idempotency: it must stay protected
+    settings.IDEMPOTENCY = {"METHODS": ["PUT"]}
+    unprotected = new_key()
+    assert api.post(path, {"amount": 1, "currency": "EUR"}, key=unprotected).status_code == 201
+    assert not IdempotencyRecord.objects.filter(key=unprotected).exists()
