@@ -497,13 +497,24 @@ def outcome_of(response: Any) -> core.Outcome | None:
 
 
 def _response(outcome: core.Outcome) -> HttpResponse:
-    return _headed(HttpResponse(outcome.body, status=outcome.response_status), outcome.headers)
+    return _stored(outcome.body, outcome.response_status, outcome.headers)
 
 
-def _headed(response: HttpResponse, headers: list[list[str]]) -> HttpResponse:
-    """``response`` with exactly the stored headers (no default ``Content-Type`` of its own)."""
-    del response["Content-Type"]
-    for name, value in headers:
+def _stored(body: bytes, status: int, headers: list[list[str]]) -> HttpResponse:
+    """A response with exactly the stored headers, in their order and spelling.
+
+    A stored ``Content-Type`` (the usual first one) is given to the constructor: no default
+    of the response's own to remove (nor the charset setting it reads). Otherwise the
+    default is removed and every stored header set.
+    """
+    if headers and headers[0][0] == "Content-Type":
+        response = HttpResponse(body, status=status, content_type=headers[0][1])
+        rest = headers[1:]
+    else:
+        response = HttpResponse(body, status=status)
+        del response["Content-Type"]
+        rest = headers
+    for name, value in rest:
         response[name] = value
     return response
 
@@ -511,10 +522,7 @@ def _headed(response: HttpResponse, headers: list[list[str]]) -> HttpResponse:
 def replay_response(state: store.RecordState) -> HttpResponse:
     """The stored outcome as a response: same status, same body bytes, same stored headers."""
     assert state.response_status is not None
-    response = _headed(
-        HttpResponse(state.response_body or b"", status=state.response_status),
-        state.response_headers,
-    )
+    response = _stored(state.response_body or b"", state.response_status, state.response_headers)
     response[REPLAYED_HEADER] = "true"
     return response
 

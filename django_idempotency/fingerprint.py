@@ -43,7 +43,7 @@ def json_body(request: HttpRequest) -> Any:
     cached = request.__dict__.get(_JSON_BODY)
     if cached is None:
         try:
-            cached = (True, json.loads(request.body))
+            cached = (True, _parsed(request.body))
         except (ValueError, RecursionError) as exc:
             cached = (False, str(exc))
         request.__dict__[_JSON_BODY] = cached
@@ -51,6 +51,15 @@ def json_body(request: HttpRequest) -> Any:
     if not parsed:
         raise NotJSON(value)
     return value
+
+
+def _parsed(body: bytes) -> Any:
+    # json.loads on bytes first works out their encoding (UTF-16 and UTF-32 documents, a
+    # BOM); one that opens with "{" or "[" and then a byte that is not NUL is UTF-8 to it:
+    # decoded here as json.loads would, without the guess.
+    if len(body) > 1 and body[0] in (0x7B, 0x5B) and body[1]:
+        return json.loads(body.decode("utf-8", "surrogatepass"))
+    return json.loads(body)
 
 
 def _sorted_pairs(data: QueryDict) -> list[list[str]]:

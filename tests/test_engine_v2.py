@@ -216,3 +216,41 @@ def test_a_retry_claim_commits_before_the_view_runs_and_is_seen_at_once(api):
         assert future.result(WAIT).status_code == 201
     assert seen[-1] == 1
     assert Charge.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        [["Content-Type", "application/json"], ["Location", "/charges/1/"]],
+        [["Location", "/charges/1/"], ["Content-Type", "text/plain"]],
+        [["content-type", "application/json"]],
+        [["Content-Type", "application/json"], ["Content-Type", "text/csv"]],
+        [["Location", "/charges/1/"]],
+        [],
+    ],
+    ids=["first", "second", "lower-case", "twice", "none", "no headers"],
+)
+def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
+    from django_idempotency import engine
+
+    state = store.RecordState(
+        id=1,
+        status=store.COMPLETED,
+        lease_token=None,
+        lease_expires_at=None,
+        expires_at=timezone.now(),
+        request_hash="a" * 64,
+        fingerprint_version="v1",
+        recovery_attempts=0,
+        response_status=201,
+        response_headers=stored,
+        response_body=b"{}",
+    )
+    response = engine.replay_response(state)
+    expected: dict[str, tuple[str, str]] = {}
+    for name, value in stored:  # the last of a name wins, as when they were set one by one
+        expected[name.lower()] = (name, value)
+    expected["idempotent-replayed"] = ("Idempotent-Replayed", "true")
+    assert {name.lower(): (name, value) for name, value in response.items()} == expected
+    assert response.content == b"{}"
+    assert response.status_code == 201
