@@ -34,9 +34,9 @@ REPLAY_POOL = 200
 
 
 class Worker:
-    def __init__(self, variant: str) -> None:
+    def __init__(self, variant: str, reset: bool = True) -> None:
         self.variant = variant
-        token = site_setup.prepare(variant)
+        token = site_setup.prepare(variant, reset=reset)
         from django.test import Client
 
         self.client = Client(HTTP_AUTHORIZATION=f"Token {token}")
@@ -342,7 +342,8 @@ def main() -> None:
     # Answers go to the real stdout; anything Django prints goes to stderr.
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr
-    worker = Worker(variant)
+    # --keep: another process of this variant emptied the tables already.
+    worker = Worker(variant, reset="--keep" not in sys.argv[2:])
     package = sys.modules.get("django_idempotency")
     where = str(Path(package.__file__).parent) if package and package.__file__ else None
     out.write(json.dumps({"ready": variant, "package": where}) + "\n")

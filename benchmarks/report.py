@@ -306,6 +306,17 @@ def _floor_ratios(runs: dict[str, list[dict[str, Any]]], name: str, key: str) ->
     return [m[key] / f[key] for m, f in zip(mine, floor, strict=False) if f[key]]
 
 
+def _processes(plan: dict[str, Any]) -> str:
+    count = plan.get("inprocess_processes", 1)
+    if count <= 1:
+        return ""
+    return (
+        f"Each variant runs in {count} worker processes that take the rounds in turn (round r "
+        f"in process r mod {count}): the same code runs up to 3 % faster or slower in one "
+        "process than in another, which one process per variant would put into every ratio. "
+    )
+
+
 def floor_ratio(data: dict[str, Any], name: str) -> tuple[float, list[float]] | None:
     """In-process: ``name``'s median over the floor's median of the same kind of request,
     and the same ratio round by round; ``None`` without the floor."""
@@ -441,7 +452,8 @@ def inprocess(data: dict[str, Any], plan: dict[str, Any]) -> str:
         f"{plan['inprocess_rounds']} rounds; in each, every variant serves "
         f"{plan['inprocess_batch']} first requests (new keys), then every protected variant "
         f"{plan['inprocess_batch']} replays (a pool of 200 keys created beforehand), in a rotating "
-        'order. Ratios are to the plain endpoint\'s first-request median; "per-round" is the '
+        f"order. {_processes(plan)}"
+        'Ratios are to the plain endpoint\'s first-request median; "per-round" is the '
         "spread of the same ratio computed round by round. The authenticated no-op endpoint "
         "(token authentication, permission check, a constant answer) is the floor of any "
         "replay: a replay is answered only after authentication, because keys are scoped by "

@@ -82,12 +82,16 @@ class Plan:
     purge_batch_sizes: tuple[int, ...]
     writes_batches: int = 5
     writes_requests: int = 200
+    # Worker processes per variant in the in-process part, taking the rounds in turn: the
+    # same code runs up to 3 % faster or slower in one process than in another (its memory
+    # layout, its hash seed), which one process per variant would put into every ratio.
+    inprocess_processes: int = 3
 
     @classmethod
     def make(cls, quick: bool, batch_sizes: tuple[int, ...]) -> Plan:
         if quick:
             return cls(
-                True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes, 2, 100
+                True, 3, 30, 200, 1, 2, 1, 8, 4, 50, 5, 50, 50_000, 3, 200, batch_sizes, 2, 100, 1
             )
         return cls(
             False, 15, 100, 1000, 3, 5, 1, 8, 4, 200, 100, 50, 1_000_000, 15, 200, batch_sizes
@@ -214,10 +218,19 @@ def prepare_database(variant: str, python: Path, env: dict[str, str]) -> None:
 class Worker:
     """One ``benchmarks.inprocess`` process, spoken to in JSON lines."""
 
-    def __init__(self, variant: str, python: Path, env: dict[str, str], stderr: IO[str]) -> None:
+    def __init__(
+        self,
+        variant: str,
+        python: Path,
+        env: dict[str, str],
+        stderr: IO[str],
+        keep: bool = False,
+    ) -> None:
         self.variant = variant
+        # keep: another process of the variant has emptied its tables already (and made its
+        # keys): this one must not empty them under it.
         self.process = subprocess.Popen(
-            [str(python), "-m", "benchmarks.inprocess", variant],
+            [str(python), "-m", "benchmarks.inprocess", variant, *(["--keep"] if keep else [])],
             env=env,
             cwd=workdir(env),
             stdin=subprocess.PIPE,
@@ -267,20 +280,27 @@ def run_inprocess(
     round_medians: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, Counter[str]] = defaultdict(Counter)
     with ExitStack() as stack:
-        workers: dict[str, Worker] = {}
+        # Each variant's processes take the rounds in turn (round r: process r mod N); the
+        # first of them serves the statements, the writes, the profiles.
+        pools: dict[str, list[Worker]] = defaultdict(list)
         for variant in variants:
-            log(f"in-process: starting the {variant} worker")
-            stderr = stack.enter_context(open(RESULTS_DIR / f"inprocess-{variant}.log", "w"))
-            workers[variant] = Worker(variant, pythons[variant], envs[variant], stderr)
-            stack.callback(workers[variant].close)
-            log(f"in-process: {variant} runs django_idempotency from {workers[variant].package}")
+            for i in range(plan.inprocess_processes):
+                log(f"in-process: starting {variant} worker {i + 1}/{plan.inprocess_processes}")
+                name = f"inprocess-{variant}" + (f"-{i + 1}" if i else "")
+                stderr = stack.enter_context(open(RESULTS_DIR / f"{name}.log", "w"))
+                worker = Worker(variant, pythons[variant], envs[variant], stderr, keep=i > 0)
+                stack.callback(worker.close)
+                pools[variant].append(worker)
+            log(f"in-process: {variant} runs django_idempotency from {pools[variant][0].package}")
+        workers = {variant: pool[0] for variant, pool in pools.items()}
         for r in range(plan.inprocess_rounds):
             steps = [(v, "create") for v in rotated(variants, r)]
             steps += [(v, "replay") for v in rotated(protected, r)]
             if "plain" in workers:
                 steps.append(("plain", "noop"))
             for variant, kind in steps:
-                answer = workers[variant].ask(kind, n=plan.inprocess_batch)
+                pool = pools[variant]
+                answer = pool[r % len(pool)].ask(kind, n=plan.inprocess_batch)
                 name = f"{variant}.{kind}"
                 latencies[name].extend(answer["latencies_ms"])
                 round_medians[name].append(statistics.median(answer["latencies_ms"]))
