@@ -286,9 +286,14 @@ def _from_epoch(seconds: float) -> datetime:
 
     The double is the one nearest the stored microseconds, which lies within half a
     microsecond of them until the year 2106: rounding to the microsecond (as
-    ``fromtimestamp`` does) gives them back exactly.
+    ``fromtimestamp`` does) gives them back exactly. Aware, or naive in the default time
+    zone under ``USE_TZ = False``, as Django reads a ``timestamptz`` (and as the claim's
+    own clock is).
     """
-    return datetime.fromtimestamp(seconds, dt_timezone.utc)
+    moment = datetime.fromtimestamp(seconds, dt_timezone.utc)
+    if settings.USE_TZ:
+        return moment
+    return timezone.make_naive(moment, timezone.get_default_timezone())
 
 
 # The columns PostgreSQL's claim writes: an expression written into the statement, or None

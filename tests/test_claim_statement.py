@@ -41,7 +41,9 @@ def claim_request(**overrides: object) -> store.ClaimRequest:
     return store.ClaimRequest(**values)  # type: ignore[arg-type]
 
 
-def complete(state: store.RecordState) -> None:
+def complete(
+    state: store.RecordState, now: datetime = datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC)
+) -> None:
     assert state.lease_token is not None
     assert store.finish(
         "default",
@@ -51,7 +53,7 @@ def complete(state: store.RecordState) -> None:
         response_status=201,
         response_headers=[["Content-Type", "application/json"]],
         response_body=b"{}",
-        now=datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC),
+        now=now,
     )
 
 
@@ -189,3 +191,23 @@ def test_a_view_already_called_takes_changed_settings_up(api, settings, path):
     unprotected = new_key()
     assert api.post(path, {"amount": 1, "currency": "EUR"}, key=unprotected).status_code == 201
     assert not IdempotencyRecord.objects.filter(key=unprotected).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_time_zones_the_record_in_the_way_reads_as_the_record_itself(settings):
+    # USE_TZ = False: Django reads a timestamptz as a naive time in TIME_ZONE, and the
+    # claim's clock is naive too; the claim's own reading must be the same (an aware one
+    # made every replay compare aware with naive: a TypeError).
+    settings.TIME_ZONE = "America/New_York"
+    settings.USE_TZ = False
+    request = claim_request(now=datetime(2026, 12, 2, 9, 31, 7, 123457))
+    first = store.claim("default", request)
+    assert first.claimed
+    complete(first.state, now=datetime(2026, 12, 2, 9, 31, 8))
+    again = store.claim("default", request)
+    assert not again.claimed
+    stored = store.fetch("default", request.account, request.operation, request.key)
+    assert stored is not None
+    assert again.state.expires_at == stored.expires_at == request.now + request.ttl
+    assert again.state.expires_at.tzinfo is None
+    assert not again.state.replaceable_by(request)
