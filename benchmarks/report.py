@@ -919,16 +919,6 @@ def profiles(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-if __name__ == "__main__":
-    # Render again from the figures of a run: python -m benchmarks.report [results.json]
-    import json
-    import sys
-
-    here = Path(__file__).resolve().parent
-    source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
-    (here / "RESULTS.md").write_text(render(json.loads(source.read_text())))
-
-
 def _per_unit(data: dict[str, Any], way: str) -> dict[str, Any]:
     """What one more unit of work costs ``way``: half the difference between 3 and 1 units."""
     sql = data["sql"]
@@ -1028,3 +1018,13 @@ def steps(data: dict[str, Any]) -> str:
 
 
 SECTION_STEPS = "Recovery points: the cost of a step"
+
+
+if __name__ == "__main__":
+    # Render again from the figures of a run: python -m benchmarks.report [results.json]
+    import json
+    import sys
+
+    here = Path(__file__).resolve().parent
+    source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
+    (here / "RESULTS.md").write_text(render(json.loads(source.read_text())))

@@ -88,12 +88,9 @@ def prepare(variant: str, reset: bool = True) -> str:
             tables.append("benchsite_floorrecord")
         if variant == "dfi":
             tables.append("drf_idempotency_idempotencyrecord")
-        # TRUNCATE alone, no ANALYZE: statistics taken of an empty table would stay pinned at
-        # zero rows where autovacuum is off (as on the machines the benchmarks run on), and
-        # with them PostgreSQL looks a key up through whichever index of a matching column is
-        # smallest (ours: the operation's, which then reads every record of the operation).
-        # A truncated table has no statistics: the planner sizes it from its pages, as it
-        # does a table never analyzed.
+        # No ANALYZE of the empty tables: where autovacuum is off (as on the machines the
+        # benchmarks run on), statistics of zero rows would stay all run long. run.py
+        # analyzes every table once the warm-ups have written the first rows.
         with connection.cursor() as cursor:
             cursor.execute(f"TRUNCATE {', '.join(tables)}")
     from django.contrib.auth.models import User
