@@ -39,7 +39,7 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 test-quickstart \
+.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 tox-pg16 test-quickstart \
 	soak tox example-db storm demo clean
 
 help:
@@ -55,11 +55,12 @@ help:
 	@echo "make test-quickstart  the README's quickstart in a new project, with the built wheel"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
+	@echo "make tox-pg16 ENVS=a,b  tox envs on a private PostgreSQL 16, beside make tox"
 	@echo "make storm    the example project's retry storm, a webhook redelivery and the outbox relay, against a throwaway server"
 	@echo "make demo     the storm, then the example project on http://$(DEMO_ADDR)/ and its outbox relay"
 	@echo "make bench    benchmarks on PostgreSQL, written to benchmarks/RESULTS.md (BENCH_ARGS=--quick)"
 	@echo "make bench-scale  the table at 10k, 1M and 10M records and a purge beside traffic"
-	@echo "make clean    remove .venv, .venv-demo, .tox, build output and the example database"
+	@echo "make clean    remove .venv, .venv-demo, .tox, .tox-pg16, build output and the example database"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,10 +97,14 @@ check-migrations: $(STAMP)
 test: lint check-migrations
 	@mkdir -p $(REPORTS)
 	@$(BIN)/coverage erase
-	@failed=0; \
+	@echo "==> pytest with TEST_DB=sqlite and TEST_DB=postgres, side by side (each on databases"; \
+	echo "    of its own; output in $(REPORTS)/pytest-sqlite.log and pytest-postgres.log)"; \
+	TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1 & sqlite=$$!; \
+	TEST_DB=postgres $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-postgres.log 2>&1 & postgres=$$!; \
+	failed=0; wait $$sqlite || failed=1; wait $$postgres || failed=1; \
 	for db in sqlite postgres; do \
 		echo "==> pytest with TEST_DB=$$db"; \
-		TEST_DB=$$db $(BIN)/coverage run -m pytest 2>&1 | tee $(REPORTS)/pytest-$$db.log || failed=1; \
+		cat $(REPORTS)/pytest-$$db.log; \
 	done; \
 	$(BIN)/coverage combine -q; \
 	echo; \
@@ -173,6 +178,12 @@ $(BIN)/.pgserver: | $(STAMP)
 test-pg16: $(BIN)/.pgserver
 	$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
 
+# The tox envs in ENVS (their postgres ones) on a private PostgreSQL 16, in a tox work dir of
+# their own (.tox-pg16), so that they can run beside `make tox`.
+tox-pg16: $(BIN)/.pgserver $(BIN)/tox
+	$(if $(PYENV_GRID),PYENV_VERSION=$(PYENV_GRID)) $(BIN)/python -m tests.poolers pg16 -- \
+		$(BIN)/tox run --workdir .tox-pg16 $(if $(ENVS),-e $(ENVS))
+
 # The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
 SOAK_SECONDS ?= 120
 soak: $(STAMP)
@@ -241,7 +252,7 @@ demo: storm
 	$(DEMO_BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) .tox build dist site *.egg-info example_project/db.sqlite3*
+	rm -rf $(VENV) $(DEMO_VENV) .tox .tox-pg16 build dist site *.egg-info example_project/db.sqlite3*
 
 # --- benchmarks ---------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@
   process to start, the settings do it all.
 - ``pg16``: a private PostgreSQL 16 server (the ``pgserver`` package's binaries) on a free
   port, started with ``initdb``/``pg_ctl`` as ``tests/pg_instance.py`` does for 15.
+  ``python -m tests.poolers pg16 -- COMMAND [args]`` runs another command than pytest
+  against it, with the same environment (``make tox-pg16``: tox envs on PostgreSQL 16).
 
 The tests that start a private PostgreSQL of their own (``tests/test_faults_database.py``)
 put the same pooler in front of it through :func:`server_env`.
@@ -180,7 +182,10 @@ def drop_database(port: int, name: str) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("pgbouncer", "postgres-pool", "pg16"):
-        print("usage: python -m tests.poolers {pgbouncer,postgres-pool,pg16} [pytest args]")
+        print(
+            "usage: python -m tests.poolers {pgbouncer,postgres-pool,pg16} [pytest args]\n"
+            "       python -m tests.poolers pg16 -- COMMAND [args]"
+        )
         return 2
     mode, args = argv[0], argv[1:]
     upstream = int(os.environ.get("PGPORT", "5432"))
@@ -206,6 +211,8 @@ def main(argv: list[str]) -> int:
         version = instance.scalar("SHOW server_version")
         print(f"PostgreSQL {version} on 127.0.0.1:{instance.port}", flush=True)
         env = {**instance.server_env(), "PG_BIN": str(pg16_bin()), "TEST_PG_MAJOR": "16"}
+        if args[:1] == ["--"]:  # another command than pytest: tox envs, say (make tox-pg16)
+            return subprocess.run(args[1:], cwd=ROOT, env={**os.environ, **env}).returncode
         return run_pytest(env, args)
     finally:
         instance.destroy()
