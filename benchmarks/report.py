@@ -81,7 +81,7 @@ def render(results: dict[str, Any]) -> str:
     add("# Benchmark results\n")
     add(
         f"Written by `make bench` (`{results['command']}`) on "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(results.get('finished_at')))} in "
         f"{results['seconds'] / 60:.1f} minutes."
         + (
             " **Quick mode: a smoke run, too short to judge by.**"
@@ -1025,6 +1025,10 @@ if __name__ == "__main__":
     import json
     import sys
 
+    from benchmarks import scale
+
     here = Path(__file__).resolve().parent
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
-    (here / "RESULTS.md").write_text(render(json.loads(source.read_text())))
+    # The Scale section (make bench-scale) is carried over, as run.py does.
+    target = here / "RESULTS.md"
+    target.write_text(scale.keep_section(render(json.loads(source.read_text())), target))

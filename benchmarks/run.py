@@ -787,6 +787,7 @@ def main() -> int:
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()
     results["seconds"] = time.monotonic() - started
+    results["finished_at"] = time.time()
     args.json.write_text(json.dumps(results, indent=1))
     rendered = report.render(results)
     if args.section:
