@@ -91,20 +91,24 @@ check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
 
 # Both databases always run, each under coverage.py (parallel mode: one data file per run,
-# combined at the end); the summary shows each run's closing pytest line and the coverage of
-# both together, and the target fails if either run failed or the coverage is below the
-# floor of pyproject.toml ([tool.coverage.report] fail_under).
+# combined at the end), the PostgreSQL suite in two halves (TEST_SHARD, whole files each);
+# the summary shows each run's closing pytest line and the coverage of them all together,
+# and the target fails if any run failed or the coverage is below the floor of
+# pyproject.toml ([tool.coverage.report] fail_under).
 test: lint check-migrations
 	@mkdir -p $(REPORTS)
 	@$(BIN)/coverage erase
-	@echo "==> pytest with TEST_DB=sqlite and TEST_DB=postgres, side by side (each on databases"; \
-	echo "    of its own; output in $(REPORTS)/pytest-sqlite.log and pytest-postgres.log)"; \
+	@echo "==> pytest with TEST_DB=sqlite, and TEST_DB=postgres in two halves (TEST_SHARD), side"; \
+	echo "    by side, each on databases of its own; output in $(REPORTS)/pytest-*.log"; \
 	TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1 & sqlite=$$!; \
-	TEST_DB=postgres $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-postgres.log 2>&1 & postgres=$$!; \
-	failed=0; wait $$sqlite || failed=1; wait $$postgres || failed=1; \
-	for db in sqlite postgres; do \
-		echo "==> pytest with TEST_DB=$$db"; \
-		cat $(REPORTS)/pytest-$$db.log; \
+	TEST_DB=postgres TEST_SHARD=1/2 $(BIN)/coverage run -m pytest \
+		> $(REPORTS)/pytest-postgres-1.log 2>&1 & postgres1=$$!; \
+	TEST_DB=postgres TEST_SHARD=2/2 $(BIN)/coverage run -m pytest \
+		> $(REPORTS)/pytest-postgres-2.log 2>&1 & postgres2=$$!; \
+	failed=0; wait $$sqlite || failed=1; wait $$postgres1 || failed=1; wait $$postgres2 || failed=1; \
+	for run in sqlite postgres-1 postgres-2; do \
+		echo "==> pytest run $$run"; \
+		cat $(REPORTS)/pytest-$$run.log; \
 	done; \
 	$(BIN)/coverage combine -q; \
 	echo; \
@@ -112,10 +116,10 @@ test: lint check-migrations
 	$(BIN)/coverage report --format=total > $(REPORTS)/coverage-total.txt || failed=1; \
 	echo; \
 	echo "==> Test summary"; \
-	for db in sqlite postgres; do \
-		printf '  %-9s %s\n' "$$db:" "$$(tail -n 1 $(REPORTS)/pytest-$$db.log)"; \
+	for run in sqlite postgres-1 postgres-2; do \
+		printf '  %-11s %s\n' "$$run:" "$$(tail -n 1 $(REPORTS)/pytest-$$run.log)"; \
 	done; \
-	printf '  %-9s %s%% of lines and branches (floor: %s%%)\n' "coverage:" \
+	printf '  %-11s %s%% of lines and branches (floor: %s%%)\n' "coverage:" \
 		"$$(cat $(REPORTS)/coverage-total.txt)" \
 		"$$($(BIN)/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["coverage"]["report"]["fail_under"])')"; \
 	exit $$failed

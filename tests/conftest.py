@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +14,31 @@ from django.db import connection
 from django.test import Client
 
 from tests.factories import UserFactory
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``TEST_SHARD=k/n``: run the k-th of n parts of the suite, whole files each (a file's
+    part is the hash of its path). ``make test`` runs the PostgreSQL suite in two parts side
+    by side: it spends most of its time waiting on servers, workers and processes."""
+    shard = os.environ.get("TEST_SHARD")
+    if not shard:
+        return
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"TEST_SHARD must be k/n with 1 <= k <= n, not {shard!r}")
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        part = int(hashlib.sha256(path.encode()).hexdigest(), 16) % count + 1
+        (keep if part == index else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
 
 needs_drf = pytest.mark.skipif(
     not settings.HAS_DRF,
