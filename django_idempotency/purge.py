@@ -236,17 +236,25 @@ def _postgres_batch(
 ) -> int:
     # One statement: pick (skipping rows another transaction holds), delete, and with the
     # audit trail on, copy what was deleted from the DELETE's RETURNING rows.
+    #
+    # The pick is a MATERIALIZED CTE, run once. Written as ``pk IN (SELECT ... LIMIT n FOR
+    # UPDATE SKIP LOCKED)``, PostgreSQL may plan a nested loop that runs the subquery again
+    # for every row of the table; each run skips the rows this statement has already deleted
+    # and locks the next n, and the one statement deletes every expired row at once.
     connection = connections[pick.db]
     quote = connection.ops.quote_name
     ids_sql, params = pick.values("pk")[:size].query.get_compiler(pick.db).as_sql()
     params = tuple(params)
     table = quote(model._meta.db_table)
     pk = quote(str(model._meta.pk.column))
-    delete = f"DELETE FROM {table} WHERE {pk} IN ({ids_sql})"
-    if archive is not None:
+    batch = f"batch ({pk}) AS MATERIALIZED ({ids_sql})"
+    delete = f"DELETE FROM {table} WHERE {pk} IN (SELECT {pk} FROM batch)"
+    if archive is None:
+        delete = f"WITH {batch} {delete}"
+    else:
         columns = ", ".join(quote(c) for c in archive.columns)
         delete = (
-            f"WITH gone AS ({delete} RETURNING {columns})"
+            f"WITH {batch}, gone AS ({delete} RETURNING {columns})"
             f" {archive.insert_sql(connection)} SELECT {columns}, %s, %s FROM gone"
         )
         params += archive.params

@@ -4,13 +4,13 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, connections
 from django.test import Client
 
 from tests.factories import UserFactory
@@ -38,6 +38,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """pytest-django's, and at the end every connection closed before the test databases are
+    dropped: a test on ``databases="__all__"`` opens the ``provider`` alias (a mirror of the
+    default database), and PostgreSQL refuses to drop a database another session is on."""
+    yield
+    with django_db_blocker.unblock():
+        connections.close_all()
 
 
 needs_drf = pytest.mark.skipif(

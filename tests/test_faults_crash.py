@@ -119,6 +119,38 @@ def crash(server: str, path: str, caller: Caller, directives: str) -> None:
     assert answer is DISCONNECTED, (answer.status, answer.body[:300])
 
 
+def duplicates_of_a_dying_original(
+    server: str, n: int
+) -> tuple[Caller, list[tuple[Answer, float]], float]:
+    """An original that charges and is killed 1.5 s later, and ``n - 1`` duplicates sent as
+    soon as its claim is seen: each duplicate's answer with the wall-clock time it came, and
+    the time the original's lease ran out."""
+    caller = Caller.new()
+
+    def duplicate(_: int) -> tuple[Answer, float]:
+        answer = request(server, "POST", RETRY_PATH, CHARGE, caller.headers())
+        return answer, time.time()
+
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        original = pool.submit(
+            request,
+            server,
+            "POST",
+            RETRY_PATH,
+            CHARGE,
+            caller.headers("sleep-after-provider:1.5,kill-after-provider"),
+        )
+        deadline = time.monotonic() + 10
+        while not IdempotencyRecord.objects.filter(account=caller.tenant).exists():
+            assert time.monotonic() < deadline, "the original never claimed"
+            time.sleep(0.02)
+        lease_end = record_of(caller).lease_expires_at
+        assert lease_end is not None
+        duplicates = list(pool.map(duplicate, range(n - 1)))
+        assert original.result(timeout=30) is DISCONNECTED
+    return caller, duplicates, lease_end.timestamp()
+
+
 # -- (c) the completion commit -------------------------------------------------------------
 
 
@@ -235,29 +267,21 @@ def test_duplicates_racing_a_dying_original_and_then_its_takeover(server):
     """While the original holds its lease, every duplicate on every worker gets 409; once
     it is dead and its lease is out, of a storm of retries exactly one takes the lease
     over and runs, and the provider still charges once."""
-    caller = Caller.new()
     n = 6
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        original = pool.submit(
-            request,
-            server,
-            "POST",
-            RETRY_PATH,
-            CHARGE,
-            caller.headers("sleep-after-provider:1.5,kill-after-provider"),
-        )
-        deadline = time.monotonic() + 10
-        while not IdempotencyRecord.objects.filter(account=caller.tenant).exists():
-            assert time.monotonic() < deadline, "the original never claimed"
-            time.sleep(0.02)
-        duplicates = list(
-            pool.map(
-                lambda _: request(server, "POST", RETRY_PATH, CHARGE, caller.headers()),
-                range(n - 1),
-            )
-        )
-        assert original.result(timeout=30) is DISCONNECTED
-    assert [a.status for a in duplicates] == [409] * (n - 1)
+    # A duplicate answered after the lease ran out (a loaded machine can take 2 s to send
+    # five requests) may rightly take the claim over: such a round proves nothing about the
+    # lease, so it is sent again with a new caller, a bounded number of times.
+    for _ in range(3):
+        caller, duplicates, late = duplicates_of_a_dying_original(server, n)
+        in_lease = [a.status for a, answered_at in duplicates if answered_at < late]
+        assert in_lease == [409] * len(in_lease)
+        statuses = [(a.status, a.replayed) for a, _ in duplicates]
+        assert {status for status, _ in statuses} <= {201, 409}, statuses
+        assert statuses.count((201, False)) <= 1, statuses
+        if len(in_lease) == n - 1:
+            break
+    else:
+        pytest.fail("in three rounds, the duplicates were never all answered within the 2 s lease")
     sleep_past_lease()
     barrier = threading.Barrier(n, timeout=10)
 

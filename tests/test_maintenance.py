@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.http import HttpResponse, JsonResponse
 from django.test import override_settings
 
@@ -23,6 +23,7 @@ from django_idempotency.models import (
     IdempotencyStep,
     RecordStatus,
 )
+from tests.conftest import postgres_only
 from tests.factories import RecordFactory
 
 pytestmark = pytest.mark.django_db
@@ -105,6 +106,26 @@ def test_purge_in_bounded_batches():
     assert result.longest_batch_seconds > 0
     assert seen[-1] == (result.batches, 10_000)
     assert remaining_keys() == {f"live-{n}" for n in range(100)}
+
+
+@postgres_only
+@pytest.mark.parametrize("audit", [False, True], ids=["plain", "audit"])
+def test_a_batch_never_exceeds_its_size_whatever_the_plan(audit):
+    """With the statistics a table of mixed age can have, PostgreSQL may plan the batch's
+    DELETE as a nested loop that runs the pick (``LIMIT ... FOR UPDATE SKIP LOCKED``) again
+    for every row; each run skips the rows already deleted and locks the next batch. The
+    settings below make that plan the cheapest: the batch still deletes its size and no more."""
+    bulk_records(2_000, expires_at=NOW - timedelta(minutes=1), prefix="expired")
+    with connection.cursor() as cursor:
+        for setting in ("hashjoin", "mergejoin", "material", "hashagg", "sort"):
+            cursor.execute(f"SET LOCAL enable_{setting} = off")
+
+    with override_settings(IDEMPOTENCY={"AUDIT": audit}):
+        result = maintenance.purge_expired(batch_size=500, max_batches=1, now=NOW)
+
+    assert (result.deleted, result.batches, result.complete) == (500, 1, False)
+    assert IdempotencyRecord.objects.count() == 1_500
+    assert IdempotencyAuditRecord.objects.count() == (500 if audit else 0)
 
 
 def test_max_batches_stops_the_run_and_says_so():
