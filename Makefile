@@ -91,21 +91,21 @@ check-migrations: $(STAMP)
 	PYTHONPATH=. $(BIN)/python -m django makemigrations --check --dry-run --settings=tests.settings
 
 # Both databases always run, each under coverage.py (parallel mode: one data file per run,
-# combined at the end), the PostgreSQL suite in two halves (TEST_SHARD, whole files each);
+# combined at the end), the PostgreSQL suite in two halves (tests/halves.py: TEST_SHARD,
+# whole files each);
 # the summary shows each run's closing pytest line and the coverage of them all together,
 # and the target fails if any run failed or the coverage is below the floor of
 # pyproject.toml ([tool.coverage.report] fail_under).
 test: lint check-migrations
 	@mkdir -p $(REPORTS)
 	@$(BIN)/coverage erase
-	@echo "==> pytest with TEST_DB=sqlite, and TEST_DB=postgres in two halves (TEST_SHARD), side"; \
-	echo "    by side, each on databases of its own; output in $(REPORTS)/pytest-*.log"; \
+	@echo "==> pytest with TEST_DB=sqlite, and TEST_DB=postgres in two halves (tests/halves.py),"; \
+	echo "    side by side, each on databases of its own; output in $(REPORTS)/pytest-*.log"; \
 	TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1 & sqlite=$$!; \
-	TEST_DB=postgres TEST_SHARD=1/2 $(BIN)/coverage run -m pytest \
-		> $(REPORTS)/pytest-postgres-1.log 2>&1 & postgres1=$$!; \
-	TEST_DB=postgres TEST_SHARD=2/2 $(BIN)/coverage run -m pytest \
-		> $(REPORTS)/pytest-postgres-2.log 2>&1 & postgres2=$$!; \
-	failed=0; wait $$sqlite || failed=1; wait $$postgres1 || failed=1; wait $$postgres2 || failed=1; \
+	failed=0; \
+	REPORTS=$(REPORTS) TEST_DB=postgres $(BIN)/python -m tests.halves postgres \
+		$(BIN)/coverage run -m pytest > /dev/null || failed=1; \
+	wait $$sqlite || failed=1; \
 	for run in sqlite postgres-1 postgres-2; do \
 		echo "==> pytest run $$run"; \
 		cat $(REPORTS)/pytest-$$run.log; \
@@ -147,8 +147,9 @@ $(BIN)/.mysqlclient: | $(STAMP)
 	$(BIN)/python -m pip install "mysqlclient>=2.2"
 	touch $@
 
+# In two halves side by side (tests/halves.py), each on a database of its own.
 test-mysql: $(BIN)/.mysqlclient
-	TEST_DB=mysql $(BIN)/pytest
+	REPORTS=$(REPORTS) TEST_DB=mysql $(BIN)/python -m tests.halves mysql $(BIN)/pytest
 
 # The suites that race, crash and cut the database, through a connection pooler: PgBouncer in
 # transaction mode (Debian's package, installed here when missing and possible; the harness
@@ -174,13 +175,15 @@ test-poolers: $(STAMP)
 	exit $$failed
 
 # The PostgreSQL suite on PostgreSQL 16: the binaries of the pgserver wheel, a private server
-# on a free port (tests/poolers.py starts and removes it).
+# on a free port (tests/poolers.py starts and removes it); in two halves side by side
+# (tests/halves.py), each with a server of its own.
 $(BIN)/.pgserver: | $(STAMP)
 	$(BIN)/python -m pip install "pgserver>=0.1.4"
 	touch $@
 
 test-pg16: $(BIN)/.pgserver
-	$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
+	REPORTS=$(REPORTS) $(BIN)/python -m tests.halves pg16 \
+		$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
 
 # The tox envs in ENVS (their postgres ones) on a private PostgreSQL 16, in a tox work dir of
 # their own (.tox-pg16), so that they can run beside `make tox`.
@@ -201,8 +204,11 @@ test-quickstart: $(STAMP)
 $(BIN)/tox: | $(STAMP)
 	$(BIN)/python -m pip install "tox>=4.22"
 
+# TOX_PARALLEL=N: N envs at a time (tox run-parallel; each env's output shown when it ends).
 tox: $(BIN)/tox
-	$(if $(PYENV_GRID),PYENV_VERSION=$(PYENV_GRID)) $(BIN)/tox run $(if $(ENVS),-e $(ENVS))
+	$(if $(PYENV_GRID),PYENV_VERSION=$(PYENV_GRID)) $(BIN)/tox \
+		$(if $(TOX_PARALLEL),run-parallel --parallel $(TOX_PARALLEL) --parallel-no-spinner,run) \
+		$(if $(ENVS),-e $(ENVS))
 
 # --- the example project ------------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+"""A pytest run in two halves, side by side.
+
+``python -m tests.halves NAME COMMAND [ARGS...]`` runs ``COMMAND`` twice at once, with
+``TEST_SHARD=1/2`` and ``TEST_SHARD=2/2`` in its environment (``tests/conftest.py`` then keeps
+the test files of that half). Each half writes to ``$REPORTS/pytest-NAME-K.log`` (``REPORTS``
+defaults to ``.venv/reports``); when both are done, both logs are printed, then each half's
+closing line. The exit status is 1 when either half failed.
+
+The suites on a database server spend most of their time waiting (on the server, on the
+workers and processes they start, on leases running out), so two halves take little more
+than half the time of one run: ``make test`` runs its PostgreSQL suite this way, and
+``make test-mysql`` and ``make test-pg16`` theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.live import ROOT
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m tests.halves NAME COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    name, command = argv[0], argv[1:]
+    reports = Path(os.environ.get("REPORTS", ROOT / ".venv" / "reports"))
+    reports.mkdir(parents=True, exist_ok=True)
+    runs: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    for half in (1, 2):
+        log = reports / f"pytest-{name}-{half}.log"
+        with log.open("wb") as out:
+            env = {**os.environ, "TEST_SHARD": f"{half}/2"}
+            runs.append((log, subprocess.Popen(command, stdout=out, stderr=out, env=env)))
+    failed = [process.wait() != 0 for _, process in runs]
+    for log, _ in runs:
+        print(f"==> pytest run {log.stem.removeprefix('pytest-')}", flush=True)
+        sys.stdout.write(log.read_text(errors="replace"))
+    for log, _ in runs:
+        lines = log.read_text(errors="replace").splitlines() or [""]
+        print(f"  {log.stem.removeprefix('pytest-') + ':':<14} {lines[-1]}")
+    sys.stdout.flush()
+    return 1 if any(failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
