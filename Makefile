@@ -49,9 +49,9 @@ help:
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
 	@echo "make docs-code  the code blocks of the docs, copied again from the tested files"
 	@echo "make docs-screenshots  the admin screenshots of the docs, taken again"
-	@echo "make test-mysql  the test suite on MariaDB/MySQL (127.0.0.1:3306)"
+	@echo "make test-mysql  the database tests on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
-	@echo "make test-pg16  the test suite on a private PostgreSQL 16 (the pgserver wheel)"
+	@echo "make test-pg16  the database tests on a private PostgreSQL 16 (the pgserver wheel)"
 	@echo "make test-quickstart  the README's quickstart in a new project, with the built wheel"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
@@ -147,9 +147,12 @@ $(BIN)/.mysqlclient: | $(STAMP)
 	$(BIN)/python -m pip install "mysqlclient>=2.2"
 	touch $@
 
-# In two halves side by side (tests/halves.py), each on a database of its own.
+# The tests that can reach the test database (TEST_DATABASE_ONLY=1, tests/conftest.py: the
+# others show the same on every database, and make test runs them), in two halves side by
+# side (tests/halves.py), each on a database of its own.
 test-mysql: $(BIN)/.mysqlclient
-	REPORTS=$(REPORTS) TEST_DB=mysql $(BIN)/python -m tests.halves mysql $(BIN)/pytest
+	REPORTS=$(REPORTS) TEST_DB=mysql TEST_DATABASE_ONLY=1 \
+		$(BIN)/python -m tests.halves mysql $(BIN)/pytest
 
 # The suites that race, crash and cut the database, through a connection pooler: PgBouncer in
 # transaction mode (Debian's package, installed here when missing and possible; the harness
@@ -175,14 +178,14 @@ test-poolers: $(STAMP)
 	exit $$failed
 
 # The PostgreSQL suite on PostgreSQL 16: the binaries of the pgserver wheel, a private server
-# on a free port (tests/poolers.py starts and removes it); in two halves side by side
-# (tests/halves.py), each with a server of its own.
+# on a free port (tests/poolers.py starts and removes it). The tests that can reach the test
+# database, as for MariaDB, in two halves side by side, each with a server of its own.
 $(BIN)/.pgserver: | $(STAMP)
 	$(BIN)/python -m pip install "pgserver>=0.1.4"
 	touch $@
 
 test-pg16: $(BIN)/.pgserver
-	REPORTS=$(REPORTS) $(BIN)/python -m tests.halves pg16 \
+	REPORTS=$(REPORTS) TEST_DATABASE_ONLY=1 $(BIN)/python -m tests.halves pg16 \
 		$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
 
 # The tox envs in ENVS (their postgres ones) on a private PostgreSQL 16, in a tox work dir of
@@ -201,8 +204,9 @@ soak: $(STAMP)
 test-quickstart: $(STAMP)
 	RUN_QUICKSTART=1 $(BIN)/pytest tests/test_quickstart.py -p no:cacheprovider
 
+# tox-uv: the envs are made and filled by uv (seconds each, where pip took minutes in CI).
 $(BIN)/tox: | $(STAMP)
-	$(BIN)/python -m pip install "tox>=4.22"
+	$(BIN)/python -m pip install "tox>=4.22" "tox-uv>=1.11"
 
 # TOX_PARALLEL=N: N envs at a time (tox run-parallel; each env's output shown when it ends).
 tox: $(BIN)/tox

@@ -17,24 +17,49 @@ from tests.factories import UserFactory
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``TEST_SHARD=k/n``: run the k-th of n parts of the suite, whole files each (a file's
-    part is the hash of its path). ``make test`` runs the PostgreSQL suite in two parts side
-    by side: it spends most of its time waiting on servers, workers and processes."""
+    """``TEST_DATABASE_ONLY=1`` and ``TEST_SHARD=k/n`` choose a part of the suite."""
+    if os.environ.get("TEST_DATABASE_ONLY") == "1":
+        _keep(config, items, touches_the_database)
     shard = os.environ.get("TEST_SHARD")
-    if not shard:
-        return
+    if shard:
+        _keep(config, items, shard_of(shard))
+
+
+def touches_the_database(item: pytest.Item) -> bool:
+    """Whether a test can reach the test database: it is marked ``django_db``, or one of its
+    fixtures (a live server's, say) unblocks the database. pytest-django refuses every other
+    test a connection, so what such a test shows holds on every database alike: the runs on
+    a second database (MariaDB, PostgreSQL 16) leave it to the first two."""
+    fixtures = getattr(item, "fixturenames", ())
+    return item.get_closest_marker("django_db") is not None or "django_db_setup" in fixtures
+
+
+def shard_of(shard: str) -> Callable[[pytest.Item], bool]:
+    """``TEST_SHARD=k/n``: the k-th of n parts of the suite, whole files each (a file's part
+    is the hash of its path). ``tests/halves.py`` runs the two halves of a suite side by
+    side: on a server, a suite spends most of its time waiting on it, on workers and on
+    processes."""
     try:
         index, count = (int(part) for part in shard.split("/"))
     except ValueError:
         index = count = 0
     if not 1 <= index <= count:
         raise pytest.UsageError(f"TEST_SHARD must be k/n with 1 <= k <= n, not {shard!r}")
+
+    def kept(item: pytest.Item) -> bool:
+        path = item.nodeid.split("::", 1)[0]
+        return int(hashlib.sha256(path.encode()).hexdigest(), 16) % count + 1 == index
+
+    return kept
+
+
+def _keep(
+    config: pytest.Config, items: list[pytest.Item], kept: Callable[[pytest.Item], bool]
+) -> None:
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        part = int(hashlib.sha256(path.encode()).hexdigest(), 16) % count + 1
-        (keep if part == index else drop).append(item)
+        (keep if kept(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

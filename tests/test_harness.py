@@ -1,0 +1,38 @@
+"""The test suite's own selection: TEST_DATABASE_ONLY and TEST_SHARD (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import shard_of, touches_the_database
+
+
+@pytest.fixture
+def server_like(django_db_setup: None, django_db_blocker: Any) -> None:
+    """What a live server's fixture asks for: the database, unblocked outside a test's own."""
+
+
+def test_a_test_without_the_database_is_left_to_the_first_runs(request):
+    assert not touches_the_database(request.node)
+
+
+@pytest.mark.django_db
+def test_a_test_marked_django_db_touches_it(request):
+    assert touches_the_database(request.node)
+
+
+def test_a_fixture_that_unblocks_the_database_touches_it(request, server_like):
+    assert touches_the_database(request.node)
+
+
+def test_the_halves_split_files_and_cover_the_suite(request):
+    first, second = shard_of("1/2"), shard_of("2/2")
+    assert first(request.node) != second(request.node)
+
+
+@pytest.mark.parametrize("value", ["0/2", "3/2", "half", "1/0"])
+def test_a_wrong_shard_is_a_usage_error(value):
+    with pytest.raises(pytest.UsageError, match="TEST_SHARD must be k/n"):
+        shard_of(value)
