@@ -6,10 +6,12 @@ the test files of that half). Each half writes to ``$REPORTS/pytest-NAME-K.log``
 defaults to ``.venv/reports``); when both are done, both logs are printed, then each half's
 closing line. The exit status is 1 when either half failed.
 
-The suites on a database server spend most of their time waiting (on the server, on the
-workers and processes they start, on leases running out), so two halves take little more
-than half the time of one run: ``make test`` runs its PostgreSQL suite this way, and
-``make test-mysql`` and ``make test-pg16`` theirs.
+A suite on a database server spends much of its time waiting (on the server, on the
+workers and processes it starts, on leases running out); on an idle machine of 2 cores two
+halves finish well before one whole run. When the cores are already busy (CI's group of
+side-by-side steps) they save little: each half then took about as long as the whole run.
+``make test`` runs its PostgreSQL suite this way, and ``make test-mysql`` and
+``make test-pg16`` theirs.
 """
 
 from __future__ import annotations
