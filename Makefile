@@ -156,7 +156,8 @@ test-mysql: $(BIN)/.mysqlclient
 
 # The suites that race, crash and cut the database, through a connection pooler: PgBouncer in
 # transaction mode (Debian's package, installed here when missing and possible; the harness
-# starts its own on a free port) and Django's own pool, the two runs side by side.
+# starts its own on a free port; prepared statements off, as Django's default) and Django's
+# own pool with prepared statements on (TEST_DB_PREPARE=0), the two runs side by side.
 POOLER_SUITES := tests/test_poolers.py tests/test_concurrency.py tests/test_crash.py \
 	tests/test_faults_crash.py tests/test_faults_database.py tests/test_servers.py \
 	tests/test_callers_transaction.py
@@ -167,7 +168,7 @@ test-poolers: $(STAMP)
 	@mkdir -p $(REPORTS)
 	@$(BIN)/python -m tests.poolers pgbouncer $(POOLER_SUITES) -p no:cacheprovider \
 		> $(REPORTS)/pytest-pgbouncer.log 2>&1 & bouncer=$$!; \
-	$(BIN)/python -m tests.poolers postgres-pool $(POOLER_SUITES) -p no:cacheprovider \
+	TEST_DB_PREPARE=0 $(BIN)/python -m tests.poolers postgres-pool $(POOLER_SUITES) -p no:cacheprovider \
 		> $(REPORTS)/pytest-postgres-pool.log 2>&1 & pool=$$!; \
 	failed=0; wait $$bouncer || failed=1; wait $$pool || failed=1; \
 	for run in pgbouncer postgres-pool; do \
@@ -179,13 +180,14 @@ test-poolers: $(STAMP)
 
 # The PostgreSQL suite on PostgreSQL 16: the binaries of the pgserver wheel, a private server
 # on a free port (tests/poolers.py starts and removes it). The tests that can reach the test
-# database, as for MariaDB, in two halves side by side, each with a server of its own.
+# database, as for MariaDB, in two halves side by side, each with a server of its own, and
+# the engine's statements prepared (TEST_DB_PREPARE=0; make test runs them unprepared).
 $(BIN)/.pgserver: | $(STAMP)
 	$(BIN)/python -m pip install "pgserver>=0.1.4"
 	touch $@
 
 test-pg16: $(BIN)/.pgserver
-	REPORTS=$(REPORTS) TEST_DATABASE_ONLY=1 $(BIN)/python -m tests.halves pg16 \
+	REPORTS=$(REPORTS) TEST_DATABASE_ONLY=1 TEST_DB_PREPARE=0 $(BIN)/python -m tests.halves pg16 \
 		$(BIN)/python -m tests.poolers pg16 -p no:cacheprovider
 
 # The tox envs in ENVS (their postgres ones) on a private PostgreSQL 16, in a tox work dir of

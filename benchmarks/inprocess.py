@@ -280,7 +280,7 @@ def _statements(call: Any) -> dict[str, Any]:
         finally:
             pgconn.untrace()
         trace.seek(0)
-        wire, round_trips = _wire(trace.read())
+        wire, round_trips = _wire(trace.read(), _prepared_statements(connection))
     return {
         "status": status,
         "django": seen,
@@ -307,16 +307,24 @@ def _parameters(wire: list[str], seen: list[str], bound: list[int]) -> list[int]
     return counts
 
 
+def _prepared_statements(connection: Any) -> dict[str, str]:
+    """The statements prepared on ``connection``, by name (the trace names them only)."""
+    with connection.connection.cursor() as cursor:
+        cursor.execute("SELECT name, statement FROM pg_prepared_statements")
+        return {str(name): str(text) for name, text in cursor.fetchall()}
+
+
 def _clock(stamp: str) -> float:
     hours, minutes, seconds = stamp.split(" ")[-1].split(":")
     return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
-def _wire(text: str) -> tuple[list[str], list[float]]:
+def _wire(text: str, prepared: dict[str, str] | None = None) -> tuple[list[str], list[float]]:
     """The statements the client sent, and the time until the server was ready again.
 
-    One entry per simple Query or extended-protocol Parse (psycopg's client-side binding
-    sends Query; server-side binding sends Parse); its time runs to the next ReadyForQuery.
+    One entry per simple Query, extended-protocol Parse (psycopg's client-side binding sends
+    Query; server-side binding sends Parse), or Bind of a statement prepared earlier (its
+    text from ``prepared``, by name); its time runs to the next ReadyForQuery.
     """
     sent: list[str] = []
     times: list[float] = []
@@ -332,6 +340,12 @@ def _wire(text: str) -> tuple[list[str], list[float]]:
                 rest = rest.split('"', 2)[-1]
             sent.append(" ".join(rest.strip().strip('"').split())[:4000])
             started = _clock(stamp)
+        elif direction == "F" and message == "Bind" and len(times) == len(sent):
+            # No Parse before it since the last round trip: a prepared statement's execution.
+            name = parts[4].split('"')[3] if len(parts) > 4 and parts[4].count('"') >= 4 else ""
+            if name:
+                sent.append(" ".join((prepared or {}).get(name, f"EXECUTE {name}").split())[:4000])
+                started = _clock(stamp)
         elif direction == "B" and message == "ReadyForQuery" and len(times) < len(sent):
             times.append((_clock(stamp) - started) * 1000)
     return sent, times

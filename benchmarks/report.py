@@ -13,6 +13,7 @@ LABELS = {
     "plain": "plain DRF, no idempotency",
     "floor": "the floor: claim and completion by hand",
     "ours": "django-idempotency (IdempotencyMixin)",
+    "unprepared": "django-idempotency, prepared statements off (Django's default)",
     "sealed": "django-idempotency, ENCRYPTION_KEYS set",
     "patched": "django-idempotency + proposed cuts",
     "dik": "django-idempotency-key 1.3.0",

@@ -81,7 +81,7 @@ def prepare(variant: str, reset: bool = True) -> str:
     call_command("migrate", verbosity=0)
     if reset:
         tables = ["benchsite_charge"]
-        if variant in ("ours", "sealed", "patched"):
+        if variant in ("ours", "unprepared", "sealed", "patched"):
             # The steps' foreign key cascades: they are emptied with the records.
             tables += ["django_idempotency_record", "django_idempotency_step"]
         if variant == "floor":

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -244,6 +245,52 @@ class ClaimResult:
 # -- fixed statements -------------------------------------------------------------------------
 
 
+def _prepares(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the engine's statements run prepared on this connection.
+
+    PostgreSQL with ``OPTIONS["prepare_threshold"]`` set (Django leaves it ``None``: no
+    prepared statements, which PgBouncer in transaction mode needs before 1.21), unless
+    Django is logging queries (``DEBUG``, ``CaptureQueriesContext``, ``assertNumQueries``):
+    its log reads a statement's text with its values from a client-side cursor only.
+    """
+    return (
+        connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None
+        and connection.vendor == "postgresql"
+        and not connection.queries_logged
+    )
+
+
+def _cursor(alias: str) -> Any:
+    """A cursor for the fixed statements below.
+
+    Django's own, which writes the values into the statement's text (client-side binding),
+    unless the connection allows prepared statements (:func:`_prepares`). Then a cursor that
+    binds them on the server, so that psycopg prepares each of these statements once it has
+    run ``prepare_threshold`` times on the connection, and the server no longer parses and
+    plans it on every request (the claim: about 0.2 ms). Django's own cursors do not prepare
+    (they bind client-side unless ``OPTIONS["server_side_binding"]`` is set): this is the
+    engine's statements only. Wrapped as Django wraps its cursors: its error classes, its
+    execute wrappers, its thread check and its health check.
+    """
+    connection = connections[alias]
+    if not _prepares(connection):
+        return connection.cursor()
+    # As Django's cursor() does; no query log to keep here (see _prepares).
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    with connection.wrap_database_errors:
+        return connection.make_cursor(_binding_cursor()(connection.connection))
+
+
+@functools.cache
+def _binding_cursor() -> Any:
+    # Imported when first needed: the module needs psycopg, which only PostgreSQL does.
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    return ServerBindingCursor
+
+
 def _table(alias: str) -> str:
     return str(connections[alias].ops.quote_name(IdempotencyRecord._meta.db_table))
 
@@ -376,7 +423,10 @@ def _postgres_claim_sql(
     }
 
     def value_of(column: str) -> str:
-        return written.get(column, f"%({column})s")
+        # A bound string is cast to text: bound on the server (prepared statements), a value
+        # the statement uses twice must have one type, and the SELECT list gives it none.
+        cast = "" if column == "created_at" else "::text"
+        return written.get(column, f"%({column})s{cast}")
 
     columns = ", ".join(quote(column) for column in _CLAIM_COLUMNS)
     values = ", ".join(
@@ -452,7 +502,7 @@ def _insert_or_existing(alias: str, request: ClaimRequest) -> tuple[RecordState,
             request.lease,
             request.ttl,
         )
-        with connection.cursor() as cursor:
+        with _cursor(alias) as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
         if row is None:
@@ -551,7 +601,7 @@ def _take_over(
         hash=request.request_hash,
         version=request.fingerprint_version,
     )
-    with connection.cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_takeover_sql(alias), params)
         if connection.vendor != "postgresql":
             return None
@@ -625,7 +675,7 @@ def _fetch_sql(alias: str) -> str:
 
 def fetch(alias: str, account: str, operation: str, key: str) -> RecordState | None:
     """The current state of a record, or ``None`` when there is none."""
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_fetch_sql(alias), [account, operation, key])
         row = cursor.fetchone()
     return RecordState.from_row(row) if row is not None else None
@@ -687,7 +737,7 @@ def finish(
             _prepared(alias, "lease_token", token),
         ]
     params.append(IN_PROGRESS)
-    with connection.cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_finish_sql(alias), params)
         return int(cursor.rowcount) > 0
 
@@ -700,7 +750,7 @@ def _release_sql(alias: str) -> str:
 
 def release(alias: str, record_id: int, token: uuid.UUID) -> bool:
     """Delete a claim this attempt still owns, so that a retry runs afresh."""
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(
             _release_sql(alias), [record_id, _prepared(alias, "lease_token", token), IN_PROGRESS]
         )
@@ -726,7 +776,7 @@ def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bo
         _prepared(alias, "lease_token", token),
         IN_PROGRESS,
     ]
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_give_back_sql(alias), params)
         return int(cursor.rowcount) > 0
 
@@ -776,7 +826,7 @@ def record_step(
         _prepared(alias, "lease_token", token),
         IN_PROGRESS,
     ]
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_record_step_sql(alias), params)
         return int(cursor.rowcount) > 0
 
@@ -791,7 +841,7 @@ def _recorded_steps_sql(alias: str) -> str:
 
 def recorded_steps(alias: str, record_id: int) -> dict[str, str]:
     """The steps recorded for a record so far: ``{name: result as JSON text}``."""
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_recorded_steps_sql(alias), [record_id])
         return {str(name): str(result) for name, result in cursor.fetchall()}
 
@@ -799,7 +849,7 @@ def recorded_steps(alias: str, record_id: int) -> dict[str, str]:
 def forget_steps(alias: str, record_id: int) -> None:
     """Delete the steps of a record that an expired record's replacement starts afresh."""
     q = connections[alias].ops.quote_name
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(f"DELETE FROM {_step_table(alias)} WHERE {q('record_id')} = %s", [record_id])
 
 
@@ -826,6 +876,6 @@ def _expire_unreadable(alias: str, state: RecordState, now: datetime) -> RecordS
         IN_PROGRESS,
         _prepared(alias, "expires_at", state.expires_at),
     ]
-    with connections[alias].cursor() as cursor:
+    with _cursor(alias) as cursor:
         cursor.execute(_expire_unreadable_sql(alias), params)
     return replace(state, expires_at=now)

@@ -3,7 +3,8 @@
 Two more run PostgreSQL through a connection pooler: ``pgbouncer`` (a PgBouncer in transaction
 mode that ``python -m tests.poolers pgbouncer`` starts and passes in ``PGPORT``) and
 ``postgres-pool`` (Django's own pool, ``OPTIONS["pool"]``). On PostgreSQL an unreachable server
-fails the run; it is never skipped.
+fails the run; it is never skipped. ``TEST_DB_PREPARE=N`` sets PostgreSQL's
+``OPTIONS["prepare_threshold"]``: the engine's statements are then prepared.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ if TEST_DB in POSTGRES_DBS:
         # Without it the pool hands out connections the server has closed (a restart, a
         # terminated backend), and the next request fails on one.
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # TEST_DB_PREPARE=N: psycopg prepares a statement after N runs on a connection (0: at its
+    # first), as OPTIONS["prepare_threshold"] allows; the engine's statements then run
+    # prepared (server-side binding). make test-pg16 and the pool's run use 0.
+    if os.environ.get("TEST_DB_PREPARE"):
+        DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = int(
+            os.environ["TEST_DB_PREPARE"]
+        )
 elif TEST_DB == "mysql":
     DATABASES = {
         "default": {

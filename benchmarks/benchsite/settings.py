@@ -10,14 +10,14 @@ import os
 from typing import Any
 
 VARIANT = os.environ.get("BENCH_VARIANT", "plain")
-if VARIANT not in ("plain", "floor", "ours", "sealed", "patched", "dik", "dfi"):
-    raise RuntimeError(
-        f"BENCH_VARIANT must be plain, floor, ours, sealed, patched, dik or dfi, not {VARIANT!r}"
-    )
+VARIANTS = ("plain", "floor", "ours", "unprepared", "sealed", "patched", "dik", "dfi")
+if VARIANT not in VARIANTS:
+    raise RuntimeError(f"BENCH_VARIANT must be one of {', '.join(VARIANTS)}, not {VARIANT!r}")
 # "patched" is "ours" with django_idempotency imported from a scratch copy (run.py --patched);
 # "sealed" is "ours" with stored responses encrypted (ENCRYPTION_KEYS). "floor" is the claim
 # and the completion written by hand in the view (benchsite/floor.py), no package at all.
-PROTECTION = "ours" if VARIANT in ("patched", "sealed") else VARIANT
+# "unprepared" is "ours" on a connection without prepared statements (Django's default).
+PROTECTION = "ours" if VARIANT in ("patched", "sealed", "unprepared") else VARIANT
 # A Fernet key for the benchmark's own throwaway database only.
 BENCH_ENCRYPTION_KEY = "YmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtYmVuY2gtMzI="
 
@@ -53,6 +53,10 @@ DATABASES = {
         "PORT": os.environ.get("PGPORT", "5432"),
         # Persistent connections, as a production deployment would have them.
         "CONN_MAX_AGE": 600,
+        # Prepared statements allowed, as on a direct connection (docs/deployment.md): the
+        # package prepares its own statements; Django's cursors bind client-side and prepare
+        # nothing, so every other variant runs as without it.
+        "OPTIONS": {} if VARIANT == "unprepared" else {"prepare_threshold": 5},
     }
 }
 
