@@ -90,8 +90,10 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True  # CONN_MAX_AGE stays 0, as th
 # --8<-- [end:pool]
 
 # --8<-- [start:prepared]
-# The package's statements prepared on their fifth run on a connection (psycopg's default
-# threshold): a direct connection, Django's pool or PgBouncer 1.21+ with
-# max_prepared_statements. Beside the pool's options, or with CONN_MAX_AGE > 0 without one.
-DATABASES["default"]["OPTIONS"]["prepare_threshold"] = 5
+DATABASES["default"]["OPTIONS"] = {
+    "pool": {"min_size": 2, "max_size": 20, "timeout": 3},  # or CONN_MAX_AGE > 0, no pool
+    # The package's statements prepared on their fifth run on a connection (psycopg's
+    # default): a direct connection, or PgBouncer 1.21+ with max_prepared_statements.
+    "prepare_threshold": 5,
+}
 # --8<-- [end:prepared]
