@@ -285,10 +285,32 @@ def _cursor(alias: str) -> Any:
 
 @functools.cache
 def _binding_cursor() -> Any:
-    # Imported when first needed: the module needs psycopg, which only PostgreSQL does.
-    from django.db.backends.postgresql.base import ServerBindingCursor
+    """Django's server-binding cursor class, made to survive a table changed under it.
 
-    return ServerBindingCursor
+    A connection keeps what it prepared. When a migration changes the type of a column a
+    statement returns, PostgreSQL refuses that statement on the connection from then on
+    ("cached plan must not change result type"). Outside a transaction (the claim's place)
+    the cursor then drops the connection's prepared statements (``DEALLOCATE ALL``, which
+    psycopg sees and forgets its own) and runs the statement once more, prepared anew.
+    Inside one, the transaction is lost either way; its rollback makes psycopg drop them.
+    """
+    # Imported when first needed: the modules need psycopg, which only PostgreSQL does.
+    from django.db.backends.postgresql.base import ServerBindingCursor
+    from psycopg import errors, pq
+
+    base: Any = ServerBindingCursor  # psycopg's Cursor, which django-stubs does not type
+
+    class PreparingCursor(base):  # type: ignore[misc]
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            try:
+                return super().execute(query, params, **kwargs)
+            except errors.FeatureNotSupported:
+                if self.connection.info.transaction_status != pq.TransactionStatus.IDLE:
+                    raise
+                self.connection.execute("DEALLOCATE ALL")
+                return super().execute(query, params, **kwargs)
+
+    return PreparingCursor
 
 
 def _table(alias: str) -> str:

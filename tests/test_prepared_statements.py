@@ -142,3 +142,32 @@ def test_a_storm_on_one_key_runs_the_view_once_with_prepared_statements(user, th
     assert Charge.objects.count() == 1
     record = IdempotencyRecord.objects.get(key=key)
     assert record.status == "completed"
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("threshold", [0], indirect=True)
+def test_a_column_changed_under_a_prepared_claim_is_prepared_anew(api, threshold):
+    # A migration changes the type of a column the claim returns while this connection holds
+    # the claim prepared: PostgreSQL refuses it there ("cached plan must not change result
+    # type"), every time, for the connection's life. The claim prepares it anew instead.
+    key = new_key()
+    first = api.post("/charges/", CHARGE, key=key)
+    assert first.status_code == 201
+    assert api.post("/charges/", CHARGE, key=key).status_code == 201
+    assert any(text.startswith("WITH claim AS") for text in prepared_here())
+    table = IdempotencyRecord._meta.db_table
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN response_status TYPE integer')
+        replays = [api.post("/charges/", CHARGE, key=key) for _ in range(3)]
+        fresh = api.post("/charges/", CHARGE, key=new_key())
+    finally:
+        connection.close()
+        with other.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN response_status TYPE smallint')
+        other.close()
+    assert [r.status_code for r in replays] == [201] * 3
+    assert all(r.content == first.content for r in replays)
+    assert fresh.status_code == 201
+    assert Charge.objects.count() == 2
