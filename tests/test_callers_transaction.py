@@ -258,6 +258,40 @@ def test_a_stale_lease_of_this_transactions_own_key_never_waits_on_itself():
     assert Charge.objects.count() == 1
 
 
+def test_a_replay_inside_a_callers_transaction_holds_up_no_other_retry():
+    # The caller's transaction meets the key completed, and goes on. Meanwhile a retry of
+    # the key on another connection is answered at once: the replay inside the transaction
+    # locked nothing that lasts until the caller's commit. (On MariaDB the claim is one
+    # INSERT ... ON DUPLICATE KEY UPDATE, which locks the row it finds: only its own
+    # autocommit statement may hold that lock.) A lock wait turns into an error after 2 s
+    # on the other connection, so a wait cannot pass unseen.
+    assert run_once(_ship, **IDENTITY) == "shipped"
+    answers: list[Any] = []
+
+    def retry_elsewhere() -> None:
+        try:
+            with connection.cursor() as cursor:
+                if connection.vendor == "mysql":
+                    cursor.execute("SET SESSION innodb_lock_wait_timeout = 2")
+                else:
+                    cursor.execute("SET lock_timeout = '2s'")
+            answers.append(run_once(_ship, **IDENTITY))
+        except Exception as exc:
+            answers.append(exc)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        assert run_once(_ship, **IDENTITY) == "shipped"
+        other = threading.Thread(target=retry_elsewhere)
+        other.start()
+        other.join(timeout=20)
+        assert not other.is_alive()
+    assert answers == ["shipped"]
+    assert Charge.objects.count() == 1
+    assert record().status == RecordStatus.COMPLETED
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_protected_view_calling_run_once_for_a_sub_operation(user, policy):
     client = Caller(user, "view-run-once", policy)

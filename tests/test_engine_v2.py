@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from django_idempotency import store
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
-from tests.conftest import new_key
+from tests.conftest import ApiClient, new_key
 from tests.test_purge_concurrency import in_thread
 from tests.testapp import views
 from tests.testapp.models import Charge
@@ -44,22 +44,66 @@ def test_a_first_request_claims_and_completes_with_one_statement_each(api):
     assert Charge.objects.count() == 1
 
 
-@postgresql_only
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="SQLite inserts, then reads")
 @pytest.mark.django_db(transaction=True, databases="__all__")
 @pytest.mark.parametrize("status", ["completed", "in_progress"])
 def test_a_replay_or_a_conflict_is_one_statement_and_no_transaction(api, status):
+    # PostgreSQL's claim; MariaDB's INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING (10.5+).
+    if connection.vendor == "mysql" and not connection.features.can_return_columns_from_insert:
+        pytest.skip("MySQL inserts, then reads")
     key = new_key()
     if status == "completed":
         assert api.post("/charges/", CHARGE, key=key).status_code == 201
     else:
         _in_flight(api, key)
-    with CaptureQueriesContext(connection) as queries:
+    statements: list[str] = []
+
+    def sent(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        # Every statement sent, a failed one included (the query log on MariaDB keeps no
+        # INSERT that the unique key refused).
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(sent):
         answer = api.post("/charges/", CHARGE, key=key)
     assert answer.status_code == (201 if status == "completed" else 409)
-    statements = [q["sql"] for q in queries.captured_queries]
     # The session lookup and the claim; no SAVEPOINT, no write.
-    assert len(record_statements(queries)) == 1, statements
+    on_records = [s for s in statements if "django_idempotency_record" in s]
+    assert len(on_records) == 1, statements
     assert not [s for s in statements if s.upper().startswith(("SAVEPOINT", "UPDATE", "DELETE"))]
+
+
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="needs concurrent connections")
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("replays", [False, True], ids=["new-key", "completed-key"])
+def test_a_storm_on_one_key_claims_it_once(user, replays):
+    # Sixteen connections claim one key at the same instant (a new key, or one completed
+    # already): one claim, one charge, every other answer a 409 or the replay. On MariaDB
+    # these are racing INSERT ... ON DUPLICATE KEY UPDATE statements in autocommit.
+    key = new_key()
+    if replays:
+        assert ApiClient(user).post("/charges/", CHARGE, key=key).status_code == 201
+    start = threading.Barrier(16, timeout=WAIT)
+
+    def send(_: int) -> tuple[int, str]:
+        client = ApiClient(user)
+        try:
+            start.wait()
+            answer = client.post("/charges/", CHARGE, key=key)
+            return int(answer.status_code), answer.headers.get("Idempotent-Replayed", "")
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(send, range(16), timeout=WAIT))
+    statuses = [status for status, _ in answers]
+    assert set(statuses) <= {201, 409}, answers
+    if replays:
+        assert answers == [(201, "true")] * 16
+    else:
+        assert [a for a in answers if a == (201, "")] == [(201, "")]
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
 
 
 def _in_flight(api: Any, key: str) -> None:
