@@ -199,7 +199,7 @@ tox-pg16: $(BIN)/.pgserver $(BIN)/tox
 # The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
 SOAK_SECONDS ?= 120
 soak: $(STAMP)
-	RUN_SOAK=1 SOAK_SECONDS=$(SOAK_SECONDS) TEST_DB=postgres $(BIN)/pytest -m soak
+	RUN_SOAK=1 SOAK_SECONDS=$(SOAK_SECONDS) TEST_DB=postgres $(BIN)/pytest -m soak -s
 
 # The README's quickstart pasted into a new `django-admin startproject`, with the built wheel
 # in a venv of its own, on PostgreSQL: its curl sequence and its function views (about 1 min).
