@@ -5,8 +5,8 @@ New keys, replays, concurrent duplicates, payload mismatches, workers killed at 
 purged during the run. At the end every key's side-effect count is exactly what it should
 be, no record is left in progress, and only unexpired records remain.
 
-Runs only with ``RUN_SOAK=1`` (CI: ``make soak``, ``RUN_SOAK=1 SOAK_SECONDS=120 pytest -m soak -s``); lasts
-``SOAK_SECONDS`` (default 20) plus the time to settle.
+Runs only with ``RUN_SOAK=1`` (CI: ``make soak``, which is ``RUN_SOAK=1 SOAK_SECONDS=120
+pytest -m soak -s``); lasts ``SOAK_SECONDS`` (default 20) plus the time to settle.
 """
 
 from __future__ import annotations
