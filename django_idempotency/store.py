@@ -535,23 +535,12 @@ def _insert_or_existing(alias: str, request: ClaimRequest) -> tuple[RecordState,
                 token = uuid.UUID(str(token))
             return _inserted(request, token, row[0]), True
         return RecordState.in_the_way(row), False
+    # Elsewhere: an insert, and the record in its way read when the unique constraint
+    # refused it. In autocommit (the claim's usual place) a refused INSERT leaves nothing to
+    # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
+    # saves three round trips); inside an atomic block a savepoint keeps the block usable.
     token = uuid.uuid4()
     row = _prepared_row(alias, request.new_row(token))
-    if connection.vendor == "mysql" and connection.features.can_return_columns_from_insert:
-        # MariaDB: one statement inserts the claim or hands back the record in its way (its
-        # no-op update changes and writes nothing); the lease token tells the claim's own
-        # row from another's. The update locks the row for the statement only: a claim
-        # runs in autocommit (autonomous.claiming), or in a test case's transaction.
-        with connection.cursor() as cursor:
-            cursor.execute(_upsert_sql(alias, tuple(row)), row)
-            found = cursor.fetchone()
-        if str(found[_TOKEN_INDEX]).replace("-", "") == token.hex:
-            return _inserted(request, token, int(found[0])), True
-        return RecordState.from_row(found), False
-    # Elsewhere (SQLite, MySQL): an insert, and the record in its way read when the unique
-    # constraint refused it. In autocommit a refused INSERT leaves nothing to roll back
-    # there, so no transaction is opened for it (on MySQL that saves three round trips);
-    # inside an atomic block a savepoint keeps the block usable.
     try:
         with (
             (
@@ -576,17 +565,6 @@ def _insert_sql(alias: str, columns: tuple[str, ...]) -> str:
     names = ", ".join(quote(c) for c in columns)
     return f"INSERT INTO {_table(alias)} ({names}) VALUES ({values})"
 
-
-@functools.lru_cache(maxsize=8)
-def _upsert_sql(alias: str, columns: tuple[str, ...]) -> str:
-    quote = connections[alias].ops.quote_name
-    return (
-        f"{_insert_sql(alias, columns)} ON DUPLICATE KEY UPDATE {quote('id')} = {quote('id')}"
-        f" RETURNING {_returning(alias)}"
-    )
-
-
-_TOKEN_INDEX = _STATE_COLUMNS.index("lease_token")
 
 _TAKEOVER_COLUMNS = (
     "request_hash",

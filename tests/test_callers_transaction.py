@@ -34,7 +34,7 @@ from django.db import connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
 
-from django_idempotency import run_once
+from django_idempotency import InProgress, run_once
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.conftest import new_key, postgres_only
@@ -258,17 +258,13 @@ def test_a_stale_lease_of_this_transactions_own_key_never_waits_on_itself():
     assert Charge.objects.count() == 1
 
 
-def test_a_replay_inside_a_callers_transaction_holds_up_no_other_retry():
-    # The caller's transaction meets the key completed, and goes on. Meanwhile a retry of
-    # the key on another connection is answered at once: the replay inside the transaction
-    # locked nothing that lasts until the caller's commit. (On MariaDB the claim is one
-    # INSERT ... ON DUPLICATE KEY UPDATE, which locks the row it finds: only its own
-    # autocommit statement may hold that lock.) A lock wait turns into an error after 2 s
-    # on the other connection, so a wait cannot pass unseen.
-    assert run_once(_ship, **IDENTITY) == "shipped"
+def _run_once_elsewhere() -> Any:
+    """``run_once(_ship, **IDENTITY)`` on another connection, in a thread of its own, where a
+    lock wait turns into an error after 2 s (so a wait cannot pass unseen): what it returned,
+    or what it raised."""
     answers: list[Any] = []
 
-    def retry_elsewhere() -> None:
+    def attempt() -> None:
         try:
             with connection.cursor() as cursor:
                 if connection.vendor == "mysql":
@@ -281,13 +277,38 @@ def test_a_replay_inside_a_callers_transaction_holds_up_no_other_retry():
         finally:
             connections.close_all()
 
+    other = threading.Thread(target=attempt)
+    other.start()
+    other.join(timeout=30)
+    assert not other.is_alive()
+    return answers[0]
+
+
+def test_a_replay_inside_a_callers_transaction_holds_up_no_other_retry():
+    # The caller's transaction meets the key completed, and goes on. Meanwhile a retry of
+    # the key on another connection is answered at once: the replay inside the transaction
+    # locked nothing that lasts until the caller's commit (its claim ran on the second
+    # connection, in autocommit).
+    assert run_once(_ship, **IDENTITY) == "shipped"
     with transaction.atomic():
         assert run_once(_ship, **IDENTITY) == "shipped"
-        other = threading.Thread(target=retry_elsewhere)
-        other.start()
-        other.join(timeout=20)
-        assert not other.is_alive()
-    assert answers == ["shipped"]
+        answer = _run_once_elsewhere()
+    assert answer == "shipped"
+    assert Charge.objects.count() == 1
+    assert record().status == RecordStatus.COMPLETED
+
+
+def test_a_duplicate_after_the_completion_inside_a_callers_transaction_is_refused_at_once():
+    # run_once completes inside the caller's transaction: the completion's UPDATE holds
+    # the record's row lock until the caller commits. A duplicate on another connection
+    # meanwhile gets InProgress at once from the claim that committed on its own, never a
+    # wait on that lock (a claim that locks the row in its way would wait here: an
+    # INSERT ... ON DUPLICATE KEY UPDATE on MariaDB did).
+    with transaction.atomic():
+        assert run_once(_ship, **IDENTITY) == "shipped"
+        answer = _run_once_elsewhere()
+    assert isinstance(answer, InProgress), answer
+    assert run_once(_ship, **IDENTITY) == "shipped"  # after the caller's commit: a replay
     assert Charge.objects.count() == 1
     assert record().status == RecordStatus.COMPLETED
 

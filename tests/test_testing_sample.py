@@ -73,7 +73,11 @@ def unprotected_copies(directory: Path) -> dict[str, str]:
 
 
 def outcomes(directory: Path, copies: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """Run the shop's suite; ``test id -> (outcome, traceback)`` from its JUnit report."""
+    """Run the shop's suite; ``test id -> (outcome, traceback)`` from its JUnit report.
+
+    The outcome is the test's own (its call). An error in its teardown is reported by JUnit
+    as a second entry of the same test, kept apart under ``"<test id> [teardown]"``.
+    """
     report = directory / "report.xml"
     env = {**os.environ, "UNPROTECTED_MODULES": json.dumps(copies)}
     run = subprocess.run(
@@ -106,6 +110,8 @@ def outcomes(directory: Path, copies: dict[str, str]) -> dict[str, tuple[str, st
         test_id = "::".join(filter(None, [f"{module}.py", cls, case.get("name")]))
         result = next(iter(case), None)
         outcome = result.tag if result is not None else "passed"
+        if test_id in found:
+            test_id += " [teardown]"
         found[test_id] = (outcome, (result.text or "") if result is not None else "")
     return found
 
@@ -122,6 +128,14 @@ def test_the_sample_suite_passes_against_the_protected_shop(tmp_path):
 
 def test_each_scenario_fails_against_an_unprotected_shop(tmp_path):
     found = outcomes(tmp_path, unprotected_copies(tmp_path))
+    # A scenario that failed against the unprotected shop can leave the live server's
+    # request running (the original it had paused, released when the test failed); the
+    # flush at the test's teardown can then deadlock with that request's transaction
+    # (seen on PostgreSQL in about one run of eight). That teardown error comes after the
+    # failure that counts: it is set aside, and only a teardown's error may be.
+    teardowns = {test: found.pop(test) for test in list(found) if test.endswith(" [teardown]")}
+    assert all(outcome == "error" for outcome, _ in teardowns.values()), teardowns
+    assert {test.removesuffix(" [teardown]") for test in teardowns} <= LIVE, teardowns
     assert {test: outcome for test, (outcome, _) in found.items()} == expected("failure")
     for test, (outcome, traceback) in found.items():
         if outcome == "failure":
