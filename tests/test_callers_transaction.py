@@ -259,29 +259,18 @@ def test_a_stale_lease_of_this_transactions_own_key_never_waits_on_itself():
 
 
 def _run_once_elsewhere() -> Any:
-    """``run_once(_ship, **IDENTITY)`` on another connection, in a thread of its own, where a
-    lock wait turns into an error after 2 s (so a wait cannot pass unseen): what it returned,
-    or what it raised."""
-    answers: list[Any] = []
+    """``run_once(_ship, **IDENTITY)`` on a connection of its own (``_in_thread``), where a
+    lock wait turns into an error after 2 s: what it returned, or what it raised."""
 
-    def attempt() -> None:
-        try:
-            with connection.cursor() as cursor:
-                if connection.vendor == "mysql":
-                    cursor.execute("SET SESSION innodb_lock_wait_timeout = 2")
-                else:
-                    cursor.execute("SET lock_timeout = '2s'")
-            answers.append(run_once(_ship, **IDENTITY))
-        except Exception as exc:
-            answers.append(exc)
-        finally:
-            connections.close_all()
+    def attempt() -> Any:
+        with connection.cursor() as cursor:
+            if connection.vendor == "mysql":
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = 2")
+            else:
+                cursor.execute("SET lock_timeout = '2s'")
+        return run_once(_ship, **IDENTITY)
 
-    other = threading.Thread(target=attempt)
-    other.start()
-    other.join(timeout=30)
-    assert not other.is_alive()
-    return answers[0]
+    return _in_thread(attempt)
 
 
 def test_a_replay_inside_a_callers_transaction_holds_up_no_other_retry():
