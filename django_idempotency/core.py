@@ -23,7 +23,7 @@ from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
-from django_idempotency import autonomous, conf, problems, signals, store
+from django_idempotency import autonomous, conf, problems, signals, storable, store
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
@@ -82,15 +82,31 @@ def running(context: IdempotencyContext) -> Iterator[None]:
 
 
 _MAX_NAME = 255
+#: What a name stored by its hash begins with. A name given with this beginning is itself
+#: stored by its hash, so no name stored as it is can take the form of a hashed one.
+HASHED = "sha256:"
 
 
 def storable_name(name: str) -> str:
-    """An account or operation as stored: itself, or ``sha256:<hex>`` when it is longer than
-    the column or holds characters a database cannot store (NUL). Deterministic, so every
-    retry maps to the same record."""
-    if len(name) <= _MAX_NAME and "\x00" not in name:
+    """An account or operation as stored: itself, or ``sha256:<hex>`` of it.
+
+    Stored as it is when every supported database keeps it apart from every other name: at
+    most 255 characters, no NUL, no lone surrogate, no whitespace at its end (MariaDB's
+    collations compare ``'t1'`` and ``'t1 '`` as equal), and not beginning with ``sha256:``.
+    Any other name is stored by its hash: ``sha256:`` and 64 hex digits, which no name
+    stored as it is can spell. Deterministic, so every retry maps to the same record, and
+    two different names never share one (short of a SHA-256 collision).
+    """
+    if len(name) <= _MAX_NAME and _plain(name):
         return name
-    return "sha256:" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return HASHED + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _plain(name: str) -> bool:
+    # text_problem: a NUL or a lone surrogate, which no database stores.
+    if name.startswith(HASHED) or (name and name[-1].isspace()):
+        return False
+    return storable.text_problem(name) is None
 
 
 def recovery_name(recovery: str | Callable[..., Any]) -> str:
