@@ -18,6 +18,7 @@ __all__ = [
     "InProgress",
     "KeyReused",
     "OutcomeUnknown",
+    "RecordUnreadable",
     "current",
     "run_once",
     "step",
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
         InProgress,
         KeyReused,
         OutcomeUnknown,
+        RecordUnreadable,
     )
     from django_idempotency.once import run_once
 
@@ -40,6 +42,7 @@ _WHERE = {
     "InProgress": "exceptions",
     "KeyReused": "exceptions",
     "OutcomeUnknown": "exceptions",
+    "RecordUnreadable": "exceptions",
     "run_once": "once",
     "step": "core",
 }

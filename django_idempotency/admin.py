@@ -117,6 +117,23 @@ class LeaseFilter(admin.SimpleListFilter):
         return None
 
 
+class ReadableFilter(admin.SimpleListFilter):
+    """Completed and failed records whose stored outcome no key of ``ENCRYPTION_KEYS`` opens:
+    their retries are refused until the key that sealed them is configured again. (A token
+    damaged under a configured key is found only when read: its page says so.)"""
+
+    title = _("outcome readable")
+    parameter_name = "readable"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("no", _("No: sealed with a key not in ENCRYPTION_KEYS"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "no":
+            return _qs(crypto.unopenable(queryset.exclude(status=RecordStatus.IN_PROGRESS)))
+        return None
+
+
 def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
     if record.status != store.IN_PROGRESS or record.lease_expires_at is None:
@@ -201,7 +218,11 @@ def _summary_html(headers: Any, body: bytes | None) -> SafeString:
 def _unreadable(exc: crypto.Unreadable) -> SafeString:
     return format_html(
         "<em>{}</em>",
-        _("Cannot be read (%(why)s); the record is treated as expired.") % {"why": exc},
+        _(
+            "Cannot be read (%(why)s). Its retries are refused (503, RecordUnreadable) "
+            "until a key that opens it is configured again; it leaves at its expiry."
+        )
+        % {"why": exc},
     )
 
 
@@ -259,7 +280,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     # Only columns an index can sort: ordering a million rows by key, status or response
     # status takes about a second each.
     sortable_by = ("account", "age", "expiry")
-    list_filter = ("status", OperationFilter, ExpiredFilter, LeaseFilter)
+    list_filter = ("status", OperationFilter, ExpiredFilter, LeaseFilter, ReadableFilter)
     date_hierarchy = "created_at"
     search_fields = ("key", "account")
     search_help_text = _("An exact key or account, e.g. user:42.")

@@ -60,6 +60,42 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+@register(Tags.database)
+def check_sealed_outcomes(
+    databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``check --database <alias>``: outcomes sealed with a key that ``ENCRYPTION_KEYS`` does
+    not hold (E026). They are refused until that key is configured again: a key was removed
+    (or the keys emptied) before ``rotate_idempotency_encryption`` resealed them."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None or alias not in (databases or ()):
+        return []  # a wrong setting is reported by check_settings
+    from django.db import DatabaseError
+
+    from django_idempotency import crypto
+
+    try:
+        missing = crypto.missing_key_ids(alias)
+    except DatabaseError:  # not migrated yet (migrate runs the database checks first)
+        return []
+    return [
+        _error(
+            26,
+            f"{count} stored outcome{'s are' if count != 1 else ' is'} on {alias!r} sealed "
+            f"with the key {kid}, which IDEMPOTENCY['ENCRYPTION_KEYS'] does not hold: "
+            "their retries are refused (503 idempotency_record_unreadable, RecordUnreadable) "
+            "until it is configured again.",
+            hint=(
+                "Put the key back into ENCRYPTION_KEYS (after the first), run manage.py "
+                "rotate_idempotency_encryption, and remove it only once that is done. The "
+                "records leave at their TTL like any other."
+            ),
+        )
+        for kid, count in sorted(missing.items())
+    ]
+
+
 def _check_database(alias: str) -> Iterable[CheckMessage]:
     database = settings.DATABASES[alias]
     if database.get("ATOMIC_REQUESTS"):

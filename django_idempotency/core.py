@@ -24,7 +24,8 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from django_idempotency import autonomous, conf, problems, signals, storable, store
-from django_idempotency.exceptions import SimulatedCrash
+from django_idempotency.crypto import Unreadable
+from django_idempotency.exceptions import RecordUnreadable, SimulatedCrash
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
@@ -395,7 +396,13 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
         finally:
             steps.running = False
         steps.recorded[name] = recorded
-    return json.loads(recorded)
+    try:
+        return json.loads(recorded)
+    except (ValueError, RecursionError):
+        context = current() or IdempotencyContext("", "", "", record_id=steps.record_id)
+        raise refuse_unreadable(
+            context, Unreadable(None, f"the recorded result of step {name!r} is not JSON")
+        ) from None
 
 
 def run_resumable(
@@ -506,6 +513,47 @@ def recover(
     if not close(stored):
         return Recovered(lease_lost=True, answer=answer)
     return Recovered(outcome=stored, answer=answer)
+
+
+def refuse_unreadable(
+    context: IdempotencyContext, problem: Unreadable, request: Any = None
+) -> RecordUnreadable:
+    """Log and signal (``record_unreadable``) a retry refused because its record's stored
+    outcome cannot be read back; the exception that refuses it (the HTTP side answers it as
+    ``503`` ``idempotency_record_unreadable``). Nothing runs: within its TTL an outcome that
+    cannot be read is never produced a second time."""
+    # The record is named by its id and the sealing key by its public id: never the client's
+    # key, and never a key of ENCRYPTION_KEYS.
+    logger.warning(
+        "the stored outcome of record %s (%s) cannot be read back (%s); the retry was "
+        "refused and nothing ran%s",
+        context.record_id,
+        context.operation,
+        problem,
+        f": configure the key {problem.key_id} again" if problem.key_id else "",
+        extra={"key_id": problem.key_id},
+    )
+    if signals.record_unreadable.has_listeners(IdempotencyRecord):
+        signals.record_unreadable.send(
+            sender=IdempotencyRecord,
+            request=request,
+            account=context.account,
+            operation=context.operation,
+            key=context.key,
+            key_id=problem.key_id,
+            reason=str(problem),
+        )
+    remedy = (
+        f"; it is answered again once a key that opens it (id {problem.key_id}) is in "
+        "ENCRYPTION_KEYS"
+        if problem.key_id
+        else ""
+    )
+    return RecordUnreadable(
+        f"the outcome of key {context.key!r} for {context.operation} is stored but cannot be "
+        f"read back ({problem}). It was not run again{remedy}.",
+        key_id=problem.key_id,
+    )
 
 
 def announce_recovery(

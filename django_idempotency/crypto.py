@@ -15,9 +15,12 @@ larger). A record in progress stores no response, so nothing of it is sealed. Re
 before keys were set stay readable in the clear until ``rotate_idempotency_encryption``
 seals them.
 
-A sealed response that no configured key opens (its key was removed, or the row is damaged)
-is never replayed: the store treats its record as expired, so the next request with its key
-runs afresh and replaces it (:func:`opened`, ``store.claim``).
+A sealed response that no configured key opens (its key was removed, the keys were emptied,
+a rotation step was skipped, or the row is damaged) is never replayed and never run again:
+within its TTL the record is refused (``503`` ``idempotency_record_unreadable``,
+``RecordUnreadable``), and once a key that opens it is configured again it is replayed as it
+was. ``manage.py check --database <alias>`` reports the key ids that sealed outcomes still
+need (``E026``).
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ import base64
 import functools
 import hashlib
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet, TextField
+from django.db.models.functions import Cast, Substr
 
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
@@ -43,19 +46,19 @@ from django_idempotency.states import IN_PROGRESS
 if TYPE_CHECKING:
     from cryptography.fernet import MultiFernet
 
-logger = logging.getLogger("django_idempotency")
-
 __all__ = [
     "ROTATE_BATCH_SIZE",
     "Keys",
     "RotationResult",
     "Unreadable",
     "key_id",
+    "missing_key_ids",
     "open_response",
     "opened",
     "rotate",
     "seal_response",
     "sealed_with",
+    "unopenable",
 ]
 
 SCHEME = "fernet"
@@ -65,12 +68,13 @@ Headers = list[list[str]]
 
 
 class Unreadable(Exception):
-    """A sealed response that no key of ``ENCRYPTION_KEYS`` opens; ``key_id`` names the key
-    that sealed it (``None`` when the stored value is damaged beyond that)."""
+    """A stored response that cannot be read back: sealed, and no key of
+    ``ENCRYPTION_KEYS`` opens it (``key_id`` names the key that sealed it), or damaged
+    (``key_id`` is ``None`` when the damage hides it)."""
 
     def __init__(self, key_id: str | None, reason: str) -> None:
         self.key_id = key_id
-        super().__init__(f"sealed with key {key_id or '(unknown)'}: {reason}")
+        super().__init__(f"sealed with key {key_id}: {reason}" if key_id else reason)
 
 
 def key_id(key: str | bytes) -> str:
@@ -169,23 +173,58 @@ def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Hea
         raise Unreadable(kid, reason if kid not in keys.ids else f"{reason} (damaged)") from None
 
 
-def opened(record_id: int, stored_headers: Any, stored_body: Any) -> tuple[Headers, Any, bool]:
-    """``(headers, body, unreadable)`` of a sealed response, for the store's reads.
-
-    An unreadable response (logged once per read, with the key that sealed it) comes back
-    as no response at all, flagged: the store treats its record as expired.
-    """
+def opened(stored_headers: Any, stored_body: Any) -> tuple[Headers, Any, Unreadable | None]:
+    """``(headers, body, None)`` of a stored response, for the store's reads; a sealed one
+    that cannot be opened comes back as no response and the :class:`Unreadable` that says
+    why (the refusal is logged where it is answered, naming the key id)."""
     try:
         headers, body = open_response(stored_headers, stored_body)
     except Unreadable as exc:
-        logger.warning(
-            "the stored response of record %s cannot be read (%s): its record is treated as "
-            "expired",
-            record_id,
-            exc,
-        )
-        return [], None, True
-    return headers, body, False
+        return [], None, exc
+    return headers, body, None
+
+
+def missing_key_ids(using: str) -> dict[str, int]:
+    """``{key id: records}`` of the completed and failed records of ``using`` sealed with a
+    key that ``ENCRYPTION_KEYS`` does not hold (all of them when it is empty): the outcomes
+    that are refused until that key is configured again.
+
+    One pass over the records table (the key id is read from the start of each stored
+    header set): for ``manage.py check --database``, the admin and ``idempotency_stats``,
+    not for the request path.
+    """
+    configured = _configured()
+    known = configured.ids if configured is not None else frozenset()
+    counts = (
+        _sealed_key_ids(IdempotencyRecord.objects.using(using).exclude(status=IN_PROGRESS))
+        .values_list("sealed_key_id")
+        .annotate(records=Count("*"))
+        .order_by()
+    )
+    return {str(kid): int(n) for kid, n in counts if kid not in known}
+
+
+def _sealed_key_ids(records: QuerySet[Any]) -> QuerySet[Any]:
+    # The stored headers as JSON text: a sealed set is the JSON string "fernet:<id>:<token>",
+    # so its key id is the 12 characters after the quote and the scheme.
+    text = Cast("response_headers", TextField())
+    start = len(f'"{_PREFIX}') + 1
+    sealed: QuerySet[Any] = (
+        records.annotate(_headers_text=text)
+        .filter(_headers_text__startswith=f'"{_PREFIX}')
+        .annotate(sealed_key_id=Substr("_headers_text", start, 12))
+    )
+    return sealed
+
+
+def unopenable(records: QuerySet[Any]) -> QuerySet[Any]:
+    """Those of ``records`` sealed with a key that ``ENCRYPTION_KEYS`` does not hold (the
+    admin's filter). A token damaged under a configured key is found only when read."""
+    configured = _configured()
+    sealed = _sealed_key_ids(records)
+    if configured is None:
+        return sealed
+    return sealed.exclude(sealed_key_id__in=sorted(configured.ids))
 
 
 # -- rotation -------------------------------------------------------------------------------

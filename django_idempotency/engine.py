@@ -30,6 +30,8 @@ from django_idempotency.core import (
     resolve_recovery,
     storable_name,
 )
+from django_idempotency.crypto import Unreadable
+from django_idempotency.exceptions import RecordUnreadable
 from django_idempotency.fingerprint import django_request, fingerprint_version
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
@@ -293,7 +295,7 @@ class _Protected:
                 "use a new key for a new operation."
             )
         if state.status != IN_PROGRESS:
-            return self.replay(state)
+            return self.done(state)
         if allow_wait and app_settings.IN_PROGRESS_WAIT:
             waited = self.wait_for(state)
             if waited is not None:
@@ -320,14 +322,31 @@ class _Protected:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.25)
             current = self.operation.fetch()
-            # Gone, replaced, or done with a response no key opens (treated as expired).
-            if current is None or current.id != state.id or current.unreadable:
+            if current is None or current.id != state.id:  # gone, or replaced
                 return None
             if current.status != IN_PROGRESS:
-                return self.replay(current)
+                return self.done(current)
             if current.lease_expires_at and current.lease_expires_at <= timezone.now():
                 return None
         return self.conflict()
+
+    def done(self, state: store.RecordState) -> HttpResponse:
+        """The answer of a completed or failed record: its replay, or a refusal when its
+        stored outcome cannot be read back (never a second run within its TTL)."""
+        if state.unreadable is not None:
+            self.context.record_id = state.id
+            return self.unreadable(state.unreadable)
+        return self.replay(state)
+
+    def unreadable(self, problem: Unreadable | RecordUnreadable) -> HttpResponse:
+        refusal = (
+            problem
+            if isinstance(problem, RecordUnreadable)
+            else core.refuse_unreadable(self.context, problem, self.request)
+        )
+        return problems.RECORD_UNREADABLE.response(
+            str(refusal), retry_after=app_settings.RETRY_AFTER
+        )
 
     def replay(self, state: store.RecordState) -> HttpResponse:
         logger.debug("replaying record %s (%s)", state.id, self.context.operation)
@@ -438,6 +457,10 @@ class _Owner:
                 )
         except core.LeaseLost:
             return self.protected.lease_lost()
+        except RecordUnreadable as refusal:
+            # A recorded step (or an operation the view ran) whose outcome cannot be read
+            # back: nothing ran again, and the record is kept for the next attempt.
+            return self.protected.unreadable(refusal)
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response

@@ -32,6 +32,17 @@ class OutcomeUnknown(IdempotencyError):
     whether it took effect is unknown, and it is never run again."""
 
 
+class RecordUnreadable(IdempotencyError):
+    """The operation's outcome is stored but cannot be read back: sealed with a key that
+    ``ENCRYPTION_KEYS`` no longer holds (``key_id`` names it), or damaged. Within the record's
+    TTL it is never run again; once a key that opens it is configured again, the stored
+    outcome is returned as it was."""
+
+    def __init__(self, message: str, key_id: str | None = None) -> None:
+        super().__init__(message)
+        self.key_id = key_id
+
+
 class SimulatedCrash(BaseException):
     """Ends an attempt as a killed process would, for tests (``django_idempotency.testing``).
 

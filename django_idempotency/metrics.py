@@ -92,6 +92,13 @@ lease_losses = _RequestCounter(
     "Attempts rolled back because a newer attempt took their lease over.",
     ["operation"],
 )
+unreadable = Counter(
+    "django_idempotency_unreadable",
+    "Retries refused because their record's stored outcome cannot be read back (sealed with a"
+    " key ENCRYPTION_KEYS does not hold, or damaged); nothing ran. key_id: the key that sealed"
+    " it, empty when unknown.",
+    ["operation", "key_id"],
+)
 purged = Counter(
     "django_idempotency_purged_records",
     "Records deleted by the purge: table=records, audit (the audit trail) or outbox (sent).",
@@ -258,6 +265,11 @@ def _recovered(**kwargs: Any) -> None:
 @receiver(signals.lease_lost, dispatch_uid="django_idempotency.metrics.lease_lost")
 def _lease_lost(**kwargs: Any) -> None:
     lease_losses.child(_operation(kwargs)).inc()
+
+
+@receiver(signals.record_unreadable, dispatch_uid="django_idempotency.metrics.unreadable")
+def _unreadable(**kwargs: Any) -> None:
+    unreadable.labels(_operation(kwargs), str(kwargs.get("key_id") or "")).inc()
 
 
 @receiver(signals.records_purged, dispatch_uid="django_idempotency.metrics.purged")

@@ -19,6 +19,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from django_idempotency import core, validation
 from django_idempotency.conf import app_settings
+from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import InProgress, KeyReused, OutcomeUnknown, seconds_left
 from django_idempotency.keys import validate_key
 from django_idempotency.states import COMPLETED, FAILED
@@ -214,7 +215,15 @@ def _duplicate(op: core.Operation, state: Any) -> Any:
             "use a new key for a new operation"
         )
     if state.status == COMPLETED:
-        return json.loads(state.response_body) if state.response_body else None
+        context = core.IdempotencyContext(op.key, op.operation, op.account, record_id=state.id)
+        if state.unreadable is not None:
+            raise core.refuse_unreadable(context, state.unreadable)
+        try:
+            return json.loads(state.response_body) if state.response_body else None
+        except (ValueError, RecursionError):
+            raise core.refuse_unreadable(
+                context, Unreadable(None, "the stored result is not JSON")
+            ) from None
     if state.status == FAILED:
         raise OutcomeUnknown(
             f"an earlier attempt of {op.operation} with key {op.key!r} stopped midway; "

@@ -63,6 +63,9 @@ OUTCOME_UNKNOWN = Problem(
 RESPONSE_NOT_STORABLE = Problem(
     "idempotency_response_not_storable", 500, "The response could not be stored for replay"
 )
+RECORD_UNREADABLE = Problem(
+    "idempotency_record_unreadable", 503, "The stored outcome of this key cannot be read"
+)
 STORE_UNAVAILABLE = Problem(
     "idempotency_store_unavailable", 503, "The idempotency store is unavailable"
 )
@@ -76,5 +79,6 @@ ALL_PROBLEMS = (
     LEASE_LOST,
     OUTCOME_UNKNOWN,
     RESPONSE_NOT_STORABLE,
+    RECORD_UNREADABLE,
     STORE_UNAVAILABLE,
 )

@@ -29,6 +29,12 @@ lease_lost = Signal(use_caching=True)
 """An attempt could not complete because another attempt took its lease over; its database work was
 rolled back. Arguments: request, account, operation, key."""
 
+record_unreadable = Signal(use_caching=True)
+"""A retry met a record whose stored outcome cannot be read back (sealed with a key that
+ENCRYPTION_KEYS no longer holds, or damaged) and was refused: 503 for a request,
+RecordUnreadable elsewhere; nothing ran. Arguments: request (None outside HTTP), account,
+operation, key, key_id (the key that sealed it, None when unknown), reason."""
+
 lease_recovered = Signal(use_caching=True)
 """A stale lease was handled by a recovery policy, on a retry, by the recovery job or by an admin
 action. Arguments: account, operation, key, policy ("retry", "fail", "resume" or the callable's

@@ -16,6 +16,7 @@ from django.db.models import Count, Min, QuerySet
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from django_idempotency import crypto
 from django_idempotency.conf import app_settings
 from django_idempotency.core import RESUME
 from django_idempotency.models import (
@@ -45,12 +46,22 @@ class TableStats:
     # with a stale lease: left by the recovery job to their operation's next attempt.
     resumable: dict[str, int]
     resumable_stale: int
+    # Completed and failed records sealed with a key ENCRYPTION_KEYS does not hold, by the
+    # id of that key: their retries are refused until it is configured again. (Found by
+    # reading every stored header set: the one figure here that costs a pass over the table.)
+    unreadable_by_key: dict[str, int]
     taken_at: datetime = field(repr=False)
+
+    @property
+    def unreadable(self) -> int:
+        """How many records' outcomes no configured key opens."""
+        return sum(self.unreadable_by_key.values())
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form: the timestamp as ISO 8601."""
         data = asdict(self)
         data["taken_at"] = self.taken_at.isoformat()
+        data["unreadable"] = self.unreadable
         return data
 
 
@@ -143,6 +154,7 @@ def collect(using: str | None = None, now: datetime | None = None) -> TableStats
         resumable_stale=resumable_records(using)
         .filter(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now)
         .count(),
+        unreadable_by_key=crypto.missing_key_ids(_alias(using)),
         taken_at=now,
     )
 

@@ -18,7 +18,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any, TypeVar
@@ -83,8 +83,10 @@ class RecordState:
     response_status: int | None
     response_headers: list[list[str]]
     response_body: bytes | None
-    #: Its stored response is sealed and no configured key opens it: treated as expired.
-    unreadable: bool = False
+    #: Why its stored outcome cannot be read back (sealed with a key no configured key is,
+    #: damaged); ``None`` when it can. Within its TTL such a record is refused, never run
+    #: again.
+    unreadable: crypto.Unreadable | None = None
 
     @classmethod
     def from_row(
@@ -99,7 +101,10 @@ class RecordState:
         if token is not None and not isinstance(token, uuid.UUID):
             token = uuid.UUID(str(token))
         headers, body, unreadable = _stored_response(
-            values["id"], values["status"], values["response_headers"], values["response_body"]
+            values["status"],
+            values["response_status"],
+            values["response_headers"],
+            values["response_body"],
         )
         values.update(
             response_headers=headers,
@@ -116,7 +121,7 @@ class RecordState:
         """The state from PostgreSQL's claim: a row of ``_EXISTING_COLUMNS``, its times in
         seconds since the epoch, read on every replay."""
         record_id, status, lease_expires_at, expires_at, request_hash, version = row[:6]
-        headers, body, unreadable = _stored_response(record_id, status, row[7], row[8])
+        headers, body, unreadable = _stored_response(status, row[6], row[7], row[8])
         return cls(
             record_id,
             status,
@@ -159,22 +164,27 @@ def _header_pairs(headers: Any) -> bool:
 
 
 def _stored_response(
-    record_id: int, status: str, headers: Any, body: Any
-) -> tuple[list[list[str]], bytes | None, bool]:
-    """A record's stored headers and body as the replay uses them, and whether they are
-    unreadable: sealed with no configured key that opens them, or headers that are not
-    ``[name, value]`` pairs (such a record is treated as expired, never answered with a 500)."""
+    status: str, response_status: Any, headers: Any, body: Any
+) -> tuple[list[list[str]], bytes | None, crypto.Unreadable | None]:
+    """A record's stored headers and body as the replay uses them, and why they cannot be
+    read back, if they cannot: sealed with no configured key that opens them, headers that
+    are not ``[name, value]`` pairs, or a done record without a status to answer."""
+    if status == IN_PROGRESS:
+        return [], None, None  # nothing is stored yet
     if isinstance(headers, str):
         try:
             headers = json.loads(headers)  # the headers as text (a raw cursor, not jsonb)
         except (ValueError, RecursionError):
-            return [], _bytes(body), status != IN_PROGRESS
+            return [], None, crypto.Unreadable(None, "the stored headers are not JSON")
     if isinstance(headers, str):  # sealed (django_idempotency.crypto)
-        opened_headers, opened_body, unreadable = crypto.opened(record_id, headers, body)
-        return opened_headers or [], _bytes(opened_body), unreadable
-    if not _header_pairs(headers):
-        return [], _bytes(body), status != IN_PROGRESS
-    return headers or [], _bytes(body), False
+        headers, body, unreadable = crypto.opened(headers, body)
+        if unreadable is not None:
+            return [], None, unreadable
+    elif not _header_pairs(headers):
+        return [], None, crypto.Unreadable(None, "the stored headers are not [name, value] pairs")
+    if response_status is None:
+        return [], None, crypto.Unreadable(None, "the record holds no response status")
+    return headers or [], _bytes(body), None
 
 
 def _bytes(body: Any) -> bytes | None:
@@ -670,15 +680,15 @@ def _claim(alias: str, request: ClaimRequest) -> ClaimResult:
         state, inserted = found
         if inserted:
             return ClaimResult(state=state, claimed=True)
-        if state.unreadable:
-            state = _expire_unreadable(alias, state, request.now)
+        # A record whose outcome cannot be read back is refused by the caller, never replaced
+        # within its TTL: it is replaceable only as any record is (expired, or a stale lease).
         if not state.replaceable_by(request):
             return ClaimResult(state=state, claimed=False)
         token = uuid.uuid4()
         take_over = _take_over_archiving if app_settings.AUDIT else _take_over
         taken = take_over(alias, request, token, state)
         current = taken or fetch(alias, request.account, request.operation, request.key)
-        if current is not None and not current.unreadable:
+        if current is not None:
             claimed = current.lease_token == token
             if claimed and states.EXPIRED.test(vars(state), now=request.now):
                 # An expired record replaced by a new operation: an earlier operation's
@@ -873,31 +883,3 @@ def forget_steps(alias: str, record_id: int) -> None:
     q = connections[alias].ops.quote_name
     with _cursor(alias) as cursor:
         cursor.execute(f"DELETE FROM {_step_table(alias)} WHERE {q('record_id')} = %s", [record_id])
-
-
-@functools.lru_cache(maxsize=8)
-def _expire_unreadable_sql(alias: str) -> str:
-    q = connections[alias].ops.quote_name
-    return (
-        f"UPDATE {_table(alias)} SET {q('expires_at')} = %s"
-        f" WHERE {q('id')} = %s AND {q('status')} <> %s AND {q('expires_at')} = %s"
-    )
-
-
-def _expire_unreadable(alias: str, state: RecordState, now: datetime) -> RecordState:
-    """A done record whose stored response no configured key opens, made expired at ``now``.
-
-    It cannot be replayed, so it is treated as a record past its TTL: the claim that met it
-    replaces it (copying it to the audit trail first when ``AUDIT`` is on), and the request
-    runs afresh. Fenced by the expiry that was read: a record replaced meanwhile is left to
-    the claim's own fence.
-    """
-    params = [
-        _prepared(alias, "expires_at", now),
-        state.id,
-        IN_PROGRESS,
-        _prepared(alias, "expires_at", state.expires_at),
-    ]
-    with _cursor(alias) as cursor:
-        cursor.execute(_expire_unreadable_sql(alias), params)
-    return replace(state, expires_at=now)

@@ -85,6 +85,9 @@ def idempotent_task(
       and it returns ``None``. A record closed as failed (by ``recovery="fail"`` after a
       worker died, or the admin's "mark as failed"): never run again, and ``None`` is
       returned.
+    - Completed, but its stored return value cannot be read back (sealed with a key that
+      ``ENCRYPTION_KEYS`` no longer holds, or damaged): ``RecordUnreadable`` is raised and
+      the body does not run.
     - ``recovery``: what a redelivery does with a dead worker's stale lease, as for
       ``run_once`` (``"retry"`` by default, ``"fail"``, or a callable).
 

@@ -4,7 +4,6 @@ and who sees a body in the admin."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -251,36 +250,8 @@ def test_replays_are_byte_identical_with_one_key_with_new_and_old_and_after_rota
 # -- a lost key ---------------------------------------------------------------------------------
 
 
-def test_a_record_no_key_opens_is_treated_as_expired_and_runs_afresh(api, caplog):
-    with keys(LOST, AUDIT=True):
-        lost = post(api, "lost")
-    caplog.set_level(logging.WARNING, logger="django_idempotency")
-    with keys(NEW, AUDIT=True):
-        fresh = post(api, "lost")
-        again = post(api, "lost")
-    # Never a 500 and never the old answer with a wrong or empty body: the request runs.
-    assert fresh.status_code == 201
-    assert "Idempotent-Replayed" not in fresh
-    assert json.loads(fresh.content) == json.loads(lost.content)
-    assert answered(again) == answered(fresh)
-    assert again["Idempotent-Replayed"] == "true"
-    assert charges() == 2
-    record = IdempotencyRecord.objects.get()
-    assert crypto.sealed_with(record.response_headers) == crypto.key_id(NEW)
-    assert record.expires_at > timezone.now() + timedelta(hours=23)
-    # The unreadable record left the window as an expired one does: copied, as it was.
-    (audit,) = IdempotencyAuditRecord.objects.all()
-    assert (audit.reason, crypto.sealed_with(audit.response_headers)) == (
-        "replaced",
-        crypto.key_id(LOST),
-    )
-    assert f"sealed with key {crypto.key_id(LOST)}" in caplog.text
-    assert NEW not in caplog.text
-    assert LOST not in caplog.text
-
-
 @pytest.mark.parametrize("damage", ["tampered token", "not ours", "no token"])
-def test_a_damaged_sealed_response_is_treated_as_expired_everywhere(api, damage):
+def test_a_damaged_sealed_response_is_refused_everywhere(api, damage):
     with keys(NEW):
         post(api, "damaged")
         record = IdempotencyRecord.objects.get()
@@ -300,45 +271,30 @@ def test_a_damaged_sealed_response_is_treated_as_expired_everywhere(api, damage)
     # The rotation passes over what names the first key without reading it.
     expected = (0, 1, 0) if damage == "tampered token" else (0, 0, 1)
     assert (rotation.records, rotation.current, rotation.unreadable) == expected
-    assert fresh.status_code == 201
-    assert "Idempotent-Replayed" not in fresh
-    assert answered(again) == answered(fresh)
-    assert charges() == 2
+    for answer in (fresh, again):
+        assert answer.status_code == 503
+        assert json.loads(answer.content)["code"] == "idempotency_record_unreadable"
+    assert charges() == 1
 
 
-def test_turning_encryption_off_makes_sealed_records_expired_not_wrong(api):
+def test_turning_encryption_off_refuses_sealed_records_until_a_key_is_back(api):
     with keys(NEW):
-        post(api, "sealed")
+        first = post(api, "sealed")
     with keys():
-        fresh = post(api, "sealed")
-        again = post(api, "sealed")
-    assert "Idempotent-Replayed" not in fresh
-    assert answered(again) == answered(fresh)
-    assert charges() == 2
-    ((headers, _body),) = raw_rows(IdempotencyRecord)
-    assert json.loads(headers)[0][0] == "Content-Type"  # in the clear again
-
-
-def test_run_once_with_a_lost_key_runs_again():
-    calls: list[int] = []
-
-    def pay(amount: int) -> int:
-        calls.append(amount)
-        return amount
-
-    identity = {"account": "worker", "operation": "pay", "key": "m-lost"}
-    with keys(LOST):
-        run_once(pay, 1, **identity)
+        refused = post(api, "sealed")
+    assert refused.status_code == 503
+    assert json.loads(refused.content)["code"] == "idempotency_record_unreadable"
     with keys(NEW):
-        assert run_once(pay, 1, **identity) == 1
-        assert run_once(pay, 1, **identity) == 1
-    assert calls == [1, 1]
+        again = post(api, "sealed")
+    assert answered(again) == answered(first)
+    assert again["Idempotent-Replayed"] == "true"
+    assert charges() == 1
 
 
 @postgres_only
 def test_a_waiting_duplicate_never_replays_a_response_it_cannot_open(api, user, monkeypatch):
     """The original is completed meanwhile by a server whose key this one lacks: the
-    duplicate that waits for it runs afresh instead of replaying nothing."""
+    duplicate that waits for it is refused, never replays nothing, never runs again."""
     polling = threading.Event()
     real_fetch = store.fetch
 
@@ -374,10 +330,9 @@ def test_a_waiting_duplicate_never_replays_a_response_it_cannot_open(api, user, 
             completed_at=timezone.now(),
         )
         response = answer.result(timeout=WAIT)
-    assert response.status_code == 201
-    assert "Idempotent-Replayed" not in response
-    assert json.loads(response.content) == json.loads(PAYLOAD["body"])
-    assert charges() == 1
+    assert response.status_code == 503
+    assert json.loads(response.content)["code"] == "idempotency_record_unreadable"
+    assert charges() == 0
 
 
 def fingerprint_of(api: Any, payload: dict[str, Any]) -> str:
@@ -446,12 +401,12 @@ def test_a_user_with_the_permission_sees_the_body_and_headers_opened(sealed_reco
     assert "the first of ENCRYPTION_KEYS" in html
 
 
-def test_the_admin_says_a_record_it_cannot_open_is_treated_as_expired(sealed_record):
+def test_the_admin_says_a_record_it_cannot_open_is_refused(sealed_record):
     with keys(OLD):
         html = detail(_superuser(), sealed_record)
     assert "Ada Lovelace" not in html
     assert "Cannot be read" in html
-    assert "treated as expired" in html
+    assert "retries are refused" in html
     assert "not in ENCRYPTION_KEYS" in html
 
 

@@ -128,9 +128,12 @@ def test_command_json(table):
         "expired",
         "resumable",
         "resumable_stale",
+        "unreadable",
+        "unreadable_by_key",
         "taken_at",
         "outbox",
     }
+    assert (data["unreadable"], data["unreadable_by_key"]) == (0, {})
     assert data["outbox"] == {
         "by_status": {"pending": 0, "sent": 0, "dead": 0},
         "due": 0,

@@ -44,7 +44,8 @@ def _counts(labels: type[TextChoices], counts: dict[str, int]) -> list[tuple[str
 class Command(BaseCommand):
     help = (
         "Show the size of the idempotency records table, records by status, the oldest "
-        "in-progress record, stale leases, expired records not yet purged, the resumable "
+        "in-progress record, stale leases, expired records not yet purged, the records "
+        "whose outcome no key of ENCRYPTION_KEYS opens, the resumable "
         "records (recovery policy resume), and the outbox."
     )
 
@@ -79,6 +80,11 @@ class Command(BaseCommand):
             ("oldest in progress", _duration(snapshot.oldest_in_progress_seconds)),
             ("stale leases", f"{snapshot.stale_leases:,}"),
             ("expired, not purged", f"{snapshot.expired:,}"),
+            ("unreadable", f"{snapshot.unreadable:,}"),
+            *[
+                (f"  sealed with key {kid}", f"{n:,}")
+                for kid, n in sorted(snapshot.unreadable_by_key.items())
+            ],
             ("resumable", ""),
             *_counts(RecordStatus, snapshot.resumable),
             ("  stale leases", f"{snapshot.resumable_stale:,}"),
