@@ -28,6 +28,32 @@ def _is_drf_request(request: Any) -> bool:
     return hasattr(request, "_request") and hasattr(request, "parser_context")
 
 
+def _refuse_unprotectable(view: Any) -> None:
+    """Refuse what ``@idempotent`` could wrap but not protect as the docs say."""
+    name = validation.name_of(view)
+    if isinstance(view, type):
+        raise ImproperlyConfigured(
+            f"@idempotent on the class {name}: decorate its method, "
+            'method_decorator(idempotent, name="dispatch") for a Django view, or put '
+            "IdempotencyMixin first in a DRF view's bases."
+        )
+    drf_view = getattr(view, "cls", None)
+    if isinstance(drf_view, type) and any(
+        k.__module__ == "rest_framework.views" and k.__name__ == "APIView" for k in drf_view.__mro__
+    ):
+        # DRF's as_view(): the claim would come before DRF's authentication, permissions
+        # and throttles, and a refused caller's answer would be stored.
+        where = (
+            "put @idempotent beneath @api_view"
+            if drf_view.__qualname__.endswith("WrappedAPIView")
+            else "put IdempotencyMixin first in the view's bases instead"
+        )
+        raise ImproperlyConfigured(
+            f"@idempotent on the DRF view {name}: {where}, so that the claim follows DRF's "
+            "authentication, permission and throttle checks."
+        )
+
+
 @overload
 def idempotent(view: ViewFunc) -> ViewFunc: ...
 
@@ -78,6 +104,8 @@ def idempotent(
             f"@idempotent at {validation.caller()}: its arguments are keyword arguments "
             f"(e.g. methods=[...]); got the positional {validation.describe(view)}."
         )
+    if view is not None:
+        _refuse_unprotectable(view)
     where = (
         f"@idempotent on {validation.name_of(view)}"
         if view is not None
@@ -100,6 +128,8 @@ def idempotent(
     )
 
     def decorate(func: ViewFunc) -> ViewFunc:
+        _refuse_unprotectable(func)
+
         def handle(request: Any, args: Any, kwargs: Any, view: Any) -> HttpResponseBase:
             if _is_drf_request(request):
                 from django_idempotency.drf import drf_call

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
+from django.views import View
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
@@ -84,6 +86,28 @@ class IdempotencyMixin:
     #: the view) or its dotted path; ``None``: the ``HEADER`` setting's header. (Typed
     #: ``Any``: type checkers read a function stored on a class as a method.)
     idempotency_key: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, when the class is made, a view on which the mixin would never run."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if issubclass(cls, APIView):
+            if mro.index(APIView) < mro.index(IdempotencyMixin):
+                # APIView's dispatch and initial call no super(): the mixin's never run.
+                first = next(k for k in mro[1:] if issubclass(k, APIView))
+                raise ImproperlyConfigured(
+                    f"{validation.name_of(cls)}: IdempotencyMixin must come before "
+                    f"{validation.name_of(first)} in the class's bases (class "
+                    f"{cls.__name__}(IdempotencyMixin, {first.__name__})). After DRF's "
+                    "base its dispatch and initial never run, and the view would run "
+                    "unprotected."
+                )
+        elif issubclass(cls, View):
+            raise ImproperlyConfigured(
+                f"{validation.name_of(cls)}: IdempotencyMixin protects DRF views only (it "
+                "claims in APIView.initial, after DRF's authentication). On a Django view, "
+                'use method_decorator(idempotent, name="dispatch") instead.'
+            )
 
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""

@@ -1,0 +1,108 @@
+"""Shapes that look protected and are not are refused when they are made.
+
+``class V(viewsets.ViewSet, IdempotencyMixin)`` puts DRF's ``dispatch`` and ``initial``
+before the mixin's: the mixin never runs, yet the class names it, and before this was
+refused the audit called the viewset protected while two POSTs with one key ran twice. Each
+shape here is refused with ``ImproperlyConfigured`` at the class statement or the
+decorator, before any request can run unprotected; the shapes that do protect are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import View
+
+from django_idempotency.decorators import idempotent
+from tests.conftest import needs_drf
+
+
+@needs_drf
+@pytest.mark.parametrize("base", ["ViewSet", "ModelViewSet", "APIView", "GenericAPIView"])
+def test_the_mixin_after_drfs_base_is_refused_when_the_class_is_made(base):
+    from rest_framework import generics, views, viewsets
+
+    from django_idempotency.drf import IdempotencyMixin
+
+    bases = {
+        "ViewSet": viewsets.ViewSet,
+        "ModelViewSet": viewsets.ModelViewSet,
+        "APIView": views.APIView,
+        "GenericAPIView": generics.GenericAPIView,
+    }
+    with pytest.raises(ImproperlyConfigured, match="IdempotencyMixin must come before"):
+        type("Charges", (bases[base], IdempotencyMixin), {"__module__": __name__})
+
+
+@needs_drf
+def test_a_subclass_that_moves_the_mixin_after_the_base_is_refused_too():
+    from rest_framework.views import APIView
+
+    from django_idempotency.drf import IdempotencyMixin
+
+    class OwnMixin(IdempotencyMixin):
+        """A project's own mixin over ours, not a view yet: accepted."""
+
+    class Base(APIView):
+        def initial(self, request: Any, *args: Any, **kwargs: Any) -> None:
+            super().initial(request, *args, **kwargs)
+
+    class Good(OwnMixin, Base):
+        pass
+
+    assert Good.__mro__.index(IdempotencyMixin) < Good.__mro__.index(APIView)
+    with pytest.raises(ImproperlyConfigured, match="IdempotencyMixin must come before"):
+
+        class Bad(Base, OwnMixin):
+            pass
+
+
+@needs_drf
+def test_the_mixin_on_a_django_view_without_drf_is_refused():
+    from django_idempotency.drf import IdempotencyMixin
+
+    with pytest.raises(ImproperlyConfigured, match="DRF view"):
+
+        class Plain(IdempotencyMixin, View):
+            def post(self, request: HttpRequest) -> HttpResponse:
+                return JsonResponse({}, status=201)
+
+
+@needs_drf
+def test_idempotent_above_api_view_is_refused():
+    from rest_framework.decorators import api_view
+    from rest_framework.response import Response
+
+    @api_view(["POST"])
+    def create(request: Any) -> Response:
+        return Response({}, status=201)
+
+    with pytest.raises(ImproperlyConfigured, match="beneath @api_view"):
+        idempotent(create)
+    with pytest.raises(ImproperlyConfigured, match="beneath @api_view"):
+        idempotent(operation="x")(create)
+
+
+@needs_drf
+def test_idempotent_around_a_drf_views_as_view_is_refused():
+    from rest_framework.response import Response
+    from rest_framework.views import APIView
+
+    class Create(APIView):
+        def post(self, request: Any) -> Response:
+            return Response({}, status=201)
+
+    with pytest.raises(ImproperlyConfigured, match="IdempotencyMixin"):
+        idempotent(Create.as_view())
+
+
+def test_idempotent_on_a_class_is_refused():
+    class Create(View):
+        def post(self, request: HttpRequest) -> HttpResponse:
+            return JsonResponse({}, status=201)
+
+    with pytest.raises(ImproperlyConfigured, match="method_decorator"):
+        idempotent(Create)
