@@ -97,33 +97,6 @@ def check_sealed_outcomes(
 
 
 def _check_database(alias: str) -> Iterable[CheckMessage]:
-    database = settings.DATABASES[alias]
-    if database.get("ATOMIC_REQUESTS"):
-        if database.get("ENGINE", "").endswith("sqlite3"):
-            hint = (
-                "SQLite cannot commit a claim on a second connection while the request's "
-                "transaction is open. Views that Django wraps in that transaction (DRF's "
-                "@api_view over @idempotent, django-ninja operations) then claim inside "
-                "it: duplicates wait for the whole request, and operations whose recovery "
-                'policy is not "retry" refuse to run (ImproperlyConfigured). The mixin and '
-                "plain @idempotent views are taken out of the request's transaction and are "
-                "not affected; put @transaction.non_atomic_requests above @api_view, or "
-                "use PostgreSQL or MariaDB."
-            )
-        else:
-            hint = (
-                "Views that Django wraps in the request's transaction (DRF's @api_view over "
-                "@idempotent, django-ninja operations) claim on a second connection to this "
-                "database, which commits at once, so duplicates still get a prompt 409 and "
-                "every recovery policy holds; their work and completion commit with the "
-                "request. Such a request holds two connections at once: size the pool or "
-                "PgBouncer for it, or put @transaction.non_atomic_requests above @api_view. "
-                "The mixin and plain @idempotent views are taken out of the request's "
-                "transaction and use one."
-            )
-        yield _warning(
-            1, f"ATOMIC_REQUESTS is on for the idempotency database {alias!r}.", hint=hint
-        )
     # Where the views' writes go unless they say otherwise: 'default' without routers (W002),
     # else what the routers answer for the project's models (W010). Elsewhere, the record's
     # completion no longer commits in one transaction with the business state.

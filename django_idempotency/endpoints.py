@@ -359,6 +359,67 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
     return [(m, name, protection) for m in _in_order(operation.methods) if _wanted(m, protection)]
 
 
+# -- what ATOMIC_REQUESTS must leave out -----------------------------------------------------
+
+#: In :func:`protected_methods`: every method of a function view reaches its decorator.
+EVERY_METHOD = "*"
+
+
+def protected_methods(callback: Callable[..., Any]) -> dict[str, engine.Options]:
+    """The methods a pattern's view handles through an adapter of this package, each with
+    the options that protect it (``EVERY_METHOD`` for a decorated function view): what
+    ``ATOMIC_REQUESTS`` must leave to the engine (:mod:`django_idempotency.atomic_requests`).
+    Empty when the view protects none."""
+    cls = getattr(callback, "cls", None)
+    if cls is not None and _is_drf_view(cls):
+        from django_idempotency.drf import IdempotencyMixin
+
+        if issubclass(cls, IdempotencyMixin):
+            return {}  # its dispatch carries the mark already, into as_view()'s function
+        return _handlers(cls, callback)
+    path_view = _ninja_path_view(callback)
+    if path_view is not None:
+        table: dict[str, engine.Options] = {}
+        for operation in path_view.operations:
+            found = getattr(operation, "idempotency_options", None)
+            if isinstance(found, engine.Options):
+                table.update(dict.fromkeys((m.upper() for m in operation.methods), found))
+        return table
+    view_class = getattr(callback, "view_class", None)
+    if isinstance(view_class, type):
+        return _handlers(view_class, callback)
+    found = _options_of(callback)
+    return {EVERY_METHOD: found} if found is not None else {}
+
+
+def served_methods(callback: Callable[..., Any]) -> set[str] | None:
+    """Every method a pattern's view has a handler for (``None``: any method, a function
+    view)."""
+    path_view = _ninja_path_view(callback)
+    if path_view is not None:
+        return {m.upper() for operation in path_view.operations for m in operation.methods}
+    view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
+    if isinstance(view_class, type):
+        return set(_class_methods(view_class))
+    return None
+
+
+def _handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, engine.Options]:
+    table: dict[str, engine.Options] = {}
+    for method in _class_methods(view_class):
+        found = _options_of(getattr(view_class, method.lower())) or _marker(callback)
+        if found is not None:
+            table[method] = found
+    return table
+
+
+def callbacks(urlconf: str | None = None) -> Iterator[Callable[..., Any]]:
+    """Every pattern's view of ``urlconf`` (default: ``ROOT_URLCONF``), the admin's left out."""
+    walk = _Walk(exclude=())
+    for pattern, _levels, _names in _patterns(get_resolver(urlconf), (), (), walk):
+        yield pattern.callback
+
+
 # -- finding the decorator's options ---------------------------------------------------------
 
 

@@ -7,10 +7,11 @@ execution and the recovery rule are the framework-neutral ones of :mod:`.core`.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -565,11 +566,45 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     return f"{inner.method} {where}"
 
 
-class IdempotencyDatabase(set[str]):
-    """A view's ``_non_atomic_requests``: always holds the idempotency database alias.
+#: The method of the request being handled, set when it starts (where ``ATOMIC_REQUESTS`` is
+#: on for the idempotency database): what :class:`IdempotencyDatabase` asks of a view that
+#: protects some of its methods only.
+request_method: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "django_idempotency_request_method", default=None
+)
 
-    Read at request time rather than at import, so ``override_settings`` of ``DATABASE`` works.
+
+class IdempotencyDatabase(set[str]):
+    """A view's ``_non_atomic_requests``: holds the idempotency database alias for the
+    requests the view protects, so that Django leaves them out of ``ATOMIC_REQUESTS`` (the
+    claim must commit before the view runs, and the engine runs the view in a transaction
+    of its own); other requests keep the request's transaction as Django gives it.
+
+    ``protects``: whether the view protects a method (``None``: every method reaches the
+    engine, which runs the unprotected ones in the transaction ``ATOMIC_REQUESTS`` asked
+    for). ``unknown``: the answer when the request's method is not known (under ASGI,
+    where a receiver of ``request_started`` cannot pass it on): leave the view out when
+    every method reaches the engine or the view is ``async def`` (Django runs no async view
+    in that transaction). Read at request time rather than at import, so
+    ``override_settings`` of ``DATABASE`` works.
     """
 
+    def __init__(
+        self,
+        existing: Iterable[str] = (),
+        protects: Callable[[str], bool] | None = None,
+        unknown: bool = True,
+    ) -> None:
+        super().__init__(existing)
+        self.protects = protects
+        self.unknown = unknown
+
     def __contains__(self, alias: object) -> bool:
-        return alias == app_settings.DATABASE or super().__contains__(alias)
+        if super().__contains__(alias):
+            return True
+        if alias != app_settings.DATABASE:
+            return False
+        if self.protects is None:
+            return True
+        method = request_method.get()
+        return self.unknown if method is None else self.protects(method)

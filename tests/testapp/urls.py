@@ -27,6 +27,7 @@ urlpatterns = [
     path("uploads/", views.uploads),
     path("txn/", include("tests.testapp.txn_views")),
     path("steps/", include("tests.testapp.steps")),
+    path("peek/", include("tests.testapp.peek_views")),
 ]
 
 if settings.HAS_DRF:

@@ -1,0 +1,144 @@
+"""Protected views leave ``ATOMIC_REQUESTS``: one connection per protected request.
+
+Django wraps a view in the request's transaction (``ATOMIC_REQUESTS``) unless the view
+function carries ``_non_atomic_requests`` with the database's alias. Inside that
+transaction a claim could not commit on its own before the view runs, so the claim would
+need a second connection: two per request, a pool sized to the server's threads starved
+in a burst. So protected requests are left out of it, and the engine runs the view, its
+rendering and the completion in a transaction of its own: the cost is the view's own.
+
+- ``@idempotent`` marks the function it returns, the mixin its ``dispatch`` (which
+  ``as_view()`` copies onto the view function): those are marked when they are made.
+- DRF's ``@api_view`` builds its view function after ``@idempotent`` ran beneath it, a
+  class-based view with ``method_decorator(idempotent)`` on one method gets no mark on its
+  view function, and django-ninja builds one view function per path: none of these can be
+  reached when the decorator runs. They are found when the first request arrives, in the
+  URL resolver (as ``idempotency_audit`` finds them), and marked then, before Django wraps
+  that request.
+
+A mark covers the methods the view protects only: its other methods keep the request's
+transaction. The method of each request is noted when it starts (:func:`request_started`),
+only where ``ATOMIC_REQUESTS`` is on for the idempotency database. Under ASGI a receiver of
+``request_started`` cannot pass it on (Django calls receivers in tasks of their own), so a
+view whose unprotected methods do not all reach the engine (a class-based view with one
+decorated method, a ninja path beside a plain operation) is left in the request's
+transaction there, and its protected requests claim on a second connection, as do views
+reached through a per-request URLconf (``request.urlconf``), which are not found this way:
+``CLAIM_DATABASE`` says where that connection goes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.urls import get_resolver, get_urlconf
+
+from django_idempotency import endpoints, engine
+from django_idempotency.conf import app_settings
+
+logger = logging.getLogger("django_idempotency")
+
+__all__ = ["mark_protected_views", "request_finished", "request_started"]
+
+_lock = threading.Lock()
+_marked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def request_started(
+    sender: Any = None,
+    environ: dict[str, Any] | None = None,
+    scope: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``request_started`` receiver: where ``ATOMIC_REQUESTS`` is on for the idempotency
+    database, note the request's method and mark the protected views (once per URLconf)."""
+    try:
+        alias = app_settings.DATABASE
+    except ImproperlyConfigured:
+        return  # a protected request refuses to run; the others are none of ours
+    if not connections.settings[alias].get("ATOMIC_REQUESTS"):
+        return
+    # Under ASGI this runs in a task of its own (Signal.asend): the value does not reach the
+    # request, which finds None there, as it should.
+    method = (environ or {}).get("REQUEST_METHOD") or (scope or {}).get("method")
+    engine.request_method.set(method.upper() if isinstance(method, str) else None)
+    resolver = get_resolver(get_urlconf())
+    if resolver not in _marked:
+        mark_protected_views(resolver)
+
+
+def request_finished(sender: Any = None, **kwargs: Any) -> None:
+    """``request_finished`` receiver: forget the method, so that no later request of the
+    thread (or of a context copied from it) reads it."""
+    if engine.request_method.get() is not None:
+        engine.request_method.set(None)
+
+
+def mark_protected_views(resolver: Any) -> int:
+    """Mark the view functions of ``resolver``'s patterns that protect some of their
+    methods; how many were marked. Once per resolver object (a changed ``ROOT_URLCONF`` is
+    a new one)."""
+    with _lock:
+        if resolver in _marked:
+            return 0
+        marked = 0
+        try:
+            for callback in endpoints.callbacks(resolver.urlconf_name):
+                marked += _mark(callback)
+        except Exception:
+            # The URLconf does not import, or a view cannot be inspected: Django reports
+            # the first when it resolves; the views left unmarked claim on a second
+            # connection, as inside any caller's transaction.
+            logger.warning(
+                "could not look for protected views in the URLconf; those not marked "
+                "will claim on a second connection under ATOMIC_REQUESTS",
+                exc_info=True,
+            )
+            return marked
+        _marked.add(resolver)
+        return marked
+
+
+def _mark(callback: Callable[..., Any]) -> int:
+    existing: set[str] = getattr(callback, "_non_atomic_requests", set())
+    if isinstance(existing, engine.IdempotencyDatabase):
+        return 0  # marked when it was made
+    table = endpoints.protected_methods(callback)
+    if not table:
+        return 0
+    unknown = inspect.iscoroutinefunction(callback) or _every_method_reaches_the_engine(
+        callback, table
+    )
+    try:
+        callback._non_atomic_requests = engine.IdempotencyDatabase(  # type: ignore[attr-defined]
+            existing, _protects(table), unknown
+        )
+    except AttributeError:  # a bound method (older django-ninja): left as it is
+        return 0
+    return 1
+
+
+def _every_method_reaches_the_engine(
+    callback: Callable[..., Any], table: dict[str, engine.Options]
+) -> bool:
+    """Whether every method the view serves (``OPTIONS`` aside) goes through an adapter of
+    this package, which runs the unprotected ones in the request's transaction itself."""
+    if endpoints.EVERY_METHOD in table:
+        return True
+    served = endpoints.served_methods(callback)
+    return served is not None and served - {"OPTIONS"} <= set(table)
+
+
+def _protects(table: dict[str, engine.Options]) -> Callable[[str], bool]:
+    def protects(method: str) -> bool:
+        options = table.get(method) or table.get(endpoints.EVERY_METHOD)
+        return options is not None and options.protects(method)
+
+    return protects
