@@ -19,6 +19,7 @@ __all__ = [
     "KeyReused",
     "OutcomeUnknown",
     "RecordUnreadable",
+    "StoreUnavailable",
     "current",
     "run_once",
     "step",
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         KeyReused,
         OutcomeUnknown,
         RecordUnreadable,
+        StoreUnavailable,
     )
     from django_idempotency.once import run_once
 
@@ -43,6 +45,7 @@ _WHERE = {
     "KeyReused": "exceptions",
     "OutcomeUnknown": "exceptions",
     "RecordUnreadable": "exceptions",
+    "StoreUnavailable": "exceptions",
     "run_once": "once",
     "step": "core",
 }

@@ -10,9 +10,15 @@ closing) then run on a second connection to the same database, in autocommit: an
 *autonomous transaction*. The work and the fenced completion stay on the caller's
 connection, inside its transaction, and commit with it.
 
-The second connection is made only when it is needed, one per thread and database, with the
-caller's settings (so it goes through the same PgBouncer, or comes from the same Django
-pool), and is closed when the request ends, as Django closes its own.
+That claim connection is ``IDEMPOTENCY["CLAIM_DATABASE"]`` when it is set (a ``DATABASES``
+alias for the same database, through a PgBouncer pool of its own, say; Django opens and
+closes it as any other). Otherwise it is a connection of the claim's own, made only when it
+is needed, one per thread and database, with the caller's settings but never from the
+caller's Django pool: a pool sized to the server's threads would starve in a burst, every
+thread holding its connection and waiting for a second one. It is closed when the request
+ends, as Django closes its own. How long a claim waits for it, and for its statements, is
+bounded by ``CLAIM_TIMEOUT``; past it the claim fails (``StoreUnavailable``, ``503``) and
+nothing ran.
 
 Django's ``TestCase`` (and pytest-django's ``db``) wraps each test in transactions that it
 marks as its own (``_from_testcase``). Those are not a caller's transaction: inside them the
@@ -28,13 +34,22 @@ the other recovery policies, which must outlive a crash, refuse to run
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_idempotency.conf import app_settings
+
+logger = logging.getLogger("django_idempotency")
 
 __all__ = [
     "claiming",
@@ -64,24 +79,49 @@ def in_callers_transaction(connection: BaseDatabaseWrapper) -> bool:
 
 
 def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
+    claims = app_settings.CLAIM_DATABASE
+    if claims is not None:
+        claim = connections[claims]
+        if claim.in_atomic_block or (claim.connection is not None and not claim.get_autocommit()):
+            raise ImproperlyConfigured(
+                f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
+                "claims must commit at once. Open no transaction on that alias."
+            )
+        return claim
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
     if second is None:
         global _made
         _made = True
-        # The same backend class and the very same settings dictionary as the caller's
-        # connection: the same server, pooler, pool and options.
-        second = type(connection)(connection.settings_dict, connection.alias)
+        second = type(connection)(_claim_settings(connection), connection.alias)
         setattr(connection, _ATTRIBUTE, second)
         _close_together(connection, second)
     elif second.errors_occurred:
-        # A connection that failed (the server restarted, a backend was terminated) is
-        # replaced rather than reused broken.
+        # A connection that failed (the server restarted, a backend was terminated, the
+        # claim's time ran out) is replaced rather than reused broken.
         second.close_if_unusable_or_obsolete()
         second.errors_occurred = False
     else:
         # CONN_HEALTH_CHECKS, as Django applies them to its own: once per request.
         second.close_if_health_check_failed()
     return second
+
+
+def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
+    """The caller's ``DATABASES`` entry for a claim connection of its own: the same server
+    and options (the same PgBouncer), never the caller's Django pool, and a connect timeout
+    within ``CLAIM_TIMEOUT`` where none is set."""
+    options = {k: v for k, v in connection.settings_dict["OPTIONS"].items() if k != "pool"}
+    seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
+    if connection.vendor == "postgresql":
+        options.setdefault("connect_timeout", max(2, seconds))  # libpq's least is 2
+    elif connection.vendor == "mysql":
+        for name in ("connect_timeout", "read_timeout", "write_timeout"):
+            options.setdefault(name, seconds)
+    return {**connection.settings_dict, "OPTIONS": options}
+
+
+def _whole_seconds(duration: timedelta) -> int:
+    return max(1, math.ceil(duration.total_seconds()))
 
 
 def separate(alias: str) -> bool:
@@ -116,11 +156,78 @@ def claiming(alias: str) -> Iterator[None]:
         yield
         return
     connection = connections[alias]
-    connections[alias] = _second_connection(connection)
+    claim = _second_connection(connection)
+    connections[alias] = claim
+    try:
+        with _bounded(claim, app_settings.CLAIM_TIMEOUT):
+            yield
+    finally:
+        connections[alias] = connection
+
+
+@contextmanager
+def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
+    """Interrupt the claim connection's statements when the block outlasts ``timeout``.
+
+    On PostgreSQL a statement waiting for the server (a row lock) is cancelled; a client
+    waiting in a pooler's queue for a server connection (PgBouncer ignores a cancel request
+    for it) has its connection closed a second later, which ends the wait and leaves nothing
+    for the pooler to run. Either way the statement raises, the claim fails closed, and the
+    connection is replaced on its next use. (MySQL and MariaDB bound their statements with
+    ``read_timeout``, in :func:`_claim_settings`.)
+    """
+    if claim.vendor != "postgresql":
+        yield
+        return
+    finished = threading.Event()
+
+    def interrupt() -> None:
+        raw = claim.connection
+        if raw is None or finished.is_set():
+            return
+        logger.warning(
+            "a claim connection to %r gave no answer within CLAIM_TIMEOUT (%s): its "
+            "statement is cancelled and the claim fails closed",
+            claim.alias,
+            timeout,
+        )
+        # psycopg 3.2+ (psycopg2 has cancel() only); a cancel that cannot be sent is left to
+        # the close below.
+        cancel = getattr(raw, "cancel_safe", None)
+        with contextlib.suppress(Exception):
+            cancel(timeout=1) if cancel is not None else raw.cancel()
+        if not finished.wait(1):
+            raw.close()
+
+    timer = threading.Timer(timeout.total_seconds(), interrupt)
+    timer.daemon = True
+    timer.start()
     try:
         yield
     finally:
-        connections[alias] = connection
+        finished.set()
+        timer.cancel()
+
+
+def discard_broken(alias: str) -> bool:
+    """After a claim-side statement failed: close the connection it ran on when that
+    connection is broken (a terminated backend, a restarted server) and may be replaced;
+    ``True`` when a retry would run on a fresh one. A connection that still answers is kept
+    (the statement failed for its own reasons), and so is a caller's connection inside a
+    transaction (closing it would end the caller's transaction)."""
+    if separate(alias):
+        claims = app_settings.CLAIM_DATABASE
+        claim = (
+            connections[claims]
+            if claims is not None
+            else getattr(connections[alias], _ATTRIBUTE, None)
+        )
+    else:
+        claim = connections[alias]
+    if claim is None or claim.in_atomic_block or claim.is_usable():
+        return False
+    claim.close()
+    return True
 
 
 def refuse_unkeepable(alias: str, policy: str, where: str) -> None:

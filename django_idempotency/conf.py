@@ -69,6 +69,15 @@ def _database(value: Any) -> str:
     return value
 
 
+def _optional_database(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return _database(value)
+    except Invalid as exc:
+        raise Invalid(f"None or {exc.expected}", value) from None
+
+
 @dataclass(frozen=True)
 class Setting:
     """One entry of ``IDEMPOTENCY``: its default, its rule and the id of its check."""
@@ -112,6 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("AUDIT_RETENTION", timedelta(days=90), 21, validation.duration),
     # Stored responses sealed at rest (django_idempotency.crypto); E025 below.
     Setting("ENCRYPTION_KEYS", (), 24, validation.fernet_keys),
+    # Where a claim made inside a caller's transaction commits (django_idempotency.autonomous).
+    Setting("CLAIM_DATABASE", None, 38, _optional_database),
+    Setting("CLAIM_TIMEOUT", timedelta(seconds=5), 39, validation.duration),
 )
 
 # -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
@@ -182,6 +194,18 @@ def _relations(values: Mapping[str, Any]) -> list[Problem]:
                 check_id(TTL_NOT_LONGER_THAN_LEASE),
                 f"IDEMPOTENCY['TTL'] ({ttl}) must be longer than IDEMPOTENCY['LEASE'] ({lease}).",
                 "A record must outlive its lease, or a live claim could expire under its owner.",
+            )
+        )
+    claims = values.get("CLAIM_DATABASE")
+    if claims is not None and claims == values.get("DATABASE"):
+        problems.append(
+            Problem(
+                BY_NAME["CLAIM_DATABASE"].id,
+                f"IDEMPOTENCY['CLAIM_DATABASE'] must be another alias than "
+                f"IDEMPOTENCY['DATABASE'] ({claims!r}): a claim made inside a transaction on "
+                "that alias must commit on a connection of its own.",
+                "Add a DATABASES entry for the same database (through a PgBouncer pool of "
+                "its own, say) and name it here, or leave CLAIM_DATABASE as None.",
             )
         )
     backoff, longest = values.get("OUTBOX_BACKOFF"), values.get("OUTBOX_BACKOFF_MAX")
@@ -430,6 +454,19 @@ class IdempotencySettings:
     def ENCRYPTION_KEYS(self) -> tuple[str, ...]:
         """Fernet keys that seal stored responses: the first seals, any opens; empty: off."""
         value: tuple[str, ...] = self._get("ENCRYPTION_KEYS")
+        return value
+
+    @property
+    def CLAIM_DATABASE(self) -> str | None:
+        """The alias a claim made inside a caller's transaction commits on; ``None``: a
+        connection of the claim's own to the ``DATABASE`` database, outside any pool."""
+        value: str | None = self._get("CLAIM_DATABASE")
+        return value
+
+    @property
+    def CLAIM_TIMEOUT(self) -> timedelta:
+        """How long such a claim may wait for its connection and its statements."""
+        value: timedelta = self._get("CLAIM_TIMEOUT")
         return value
 
     @property

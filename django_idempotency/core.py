@@ -8,6 +8,7 @@ few headers and a body, stored as they are.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import json
@@ -18,14 +19,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
+from django import db
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, connections, transaction
+from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from django_idempotency import autonomous, conf, problems, signals, storable, store
 from django_idempotency.crypto import Unreadable
-from django_idempotency.exceptions import RecordUnreadable, SimulatedCrash
+from django_idempotency.exceptions import RecordUnreadable, SimulatedCrash, StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
@@ -222,6 +224,15 @@ class LeaseLost(Exception):
     attempt's database work was rolled back."""
 
 
+#: What ends an attempt as a killed process would: a test's ``SimulatedCrash``, and the
+#: cancellation of an ``async`` caller (a client that disconnected, a server shutting down).
+#: The claim is kept, its lease runs out, and the recovery policy decides.
+CRASHES: tuple[type[BaseException], ...] = (SimulatedCrash, asyncio.CancelledError)
+# What an owner's execution lets through without releasing the claim: a crash, and a lost
+# lease (the record is another attempt's now).
+_KEEP_CLAIM: tuple[type[BaseException], ...] = (LeaseLost, *CRASHES)
+
+
 class _RolledBack(Exception):
     def __init__(self, result: Any, outcome: Outcome | None) -> None:
         self.result = result
@@ -247,14 +258,25 @@ def close(alias: str, record_id: int, token: Any, outcome: Outcome) -> bool:
 def release_quietly(alias: str, record_id: int, token: Any) -> None:
     """Release a claim; when the database cannot be reached, leave it to its lease.
 
-    Committed at once (the claim was): a retry runs afresh at once.
+    Committed at once (the claim was): a retry runs afresh at once. A connection that broke
+    (a terminated backend, a restarted server) is replaced and the release tried once more,
+    so that an attempt that failed for the connection's sake leaves no claim behind.
     """
-    try:
-        with autonomous.claiming(alias):
-            store.release(alias, record_id, token)
-    except DatabaseError:
-        # The lease runs out on its own; the recovery policy takes it from there.
-        logger.exception("could not release an idempotency claim; its lease will expire")
+    _claim_side(alias, lambda: store.release(alias, record_id, token), "release a claim")
+
+
+def _claim_side(alias: str, statement: Callable[[], object], what: str) -> None:
+    for attempt in (1, 2):
+        try:
+            with autonomous.claiming(alias):
+                statement()
+            return
+        except db.Error:
+            if attempt == 1 and autonomous.discard_broken(alias):
+                continue
+            # The lease runs out on its own; the recovery policy takes it from there.
+            logger.exception("could not %s of idempotency; its lease will expire", what)
+            return
 
 
 def run_fenced(
@@ -274,31 +296,55 @@ def run_fenced(
     """
     # A step() inside belongs to the resumable operation that runs this one, if any: not here.
     outer_steps = _steps.set(None)
+    completing = False
     try:
-        with transaction.atomic(using=alias):
-            result = body()
-            outcome = judge(result)
-            if outcome is None or transaction.get_rollback(using=alias):
-                raise _RolledBack(result, outcome)
-            if not finish(alias, record_id, token, outcome):
-                raise LeaseLost
-            return Fenced(result, stored=True)
-    except _RolledBack as rolled_back:
-        if rolled_back.outcome is not None:
-            if not finish(alias, record_id, token, rolled_back.outcome):
-                raise LeaseLost from None
+        try:
+            with transaction.atomic(using=alias):
+                result = body()
+                completing = True
+                outcome = judge(result)
+                if outcome is None or transaction.get_rollback(using=alias):
+                    raise _RolledBack(result, outcome)
+                _store(alias, record_id, token, outcome)
+        except _RolledBack as rolled_back:
+            if rolled_back.outcome is None:
+                release_quietly(alias, record_id, token)
+                return Fenced(rolled_back.result, stored=False)
+            _store(alias, record_id, token, rolled_back.outcome)
             return Fenced(rolled_back.result, stored=True)
+        return Fenced(result, stored=True)
+    except _KEEP_CLAIM:
+        # A crash (or a cancellation) leaves the claim as a killed process would: held until
+        # its lease runs out, then recovered by its policy. Never a silent release.
+        raise
+    except db.Error as exc:
         release_quietly(alias, record_id, token)
-        return Fenced(rolled_back.result, stored=False)
-    except (LeaseLost, SimulatedCrash):
-        # A simulated crash leaves the claim as a killed process would: held until its lease
-        # runs out, then recovered by its policy.
+        if completing:  # the completion or the commit: the store's, not the body's
+            raise _store_failed(exc) from exc
         raise
     except BaseException:
         release_quietly(alias, record_id, token)
         raise
     finally:
         _steps.reset(outer_steps)
+
+
+def _store(alias: str, record_id: int, token: Any, outcome: Outcome) -> None:
+    """Store ``outcome``, fenced: :class:`LeaseLost` when another attempt owns the record,
+    ``StoreUnavailable`` when the statement fails."""
+    try:
+        stored = finish(alias, record_id, token, outcome)
+    except db.Error as exc:
+        raise _store_failed(exc) from exc
+    if not stored:
+        raise LeaseLost
+
+
+def _store_failed(exc: Exception) -> StoreUnavailable:
+    return StoreUnavailable(
+        "the outcome could not be recorded: its database work was rolled back and its claim "
+        f"released, so a retry runs it afresh ({exc})"
+    )
 
 
 # -- steps: operations that resume after a crash ------------------------------------------
@@ -389,9 +435,13 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
         try:
             with transaction.atomic(using=steps.alias):
                 recorded = _step_json(name, func(*args, **kwargs))
-                if not store.record_step(
-                    steps.alias, steps.record_id, steps.token, name, recorded, timezone.now()
-                ):
+                try:
+                    kept = store.record_step(
+                        steps.alias, steps.record_id, steps.token, name, recorded, timezone.now()
+                    )
+                except db.Error as exc:
+                    raise _store_failed(exc) from exc
+                if not kept:
                     raise LeaseLost
         finally:
             steps.running = False
@@ -425,7 +475,7 @@ def run_resumable(
     try:
         result = body()
         outcome = judge(result)
-    except (LeaseLost, SimulatedCrash):
+    except _KEEP_CLAIM:
         raise
     except BaseException:
         give_back(alias, record_id, token)
@@ -435,9 +485,15 @@ def run_resumable(
     if outcome is None:
         give_back(alias, record_id, token)
         return Fenced(result, stored=False)
-    with transaction.atomic(using=alias):
-        if not finish(alias, record_id, token, outcome):
-            raise LeaseLost
+    try:
+        with transaction.atomic(using=alias):
+            _store(alias, record_id, token, outcome)
+    except db.Error as exc:  # the commit
+        give_back(alias, record_id, token)
+        raise _store_failed(exc) from exc
+    except StoreUnavailable:
+        give_back(alias, record_id, token)
+        raise
     return Fenced(result, stored=True)
 
 
@@ -575,11 +631,10 @@ def announce_recovery(
 
 def give_back(alias: str, record_id: int, token: Any, now: datetime | None = None) -> None:
     """End an owned lease now, keeping the record in progress (stale) for the next ask."""
-    try:
-        with autonomous.claiming(alias):
-            store.give_back(alias, record_id, token, now or timezone.now())
-    except DatabaseError:
-        logger.exception("could not give an idempotency lease back; it will expire")
+    moment = now or timezone.now()
+    _claim_side(
+        alias, lambda: store.give_back(alias, record_id, token, moment), "give a lease back"
+    )
 
 
 __all__ = [

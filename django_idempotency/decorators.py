@@ -10,7 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 
@@ -150,15 +150,13 @@ def idempotent(
             # The engine is synchronous: the claim, the view's transaction and the completion
             # must share one connection. It runs in the request's thread-sensitive thread, and
             # the async view runs back on the event loop from there; its async ORM calls then
-            # come back to that same thread, inside the transaction.
+            # come back to that same thread, inside the transaction. A client that goes away
+            # does not cut it short (engine.run_to_the_end).
             sync_view = async_to_sync(func)
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
-                response: HttpResponseBase = await sync_to_async(handle, thread_sensitive=True)(
-                    request, args, kwargs, sync_view
-                )
-                return response
+                return await engine.run_to_the_end(lambda: handle(request, args, kwargs, sync_view))
 
             wrapper = async_wrapper
         else:

@@ -7,6 +7,7 @@ execution and the recovery rule are the framework-neutral ones of :mod:`.core`.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.db import DatabaseError, connections, transaction
+from asgiref.sync import sync_to_async
+from django import db
+from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
-from django_idempotency import conf, core, problems, signals, store
+from django_idempotency import autonomous, conf, core, problems, signals, store
 from django_idempotency.conf import app_settings
 from django_idempotency.core import (
     FAIL,
@@ -32,7 +35,7 @@ from django_idempotency.core import (
     storable_name,
 )
 from django_idempotency.crypto import Unreadable
-from django_idempotency.exceptions import RecordUnreadable
+from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
 from django_idempotency.fingerprint import django_request, fingerprint_version
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
@@ -271,8 +274,9 @@ class _Protected:
         """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
             result = self.operation.claim()
-        except DatabaseError:
+        except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
+            autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
             return problems.STORE_UNAVAILABLE.response(
                 "The request was not run because its idempotency key could not be recorded.",
                 retry_after=app_settings.RETRY_AFTER,
@@ -462,6 +466,15 @@ class _Owner:
             # A recorded step (or an operation the view ran) whose outcome cannot be read
             # back: nothing ran again, and the record is kept for the next attempt.
             return self.protected.unreadable(refusal)
+        except StoreUnavailable as failure:
+            # The completion (or a step's record) could not be written: the work was rolled
+            # back and the claim released (or its lease given back, under "resume").
+            logger.error("idempotency store failed after the view ran: %s", failure)
+            return problems.STORE_UNAVAILABLE.response(
+                "The request's outcome could not be recorded, so its work was rolled back; "
+                "retry with the same key.",
+                retry_after=app_settings.RETRY_AFTER,
+            )
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response
@@ -474,6 +487,41 @@ class _Owner:
                 "MAX_RESPONSE_BYTES), so the request was rolled back."
             )
         return response
+
+
+async def run_to_the_end(run: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+    """Run the (synchronous) engine for an ``async def`` view, to its end whatever happens to
+    its caller.
+
+    The engine runs in the request's thread-sensitive thread: the claim, the view's
+    transaction and the completion share one connection, and the async view runs back on
+    the event loop from there. When the client disconnects, Django cancels the view's task;
+    the attempt is shielded from that cancellation and goes on as a sync view would, so its
+    outcome is stored and the client's retry gets it replayed. Were the attempt cancelled
+    all the same (a server shutting down), the engine keeps the claim as a killed process
+    would (``core.CRASHES``): never a silent release, and never a second run that the
+    recovery policy did not choose.
+    """
+    attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=True)())
+    try:
+        return await asyncio.shield(attempt)
+    except asyncio.CancelledError:
+        if not attempt.done():
+            logger.info(
+                "the client of a protected async request went away; the attempt goes on to "
+                "its end and its outcome is stored"
+            )
+            attempt.add_done_callback(_ended_unseen)
+        raise
+
+
+def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
+    # Nobody awaits a shielded attempt whose caller was cancelled: say how it ended.
+    if not attempt.cancelled() and attempt.exception() is not None:
+        logger.error(
+            "a protected async request whose client went away failed",
+            exc_info=attempt.exception(),
+        )
 
 
 def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:

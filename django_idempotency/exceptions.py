@@ -43,6 +43,12 @@ class RecordUnreadable(IdempotencyError):
         self.key_id = key_id
 
 
+class StoreUnavailable(IdempotencyError):
+    """The idempotency store could not record the claim: the database was unreachable, a
+    statement failed, or a claim connection could not be had within ``CLAIM_TIMEOUT``. The
+    operation did not run; retry it with the same key."""
+
+
 class SimulatedCrash(BaseException):
     """Ends an attempt as a killed process would, for tests (``django_idempotency.testing``).
 

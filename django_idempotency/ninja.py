@@ -26,7 +26,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any, ClassVar, TypeVar, overload
 
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
@@ -260,10 +260,9 @@ class _AsyncProtected(_Protected, AsyncOperation):
             return error
         setattr(request, _CHECKED, True)
         sync_run = async_to_sync(run)
-        handled: HttpResponseBase = await sync_to_async(self._handle, thread_sensitive=True)(
-            request, lambda: sync_run(request, **kw)
+        return await engine.run_to_the_end(
+            lambda: self._handle(request, lambda: sync_run(request, **kw))
         )
-        return handled
 
     async def _run_checks(self, request: HttpRequest) -> Any:  # type: ignore[override]
         if getattr(request, _CHECKED, False):

@@ -14,13 +14,20 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency import core, validation
+from django_idempotency import autonomous, core, validation
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
-from django_idempotency.exceptions import InProgress, KeyReused, OutcomeUnknown, seconds_left
+from django_idempotency.exceptions import (
+    InProgress,
+    KeyReused,
+    OutcomeUnknown,
+    StoreUnavailable,
+    seconds_left,
+)
 from django_idempotency.keys import validate_key
 from django_idempotency.states import COMPLETED, FAILED
 
@@ -177,7 +184,14 @@ def call_once(
         ttl=ttl,
         lease=lease,
     )
-    result = op.claim()
+    try:
+        result = op.claim()
+    except db.Error as exc:  # any error of the database's, InterfaceError included
+        logger.warning("idempotency store unavailable during the claim of %s", op.operation)
+        autonomous.discard_broken(op.alias)  # the next call connects afresh
+        raise StoreUnavailable(
+            f"{op.operation} was not run: its idempotency key could not be recorded ({exc})"
+        ) from exc
     state = result.state
     if not result.claimed:
         return cast(T, _duplicate(op, state))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+logger = logging.getLogger("django_idempotency")
 
 _STATE_COLUMNS = (
     "id",
@@ -267,7 +269,29 @@ def _prepares(connection: BaseDatabaseWrapper) -> bool:
         connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None
         and connection.vendor == "postgresql"
         and not connection.queries_logged
+        and connection.alias not in _refused
     )
+
+
+#: Aliases whose connections refused a prepared statement (a pooler that does not keep
+#: them: PgBouncer before 1.21 in transaction mode): the engine prepares nothing there any
+#: more, in this process.
+_refused: set[str] = set()
+
+
+def _stop_preparing(alias: str, raw: Any, error: Exception) -> None:
+    """Prepare nothing more on ``alias``'s connections, and say why, once."""
+    raw.prepare_threshold = None
+    if alias not in _refused:
+        _refused.add(alias)
+        logger.warning(
+            "the database %r refused a prepared statement (%s): a pooler in front of it "
+            "does not keep them (PgBouncer before 1.21 in transaction mode). The engine's "
+            "statements are no longer prepared on it; remove OPTIONS['prepare_threshold'], "
+            "or set max_prepared_statements in PgBouncer 1.21+.",
+            alias,
+            type(error).__name__,
+        )
 
 
 def _cursor(alias: str) -> Any:
@@ -290,12 +314,13 @@ def _cursor(alias: str) -> Any:
     connection.ensure_connection()
     connection.validate_thread_sharing()
     with connection.wrap_database_errors:
-        return connection.make_cursor(_binding_cursor()(connection.connection))
+        return connection.make_cursor(_binding_cursor(connection.alias)(connection.connection))
 
 
-@functools.cache
-def _binding_cursor() -> Any:
-    """Django's server-binding cursor class, made to survive a table changed under it.
+@functools.lru_cache(maxsize=8)
+def _binding_cursor(alias: str) -> Any:
+    """Django's server-binding cursor class for ``alias``, made to survive a table changed
+    under it and a pooler that does not keep prepared statements.
 
     A connection keeps what it prepared. When a migration changes the type of a column a
     statement returns, PostgreSQL refuses that statement on the connection from then on
@@ -319,6 +344,14 @@ def _binding_cursor() -> Any:
                     raise
                 self.connection.execute("DEALLOCATE ALL")
                 return super().execute(query, params, **kwargs)
+            except (errors.InvalidSqlStatementName, errors.DuplicatePreparedStatement) as exc:
+                # The statement was prepared on another server connection than the one it
+                # ran on: a pooler hands them out per transaction. Outside a transaction it
+                # runs again unprepared; inside one the transaction is lost either way.
+                _stop_preparing(alias, self.connection, exc)
+                if self.connection.info.transaction_status != pq.TransactionStatus.IDLE:
+                    raise
+                return super().execute(query, params, prepare=False, **kwargs)
 
     return PreparingCursor
 

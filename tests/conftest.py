@@ -73,6 +73,10 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
     yield
     with django_db_blocker.unblock():
         connections.close_all()
+        # A Django pool keeps its connections open after close(): close the pools too.
+        for alias in connections:
+            if connections.settings[alias]["OPTIONS"].get("pool"):
+                connections[alias].close_pool()
 
 
 needs_drf = pytest.mark.skipif(

@@ -40,10 +40,23 @@ POOLED_MODES = ("pgbouncer", "postgres-pool")
 
 
 class PgBouncer:
-    """One PgBouncer in transaction mode, forwarding every database name to one upstream."""
+    """One PgBouncer in transaction mode, forwarding every database name to one upstream.
 
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+    ``pool_size``: server connections per database and user. ``pools``: more database names,
+    each a pool of its own onto a database of the upstream (``{"claims": ("app", 8)}``: the
+    name ``claims`` is the database ``app`` through 8 server connections).
+    """
+
+    def __init__(
+        self,
+        upstream_port: int,
+        upstream_host: str = "127.0.0.1",
+        pool_size: int = 20,
+        pools: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.pool_size = pool_size
+        self.pools = dict(pools or {})
         self.root = Path(tempfile.mkdtemp(prefix="idempotency-pgbouncer-"))
         self.port = free_port()
         self.log = self.root / "pgbouncer.log"
@@ -58,6 +71,10 @@ class PgBouncer:
         return "\n".join(
             [
                 "[databases]",
+                *(
+                    f"{name} = host={host} port={port} dbname={dbname} pool_size={size}"
+                    for name, (dbname, size) in self.pools.items()
+                ),
                 # A wildcard: the test database's name is only known once pytest runs.
                 f"* = host={host} port={port}",
                 "[pgbouncer]",
@@ -69,7 +86,7 @@ class PgBouncer:
                 f"admin_users = {SUPERUSER}",
                 "pool_mode = transaction",
                 "max_client_conn = 400",
-                "default_pool_size = 20",
+                f"default_pool_size = {self.pool_size}",
                 # When PostgreSQL is down, a client waits for a server connection this long
                 # (the default is 120 s) and then gets an error: the app answers 503 promptly
                 # instead of hanging past its workers' timeout. Retry the server every second.
@@ -124,9 +141,11 @@ class PgBouncer:
 
 
 @contextmanager
-def pgbouncer(upstream_port: int) -> Iterator[PgBouncer]:
+def pgbouncer(
+    upstream_port: int, pool_size: int = 20, pools: dict[str, tuple[str, int]] | None = None
+) -> Iterator[PgBouncer]:
     """A running PgBouncer in front of ``127.0.0.1:upstream_port``, stopped on exit."""
-    bouncer = PgBouncer(upstream_port)
+    bouncer = PgBouncer(upstream_port, pool_size=pool_size, pools=pools)
     try:
         bouncer.start()
         yield bouncer

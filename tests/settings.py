@@ -94,6 +94,18 @@ DATABASES["provider"] = {
     "ATOMIC_REQUESTS": False,
     "TEST": {"MIRROR": "default"},
 }
+# The same database once more, for IDEMPOTENCY["CLAIM_DATABASE"] (tests/test_claim_connection.py);
+# and on PostgreSQL through a Django pool of one connection, for a caller that holds it all.
+DATABASES["claims"] = {**DATABASES["provider"]}
+if TEST_DB in POSTGRES_DBS:
+    DATABASES["pooled"] = {
+        **DATABASES["provider"],
+        "OPTIONS": {
+            **DATABASES["default"].get("OPTIONS", {}),
+            "pool": {"min_size": 0, "max_size": 1, "timeout": 3},
+        },
+        "CONN_MAX_AGE": 0,
+    }
 
 INSTALLED_APPS = [
     "django.contrib.admin",

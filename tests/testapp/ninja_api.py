@@ -167,6 +167,10 @@ async def create_charge_async(request: HttpRequest, payload: ChargeIn) -> Any:
     provider_id = await sync_to_async(provider.charge)(
         context.downstream_key("provider"), payload.amount, payload.currency
     )
+    if "sleep-after-provider" in request.headers.get("X-Test", ""):
+        import asyncio
+
+        await asyncio.sleep(float(request.headers["X-Test"].split(":")[1]))
     charge = await Charge.objects.acreate(
         account=context.account,
         amount=payload.amount,

@@ -1,0 +1,192 @@
+"""Errors on the product's own statements answer 503 / StoreUnavailable, never a 500, and
+leave no record in progress for an attempt that never reached the work.
+
+- a terminated backend, on the claim (autocommit) and inside a caller's transaction (where
+  the isolation check is the first statement);
+- the completion failing after the work ran: the work rolls back, the claim is released;
+- prepared statements through PgBouncer before 1.21 in transaction mode: the engine stops
+  preparing on that database, says why once, and no call fails twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import OperationalError, connection, connections, transaction
+from django.test import Client, override_settings
+
+from django_idempotency import StoreUnavailable, run_once, store
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.conftest import new_key, postgres_only
+from tests.testapp.models import Charge
+
+pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
+on_postgresql = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="backends and PgBouncer: PostgreSQL's"
+)
+IDENTITY = {"account": "consumer:mail", "operation": "mail.send"}
+
+
+def effect(calls: list[str], tag: str) -> str:
+    calls.append(tag)
+    Charge.objects.create(account="consumer", amount=1, currency="EUR")
+    return tag
+
+
+def terminate(alias: str = "default") -> None:
+    """End the server backend of ``alias``'s connection, as an administrator or a failover."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    with connections["provider"].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+@on_postgresql
+def test_a_terminated_backend_on_the_claim_is_store_unavailable_and_the_next_call_runs():
+    calls: list[str] = []
+    assert Charge.objects.count() == 0  # the connection is open
+    terminate()
+    with pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", **IDENTITY, key="k-1")
+    assert calls == []
+    # The broken connection was let go: the next call connects afresh and runs.
+    assert run_once(effect, calls, "b", **IDENTITY, key="k-1") == "b"
+    assert calls == ["b"]
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+@on_postgresql
+def test_a_terminated_backend_inside_a_callers_transaction_is_store_unavailable():
+    calls: list[str] = []
+    with transaction.atomic():
+        Charge.objects.count()  # the caller's transaction is under way
+        terminate()
+        with pytest.raises(StoreUnavailable):
+            run_once(effect, calls, "a", **IDENTITY, key="k-1")
+        transaction.set_rollback(True)
+    assert calls == []
+    connection.close()
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def failing_completion(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    """An execute wrapper: the engine's fenced completion fails as a lost connection would."""
+    if sql.lstrip().upper().startswith("UPDATE") and "completed_at" in sql:
+        raise OperationalError("the server closed the connection during the completion")
+    return execute(sql, params, many, context)
+
+
+def test_a_completion_that_fails_rolls_the_work_back_releases_and_is_store_unavailable():
+    calls: list[str] = []
+    with connection.execute_wrapper(failing_completion), pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", **IDENTITY, key="k-1")
+    assert calls == ["a"]
+    assert Charge.objects.count() == 0  # rolled back with the completion
+    assert IdempotencyRecord.objects.count() == 0  # released: a retry runs afresh
+    assert run_once(effect, calls, "b", **IDENTITY, key="k-1") == "b"
+    assert Charge.objects.count() == 1
+
+
+def test_over_http_a_completion_that_fails_is_a_503_and_the_retry_runs(user):
+    client = Client()
+    client.force_login(user)
+    key = new_key()
+
+    def post() -> Any:
+        return client.post(
+            "/charges/",
+            {"amount": 5, "currency": "EUR"},
+            content_type="application/json",
+            headers={"Idempotency-Key": key},
+        )
+
+    with connection.execute_wrapper(failing_completion):
+        failed = post()
+    assert failed.status_code == 503
+    assert failed.json()["code"] == "idempotency_store_unavailable"
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+    assert post().status_code == 201
+    assert Charge.objects.count() == 1
+
+
+@pytest.fixture
+def bounced_with_prepared_statements() -> Iterator[str]:
+    """The alias ``claims`` through a PgBouncer 1.18 in transaction mode (two server
+    connections), with every engine statement prepared: ``DATABASE`` on it."""
+    import shutil
+
+    if shutil.which("pgbouncer") is None and not __import__("os").path.exists(
+        "/usr/sbin/pgbouncer"
+    ):
+        pytest.skip("PgBouncer is not installed (CI installs it)")
+    from tests.poolers import pgbouncer
+
+    settings = connections["claims"].settings_dict
+    upstream = int(connections["default"].settings_dict["PORT"] or 5432)
+    saved = (
+        settings["PORT"],
+        dict(settings["OPTIONS"]),
+        settings.get("DISABLE_SERVER_SIDE_CURSORS"),
+    )
+    with pgbouncer(upstream, pool_size=2) as bouncer:
+        connections["claims"].close()
+        settings["PORT"] = str(bouncer.port)
+        settings["OPTIONS"] = {**settings["OPTIONS"], "prepare_threshold": 0}
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+        store._refused.discard("claims")
+        try:
+            with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
+                yield "claims"
+        finally:
+            connections["claims"].close()
+            settings["PORT"], settings["OPTIONS"], settings["DISABLE_SERVER_SIDE_CURSORS"] = saved
+            store._refused.discard("claims")
+
+
+@on_postgresql
+def test_prepared_statements_through_an_old_pgbouncer_stop_and_nothing_is_left_in_progress(
+    bounced_with_prepared_statements, caplog
+):
+    caplog.set_level(logging.WARNING, logger="django_idempotency")
+    alias = bounced_with_prepared_statements
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def worker(thread: int) -> None:
+        try:
+            for n in range(15):
+
+                def work(tag: str) -> str:
+                    Charge.objects.using(alias).create(account="consumer", amount=1, currency="EUR")
+                    return tag
+
+                try:
+                    run_once(work, f"{thread}-{n}", **IDENTITY, key=f"k-{thread}-{n}")
+                    outcome = "ran"
+                except StoreUnavailable:
+                    outcome = "refused"
+                with lock:
+                    outcomes.append(outcome)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcomes) == 45, outcomes
+    # At most the first statement of each connection fails, inside its transaction (a
+    # completion); everything else ran, and nothing is left in progress.
+    assert outcomes.count("refused") <= 3, outcomes
+    assert not IdempotencyRecord.objects.filter(status=RecordStatus.IN_PROGRESS).exists()
+    completed = IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count()
+    assert completed == outcomes.count("ran") == Charge.objects.count()
+    assert "claims" in store._refused
+    assert caplog.text.count("refused a prepared statement") == 1
