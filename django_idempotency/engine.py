@@ -214,14 +214,20 @@ def handle(
             return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
     account = terms.account(request)
-    if not account:
+    if account is None or account == "":
         return problems.ACCOUNT_MISSING.response(
             "This request carries an idempotency key but no authenticated caller to scope it to."
+        )
+    if not isinstance(account, str):
+        # Never coerced: str() of an object could name another caller's account.
+        logger.error("the account resolver answered %s, not a string", type(account).__name__)
+        return problems.ACCOUNT_INVALID.response(
+            "The server could not name the caller this key belongs to; nothing was run."
         )
     context = IdempotencyContext(
         key=key,
         operation=storable_name(options.operation or default_operation()),
-        account=storable_name(str(account)),
+        account=storable_name(account),
     )
     inner.idempotency = context  # type: ignore[attr-defined]
     return _Protected.of(request, context, terms).answer(call_view)

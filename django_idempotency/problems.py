@@ -50,6 +50,9 @@ KEY_INVALID = Problem("idempotency_key_invalid", 400, "Invalid idempotency key")
 ACCOUNT_MISSING = Problem(
     "idempotency_account_missing", 403, "Idempotency keys need an identified caller"
 )
+ACCOUNT_INVALID = Problem(
+    "idempotency_account_invalid", 500, "The caller's account could not be named"
+)
 KEY_REUSED = Problem(
     "idempotency_key_reused", 422, "Idempotency-Key reused with a different request"
 )
@@ -74,6 +77,7 @@ ALL_PROBLEMS = (
     KEY_MISSING,
     KEY_INVALID,
     ACCOUNT_MISSING,
+    ACCOUNT_INVALID,
     KEY_REUSED,
     KEY_IN_USE,
     LEASE_LOST,

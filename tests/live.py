@@ -86,8 +86,11 @@ def server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
 
 
 @contextmanager
-def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Iterator[str]:
-    """A real multi-process WSGI server on the test database; yields its base URL."""
+def gunicorn(
+    workers: int = 2, extra_env: dict[str, str] | None = None, threads: int = 1
+) -> Iterator[str]:
+    """A real multi-process WSGI server on the test database; yields its base URL.
+    ``threads``: requests each worker serves at once (gunicorn's gthread workers)."""
     port = free_port()
     command = [
         sys.executable,
@@ -105,6 +108,8 @@ def gunicorn(workers: int = 2, extra_env: dict[str, str] | None = None) -> Itera
         "--log-level",
         "warning",
     ]
+    if threads > 1:
+        command += ["--worker-class", "gthread", "--threads", str(threads)]
     with _serve(command, port, extra_env) as url:
         yield url
 

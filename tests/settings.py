@@ -51,7 +51,11 @@ if TEST_DB in POSTGRES_DBS:
         # Django's pool needs CONN_MAX_AGE = 0 (the default). Enough connections for the
         # storms of tests/test_concurrency.py (16 requests at once); a short wait for one, so
         # that with the server down a request answers 503 promptly rather than hanging.
-        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": 24, "timeout": 3}}
+        # TEST_POOL_MAX: a pool sized to a server's threads (tests/test_bursts.py).
+        max_size = int(os.environ.get("TEST_POOL_MAX", "24"))
+        DATABASES["default"]["OPTIONS"] = {
+            "pool": {"min_size": 1, "max_size": max_size, "timeout": 3}
+        }
         # Without it the pool hands out connections the server has closed (a restart, a
         # terminated backend), and the next request fails on one.
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -97,6 +101,13 @@ DATABASES["provider"] = {
 # The same database once more, for IDEMPOTENCY["CLAIM_DATABASE"] (tests/test_claim_connection.py);
 # and on PostgreSQL through a Django pool of one connection, for a caller that holds it all.
 DATABASES["claims"] = {**DATABASES["provider"]}
+# A server of tests/test_bursts.py: the claims through a PgBouncer pool of their own (that
+# database name), without Django's pool (IDEMPOTENCY from tests/settings_from_env.py).
+if os.environ.get("TEST_CLAIMS_NAME"):
+    DATABASES["claims"]["NAME"] = os.environ["TEST_CLAIMS_NAME"]
+    DATABASES["claims"]["OPTIONS"] = {
+        k: v for k, v in DATABASES["claims"].get("OPTIONS", {}).items() if k != "pool"
+    }
 if TEST_DB in POSTGRES_DBS:
     DATABASES["pooled"] = {
         **DATABASES["provider"],

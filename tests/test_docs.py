@@ -90,7 +90,7 @@ def shown_sections() -> dict[str, str]:
 
 def test_every_code_block_is_of_a_tested_kind() -> None:
     kinds = {block.lang for block in all_blocks()}
-    assert kinds <= {"python", "sh", "text", "mermaid", "sql", "yaml"}, kinds
+    assert kinds <= {"python", "sh", "text", "mermaid", "sql", "yaml", "ini"}, kinds
     assert all(block.lang for block in all_blocks())
 
 
@@ -348,6 +348,28 @@ def test_text_blocks_are_synopses_or_the_stats_output(db: Any) -> None:
         for line in block.text.splitlines():
             label = re.split(r"\s{2,}", line.strip())[0]
             assert label in stats, f"{block.page}:{block.line}: {label!r} is not in the output"
+
+
+def test_ini_blocks_are_pgbouncer_databases_as_the_bursts_run_them() -> None:
+    """An ``ini`` block is a PgBouncer ``[databases]`` section, each entry of the form
+    ``tests.poolers.PgBouncer`` writes for ``tests/test_bursts.py`` (a pool of its own per
+    database name)."""
+    from tests.poolers import PgBouncer
+
+    harness = PgBouncer.__new__(PgBouncer)
+    harness.upstream, harness.pool_size = ("10.0.0.5", 5432), 3
+    harness.pools, harness.port, harness.root = {"shop_claims": ("shop", 8)}, 6432, ROOT
+    harness.log = ROOT / "pgbouncer.log"
+    shape = re.compile(r"^[\w.]+ = host=[\w.]+ (?:port=\d+ )?dbname=\w+ pool_size=\d+$")
+    written = [line for line in harness.config().splitlines() if line.startswith("shop_claims")]
+    assert written and all(shape.match(line.replace(" port=5432", "")) for line in written)
+    found = [block for block in all_blocks() if block.lang == "ini"]
+    assert found
+    for block in found:
+        head, *entries = block.text.strip().splitlines()
+        assert head == "[databases]", f"{block.page}:{block.line}"
+        for entry in entries:
+            assert shape.match(entry), f"{block.page}:{block.line}: {entry!r}"
 
 
 def test_yaml_blocks_are_ci_steps_that_run_real_commands() -> None:

@@ -157,7 +157,8 @@ def assert_recovers_with_one_charge(server: str, pg: PostgresInstance, caller: C
 )
 def test_backend_terminated(server, pg, signals, stage):
     """Django drops the broken connection when the view's transaction cannot roll back, so
-    the release runs on a fresh connection: the answer is a 500 and the key is free again."""
+    the release runs on a fresh connection, and the key is free again. The answer is the
+    view's 500 when its own query failed, the store's 503 when the completion's commit did."""
     reached, go = signals
     caller = Caller.new()
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -166,7 +167,9 @@ def test_backend_terminated(server, pg, signals, stage):
         terminate(pg, reached)
         go.touch()
         answer = pending.result(timeout=30)
-    assert answer.status == 500
+    assert answer.status == (500 if stage == "after-provider" else 503)
+    if stage == "completion":
+        assert answer.json()["code"] == "idempotency_store_unavailable"
     assert effects(pg, caller) == (0, 1, 1)
     assert record(pg, caller) is None  # released
     assert_recovers_with_one_charge(server, pg, caller)
@@ -276,7 +279,8 @@ def test_statement_timeout_in_the_claim_fails_closed(server, pg):
 @direct_sessions_only
 def test_statement_timeout_in_the_completion(server, pg, signals):
     """The fenced completion UPDATE waits on a row lock and times out: the view's writes
-    roll back, the release times out too, and the claim is recovered after its lease."""
+    roll back, the answer is the store's 503, the release times out too, and the claim is
+    recovered after its lease."""
     reached, go = signals
     caller = Caller.new()
     pg.execute(
@@ -293,7 +297,8 @@ def test_statement_timeout_in_the_completion(server, pg, signals):
         go.touch()
         answer = pending.result(timeout=30)
         locker.rollback()
-    assert answer.status == 500
+    assert answer.status == 503
+    assert answer.json()["code"] == "idempotency_store_unavailable"
     assert effects(pg, caller) == (0, 1, 1)
     state = record(pg, caller)
     assert state is not None

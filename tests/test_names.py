@@ -9,14 +9,18 @@ a record of its own. Each test counts the runs of the operation, not only its an
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import pytest
+from django.test import RequestFactory
 
 from django_idempotency import run_once
+from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
 from tests.conftest import new_key
 from tests.testapp.models import Charge
+from tests.testapp.views import make_charge
 
 pytestmark = pytest.mark.django_db(databases="__all__")
 
@@ -106,3 +110,18 @@ def test_over_http_a_tenant_spelling_anothers_hashed_form_gets_its_own_record(an
     assert "Idempotent-Replayed" not in spelled
     assert spelled.content != first.content
     assert Charge.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("answer", [42, b"acme", ["acme"], object()], ids=type)
+def test_a_resolver_answering_no_string_is_a_500_problem_and_nothing_runs(answer):
+    view = idempotent(account=lambda request: answer, operation="charges.odd")(make_charge)
+    request = RequestFactory().post(
+        "/charges/", CHARGE, content_type="application/json", headers={"Idempotency-Key": "k"}
+    )
+    response = view(request)
+    assert response.status_code == 500
+    assert response["Content-Type"] == "application/problem+json"
+    assert json.loads(response.content)["code"] == "idempotency_account_invalid"
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0

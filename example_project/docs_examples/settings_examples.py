@@ -84,6 +84,12 @@ DATABASES = {
 }
 # --8<-- [end:pgbouncer]
 
+# --8<-- [start:claims]
+# The same database through a PgBouncer pool of its own (pgbouncer.ini: shop_claims).
+DATABASES["claims"] = {**DATABASES["default"], "NAME": "shop_claims"}
+IDEMPOTENCY["CLAIM_DATABASE"] = "claims"
+# --8<-- [end:claims]
+
 # --8<-- [start:pool]
 DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 2, "max_size": 20, "timeout": 3}}
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True  # CONN_MAX_AGE stays 0, as the pool needs

@@ -24,19 +24,20 @@ from django.urls import path
 from django.utils.decorators import method_decorator
 from django.views import View
 
-from django_idempotency import current
+from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, current, run_once
 from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
 from tests.testapp.models import Charge
 
 
-def peek(method: str | None) -> dict[str, Any]:
-    """What the body reports, and its effect on a protected request."""
-    if method == "GET":
+def peek(request: Any) -> dict[str, Any]:
+    """What the body reports, and its effect on a protected request. With ``X-Burst`` (the
+    burst tests, which count connections) it opens no connection of its own to look."""
+    if request.method == "GET":
         return {"atomic": connection.in_atomic_block}
     context = current()
     assert context is not None
-    seen = (
+    seen = "X-Burst" in request.headers or (
         IdempotencyRecord.objects.using("provider")
         .filter(account=context.account, operation=context.operation, key=context.key)
         .exists()
@@ -46,7 +47,7 @@ def peek(method: str | None) -> dict[str, Any]:
 
 
 def answer(request: HttpRequest) -> HttpResponse:
-    return JsonResponse(peek(request.method), status=200 if request.method == "GET" else 201)
+    return JsonResponse(peek(request), status=200 if request.method == "GET" else 201)
 
 
 @idempotent(operation="peek.decorator")
@@ -63,9 +64,29 @@ class CbvView(View):
         return answer(request)
 
 
+def run_once_view(request: HttpRequest) -> HttpResponse:
+    """Unprotected: calls ``run_once`` with the request's key, inside whatever transaction
+    the request is in (``ATOMIC_REQUESTS``)."""
+
+    def body() -> dict[str, Any]:
+        Charge.objects.create(account="peek", amount=1, currency="EUR")
+        return {"atomic": connection.in_atomic_block}
+
+    try:
+        result = run_once(
+            body, account="consumer:peek", operation="peek.run-once",
+            key=request.headers["Idempotency-Key"],
+        )  # fmt: skip
+    except IdempotencyError as exc:
+        code = {InProgress: 409, StoreUnavailable: 503}.get(type(exc), 500)
+        return JsonResponse({"code": type(exc).__name__}, status=code)
+    return JsonResponse(result, status=201)
+
+
 urlpatterns: list[Any] = [
     path("decorator/", decorator_view),
     path("cbv/", CbvView.as_view()),
+    path("run-once/", run_once_view),
 ]
 
 if settings.HAS_DRF:
@@ -77,7 +98,7 @@ if settings.HAS_DRF:
     from django_idempotency.drf import IdempotencyMixin
 
     def drf_answer(request: Request) -> Response:
-        return Response(peek(request.method), status=200 if request.method == "GET" else 201)
+        return Response(peek(request), status=200 if request.method == "GET" else 201)
 
     class MixinView(IdempotencyMixin, APIView):
         idempotency_operation = "peek.mixin"
@@ -111,17 +132,17 @@ if settings.HAS_NINJA:
     @api.get("/sync")
     def ninja_get(request: HttpRequest) -> dict[str, Any]:
         """Plain ninja: no @idempotent on this operation."""
-        return peek("GET")
+        return peek(request)
 
     @api.post("/sync", response={201: Peeked})
     @ninja_idempotent(operation="peek.ninja")
     def ninja_post(request: HttpRequest) -> dict[str, Any]:
-        return peek("POST")
+        return peek(request)
 
     @api.post("/async", response={201: Peeked})
     @ninja_idempotent(operation="peek.ninja-async")
     async def ninja_async_post(request: HttpRequest) -> dict[str, Any]:
         await asyncio.sleep(0)
-        return await sync_to_async(peek)("POST")
+        return await sync_to_async(peek)(request)
 
     urlpatterns += [path("ninja/", api.urls)]
