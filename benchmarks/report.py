@@ -151,6 +151,8 @@ def render(results: dict[str, Any]) -> str:
         add(outbox(results["outbox"]))
     if results.get("steps"):
         add(steps(results["steps"]))
+    if results.get("connections"):
+        add(connections(results["connections"]))
     if "inprocess" in results and results["inprocess"].get("profiles"):
         add(profiles(results["inprocess"]["profiles"]))
     if EXPERIMENTS.exists():
@@ -297,6 +299,8 @@ def targets(results: dict[str, Any]) -> str:
         rows += outbox_targets(results["outbox"])
     if results.get("steps"):
         rows.append(steps_target(results["steps"]))
+    if results.get("connections"):
+        rows += connections_targets(results["connections"])
     return table(["target", "measured", ""], rows)
 
 
@@ -1029,15 +1033,77 @@ def steps(data: dict[str, Any]) -> str:
 SECTION_STEPS = "Recovery points: the cost of a step"
 
 
-if __name__ == "__main__":
-    # Render again from the figures of a run: python -m benchmarks.report [results.json]
-    import json
-    import sys
+def connections(data: dict[str, Any]) -> str:
+    """The "ATOMIC_REQUESTS" section: ``benchmarks/connections_bench.py``."""
+    names = {
+        "decorator": "`@idempotent` (function view)",
+        "mixin": "`IdempotencyMixin` (DRF `APIView`)",
+        "api-view": "`@api_view` over `@idempotent`",
+        "ninja": "django-ninja `@idempotent`",
+    }
+    med, opened, ratios = data["median_us"], data["connections_per_request"], data["ratios"]
+    rows = []
+    for entry, name in names.items():
+        for age in (0, 600):
+            off, on = f"{entry}|plain|{age}", f"{entry}|atomic|{age}"
+            ratio = ratios[f"{entry}|{age}"]
+            rows.append(
+                [
+                    name,
+                    str(age),
+                    f"{med[off]:,.0f} µs",
+                    f"{med[on]:,.0f} µs",
+                    f"**{ratio['ratio']:.2f}×** ({ratio['min']:.2f}–{ratio['max']:.2f})",
+                    f"{opened[off]:g} / {opened[on]:g}",
+                ]
+            )
+    load = " / ".join(f"{v:.2f}" for v in data["load_average"])
+    return (
+        f"\n## {SECTION_CONNECTIONS}\n\n"
+        "`benchmarks/connections_bench.py`, in one process on its own database, through "
+        "Django's WSGI handler (so connections are closed or kept as a server's are): a "
+        "protected first request writing one row, for each entry point, with "
+        "`ATOMIC_REQUESTS` off and on, with `CONN_MAX_AGE = 0` (a connection per request) "
+        "and `600`. Every (entry point, configuration) batch runs in every round, in an order "
+        f"that rotates. {data['rounds']} rounds of {data['batch']} requests; the ratio is on "
+        "to off, with the spread of the per-round ratios; connections: opened per request, "
+        f"off / on. Load average {load} at the end, on shared cores.\n\n"
+        + table(
+            [
+                "entry point",
+                "`CONN_MAX_AGE`",
+                "off",
+                "`ATOMIC_REQUESTS`",
+                "on ÷ off",
+                "connections",
+            ],
+            rows,
+        )
+        + "\n"
+    )
 
-    from benchmarks import scale
 
-    here = Path(__file__).resolve().parent
-    source = Path(sys.argv[1]) if len(sys.argv) > 1 else here / ".results" / "results.json"
-    # The Scale section (make bench-scale) is carried over, as run.py does.
-    target = here / "RESULTS.md"
-    target.write_text(scale.keep_section(render(json.loads(source.read_text())), target))
+SECTION_CONNECTIONS = "ATOMIC_REQUESTS: one connection, the same cost"
+
+
+def connections_targets(data: dict[str, Any]) -> list[list[str]]:
+    """Under ATOMIC_REQUESTS a protected request opens no connection more, and costs what it
+    costs without (at most 1.1x, the run's noise)."""
+    opened = data["connections_per_request"]
+    extra = 0.0
+    for kind in data["ratios"]:
+        entry, age = kind.rsplit("|", 1)
+        extra = max(extra, opened[f"{entry}|atomic|{age}"] - opened[f"{entry}|plain|{age}"])
+    worst = max(r["ratio"] for r in data["ratios"].values())
+    return [
+        [
+            "ATOMIC_REQUESTS: no connection more per protected request",
+            f"{extra:+g} at most",
+            verdict(extra <= 0),
+        ],
+        [
+            "ATOMIC_REQUESTS: a protected request within 1.1× of the same without",
+            f"{worst:.2f}× at most",
+            verdict(worst <= 1.1),
+        ],
+    ]

@@ -656,6 +656,15 @@ def run_steps(plan: Plan) -> dict[str, Any]:
     return run_alone("benchmarks.steps_bench", quick if plan.quick else [])
 
 
+# -- ATOMIC_REQUESTS ------------------------------------------------------------------------
+
+
+def run_connections(plan: Plan) -> dict[str, Any]:
+    log("connections: each entry point with ATOMIC_REQUESTS off and on, interleaved")
+    quick = ["--rounds", "2", "--batch", "20"]
+    return run_alone("benchmarks.connections_bench", quick if plan.quick else [])
+
+
 # -- machine and versions -------------------------------------------------------------------
 
 
@@ -717,7 +726,7 @@ def versions(alt_python: Path | None) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a minute or two")
-    parser.add_argument("--only", default="inprocess,server,purge,outbox,steps")
+    parser.add_argument("--only", default="inprocess,server,purge,outbox,steps,connections")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
@@ -788,6 +797,8 @@ def main() -> int:
         results["outbox"] = run_outbox(plan)
     if "steps" in parts:
         results["steps"] = run_steps(plan)
+    if "connections" in parts:
+        results["connections"] = run_connections(plan)
     results["versions"] = versions(alt_python)
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()
