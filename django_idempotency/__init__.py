@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.4"
+__version__ = "0.2.0"
 
 __all__ = [
     "IdempotencyContext",

@@ -47,6 +47,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_idempotency import retry
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -116,7 +117,16 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
         options.setdefault("connect_timeout", max(2, seconds))  # libpq's least is 2
     elif connection.vendor == "mysql":
         for name in ("connect_timeout", "read_timeout", "write_timeout"):
-            options.setdefault(name, seconds)
+            options.setdefault(name, seconds + 1)
+        # The server gives up a lock wait too, or it would commit the claim after the
+        # client left (read_timeout ends only the client's wait): a claim that fails closed
+        # leaves nothing behind.
+        bound = f"SESSION innodb_lock_wait_timeout = {seconds}"
+        command = options.get("init_command")
+        if command is None:
+            options["init_command"] = f"SET {bound}"
+        elif command.strip().upper().startswith("SET "):
+            options["init_command"] = f"{command.rstrip().rstrip(';')}, {bound}"
     return {**connection.settings_dict, "OPTIONS": options}
 
 
@@ -159,7 +169,7 @@ def claiming(alias: str) -> Iterator[None]:
     claim = _second_connection(connection)
     connections[alias] = claim
     try:
-        with _bounded(claim, app_settings.CLAIM_TIMEOUT):
+        with _bounded(claim, app_settings.CLAIM_TIMEOUT), retry.bounded():
             yield
     finally:
         connections[alias] = connection
@@ -179,25 +189,31 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
     if claim.vendor != "postgresql":
         yield
         return
+    # The block's end and the watchdog's acts take turns: a watchdog that fires late never
+    # cancels or closes what the next block runs on the same connection.
+    turn = threading.Lock()
     finished = threading.Event()
 
     def interrupt() -> None:
-        raw = claim.connection
-        if raw is None or finished.is_set():
-            return
+        with turn:
+            raw = claim.connection
+            if raw is None or finished.is_set():
+                return
+            # psycopg 3.2+ (psycopg2 has cancel() only); a cancel that cannot be sent is
+            # left to the close below.
+            cancel = getattr(raw, "cancel_safe", None)
+            with contextlib.suppress(Exception):
+                cancel(timeout=1) if cancel is not None else raw.cancel()
         logger.warning(
             "a claim connection to %r gave no answer within CLAIM_TIMEOUT (%s): its "
-            "statement is cancelled and the claim fails closed",
+            "statement was cancelled and the claim fails closed",
             claim.alias,
             timeout,
         )
-        # psycopg 3.2+ (psycopg2 has cancel() only); a cancel that cannot be sent is left to
-        # the close below.
-        cancel = getattr(raw, "cancel_safe", None)
-        with contextlib.suppress(Exception):
-            cancel(timeout=1) if cancel is not None else raw.cancel()
         if not finished.wait(1):
-            raw.close()
+            with turn:
+                if not finished.is_set():
+                    raw.close()
 
     timer = threading.Timer(timeout.total_seconds(), interrupt)
     timer.daemon = True
@@ -205,7 +221,8 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
     try:
         yield
     finally:
-        finished.set()
+        with turn:
+            finished.set()
         timer.cancel()
 
 

@@ -31,7 +31,38 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = [Error(p.message, hint=p.hint, id=p.id) for p in problems]
     if "DATABASE" in values:
         messages += _check_database(values["DATABASE"])
+    if values.get("CLAIM_DATABASE") and "CLAIM_TIMEOUT" in values:
+        messages += _check_claim_database(values["CLAIM_DATABASE"], values["CLAIM_TIMEOUT"])
     return messages
+
+
+def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
+    """W011: CLAIM_DATABASE may wait longer than CLAIM_TIMEOUT to connect: the watchdog
+    bounds the claim's statements, not the connect, which its own settings bound."""
+    database = settings.DATABASES[alias]
+    options = database.get("OPTIONS", {})
+    limit = timeout.total_seconds()
+    engine = database.get("ENGINE", "")
+    pool = options.get("pool")
+    waits: list[str] = []
+    if isinstance(pool, dict) and float(pool.get("timeout", 30)) > limit:
+        waits.append(f"its pool's timeout ({pool.get('timeout', 30)} s)")
+    if engine.endswith(("postgresql", "mysql")):
+        connect = options.get("connect_timeout")
+        if connect is None:
+            waits.append("no connect_timeout in its OPTIONS (a connect may wait for ever)")
+        elif float(connect) > max(limit, 2):
+            waits.append(f"its connect_timeout ({connect} s)")
+    if waits:
+        yield _warning(
+            11,
+            f"IDEMPOTENCY['CLAIM_DATABASE'] ({alias!r}) may wait longer than CLAIM_TIMEOUT "
+            f"({timeout}) for a connection: {'; '.join(waits)}.",
+            hint=(
+                "Set OPTIONS['connect_timeout'] (and a pool's timeout) of that alias at or "
+                "below CLAIM_TIMEOUT, so that a claim that cannot be had fails closed in time."
+            ),
+        )
 
 
 @register(Tags.compatibility)

@@ -285,6 +285,7 @@ def run_fenced(
     token: Any,
     body: Callable[[], T],
     judge: Callable[[T], Outcome | None],
+    keep_on_store_failure: bool = False,
 ) -> Fenced[T]:
     """Run ``body`` and complete the record in one transaction.
 
@@ -293,6 +294,11 @@ def run_fenced(
     the exception propagates. When the body marked its own transaction for rollback, its
     outcome (if storable) is stored after the rollback: it is still the deterministic answer
     of this request. Raises :class:`LeaseLost` when another attempt owns the record now.
+
+    When the completion (or its commit) fails after the body ran, the work rolls back and
+    ``StoreUnavailable`` is raised; the claim is released, or, with
+    ``keep_on_store_failure`` (every policy but ``"retry"``: the body's external calls may
+    have happened), its lease is given back, so the policy decides as after a crash.
     """
     # A step() inside belongs to the resumable operation that runs this one, if any: not here.
     outer_steps = _steps.set(None)
@@ -317,9 +323,13 @@ def run_fenced(
         # A crash (or a cancellation) leaves the claim as a killed process would: held until
         # its lease runs out, then recovered by its policy. Never a silent release.
         raise
-    except db.Error as exc:
-        release_quietly(alias, record_id, token)
-        if completing:  # the completion or the commit: the store's, not the body's
+    except (db.Error, StoreUnavailable) as exc:
+        failed = completing  # the completion or its commit: the store's, not the body's
+        if failed and keep_on_store_failure:
+            give_back(alias, record_id, token)
+        else:
+            release_quietly(alias, record_id, token)
+        if failed and not isinstance(exc, StoreUnavailable):
             raise _store_failed(exc) from exc
         raise
     except BaseException:
@@ -461,16 +471,24 @@ def run_resumable(
     token: Any,
     body: Callable[[], T],
     judge: Callable[[T], Outcome | None],
+    fresh: bool = False,
 ) -> Fenced[T]:
     """Run ``body`` as a resumable operation (``"resume"``): outside one transaction, its
     :func:`step` calls each committing with its recorded result; then store the outcome.
 
-    The steps recorded by earlier attempts are read once, here. When the body raises (or
-    ``judge`` has nothing to store: a 5xx), the recorded steps are kept and the lease is
-    given back at once, so the next attempt resumes at once. ``LeaseLost`` when another
-    attempt owns the record now: at a step, or at the completion.
+    The steps recorded by earlier attempts are read once, here (when that read fails:
+    ``StoreUnavailable``, and a ``fresh`` claim, which has no steps, is released; a taken
+    over one keeps its steps and gives its lease back). When the body raises (or ``judge``
+    has nothing to store: a 5xx), the recorded steps are kept and the lease is given back at
+    once, so the next attempt resumes at once. ``LeaseLost`` when another attempt owns the
+    record now: at a step, or at the completion.
     """
-    steps = _Steps(alias, record_id, token, store.recorded_steps(alias, record_id))
+    try:
+        recorded = store.recorded_steps(alias, record_id)
+    except db.Error as exc:
+        (release_quietly if fresh else give_back)(alias, record_id, token)
+        raise _store_failed(exc) from exc
+    steps = _Steps(alias, record_id, token, recorded)
     reset = _steps.set(steps)
     try:
         result = body()
@@ -504,11 +522,13 @@ def run_owned(
     token: Any,
     body: Callable[[], T],
     judge: Callable[[T], Outcome | None],
+    fresh: bool = False,
 ) -> Fenced[T]:
     """The owner's execution for ``policy``: resumable steps under ``"resume"``, else one
-    fenced transaction (:func:`run_fenced`)."""
-    run = run_resumable if policy == RESUME else run_fenced
-    return run(alias, record_id, token, body, judge)
+    fenced transaction (:func:`run_fenced`). ``fresh``: the claim is new, not a takeover."""
+    if policy == RESUME:
+        return run_resumable(alias, record_id, token, body, judge, fresh)
+    return run_fenced(alias, record_id, token, body, judge, keep_on_store_failure=policy != RETRY)
 
 
 # -- recovery -------------------------------------------------------------------------------
@@ -555,9 +575,12 @@ def recover(
         return Recovered(run=True)
     if policy == FAIL:
         outcome = fail_outcome()
-        return Recovered(outcome=outcome) if close(outcome) else Recovered(lease_lost=True)
+        return Recovered(outcome=outcome) if _closed(close, outcome) else Recovered(lease_lost=True)
     assert callable(policy)
-    record = load_record()
+    try:
+        record = load_record()
+    except db.Error as exc:
+        raise StoreUnavailable(f"the stale record could not be read ({exc})") from exc
     if record is None:
         return Recovered(lease_lost=True)
     answer = policy(record)
@@ -566,9 +589,18 @@ def recover(
     stored = as_outcome(answer)
     if stored is None:
         return Recovered(undecided=True, answer=answer)
-    if not close(stored):
+    if not _closed(close, stored):
         return Recovered(lease_lost=True, answer=answer)
     return Recovered(outcome=stored, answer=answer)
+
+
+def _closed(close: Callable[[Outcome], bool], outcome: Outcome) -> bool:
+    try:
+        return close(outcome)
+    except db.Error as exc:
+        raise StoreUnavailable(
+            f"the recovery policy's outcome could not be stored ({exc})"
+        ) from exc
 
 
 def refuse_unreadable(

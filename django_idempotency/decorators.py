@@ -13,6 +13,7 @@ from typing import Any, TypeVar, overload
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
+from django.views import View
 
 from django_idempotency import engine, sources, validation
 
@@ -131,6 +132,14 @@ def idempotent(
         _refuse_unprotectable(func)
 
         def handle(request: Any, args: Any, kwargs: Any, view: Any) -> HttpResponseBase:
+            if isinstance(request, View):
+                # A method of a class-based view, decorated as it stands: its first argument
+                # is the view, and no request reaches the claim.
+                raise ImproperlyConfigured(
+                    f"@idempotent on the method {validation.name_of(func)} of a class-based "
+                    "view: use method_decorator(idempotent, ...) for a Django view, or "
+                    "IdempotencyMixin first in a DRF view's bases."
+                )
             if _is_drf_request(request):
                 from django_idempotency.drf import drf_call
 

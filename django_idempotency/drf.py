@@ -109,6 +109,18 @@ class IdempotencyMixin:
                 'use method_decorator(idempotent, name="dispatch") instead.'
             )
 
+    @classmethod
+    def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
+        """DRF's view function, taken out of ``ATOMIC_REQUESTS`` for the idempotency database
+        whatever the view's ``dispatch`` (an override of it carries no mark): the claim must
+        commit before the handler runs. The mixin's ``dispatch`` gives the request's
+        transaction back to the methods it does not protect."""
+        view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
+        existing: set[str] = getattr(view, "_non_atomic_requests", set())
+        if not isinstance(existing, engine.IdempotencyDatabase):
+            view._non_atomic_requests = engine.IdempotencyDatabase(existing)
+        return view
+
     def get_idempotency_account(self, request: Request) -> str | None:
         """The caller's account; by default the ``ACCOUNT_RESOLVER`` setting decides."""
         resolver = conf.resolve_callable(app_settings.ACCOUNT_RESOLVER)

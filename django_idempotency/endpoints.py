@@ -388,7 +388,9 @@ def protected_methods(callback: Callable[..., Any]) -> dict[str, engine.Options]
     view_class = getattr(callback, "view_class", None)
     if isinstance(view_class, type):
         return _handlers(view_class, callback)
-    found = _options_of(callback)
+    # Only through decorators that say what they wrap (functools.wraps): a function that
+    # merely calls a protected view from inside is no protected view itself.
+    found = _options_of(callback, closures=False)
     return {EVERY_METHOD: found} if found is not None else {}
 
 
@@ -440,8 +442,9 @@ def _closure(func: Any) -> list[Any]:
     return values
 
 
-def _options_of(func: Any, depth: int = 8) -> engine.Options | None:
-    """The options ``@idempotent`` left on ``func`` or on a function it wraps."""
+def _options_of(func: Any, depth: int = 8, closures: bool = True) -> engine.Options | None:
+    """The options ``@idempotent`` left on ``func`` or on a function it wraps (found through
+    ``__wrapped__``, and through closures unless ``closures`` is false)."""
     todo, seen = [func], set()
     while todo and depth:
         depth -= 1
@@ -457,7 +460,7 @@ def _options_of(func: Any, depth: int = 8) -> engine.Options | None:
             following += [wrapped] if wrapped is not None else []
             following += [
                 c
-                for c in _closure(current)
+                for c in (_closure(current) if closures else ())
                 if isinstance(c, (types.FunctionType, types.MethodType))
             ]
         todo = following

@@ -283,9 +283,8 @@ class _Protected:
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
-            return problems.STORE_UNAVAILABLE.response(
-                "The request was not run because its idempotency key could not be recorded.",
-                retry_after=app_settings.RETRY_AFTER,
+            return self.store_unavailable(
+                "The request was not run because its idempotency key could not be recorded."
             )
         if result.claimed:
             return _Owner(self, result).run(call_view)
@@ -315,6 +314,9 @@ class _Protected:
             return self.answer(call_view, allow_wait=False)
         return self.conflict()
 
+    def store_unavailable(self, detail: str) -> HttpResponse:
+        return problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
+
     def conflict(self) -> HttpResponse:
         self.send(signals.request_conflicted)
         return problems.KEY_IN_USE.response(
@@ -332,7 +334,13 @@ class _Protected:
         while (remaining := deadline - time.monotonic()) > 0:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.25)
-            current = self.operation.fetch()
+            try:
+                current = self.operation.fetch()
+            except db.Error:
+                logger.exception("idempotency store unavailable while waiting for a record")
+                return self.store_unavailable(
+                    "The request was not run: its original could not be looked up."
+                )
             if current is None or current.id != state.id:  # gone, or replaced
                 return None
             if current.status != IN_PROGRESS:
@@ -425,6 +433,11 @@ class _Owner:
                 as_outcome=outcome_of,
                 close=lambda outcome: core.close(self.alias, self.state.id, self.token, outcome),
             )
+        except StoreUnavailable:
+            core.give_back(self.alias, self.state.id, self.token)
+            return self.protected.store_unavailable(
+                "The recovery of an earlier attempt could not be recorded; nothing ran."
+            )
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.
@@ -465,6 +478,7 @@ class _Owner:
                     self.token,
                     lambda: rendered(call_view()),
                     outcome_of,
+                    fresh=not self.takeover,
                 )
         except core.LeaseLost:
             return self.protected.lease_lost()
@@ -474,12 +488,11 @@ class _Owner:
             return self.protected.unreadable(refusal)
         except StoreUnavailable as failure:
             # The completion (or a step's record) could not be written: the work was rolled
-            # back and the claim released (or its lease given back, under "resume").
-            logger.error("idempotency store failed after the view ran: %s", failure)
-            return problems.STORE_UNAVAILABLE.response(
+            # back, and the claim released (under "retry") or its lease given back.
+            logger.error("idempotency store failed after the view was claimed: %s", failure)
+            return self.protected.store_unavailable(
                 "The request's outcome could not be recorded, so its work was rolled back; "
-                "retry with the same key.",
-                retry_after=app_settings.RETRY_AFTER,
+                "retry with the same key."
             )
         response: HttpResponseBase = fenced.result
         if fenced.stored:

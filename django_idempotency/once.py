@@ -207,10 +207,19 @@ def call_once(
     try:
         with core.running(context):
             fenced = core.run_owned(
-                policy, op.alias, state.id, token, lambda: func(*args, **kwargs), stored_result
+                policy,
+                op.alias,
+                state.id,
+                token,
+                lambda: func(*args, **kwargs),
+                stored_result,
+                fresh=not result.took_over_stale_lease,
             )
     except core.LeaseLost:
-        now_state = op.fetch()
+        try:
+            now_state = op.fetch()
+        except db.Error:  # only the Retry-After is at stake
+            now_state = None
         raise LeaseTakenOver(
             f"this attempt of {op.operation} lost its lease to another attempt; "
             "its work was rolled back",
@@ -264,7 +273,7 @@ def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any
             as_outcome=stored_result,
             close=lambda outcome: core.close(op.alias, record_id, token, outcome),
         )
-    except Exception:
+    except Exception:  # StoreUnavailable, or a policy that could not decide
         core.give_back(op.alias, record_id, token)
         raise
     if recovered.lease_lost:

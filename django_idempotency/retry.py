@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextvars
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from django.db import OperationalError
@@ -18,13 +20,33 @@ _RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
 ATTEMPTS = 5
 
 
+_LOCK_WAIT_TIMEOUT = 1205
+#: Inside a claim whose waits are bounded (``CLAIM_TIMEOUT``), a lock wait that timed out is
+#: the bound at work, not a victim to run again.
+_bounded: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "django_idempotency_bounded", default=False
+)
+
+
+@contextmanager
+def bounded() -> Iterator[None]:
+    """Within the block, a lock wait timeout is final (never run again)."""
+    token = _bounded.set(True)
+    try:
+        yield
+    finally:
+        _bounded.reset(token)
+
+
 def is_retryable(exc: OperationalError) -> bool:
     """A deadlock or serialization failure, which the database asks the client to retry."""
     cause = exc.__cause__
     if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
         return True
     args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] in _RETRYABLE_MYSQL_ERRORS
+    if not args or args[0] not in _RETRYABLE_MYSQL_ERRORS:
+        return False
+    return not (args[0] == _LOCK_WAIT_TIMEOUT and _bounded.get())
 
 
 def retrying(func: Callable[[], T]) -> T:

@@ -110,6 +110,28 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+_BREAKS_A_HEADER = re.compile("[\r\n\x00]")
+
+
+def header_pairs(headers: Any) -> bool:
+    """Whether stored headers are a list of ``[name, value]`` pairs of strings that a
+    response can carry (no CR, LF or NUL: Django refuses them), or empty (``None`` too: a
+    raw cursor's NULL). Read on every replay: a plain loop over what ``json.loads`` made."""
+    if headers is None:
+        return True
+    if headers.__class__ is not list:
+        return False
+    for pair in headers:
+        if pair.__class__ is not list or len(pair) != 2:
+            return False
+        name, value = pair
+        if name.__class__ is not str or value.__class__ is not str:
+            return False
+        if _BREAKS_A_HEADER.search(name) or _BREAKS_A_HEADER.search(value):
+            return False
+    return True
+
+
 def read_json(text: str) -> Any:
     """Stored JSON text, decoded; ``ValueError`` when it cannot be (invalid, a number of more
     digits than Python converts, or nested deeper than Python's recursion limit)."""

@@ -31,7 +31,7 @@ from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_idempotency import crypto, states
+from django_idempotency import crypto, states, storable
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.retry import is_retryable, retrying
@@ -149,22 +149,6 @@ class RecordState:
         )
 
 
-def _header_pairs(headers: Any) -> bool:
-    """Whether stored headers are a list of ``[name, value]`` pairs of strings (or empty)."""
-    if headers is None:
-        return True  # a raw cursor on a NULL column: no headers stored
-    if headers.__class__ is not list:
-        return False
-    # Read on every replay: a plain loop over what json.loads made (exact types).
-    for pair in headers:
-        if pair.__class__ is not list or len(pair) != 2:
-            return False
-        name, value = pair
-        if name.__class__ is not str or value.__class__ is not str:
-            return False
-    return True
-
-
 def _stored_response(
     status: str, response_status: Any, headers: Any, body: Any
 ) -> tuple[list[list[str]], bytes | None, crypto.Unreadable | None]:
@@ -182,10 +166,12 @@ def _stored_response(
         headers, body, unreadable = crypto.opened(headers, body)
         if unreadable is not None:
             return [], None, unreadable
-    elif not _header_pairs(headers):
+    if not storable.header_pairs(headers):
         return [], None, crypto.Unreadable(None, "the stored headers are not [name, value] pairs")
-    if response_status is None:
-        return [], None, crypto.Unreadable(None, "the record holds no response status")
+    if response_status.__class__ is not int or not 100 <= response_status <= 599:
+        return [], None, crypto.Unreadable(None, "the record holds no valid response status")
+    if body is None:  # every outcome stores bytes, if only b"null"
+        return [], None, crypto.Unreadable(None, "the record holds no response body")
     return headers or [], _bytes(body), None
 
 
@@ -629,8 +615,10 @@ _TAKEOVER_COLUMNS = (
 def _takeover_sql(alias: str) -> str:
     """Replace a record, fenced by ``states.REPLACEABLE`` evaluated on the row itself.
 
-    Of two racing takeovers the second waits for the first's row lock, then finds the row
-    no longer replaceable and matches nothing.
+    The row is taken only when nobody holds it (``FOR UPDATE SKIP LOCKED``): a holder is a
+    racing takeover, or an owner completing it inside a transaction of its caller's that has
+    not committed yet, and the claim must never wait for either. Matching nothing, the claim
+    reads the record and answers it as it stands (in progress: ``409`` / ``InProgress``).
     """
     connection = connections[alias]
     quote = connection.ops.quote_name
@@ -645,8 +633,21 @@ def _takeover_sql(alias: str) -> str:
         f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
     )
     if connection.vendor == "postgresql":
-        sql += f" RETURNING {_returning(alias)}"
+        # MySQL refuses a subquery on the table it updates: _take_over locks there first.
+        sql += (
+            f" AND {quote('id')} IN (SELECT {quote('id')} FROM {_table(alias)}"
+            f" WHERE {quote('id')} = %(id)s FOR UPDATE SKIP LOCKED)"
+            f" RETURNING {_returning(alias)}"
+        )
     return sql
+
+
+@functools.lru_cache(maxsize=8)
+def _lock_free_sql(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+    return (
+        f"SELECT {quote('id')} FROM {_table(alias)} WHERE {quote('id')} = %s FOR UPDATE SKIP LOCKED"
+    )
 
 
 def _take_over(
@@ -666,12 +667,18 @@ def _take_over(
         hash=request.request_hash,
         version=request.fingerprint_version,
     )
-    with _cursor(alias) as cursor:
+    if connection.vendor == "postgresql":
+        with _cursor(alias) as cursor:
+            cursor.execute(_takeover_sql(alias), params)
+            result = cursor.fetchone()
+        return RecordState.from_row(result) if result is not None else None
+    with transaction.atomic(using=alias), connection.cursor() as cursor:
+        if connection.features.has_select_for_update_skip_locked:
+            cursor.execute(_lock_free_sql(alias), [state.id])
+            if cursor.fetchone() is None:
+                return None  # held by another transaction: left to it
         cursor.execute(_takeover_sql(alias), params)
-        if connection.vendor != "postgresql":
-            return None
-        result = cursor.fetchone()
-    return RecordState.from_row(result) if result is not None else None
+    return None
 
 
 def _take_over_archiving(

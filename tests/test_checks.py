@@ -270,3 +270,20 @@ def test_e037_stops_the_check_command_unless_silenced():
 def test_check_command_fails_on_an_error():
     with override_settings(IDEMPOTENCY={"TTL": 0}), pytest.raises(SystemCheckError, match="E003"):
         call_command("check", stdout=StringIO(), stderr=StringIO())
+
+
+def test_w011_a_claim_database_that_may_wait_longer_than_claim_timeout(settings, monkeypatch):
+    claims = settings.DATABASES["claims"]
+    monkeypatch.setitem(claims, "OPTIONS", {})
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        found = [m for m in check_settings() if m.id == "django_idempotency.W011"]
+        if connection.vendor == "sqlite":
+            assert found == []  # SQLite has no connect to wait for
+            return
+        (warning,) = found
+        assert "no connect_timeout" in warning.msg
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2})
+        assert [m for m in check_settings() if m.id == "django_idempotency.W011"] == []
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": {"timeout": 30}})
+        (pool,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
+        assert "pool's timeout (30 s)" in pool.msg

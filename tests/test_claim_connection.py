@@ -13,6 +13,7 @@ The aliases ``pooled`` (PostgreSQL through a Django pool of one connection) and 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ import pytest
 from django.db import connection, connections, transaction
 from django.db.backends.signals import connection_created
 from django.test import override_settings
+from django.utils import timezone
 
 from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -190,3 +192,119 @@ def test_a_claim_connection_that_cannot_be_had_is_store_unavailable_and_nothing_
             assert run_once(effect, calls, "b", "default", **IDENTITY, key="k-1") == "b"
     assert calls == ["b"]
     assert Charge.objects.count() == 1
+
+
+# -- a claim never waits on a lock another attempt holds ------------------------------------
+
+
+def test_a_takeover_never_waits_for_an_owner_completing_inside_its_callers_transaction():
+    """The first attempt completed inside its caller's transaction, which stays open past its
+    lease: a retry meets a stale lease whose row that transaction holds. It is refused at
+    once (InProgress), never made to wait for the caller to commit."""
+    done = threading.Event()
+    release = threading.Event()
+    calls: list[str] = []
+
+    def first() -> None:
+        try:
+            with transaction.atomic():
+                run_once(effect, calls, "A", "default", **IDENTITY, key="w-1", lease=1)
+                done.set()
+                assert release.wait(30)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert done.wait(30)
+        time.sleep(1.2)  # the lease runs out while the caller's transaction is still open
+        with pytest.raises(InProgress):
+            run_once(effect, calls, "B", "default", **IDENTITY, key="w-1", lease=1)
+    finally:
+        release.set()
+        thread.join(30)
+    assert calls == ["A"]
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+@on_postgresql
+def test_a_late_watchdog_never_cancels_the_next_claims_statement():
+    """The watchdog of a claim that outlasted CLAIM_TIMEOUT fires while the next claim-side
+    block already runs on the same connection: it must leave that block alone."""
+    import logging
+
+    from django.db import DatabaseError
+
+    from django_idempotency import autonomous
+
+    go = threading.Event()
+
+    class Slow(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "CLAIM_TIMEOUT" in record.getMessage():
+                go.wait(5)
+
+    handler = Slow(logging.WARNING)
+    logger = logging.getLogger("django_idempotency")
+    logger.addHandler(handler)
+    outcome: dict[str, str] = {}
+    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(milliseconds=300)})
+    try:
+        with bound, transaction.atomic():
+            Charge.objects.count()  # the caller's transaction
+            try:
+                with autonomous.claiming("default"), connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_sleep(0.4)")
+                outcome["first"] = "finished"
+            except DatabaseError as exc:
+                outcome["first"] = type(exc).__name__
+            threading.Timer(0.05, go.set).start()
+            try:
+                with autonomous.claiming("default"), connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_sleep(0.15)")
+                outcome["second"] = "finished"
+            except DatabaseError as exc:
+                outcome["second"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        logger.removeHandler(handler)
+        go.set()
+    assert outcome["first"] == "OperationalError"  # cancelled: it outlasted its bound
+    assert outcome["second"] == "finished", outcome
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's and MySQL's bounds")
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_on_mariadb_a_claim_refused_at_claim_timeout_leaves_nothing_behind(policy):
+    """A claim that waits for a lock (a purge deleting the expired record in its way) past
+    CLAIM_TIMEOUT is refused, and the server gives its statement up too: it does not commit
+    the claim after the caller was told that nothing ran."""
+    calls: list[str] = []
+    assert run_once(effect, calls, "first", "default", **IDENTITY, key="m-1", ttl=60) == "first"
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    record_id = IdempotencyRecord.objects.get().pk
+    locked = threading.Event()
+
+    def purge_batch() -> None:
+        try:
+            with transaction.atomic(using="provider"):
+                IdempotencyRecord.objects.using("provider").filter(pk=record_id).delete()
+                locked.set()
+                time.sleep(4)
+        finally:
+            connections["provider"].close()
+
+    purger = threading.Thread(target=purge_batch)
+    purger.start()
+    assert locked.wait(10)
+    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1)})
+    with bound, transaction.atomic():
+        IdempotencyRecord.objects.count()  # the caller's transaction
+        with pytest.raises(StoreUnavailable):
+            run_once(effect, calls, "second", "default", **IDENTITY, key="m-1", recovery=policy)
+        transaction.set_rollback(True)
+    purger.join(15)
+    time.sleep(0.5)
+    assert IdempotencyRecord.objects.count() == 0  # the purge's delete won; no stray claim
+    assert run_once(effect, calls, "third", "default", **IDENTITY, key="m-1") == "third"
+    assert calls == ["first", "third"]

@@ -36,6 +36,7 @@ ENTRIES = [
     "decorator",
     "cbv",
     pytest.param("mixin", marks=needs_drf),
+    pytest.param("mixin-dispatch", marks=needs_drf),
     pytest.param("api-view", marks=needs_drf),
     pytest.param("ninja/sync", marks=needs_ninja),
 ]

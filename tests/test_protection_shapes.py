@@ -106,3 +106,23 @@ def test_idempotent_on_a_class_is_refused():
 
     with pytest.raises(ImproperlyConfigured, match="method_decorator"):
         idempotent(Create)
+
+
+@needs_drf
+@pytest.mark.django_db
+def test_idempotent_straight_on_a_viewset_method_is_refused_when_it_is_called(rf):
+    from rest_framework import permissions, viewsets
+    from rest_framework.response import Response
+
+    class Charges(viewsets.ViewSet):
+        authentication_classes: list[Any] = []
+        permission_classes = [permissions.AllowAny]
+
+        @idempotent(operation="charges.create")
+        def create(self, request: Any) -> Response:
+            return Response({}, status=201)
+
+    view = Charges.as_view({"post": "create"})
+    request = rf.post("/", {}, content_type="application/json", headers={"Idempotency-Key": "k"})
+    with pytest.raises(ImproperlyConfigured, match="method_decorator"):
+        view(request)

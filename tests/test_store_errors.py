@@ -190,3 +190,114 @@ def test_prepared_statements_through_an_old_pgbouncer_stop_and_nothing_is_left_i
     assert completed == outcomes.count("ran") == Charge.objects.count()
     assert "claims" in store._refused
     assert caplog.text.count("refused a prepared statement") == 1
+
+
+def dies_after_the_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The backend of the caller's connection is terminated right after a claim committed,
+    before anything else runs: the statements that follow (reading a resumable operation's
+    steps, a recovery policy's closing) find it gone. The list counts the terminations."""
+    fired: list[int] = []
+    real = store.claim
+
+    def claim_then_die(alias: str, request: Any) -> Any:
+        result = real(alias, request)
+        if result.claimed and not fired:
+            fired.append(1)
+            terminate()
+        return result
+
+    monkeypatch.setattr(store, "claim", claim_then_die)
+    return fired
+
+
+@on_postgresql
+def test_resume_whose_steps_cannot_be_read_is_store_unavailable_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    fired = dies_after_the_claim(monkeypatch)
+    calls: list[str] = []
+    with pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", **IDENTITY, key="k-1", recovery="resume")
+    assert fired == [1]
+    assert calls == []
+    connection.close()
+    # A fresh claim has no steps to keep: released, so the retry runs at once.
+    assert IdempotencyRecord.objects.count() == 0
+    assert run_once(effect, calls, "b", **IDENTITY, key="k-1", recovery="resume") == "b"
+
+
+@on_postgresql
+@pytest.mark.parametrize("policy", ["fail", "tests.testapp.views.recover_by_asking_provider"])
+def test_a_recovery_that_cannot_store_its_outcome_is_store_unavailable(
+    policy, monkeypatch: pytest.MonkeyPatch
+):
+    from django.utils import timezone
+
+    from django_idempotency.exceptions import SimulatedCrash
+
+    def crash() -> str:
+        raise SimulatedCrash
+
+    with pytest.raises(SimulatedCrash):
+        run_once(crash, **IDENTITY, key="k-2", recovery=policy)
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now())
+    fired = dies_after_the_claim(monkeypatch)
+    calls: list[str] = []
+    with pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", **IDENTITY, key="k-2", recovery=policy)
+    assert fired == [1]
+    assert calls == []
+
+
+def test_under_fail_a_completion_that_fails_keeps_the_claim_for_the_policy():
+    """The body ran (its external calls may have happened): under "fail" the claim is
+    kept, its lease given back, and the next attempt gets the unknown outcome, never a
+    second run."""
+    from django_idempotency import OutcomeUnknown
+
+    calls: list[str] = []
+    with connection.execute_wrapper(failing_completion), pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", **IDENTITY, key="k-3", recovery="fail")
+    assert IdempotencyRecord.objects.get().status == RecordStatus.IN_PROGRESS
+    with pytest.raises(OutcomeUnknown):
+        run_once(effect, calls, "b", **IDENTITY, key="k-3", recovery="fail")
+    assert calls == ["a"]
+    assert Charge.objects.count() == 0
+
+
+@on_postgresql
+def test_over_http_a_recovery_that_cannot_store_its_outcome_is_a_503(
+    user, monkeypatch: pytest.MonkeyPatch
+):
+    import uuid
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    now = timezone.now()
+    key = new_key()
+    IdempotencyRecord.objects.create(
+        account=f"user:{user.pk}",
+        operation="charges.create-fail",
+        key=key,
+        request_hash="x" * 64,
+        fingerprint_version="another-version",
+        status=RecordStatus.IN_PROGRESS,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now - timedelta(seconds=5),
+        recovery_policy="fail",
+        expires_at=now + timedelta(hours=1),
+    )
+    fired = dies_after_the_claim(monkeypatch)
+    client = Client()
+    client.force_login(user)
+    answer = client.post(
+        "/charges/fail-policy/",
+        {"amount": 5, "currency": "EUR"},
+        content_type="application/json",
+        headers={"Idempotency-Key": key},
+    )
+    assert fired == [1]
+    assert answer.status_code == 503
+    assert answer.json()["code"] == "idempotency_store_unavailable"
+    assert Charge.objects.count() == 0

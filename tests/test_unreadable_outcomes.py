@@ -340,3 +340,76 @@ def test_a_task_whose_stored_result_no_key_opens_raises_and_never_runs_again():
         result = record_effect.apply(args=["t-11"], task_id="delivery-11")
         assert isinstance(result.result, RecordUnreadable)
     assert ProviderCall.objects.filter(key="effect:t-11").count() == 1
+
+
+# -- damage a replay could not answer without a 500 --------------------------------------------
+
+DAMAGED_DONE = {
+    "newline-in-a-header-value": (
+        "headers",
+        [["Content-Type", "application/json"], ["Location", "/x\r\nSet-Cookie: a=b"]],
+    ),
+    "newline-in-a-header-name": ("headers", [["Content-Type\nX", "application/json"]]),
+    "status-0": ("status", 0),
+    "status-999": ("status", 999),
+    "null-body": ("body", None),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_DONE))
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+def test_damage_that_no_response_can_carry_is_refused_not_a_500(api, damage, sealed):
+    key = new_key()
+    with keys(*([K1] if sealed else [])):
+        first = api.post("/charges/", CHARGE, key=key)
+        record = IdempotencyRecord.objects.get()
+        what, value = DAMAGED_DONE[damage]
+        if what == "headers":
+            if sealed:
+                body = crypto.open_response(record.response_headers, record.response_body)[1]
+                headers, body = crypto._seal(crypto.keys_of((K1,)), value, body or b"")
+                IdempotencyRecord.objects.update(response_headers=headers, response_body=body)
+            else:
+                store_raw_json(IdempotencyRecord, record.pk, "response_headers", json.dumps(value))
+        elif what == "status":
+            IdempotencyRecord.objects.update(response_status=value)
+        else:
+            IdempotencyRecord.objects.update(response_body=value)
+        refused(api.post("/charges/", CHARGE, key=key))
+    assert first.status_code == 201
+    assert Charge.objects.count() == 1
+
+
+def test_sealed_headers_that_are_not_pairs_are_refused(api):
+    key = new_key()
+    with keys(K1):
+        api.post("/charges/", CHARGE, key=key)
+        record = IdempotencyRecord.objects.get()
+        body = crypto.open_response(record.response_headers, record.response_body)[1]
+        headers, body = crypto._seal(crypto.keys_of((K1,)), {"Content-Type": "x"}, body or b"")  # type: ignore[arg-type]
+        IdempotencyRecord.objects.update(response_headers=headers, response_body=body)
+        refused(api.post("/charges/", CHARGE, key=key))
+    assert Charge.objects.count() == 1
+
+
+def test_the_rotation_leaves_damaged_clear_headers_as_they_are(api):
+    key = new_key()
+    api.post("/charges/", CHARGE, key=key)
+    record = IdempotencyRecord.objects.get()
+    store_raw_json(IdempotencyRecord, record.pk, "response_headers", json.dumps({"x": "y"}))
+    with keys(K1):
+        result = crypto.rotate(using="default")
+        refused(api.post("/charges/", CHARGE, key=key))
+    assert (result.records, result.unreadable) == (0, 1)
+    record.refresh_from_db()
+    assert record.response_headers == {"x": "y"}  # not sealed: the damage stays in sight
+    assert Charge.objects.count() == 1
+
+
+def test_run_once_a_result_whose_body_is_gone_raises_record_unreadable():
+    calls: list[int] = []
+    run_once(counted(calls), 3, **IDENTITY, key="m-null")
+    IdempotencyRecord.objects.update(response_body=None)
+    with pytest.raises(RecordUnreadable):
+        run_once(counted(calls), 3, **IDENTITY, key="m-null")
+    assert calls == [3]
