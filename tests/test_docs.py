@@ -362,7 +362,8 @@ def test_ini_blocks_are_pgbouncer_databases_as_the_bursts_run_them() -> None:
     harness.log = ROOT / "pgbouncer.log"
     shape = re.compile(r"^[\w.]+ = host=[\w.]+ (?:port=\d+ )?dbname=\w+ pool_size=\d+$")
     written = [line for line in harness.config().splitlines() if line.startswith("shop_claims")]
-    assert written and all(shape.match(line.replace(" port=5432", "")) for line in written)
+    assert written
+    assert all(shape.match(line.replace(" port=5432", "")) for line in written)
     found = [block for block in all_blocks() if block.lang == "ini"]
     assert found
     for block in found:
