@@ -1,19 +1,22 @@
+"""The suite's hooks and its shared fixtures.
+
+The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``). The plain
+helpers that test modules share are in ``tests/helpers.py``.
+"""
+
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection, connections
-from django.test import Client
 
 from tests.factories import UserFactory
+from tests.helpers import ApiClient, Example, example_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,23 +82,6 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
                 connections[alias].close_pool()
 
 
-needs_drf = pytest.mark.skipif(
-    not settings.HAS_DRF,
-    reason="needs djangorestframework (the tox env 'core' runs without it)",
-)
-
-needs_ninja = pytest.mark.skipif(
-    not settings.HAS_NINJA,
-    reason="needs django-ninja (the tox env 'core' runs without it)",
-)
-
-postgres_only = pytest.mark.skipif(
-    connection.vendor == "sqlite",
-    reason="needs real concurrent transactions, each on its own connection: "
-    "PostgreSQL (and MariaDB), not SQLite",
-)
-
-
 @pytest.fixture
 def user(db: Any) -> User:
     return UserFactory()
@@ -106,34 +92,6 @@ def other_user(db: Any) -> User:
     return UserFactory()
 
 
-def new_key() -> str:
-    return uuid.uuid4().hex
-
-
-class ApiClient:
-    """A Django test client that sends JSON and an Idempotency-Key."""
-
-    def __init__(self, user: User | None) -> None:
-        self.client = Client()
-        if user is not None:
-            self.client.force_login(user)
-
-    def post(self, path: str, data: Any = None, key: str | None = None, **extra: Any) -> Any:
-        return self.send("post", path, data, key, **extra)
-
-    def patch(self, path: str, data: Any = None, key: str | None = None, **extra: Any) -> Any:
-        return self.send("patch", path, data, key, **extra)
-
-    def send(self, method: str, path: str, data: Any, key: str | None, **extra: Any) -> Any:
-        headers = dict(extra.pop("headers", {}))
-        if key is not None:
-            headers["Idempotency-Key"] = key
-        body = data if isinstance(data, (bytes, str)) else json.dumps(data or {})
-        content_type = extra.pop("content_type", "application/json")
-        call: Callable[..., Any] = getattr(self.client, method)
-        return call(path, body, content_type=content_type, headers=headers, **extra)
-
-
 @pytest.fixture
 def api(user: User) -> ApiClient:
     return ApiClient(user)
@@ -142,3 +100,63 @@ def api(user: User) -> ApiClient:
 @pytest.fixture
 def anon_api() -> ApiClient:
     return ApiClient(None)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
+    """The example project on a fresh SQLite file, served by ``runserver`` on a free port."""
+    pytest.importorskip("httpx")
+    pytest.importorskip(
+        "example_project.client", reason="the example project is not here (tox tests the wheel)"
+    )
+    with example_server(tmp_path_factory.mktemp("example") / "db.sqlite3") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def run_queue() -> Iterator[None]:
+    """This run's Celery queue; its routing keys are removed from Redis after the last test."""
+    from tests import celery_app
+    from tests.helpers import broker
+
+    yield
+    client = broker()
+    queue = celery_app.QUEUE
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+
+
+@pytest.fixture
+def clean_queue(run_queue: None) -> Iterator[None]:
+    """The Celery queue emptied before and after the test."""
+    from tests import celery_app
+    from tests.helpers import broker
+
+    client = broker()
+    client.delete(celery_app.QUEUE)
+    yield
+    client.delete(celery_app.QUEUE)
+
+
+@pytest.fixture
+def unreachable_store() -> Iterator[None]:
+    """Makes the store fail for real: a closed port on PostgreSQL, a missing table on SQLite
+    (an in-memory SQLite database cannot be disconnected without losing it)."""
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE django_idempotency_record RENAME TO moved_away")
+        try:
+            yield
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("ALTER TABLE moved_away RENAME TO django_idempotency_record")
+        return
+    settings_dict = connection.settings_dict
+    saved = dict(settings_dict)
+    connection.close()
+    settings_dict["PORT"] = "1"
+    try:
+        yield
+    finally:
+        connection.close()
+        settings_dict.clear()
+        settings_dict.update(saved)

@@ -15,8 +15,7 @@ from django.utils import timezone
 
 from django_idempotency import store
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
-from tests.conftest import ApiClient, new_key
-from tests.test_purge_concurrency import in_thread
+from tests.helpers import ApiClient, in_thread, new_key
 from tests.testapp import views
 from tests.testapp.models import Charge
 

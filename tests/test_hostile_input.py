@@ -25,7 +25,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key, postgres_only
+from tests.helpers import needs_drf, new_key, postgres_only
 from tests.live import gunicorn
 from tests.testapp.models import Charge, ProviderCall
 

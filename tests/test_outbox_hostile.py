@@ -32,8 +32,8 @@ from django.utils import timezone
 from django_idempotency import checks, outbox, signals
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from django_idempotency.validation import MAX_DURATION, MAX_INT
-from tests.conftest import postgres_only
 from tests.factories import store_raw_json
+from tests.helpers import postgres_only
 from tests.live import ROOT, finished, server_env
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import BROKEN, FAILURES, SWALLOWS_QUERY_ERROR, sends

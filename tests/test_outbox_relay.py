@@ -30,20 +30,16 @@ from django.test import override_settings
 from django_idempotency import outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
 from tests import celery_app
-from tests.conftest import postgres_only
-from tests.live import ROOT, finished, free_port, server_env
-from tests.test_tasks import (  # noqa: F401  (run_queue and clean_queue are fixtures)
+from tests.helpers import (
     celery_worker,
-    clean_queue,
-    effects,
-    starts,
-    stop,
+    postgres_only,
+    stop_process,
+    task_effects,
+    task_starts,
     wait_drained,
     wait_until,
 )
-from tests.test_tasks import (
-    run_queue as run_queue,
-)
+from tests.live import ROOT, finished, free_port, server_env
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import sends
 from tests.testapp.tasks import record_effect
@@ -112,11 +108,11 @@ def test_a_commit_is_sent_once_and_a_rollback_never():
         work_that_fails()
     result = outbox.relay(once=True)
     assert (result.sent, result.failed, result.dead) == (1, 0, 0)
-    wait_until(lambda: effects("committed") == 1, "the consumer")
+    wait_until(lambda: task_effects("committed") == 1, "the consumer")
     wait_drained()
     assert sends(committed) == 1
-    assert (effects("committed"), starts("committed")) == (1, 1)
-    assert (effects("rolled-back"), starts("rolled-back")) == (0, 0)
+    assert (task_effects("committed"), task_starts("committed")) == (1, 1)
+    assert (task_effects("rolled-back"), task_starts("rolled-back")) == (0, 0)
     assert OutboxMessage.objects.get().status == OutboxStatus.SENT
 
 
@@ -134,12 +130,16 @@ def test_a_process_killed_after_its_commit_loses_no_message():
     assert writer.returncode == -signal.SIGKILL, writer.stderr
     message_id = uuid.UUID(writer.stdout.strip())
     assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.PENDING
-    assert (sends(message_id), starts("writer-killed")) == (0, 0)
+    assert (sends(message_id), task_starts("writer-killed")) == (0, 0)
     # Later, a relay finds it.
     assert outbox.relay(once=True).sent == 1
-    wait_until(lambda: effects("writer-killed") == 1, "the consumer")
+    wait_until(lambda: task_effects("writer-killed") == 1, "the consumer")
     wait_drained()
-    assert (sends(message_id), starts("writer-killed"), effects("writer-killed")) == (1, 1, 1)
+    assert (sends(message_id), task_starts("writer-killed"), task_effects("writer-killed")) == (
+        1,
+        1,
+        1,
+    )
 
 
 @pytest.mark.usefixtures("worker", "clean_queue")
@@ -152,13 +152,13 @@ def test_a_relay_killed_between_the_send_and_marking_it_sent_sends_again_and_it_
     row = OutboxMessage.objects.get(pk=message_id)
     assert (row.status, row.attempts, sends(message_id)) == (OutboxStatus.PENDING, 0, 1)
     # The send before the crash reached the broker: the consumer ran.
-    wait_until(lambda: effects("relay-killed") == 1, "the consumer")
+    wait_until(lambda: task_effects("relay-killed") == 1, "the consumer")
     wait_drained()
     assert outbox.relay(once=True).sent == 1
     assert sends(message_id) == 2
     wait_drained()
     # Two deliveries with one task id: the body ran once.
-    assert (starts("relay-killed"), effects("relay-killed")) == (1, 1)
+    assert (task_starts("relay-killed"), task_effects("relay-killed")) == (1, 1)
     record = IdempotencyRecord.objects.get(account="task", key=str(message_id))
     assert record.status == "completed"
     assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.SENT
@@ -225,7 +225,7 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         yield process
     finally:
         client.close()
-        stop(process)
+        stop_process(process)
 
 
 @pytest.mark.usefixtures("clean_queue")

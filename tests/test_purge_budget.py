@@ -11,7 +11,7 @@ from django_idempotency import maintenance
 from django_idempotency import purge as purge_module
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory
-from tests.test_maintenance import NOW
+from tests.helpers import NOW
 
 pytestmark = pytest.mark.django_db
 

@@ -25,7 +25,7 @@ from django_idempotency import checks, conf
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import IdempotencySettings, app_settings
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key
+from tests.helpers import needs_drf, new_key
 from tests.testapp.models import Charge, ProviderCall
 
 ROOT = Path(__file__).resolve().parent.parent
