@@ -1,26 +1,72 @@
 """The suite's hooks and its shared fixtures.
 
-The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``). The plain
-helpers that test modules share are in ``tests/helpers.py``.
+The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``) and mark the
+tests that start servers (``servers``: see ``SERVER_FIXTURES``). The plain helpers that test
+modules share are in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection, connections
 
+from tests import live
 from tests.factories import UserFactory
 from tests.helpers import ApiClient, Example, example_server
 
+# The fixtures that start a server or a worker process, wherever they are defined: every test
+# that uses one (directly or through another fixture) is marked `servers`. A test that starts
+# one without such a fixture is marked by hand; `tests.live.starting_a_server` fails a test
+# that starts one unmarked.
+SERVER_FIXTURES = frozenset(
+    {
+        "live_server",  # pytest-django's: a server thread on a socket of its own
+        "example",  # here: the example project under runserver
+        "debug_example",  # test_example_rides.py: the same, DEBUG on
+        "server",  # gunicorn (test_crash, test_faults_*, test_hostile_input, test_soak,
+        # test_steps_crash), runserver (test_quickstart)
+        "servers",  # test_servers.py: four gunicorn servers
+        "asgi_server",  # uvicorn (test_async, test_cancellation)
+        "atomic_server",  # gunicorn (test_callers_transaction_crash)
+        "webhook_server",  # gunicorn (test_webhook_recipes)
+        "pg",  # test_faults_database.py: a private PostgreSQL
+        "worker",  # test_outbox_relay.py: a Celery worker
+        "starved_claims_pool",  # PgBouncer (test_claim_connection)
+        "bounced_with_prepared_statements",  # PgBouncer (test_store_errors)
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    live.under_pytest = True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    """Remember the running test for ``tests.live.starting_a_server``. A hook, not an autouse
+    fixture: a module's or the session's fixtures are set up before any function-scoped one,
+    and a server is most often started by one of those."""
+    live.running_test = item
+    try:
+        return (yield)
+    finally:
+        live.running_test = None
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``TEST_DATABASE_ONLY=1`` and ``TEST_SHARD=k/n`` choose a part of the suite."""
+    """Mark the tests that use a server fixture ``servers``; ``TEST_DATABASE_ONLY=1`` and
+    ``TEST_SHARD=k/n`` choose a part of the suite."""
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.servers)
     if os.environ.get("TEST_DATABASE_ONLY") == "1":
         _keep(config, items, touches_the_database)
     shard = os.environ.get("TEST_SHARD")

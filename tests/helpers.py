@@ -39,7 +39,7 @@ from django.utils import timezone as django_timezone
 from django_idempotency.engine import IdempotencyContext
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
-from tests.live import ROOT, Answer, basic_auth, free_port, request, server_env
+from tests.live import ROOT, Answer, basic_auth, free_port, request, server_env, starting_a_server
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 # -- requests and keys -------------------------------------------------------------------------
@@ -384,6 +384,7 @@ def celery_worker(
 
     from tests import celery_app
 
+    starting_a_server("a Celery worker")
     name = f"idempotency-tests-{uuid.uuid4().hex[:8]}@localhost"
     extra = {"TEST_CELERY_QUEUE": celery_app.QUEUE}
     if broker_url is not None:
@@ -463,6 +464,7 @@ def example_server(database: Path, **extra_env: str) -> Iterator[Example]:
     environment (``EXAMPLE_DEBUG``, ``EXAMPLE_PROVIDER_LATENCY``, ...)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("celery", reason="the example project sends its receipts with Celery")
+    starting_a_server("the example project's runserver")
     env = {
         **os.environ,
         "EXAMPLE_DB": "sqlite",

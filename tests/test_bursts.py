@@ -34,6 +34,7 @@ from tests.live import Answer, basic_auth, gunicorn, request
 from tests.testapp.models import Charge
 
 pytestmark = [
+    pytest.mark.servers,  # gunicorn, through a PgBouncer or a Django pool of its own
     pytest.mark.django_db(transaction=True, databases="__all__"),
     pytest.mark.skipif(
         settings.TEST_DB != "postgres",

@@ -39,7 +39,7 @@ from tests.helpers import (
     wait_drained,
     wait_until,
 )
-from tests.live import ROOT, finished, free_port, server_env
+from tests.live import ROOT, finished, free_port, server_env, starting_a_server
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import sends
 from tests.testapp.tasks import record_effect
@@ -70,6 +70,7 @@ def relay_process(
     settings: dict[str, Any], *arguments: str, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """``relay_outbox`` in a process of its own, on the test database."""
+    starting_a_server("a relay process")
     env = server_env({"TEST_CELERY_QUEUE": celery_app.QUEUE, **(extra_env or {})})
     return subprocess.Popen(
         [sys.executable, "-m", "tests.outbox_proc", "relay", json.dumps(settings), *arguments],
@@ -202,6 +203,7 @@ def test_two_relays_share_400_messages_and_every_consumer_body_runs_once(tmp_pat
 @contextmanager
 def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
     """A private redis-server on ``port``, without persistence; stopped at the end."""
+    starting_a_server("a private redis-server")
     process = subprocess.Popen(
         [
             *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
@@ -228,6 +230,7 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         stop_process(process)
 
 
+@pytest.mark.servers
 @pytest.mark.usefixtures("clean_queue")
 def test_messages_wait_while_the_broker_is_down_then_all_are_delivered():
     port = free_port()
@@ -276,6 +279,7 @@ def listening() -> bool:
     return bool(n)
 
 
+@pytest.mark.servers
 @needs_listen
 def test_a_notify_wakes_a_waiting_relay_long_before_its_next_poll():
     settings = {"OUTBOX_SENDER": "tests.testapp.outbox.record", "OUTBOX_POLL_INTERVAL": 60}
@@ -316,6 +320,7 @@ def test_polling_alone_finds_new_messages():
     assert results[0].sent == 1
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_stop_signal_finishes_the_batch_in_hand(stop_signal: int):
     ids = [enqueued(f"batch-{n}") for n in range(5)]
@@ -330,6 +335,7 @@ def test_a_stop_signal_finishes_the_batch_in_hand(stop_signal: int):
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 5
 
 
+@pytest.mark.servers
 @needs_listen
 def test_a_relay_whose_connections_are_killed_carries_on():
     name = f"outbox-relay-{uuid.uuid4().hex[:8]}"

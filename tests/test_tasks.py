@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from unittest import mock
@@ -157,7 +158,9 @@ def test_maintenance_tasks_return_their_results():
 # -- a real worker ----------------------------------------------------------------------------
 
 
-worker_test = pytest.mark.usefixtures("clean_queue")
+def worker_test(test: Callable[..., None]) -> Callable[..., None]:
+    """A test with real Celery workers: marked ``servers``, on an empty queue."""
+    return pytest.mark.servers(pytest.mark.usefixtures("clean_queue")(test))
 
 
 @postgres_only
