@@ -7,7 +7,7 @@ share are in ``tests/conftest.py``, and the servers the tests start are in ``tes
 django-ninja, cryptography, httpx, the example project): a helper that needs one imports it
 when called, so the tox env ``core`` and the wheel's runs can import every test module.
 
-Sections: requests and keys; logged-in clients; records at a fixed moment; threads;
+Sections: the quick run; requests and keys; logged-in clients; records at a fixed moment; threads;
 encryption; faults through gunicorn; a Celery worker; the example project.
 """
 
@@ -41,6 +41,18 @@ from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
 from tests.live import ROOT, Answer, basic_auth, free_port, request, server_env, starting_a_server
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
+
+# -- the quick run -----------------------------------------------------------------------------
+
+#: ``make test-quick`` sets ``TEST_QUICK=1``: the property-based tests try fewer examples there.
+QUICK = os.environ.get("TEST_QUICK") == "1"
+
+
+def examples(count: int) -> int:
+    """``max_examples`` for a property-based test: ``count``, or a quarter of it (at least
+    10) in ``make test-quick``. Every other run (``make test``, CI, tox) tries them all."""
+    return max(10, count // 4) if QUICK else count
+
 
 # -- requests and keys -------------------------------------------------------------------------
 
@@ -158,12 +170,25 @@ def in_progress(
 
 
 def bulk_records(count: int, *, expires_at: datetime, prefix: str) -> None:
-    """``count`` completed records in a few statements (factories one by one are slow)."""
-    records = RecordFactory.build_batch(
-        count, expires_at=expires_at, created_at=expires_at - timedelta(hours=24)
-    )
-    for n, record in enumerate(records):
-        record.key = f"{prefix}-{n}"
+    """``count`` completed records, created a day before they expire, with the keys
+    ``{prefix}-0`` ... in a few statements: the factory's record is built once and copied
+    (factories one by one are slow, even unsaved)."""
+    built = RecordFactory.build(expires_at=expires_at, created_at=expires_at - timedelta(hours=24))
+    fields = {
+        field.attname: getattr(built, field.attname)
+        for field in IdempotencyRecord._meta.concrete_fields
+        if not field.primary_key
+    }
+    records = [
+        IdempotencyRecord(
+            **{
+                **fields,
+                "key": f"{prefix}-{n}",
+                "response_headers": [list(header) for header in fields["response_headers"]],
+            }
+        )
+        for n in range(count)
+    ]
     IdempotencyRecord.objects.bulk_create(records, batch_size=1000)
 
 

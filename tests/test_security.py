@@ -29,6 +29,7 @@ from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory, UserFactory
 from tests.helpers import (
     ApiClient,
+    examples,
     logged_in,
     make_in_progress,
     needs_drf,
@@ -41,7 +42,7 @@ from tests.testapp.models import Charge, ProviderCharge
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 PROPERTY = hypothesis_settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
