@@ -1,4 +1,5 @@
-"""Engine v2: the hot path's statements, what a replay does not do, and the defects it fixed."""
+"""The hot path's statements, what a replay does not do, and the defects the one-statement
+claim fixed (engine v2)."""
 
 from __future__ import annotations
 
