@@ -129,10 +129,14 @@ test: lint check-migrations
 # (the marker `servers`: gunicorn, uvicorn, runserver, live servers, Celery workers, relays,
 # PgBouncer, a private PostgreSQL), without lint and without coverage; under two minutes on
 # 2 cores. TEST_QUICK=1: the property-based tests try a quarter of their examples
-# (tests/helpers.py, examples). PYTEST_ARGS: more arguments (`-x`, `-k name`, test files).
+# (tests/helpers.py, examples). No test uses schemathesis's pytest plugin (CI's schemathesis
+# step is a command of its own): not loading it saves two seconds in each pytest process,
+# this one and the sample shop's runs of tests/test_testing_sample.py. PYTEST_ARGS: more
+# arguments (`-x`, `-k name`, test files).
 PYTEST_ARGS ?=
 test-quick: $(STAMP)
-	TEST_DB=sqlite TEST_QUICK=1 $(BIN)/pytest -q -m "not servers" $(PYTEST_ARGS)
+	TEST_DB=sqlite TEST_QUICK=1 PYTEST_ADDOPTS="-p no:schemathesis $(PYTEST_ADDOPTS)" \
+		$(BIN)/pytest -q -m "not servers" $(PYTEST_ARGS)
 
 # The coverage report of the last `make test`, with the lines no test reached.
 coverage: $(STAMP)
