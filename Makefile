@@ -39,11 +39,12 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 tox-pg16 test-quickstart \
+.PHONY: help install lint check-migrations test test-quick coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 tox-pg16 test-quickstart \
 	soak tox example-db storm demo clean
 
 help:
 	@echo "make test     lint, type-check, migration check, then pytest on SQLite and PostgreSQL"
+	@echo "make test-quick  pytest on SQLite without the tests that start servers: no lint, no coverage"
 	@echo "make lint     ruff (lint and format check), mypy, yamllint and actionlint"
 	@echo "make coverage the coverage report of the last make test, with the lines missed"
 	@echo "make docs     the documentation site, mkdocs build --strict into site/"
@@ -123,6 +124,19 @@ test: lint check-migrations
 		"$$(cat $(REPORTS)/coverage-total.txt)" \
 		"$$($(BIN)/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["coverage"]["report"]["fail_under"])')"; \
 	exit $$failed
+
+# The fast loop: pytest on SQLite, without the tests that start a server or a worker process
+# (the marker `servers`: gunicorn, uvicorn, runserver, live servers, Celery workers, relays,
+# PgBouncer, a private PostgreSQL), without lint and without coverage: about 140 s of CPU, in
+# one process (2m26s on 2 cores beside another job). TEST_QUICK=1: the property-based tests try a quarter of their examples
+# (tests/helpers.py, examples). No test uses schemathesis's pytest plugin (CI's schemathesis
+# step is a command of its own): not loading it saves two seconds in each pytest process,
+# this one and the sample shop's runs of tests/test_testing_sample.py. PYTEST_ARGS: more
+# arguments (`-x`, `-k name`, test files).
+PYTEST_ARGS ?=
+test-quick: $(STAMP)
+	TEST_DB=sqlite TEST_QUICK=1 PYTEST_ADDOPTS="-p no:schemathesis $(PYTEST_ADDOPTS)" \
+		$(BIN)/pytest -q -m "not servers" $(PYTEST_ARGS)
 
 # The coverage report of the last `make test`, with the lines no test reached.
 coverage: $(STAMP)

@@ -1,23 +1,72 @@
+"""The suite's hooks and its shared fixtures.
+
+The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``) and mark the
+tests that start servers (``servers``: see ``SERVER_FIXTURES``). The plain helpers that test
+modules share are in ``tests/helpers.py``.
+"""
+
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection, connections
-from django.test import Client
 
+from tests import live
 from tests.factories import UserFactory
+from tests.helpers import ApiClient, Example, example_server
+
+# The fixtures that start a server or a worker process, wherever they are defined: every test
+# that uses one (directly or through another fixture) is marked `servers`. A test that starts
+# one without such a fixture is marked by hand; `tests.live.starting_a_server` fails a test
+# that starts one unmarked.
+SERVER_FIXTURES = frozenset(
+    {
+        "live_server",  # pytest-django's: a server thread on a socket of its own
+        "example",  # here: the example project under runserver
+        "debug_example",  # test_example_rides.py: the same, DEBUG on
+        "server",  # gunicorn (test_crash, test_faults_*, test_hostile_input, test_soak,
+        # test_steps_crash), runserver (test_quickstart)
+        "servers",  # test_servers.py: four gunicorn servers
+        "asgi_server",  # uvicorn (test_async, test_cancellation)
+        "atomic_server",  # gunicorn (test_callers_transaction_crash)
+        "webhook_server",  # gunicorn (test_webhook_recipes)
+        "pg",  # test_faults_database.py: a private PostgreSQL
+        "worker",  # test_outbox_relay.py: a Celery worker
+        "starved_claims_pool",  # PgBouncer (test_claim_connection)
+        "bounced_with_prepared_statements",  # PgBouncer (test_store_errors)
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    live.under_pytest = True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    """Remember the running test for ``tests.live.starting_a_server``. A hook, not an autouse
+    fixture: a module's or the session's fixtures are set up before any function-scoped one,
+    and a server is most often started by one of those."""
+    live.running_test = item
+    try:
+        return (yield)
+    finally:
+        live.running_test = None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``TEST_DATABASE_ONLY=1`` and ``TEST_SHARD=k/n`` choose a part of the suite."""
+    """Mark the tests that use a server fixture ``servers``; ``TEST_DATABASE_ONLY=1`` and
+    ``TEST_SHARD=k/n`` choose a part of the suite."""
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.servers)
     if os.environ.get("TEST_DATABASE_ONLY") == "1":
         _keep(config, items, touches_the_database)
     shard = os.environ.get("TEST_SHARD")
@@ -79,23 +128,6 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
                 connections[alias].close_pool()
 
 
-needs_drf = pytest.mark.skipif(
-    not settings.HAS_DRF,
-    reason="needs djangorestframework (the tox env 'core' runs without it)",
-)
-
-needs_ninja = pytest.mark.skipif(
-    not settings.HAS_NINJA,
-    reason="needs django-ninja (the tox env 'core' runs without it)",
-)
-
-postgres_only = pytest.mark.skipif(
-    connection.vendor == "sqlite",
-    reason="needs real concurrent transactions, each on its own connection: "
-    "PostgreSQL (and MariaDB), not SQLite",
-)
-
-
 @pytest.fixture
 def user(db: Any) -> User:
     return UserFactory()
@@ -106,34 +138,6 @@ def other_user(db: Any) -> User:
     return UserFactory()
 
 
-def new_key() -> str:
-    return uuid.uuid4().hex
-
-
-class ApiClient:
-    """A Django test client that sends JSON and an Idempotency-Key."""
-
-    def __init__(self, user: User | None) -> None:
-        self.client = Client()
-        if user is not None:
-            self.client.force_login(user)
-
-    def post(self, path: str, data: Any = None, key: str | None = None, **extra: Any) -> Any:
-        return self.send("post", path, data, key, **extra)
-
-    def patch(self, path: str, data: Any = None, key: str | None = None, **extra: Any) -> Any:
-        return self.send("patch", path, data, key, **extra)
-
-    def send(self, method: str, path: str, data: Any, key: str | None, **extra: Any) -> Any:
-        headers = dict(extra.pop("headers", {}))
-        if key is not None:
-            headers["Idempotency-Key"] = key
-        body = data if isinstance(data, (bytes, str)) else json.dumps(data or {})
-        content_type = extra.pop("content_type", "application/json")
-        call: Callable[..., Any] = getattr(self.client, method)
-        return call(path, body, content_type=content_type, headers=headers, **extra)
-
-
 @pytest.fixture
 def api(user: User) -> ApiClient:
     return ApiClient(user)
@@ -142,3 +146,63 @@ def api(user: User) -> ApiClient:
 @pytest.fixture
 def anon_api() -> ApiClient:
     return ApiClient(None)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
+    """The example project on a fresh SQLite file, served by ``runserver`` on a free port."""
+    pytest.importorskip("httpx")
+    pytest.importorskip(
+        "example_project.client", reason="the example project is not here (tox tests the wheel)"
+    )
+    with example_server(tmp_path_factory.mktemp("example") / "db.sqlite3") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def run_queue() -> Iterator[None]:
+    """This run's Celery queue; its routing keys are removed from Redis after the last test."""
+    from tests import celery_app
+    from tests.helpers import broker
+
+    yield
+    client = broker()
+    queue = celery_app.QUEUE
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+
+
+@pytest.fixture
+def clean_queue(run_queue: None) -> Iterator[None]:
+    """The Celery queue emptied before and after the test."""
+    from tests import celery_app
+    from tests.helpers import broker
+
+    client = broker()
+    client.delete(celery_app.QUEUE)
+    yield
+    client.delete(celery_app.QUEUE)
+
+
+@pytest.fixture
+def unreachable_store() -> Iterator[None]:
+    """Makes the store fail for real: a closed port on PostgreSQL, a missing table on SQLite
+    (an in-memory SQLite database cannot be disconnected without losing it)."""
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE django_idempotency_record RENAME TO moved_away")
+        try:
+            yield
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("ALTER TABLE moved_away RENAME TO django_idempotency_record")
+        return
+    settings_dict = connection.settings_dict
+    saved = dict(settings_dict)
+    connection.close()
+    settings_dict["PORT"] = "1"
+    try:
+        yield
+    finally:
+        connection.close()
+        settings_dict.clear()
+        settings_dict.update(saved)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from django.conf import settings as django_settings
 from django.db import connection
 
@@ -23,6 +24,37 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 DISCONNECTED = Answer(status=0, error="no answer")
+
+
+# -- the `servers` marker --------------------------------------------------------------------
+#
+# A test that starts a server or a worker process carries the marker `servers` (pyproject.toml),
+# so that `make test-quick` (-m "not servers") leaves it out. tests/conftest.py marks the tests
+# that use a fixture of SERVER_FIXTURES there; the others are marked by hand. So that a mark is
+# never forgotten, every helper that starts such a process calls `starting_a_server` first,
+# which fails the running test when it is not marked.
+
+#: Set by tests/conftest.py: whether this process is a pytest run (the scripts of tests/,
+#: such as ``python -m tests.poolers``, start servers with no test around them), and the test
+#: being run, its fixtures' setup and teardown included (None between tests).
+under_pytest = False
+running_test: pytest.Item | None = None
+
+
+def starting_a_server(what: str) -> None:
+    """Fail the running test unless it is marked ``servers``: ``what`` is about to start."""
+    if not under_pytest:
+        return
+    item = running_test
+    if item is not None and item.get_closest_marker("servers") is not None:
+        return
+    where = item.nodeid if item is not None else "no test (collection, or a hook)"
+    pytest.fail(
+        f"{what} is starting in {where}, which is not marked `servers`: mark the test (or its "
+        "module's pytestmark) with @pytest.mark.servers, or add the fixture that starts it to "
+        "SERVER_FIXTURES in tests/conftest.py",
+        pytrace=False,
+    )
 
 
 def basic_auth(username: str, password: str = "password") -> dict[str, str]:
@@ -136,6 +168,7 @@ def uvicorn(extra_env: dict[str, str] | None = None) -> Iterator[str]:
 
 @contextmanager
 def _serve(command: list[str], port: int, extra_env: dict[str, str] | None) -> Iterator[str]:
+    starting_a_server(command[2])
     process = subprocess.Popen(command, cwd=ROOT, env=server_env(extra_env), start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from tests.live import ROOT, free_port
+from tests.live import ROOT, free_port, starting_a_server
 
 BIN = Path(os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin"))
 DATABASE = "faults"
@@ -44,6 +44,7 @@ class PostgresInstance:
     """One private server: ``start``, ``stop``, ``restart``, ``query`` and the env to reach it."""
 
     def __init__(self, bin_dir: Path = BIN, max_connections: int = 60) -> None:
+        starting_a_server("a private PostgreSQL")
         self.bin = bin_dir
         self.max_connections = max_connections
         self.root = Path(tempfile.mkdtemp(prefix="idempotency-pg-"))
@@ -102,6 +103,7 @@ class PostgresInstance:
         self.execute(f"CREATE DATABASE {DATABASE}", dbname="postgres")
 
     def start(self) -> None:
+        starting_a_server("a private PostgreSQL")
         self._pg_ctl("start")
 
     def stop(self) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.live import ROOT, free_port
+from tests.live import ROOT, free_port, starting_a_server
 
 SUPERUSER = "postgres"
 # Every start and stop is bounded: a wedged pooler fails the run, never hangs it.
@@ -100,6 +100,7 @@ class PgBouncer:
         )
 
     def start(self) -> None:
+        starting_a_server("PgBouncer")
         ini = self.root / "pgbouncer.ini"
         ini.write_text(self.config())
         (self.root / "userlist.txt").write_text(f'"{SUPERUSER}" ""\n')

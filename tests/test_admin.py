@@ -19,6 +19,7 @@ from django_idempotency import admin as records_admin
 from django_idempotency import display, store
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
+from tests.helpers import logged_in, staff_with
 
 pytestmark = pytest.mark.django_db
 
@@ -31,22 +32,6 @@ def make(**kwargs: Any) -> IdempotencyRecord:
 
 def detail_url(record: IdempotencyRecord) -> str:
     return f"{URL}{record.pk}/change/"
-
-
-def logged_in(user) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
-
-
-def staff_with(*codenames: str):
-    user = UserFactory(is_staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(
-            content_type__app_label="django_idempotency", codename__in=codenames
-        )
-    )
-    return user
 
 
 @pytest.fixture

@@ -128,14 +128,6 @@ def test_log_in_filter_by_status_and_open_a_record(records, live_server, browser
 
 # --- the example project's own admin ------------------------------------------------------
 
-try:  # the example project's server fixture, shared with the client guide's tests
-    from tests.test_client_guide import example
-except (ImportError, pytest.skip.Exception):
-
-    @pytest.fixture(scope="module")
-    def example() -> None:
-        pytest.skip("the example project is not here (tox tests the wheel)")
-
 
 def test_the_example_projects_admin_in_a_browser(example, browser, tmp_path):
     """Log in to the example project's admin, list the records, filter, open one."""

@@ -24,7 +24,7 @@ from django.test import Client
 from django_idempotency import display, outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.factories import RecordFactory, UserFactory, store_raw_json
-from tests.test_admin import logged_in
+from tests.helpers import logged_in
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 

@@ -13,7 +13,7 @@ from django.db import connections
 from django.test import AsyncClient
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import needs_ninja, new_key, postgres_only
+from tests.helpers import needs_ninja, new_key, postgres_only
 from tests.live import request, uvicorn
 from tests.testapp.models import Charge, ProviderCharge
 
@@ -103,7 +103,7 @@ def asgi_server(django_db_setup, django_db_blocker):
 @postgres_only
 @pytest.mark.parametrize("path", PATHS)
 def test_async_storm_under_uvicorn_has_one_effect(asgi_server, user, path):
-    from tests.test_concurrency import auth_headers
+    from tests.helpers import auth_headers
 
     rounds, n = 3, 16
     for _ in range(rounds):
@@ -126,7 +126,7 @@ def test_async_storm_under_uvicorn_has_one_effect(asgi_server, user, path):
 @postgres_only
 def test_async_slow_original_loses_its_lease_under_uvicorn(asgi_server, user):
     """The async path is fenced like the sync one: a takeover wins, the original rolls back."""
-    from tests.test_concurrency import session_headers
+    from tests.helpers import session_headers
 
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
     path = "/async/charges/short-lease/"

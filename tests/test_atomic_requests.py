@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import needs_drf, new_key
+from tests.helpers import needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")

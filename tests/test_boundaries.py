@@ -11,8 +11,7 @@ from freezegun import freeze_time
 
 from django_idempotency import maintenance
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
-from tests.conftest import new_key
-from tests.test_maintenance import completed, in_progress
+from tests.helpers import completed, in_progress, new_key
 
 pytestmark = pytest.mark.django_db
 

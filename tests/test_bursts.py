@@ -29,11 +29,12 @@ from django.conf import settings
 from django.db import connection
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key
+from tests.helpers import new_key
 from tests.live import Answer, basic_auth, gunicorn, request
 from tests.testapp.models import Charge
 
 pytestmark = [
+    pytest.mark.servers,  # gunicorn, through a PgBouncer or a Django pool of its own
     pytest.mark.django_db(transaction=True, databases="__all__"),
     pytest.mark.skipif(
         settings.TEST_DB != "postgres",
@@ -100,7 +101,7 @@ def server(pooler: str, atomic: bool, idempotency: str, prepare: bool = False) -
 
 
 def headers(user: Any, path: str) -> dict[str, str]:
-    from tests.test_concurrency import session_headers
+    from tests.helpers import session_headers
 
     auth = (
         basic_auth(user.username)

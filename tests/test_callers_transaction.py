@@ -37,7 +37,7 @@ from django.utils import timezone
 from django_idempotency import InProgress, run_once
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key, postgres_only
+from tests.helpers import new_key, postgres_only
 from tests.testapp import txn_views
 from tests.testapp.models import Charge, ProviderCall
 

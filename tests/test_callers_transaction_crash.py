@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from django_idempotency import OutcomeUnknown, current, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key, postgres_only
+from tests.helpers import new_key, postgres_only
 from tests.live import DISCONNECTED, ROOT, basic_auth, gunicorn, request, server_env
 from tests.testapp import txn_views
 from tests.testapp.models import Charge, ProviderCall

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from django_idempotency import InProgress, OutcomeUnknown, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import needs_ninja, new_key, postgres_only
+from tests.helpers import needs_ninja, new_key, postgres_only
 from tests.live import DISCONNECTED, request, uvicorn
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
@@ -43,7 +43,7 @@ def asgi_server(django_db_setup, django_db_blocker):
 def test_a_disconnected_client_leaves_the_attempt_to_finish_and_its_retry_replays(
     asgi_server, user, path
 ):
-    from tests.test_concurrency import auth_headers
+    from tests.helpers import auth_headers
 
     headers = {**auth_headers(user, path), "Idempotency-Key": new_key()}
     dropped = request(

@@ -28,7 +28,7 @@ from django.utils import timezone
 
 from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import postgres_only
+from tests.helpers import postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]

@@ -16,7 +16,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import store
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key
+from tests.helpers import needs_drf, new_key
 
 UTC = timezone.utc
 postgresql_only = pytest.mark.skipif(

@@ -4,16 +4,6 @@ the retries; its retry decisions, answer by answer, against a mock transport."""
 
 from __future__ import annotations
 
-import os
-import signal
-import sqlite3
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,13 +14,14 @@ client_module = pytest.importorskip(
 )
 
 from example_project.client import ChargeError, create_charge  # noqa: E402
-from tests.live import ROOT, free_port  # noqa: E402
+from tests.helpers import Example  # noqa: E402
+from tests.live import ROOT  # noqa: E402
 
 GUIDE = ROOT / "docs" / "client.md"
 CLIENT = ROOT / "example_project" / "client.py"
 
-# How long the example's fake payment provider takes; the impatient client gives up sooner.
-PROVIDER_LATENCY = 1.0
+# The impatient client gives up sooner than the example's fake provider answers
+# (PROVIDER_LATENCY).
 IMPATIENT = 0.3
 
 
@@ -41,75 +32,6 @@ def test_the_guide_shows_the_tested_code() -> None:
 
 
 # --- against the example project -------------------------------------------------------------
-
-
-@dataclass
-class Example:
-    url: str
-    database: Path
-    #: The server's environment: a script run with it reads the server's database.
-    env: dict[str, str] = field(default_factory=dict)
-
-    def count(self, table: str, description: str) -> int:
-        with sqlite3.connect(self.database) as db:
-            (n,) = db.execute(
-                f"SELECT count(*) FROM {table} WHERE description = ?", [description]
-            ).fetchone()
-        return int(n)
-
-
-@contextmanager
-def example_server(database: Path, **extra_env: str) -> Iterator[Example]:
-    """The example project on a fresh SQLite file ``database``, migrated, with the demo user
-    demo/demo, served by ``runserver`` on a free port; ``extra_env`` overrides its settings'
-    environment (``EXAMPLE_DEBUG``, ``EXAMPLE_PROVIDER_LATENCY``, ...)."""
-    pytest.importorskip("celery", reason="the example project sends its receipts with Celery")
-    env = {
-        **os.environ,
-        "EXAMPLE_DB": "sqlite",
-        "EXAMPLE_SQLITE_PATH": str(database),
-        "EXAMPLE_FAST_PASSWORDS": "1",
-        "EXAMPLE_PROVIDER_LATENCY": str(PROVIDER_LATENCY),
-        "EXAMPLE_CELERY_EAGER": "1",
-        "EXAMPLE_DEBUG": "0",
-        "DJANGO_SETTINGS_MODULE": "example_project.settings",
-        "PYTHONPATH": str(ROOT),
-        **extra_env,
-    }
-    manage = [sys.executable, str(ROOT / "manage.py")]
-    for command in (["migrate"], ["ensure_demo_user", "--username", "demo", "--password", "demo"]):
-        subprocess.run([*manage, *command, "--verbosity", "0"], env=env, cwd=ROOT, check=True)
-    port = free_port()
-    server = subprocess.Popen(
-        [*manage, "runserver", "--noreload", f"127.0.0.1:{port}"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert server.poll() is None, "the example project exited during start-up"
-            try:
-                httpx.get(f"{url}/admin/login/", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the example project did not start"
-                time.sleep(0.1)
-        yield Example(url, database, env)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
-    """The example project on a fresh SQLite file, served by ``runserver`` on a free port."""
-    with example_server(tmp_path_factory.mktemp("example") / "db.sqlite3") as served:
-        yield served
 
 
 def api(

@@ -7,31 +7,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.test import Client, override_settings
+from django.test import override_settings
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import assert_replay, assert_single_execution, settle, storm
-from tests.conftest import needs_drf, needs_ninja, new_key, postgres_only
+from tests.helpers import (
+    auth_headers,
+    needs_drf,
+    needs_ninja,
+    new_key,
+    postgres_only,
+    session_headers,
+)
 from tests.live import basic_auth, request
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
 
 CHARGE = {"amount": 100, "currency": "EUR"}
-
-
-def session_headers(user) -> dict[str, str]:
-    client = Client()
-    client.force_login(user)
-    return {"Cookie": f"sessionid={client.cookies['sessionid'].value}"}
-
-
-def auth_headers(user, path: str) -> dict[str, str]:
-    """How a plain HTTP client authenticates to ``path``: HTTP Basic for the DRF and ninja
-    APIs (ninja's session authentication would want a CSRF token), a session elsewhere."""
-    if path.startswith(("/api/", "/ninja/")):
-        return basic_auth(user.username)
-    return session_headers(user)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from django.db.backends.signals import connection_created
 from django.test import AsyncClient, Client
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import needs_drf, needs_ninja, new_key
+from tests.helpers import needs_drf, needs_ninja, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")

@@ -13,7 +13,7 @@ from django.test import Client
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key, postgres_only
+from tests.helpers import new_key, postgres_only
 from tests.live import DISCONNECTED, gunicorn, request
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 

@@ -21,49 +21,33 @@ from django_idempotency import conf, crypto, maintenance, run_once, store
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
-from tests.conftest import postgres_only
 from tests.factories import RecordFactory, UserFactory
-from tests.test_purge_concurrency import in_thread
+from tests.helpers import (
+    LOCATION,
+    LOST,
+    NEW,
+    OLD,
+    PAYLOAD,
+    SECRET_BODY,
+    SECRET_HEADER,
+    answered,
+    fingerprint_of,
+    in_thread,
+    keys,
+    postgres_only,
+)
 from tests.testapp.models import Charge
 
 fernet = pytest.importorskip("cryptography.fernet")
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
-OLD = fernet.Fernet.generate_key().decode()
-NEW = fernet.Fernet.generate_key().decode()
-LOST = fernet.Fernet.generate_key().decode()
 # What a response carries that must never be readable in a stored row.
-SECRET_BODY = "Ada Lovelace, 12 St James's Square, card ending 4242"
-SECRET_HEADER = "ada.lovelace@example.com"
-LOCATION = "/customers/ada-lovelace/"
-PAYLOAD = {
-    "status": 201,
-    "body": json.dumps({"name": SECRET_BODY}),
-    "headers": {"X-Customer": SECRET_HEADER, "Location": LOCATION},
-}
 WAIT = 30
-
-
-def keys(*keys: str, **more: Any) -> Any:
-    return override_settings(
-        IDEMPOTENCY={"ENCRYPTION_KEYS": list(keys), "REPLAY_HEADERS": ["X-Customer"], **more}
-    )
 
 
 def post(api: Any, key: str, payload: dict[str, Any] = PAYLOAD) -> Any:
     return api.post("/outcome/", payload, key=key)
-
-
-def answered(response: Any) -> tuple[Any, ...]:
-    """What a retry must get again, byte for byte."""
-    return (
-        response.status_code,
-        response.content,
-        response["Content-Type"],
-        response.get("Location"),
-        response.get("X-Customer"),
-    )
 
 
 def raw_rows(model: type[Any]) -> list[tuple[str, bytes]]:
@@ -333,16 +317,6 @@ def test_a_waiting_duplicate_never_replays_a_response_it_cannot_open(api, user, 
     assert response.status_code == 503
     assert json.loads(response.content)["code"] == "idempotency_record_unreadable"
     assert charges() == 0
-
-
-def fingerprint_of(api: Any, payload: dict[str, Any]) -> str:
-    # The hash a request of this payload gets: from a record made by one, then removed.
-    with keys():
-        post(api, "probe", payload)
-    probe = IdempotencyRecord.objects.get(key="probe")
-    probe.delete()
-    Charge.objects.filter(account="outcome").delete()
-    return probe.request_hash
 
 
 # -- the admin ----------------------------------------------------------------------------------

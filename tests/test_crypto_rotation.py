@@ -18,10 +18,19 @@ from django.utils import timezone
 
 from django_idempotency import crypto, maintenance
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
-from tests.conftest import ApiClient, postgres_only
 from tests.factories import RecordFactory
-from tests.test_crypto import LOST, NEW, OLD, PAYLOAD, answered, fingerprint_of, keys
-from tests.test_purge_concurrency import in_thread
+from tests.helpers import (
+    LOST,
+    NEW,
+    OLD,
+    PAYLOAD,
+    ApiClient,
+    answered,
+    fingerprint_of,
+    in_thread,
+    keys,
+    postgres_only,
+)
 from tests.testapp.models import Charge
 
 fernet = pytest.importorskip("cryptography.fernet")

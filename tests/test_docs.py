@@ -27,7 +27,6 @@ from django.core.management import call_command, get_commands, load_command_clas
 
 from django_idempotency import conf, states
 from tests import docs_code, quickstart
-from tests.test_client_guide import example  # noqa: F401  (the example project, served)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -686,7 +685,7 @@ def as_request(words: list[str], base: str) -> dict[str, Any]:
     return request
 
 
-def test_the_curl_lines_create_one_charge_and_replay_it(example: Any) -> None:  # noqa: F811
+def test_the_curl_lines_create_one_charge_and_replay_it(example: Any) -> None:
     import httpx
 
     from example_project.docs_examples.client_usage import pay

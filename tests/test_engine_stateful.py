@@ -29,6 +29,7 @@ from django_idempotency import store
 from django_idempotency.engine import IdempotencyContext
 from django_idempotency.fingerprint import default_fingerprint
 from django_idempotency.models import IdempotencyRecord
+from tests.helpers import examples
 from tests.testapp.models import Charge
 
 # Imported before the clock is frozen: psycopg's C module checks datetime's layout.
@@ -253,7 +254,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", "40")),
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", examples(40))),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -13,9 +13,7 @@ pytest.importorskip(
     "example_project.client", reason="the example project is not here (tox tests the wheel)"
 )
 
-from tests.test_client_guide import Example, example  # noqa: E402
-
-__all__ = ["example"]  # the fixture, shared with the client guide's tests
+from tests.helpers import Example  # noqa: E402
 
 PAYLOAD = {"amount": 4200, "currency": "EUR", "description": "through ninja"}
 

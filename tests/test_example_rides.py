@@ -41,10 +41,8 @@ from example_project.payments.models import (
     SentMail,
 )
 from tests.factories import UserFactory
+from tests.helpers import Example, example_server
 from tests.live import ROOT
-from tests.test_client_guide import Example, example, example_server
-
-__all__ = ["example"]  # the fixture (DEBUG off), shared with the client guide's tests
 
 BOOKING = {"origin": "Dock 1", "target": "Dock 9", "amount": 2400, "currency": "EUR"}
 

@@ -12,83 +12,27 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
 from django_idempotency import maintenance, store
-from django_idempotency.engine import IdempotencyContext
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import new_key, postgres_only
+from tests.helpers import (
+    FAIL_PATH,
+    RETRY_PATH,
+    Caller,
+    assert_problem,
+    caller_effects,
+    postgres_only,
+    settle,
+    sleep_past_lease,
+)
+from tests.helpers import FAULTS_CHARGE as CHARGE
 from tests.live import DISCONNECTED, Answer, gunicorn, request
-from tests.testapp.models import Charge, ProviderCall, ProviderCharge
+from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
-
-CHARGE = {"amount": 250, "currency": "EUR"}
-RETRY_PATH = "/faults/charges/"  # operation faults.charge, recovery "retry", 2 s lease
-FAIL_PATH = "/faults/charges/fail-policy/"  # operation faults.charge-fail, recovery "fail"
-LEASE_SECONDS = 2
-
-
-# -- helpers shared with test_faults_database.py and test_soak.py -------------------------
-
-
-@dataclass(frozen=True)
-class Caller:
-    """One tenant sending one logical operation: the headers every attempt carries."""
-
-    tenant: str
-    key: str
-
-    @classmethod
-    def new(cls) -> Caller:
-        return cls(tenant=f"t-{uuid.uuid4().hex[:12]}", key=new_key())
-
-    def headers(self, directives: str = "") -> dict[str, str]:
-        headers = {"X-Tenant": self.tenant, "Idempotency-Key": self.key}
-        if directives:
-            headers["X-Test"] = directives
-        return headers
-
-    def downstream_key(self, operation: str) -> str:
-        """The key the provider was sent for this operation (same SECRET_KEY as the server)."""
-        return IdempotencyContext(self.key, operation, self.tenant).downstream_key("provider")
-
-
-def settle(
-    url: str,
-    path: str,
-    headers: dict[str, str],
-    payload: Any = CHARGE,
-    seconds: float = 30,
-) -> Answer:
-    """Retry like a good client until the outcome is known: back off on 409, on no answer,
-    and on the 503 of an unreachable store (a pooler answers it until the server is back)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        answer = request(url, "POST", path, payload, headers, timeout=15)
-        if answer.status not in (0, 409) and not unavailable(answer):
-            return answer
-        time.sleep(0.2)
-    raise AssertionError(f"no outcome for {path} within {seconds} s")
-
-
-def unavailable(answer: Answer) -> bool:
-    return answer.status == 503 and b"idempotency_store_unavailable" in answer.body
-
-
-def sleep_past_lease(seconds: float = LEASE_SECONDS) -> None:
-    time.sleep(seconds + 0.3)
-
-
-def assert_problem(answer: Answer, status: int, code: str) -> None:
-    assert answer.status == status, (answer.status, answer.body[:300])
-    assert answer.headers["content-type"] == "application/problem+json"
-    assert answer.json()["code"] == code
 
 
 # -- this module's fixtures and helpers ----------------------------------------------------
@@ -102,16 +46,6 @@ def server(django_db_setup, django_db_blocker):
 
 def record_of(caller: Caller) -> IdempotencyRecord:
     return IdempotencyRecord.objects.get(account=caller.tenant, key=caller.key)
-
-
-def effects(caller: Caller, operation: str) -> tuple[int, int, int]:
-    """(local charges, provider charges, provider calls) of one caller's operation."""
-    downstream = caller.downstream_key(operation)
-    return (
-        Charge.objects.filter(account=caller.tenant).count(),
-        ProviderCharge.objects.filter(key=downstream).count(),
-        ProviderCall.objects.filter(key=downstream).count(),
-    )
 
 
 def crash(server: str, path: str, caller: Caller, directives: str) -> None:
@@ -162,12 +96,12 @@ def test_kill_between_the_fenced_update_and_the_commit_retry_policy(server):
     crash(server, RETRY_PATH, caller, "kill-before-commit")
     record = record_of(caller)
     assert record.status == store.IN_PROGRESS
-    assert effects(caller, "faults.charge") == (0, 1, 1)
+    assert caller_effects(caller, "faults.charge") == (0, 1, 1)
     sleep_past_lease()
     answer = settle(server, RETRY_PATH, caller.headers())
     assert answer.status == 201
     assert not answer.replayed
-    assert effects(caller, "faults.charge") == (1, 1, 2)  # called twice, charged once
+    assert caller_effects(caller, "faults.charge") == (1, 1, 2)  # called twice, charged once
     assert record_of(caller).recovery_attempts == 1
     replay = request(server, "POST", RETRY_PATH, CHARGE, caller.headers())
     assert replay.replayed
@@ -186,7 +120,7 @@ def test_kill_between_the_fenced_update_and_the_commit_fail_policy(server):
     assert again.body == answer.body
     assert record_of(caller).status == store.FAILED
     # The provider was charged by the dead attempt and never called again.
-    assert effects(caller, "faults.charge-fail") == (0, 1, 1)
+    assert caller_effects(caller, "faults.charge-fail") == (0, 1, 1)
 
 
 def test_kill_after_the_commit_replays_without_running_again(server):
@@ -201,7 +135,7 @@ def test_kill_after_the_commit_replays_without_running_again(server):
     assert answer.replayed
     assert answer.body == bytes(record.response_body)
     assert answer.json()["id"] == Charge.objects.get(account=caller.tenant).pk
-    assert effects(caller, "faults.charge") == (1, 1, 1)
+    assert caller_effects(caller, "faults.charge") == (1, 1, 1)
 
 
 # -- (a) after the claim, before the view's work ------------------------------------------
@@ -214,7 +148,7 @@ def test_kill_after_the_claim_under_the_fail_policy_reports_an_unknown_outcome(s
     crash(server, FAIL_PATH, caller, "kill-start")
     sleep_past_lease()
     assert_problem(settle(server, FAIL_PATH, caller.headers()), 500, "idempotency_outcome_unknown")
-    assert effects(caller, "faults.charge-fail") == (0, 0, 0)
+    assert caller_effects(caller, "faults.charge-fail") == (0, 0, 0)
 
 
 # -- (b) after the provider call: the recovery job before any retry ------------------------
@@ -232,7 +166,7 @@ def test_recovery_job_releases_a_dead_claim_and_the_retry_charges_once(server):
     assert not answer.replayed
     # A fresh claim (the job released the old one), the same downstream key: one charge.
     assert record_of(caller).recovery_attempts == 0
-    assert effects(caller, "faults.charge") == (1, 1, 2)
+    assert caller_effects(caller, "faults.charge") == (1, 1, 2)
 
 
 def test_recovery_job_closes_a_dead_claim_under_the_fail_policy(server):
@@ -243,7 +177,7 @@ def test_recovery_job_closes_a_dead_claim_under_the_fail_policy(server):
     answer = request(server, "POST", FAIL_PATH, CHARGE, caller.headers())
     assert_problem(answer, 500, "idempotency_outcome_unknown")
     assert answer.replayed
-    assert effects(caller, "faults.charge-fail") == (0, 1, 1)
+    assert caller_effects(caller, "faults.charge-fail") == (0, 1, 1)
 
 
 # -- several crashes, several workers ------------------------------------------------------
@@ -260,7 +194,7 @@ def test_an_operation_that_crashes_twice_still_charges_once(server):
     assert answer.status == 201
     assert not answer.replayed
     assert record_of(caller).recovery_attempts == 2
-    assert effects(caller, "faults.charge") == (1, 1, 3)
+    assert caller_effects(caller, "faults.charge") == (1, 1, 3)
 
 
 def test_duplicates_racing_a_dying_original_and_then_its_takeover(server):
@@ -297,4 +231,4 @@ def test_duplicates_racing_a_dying_original_and_then_its_takeover(server):
     final = settle(server, RETRY_PATH, caller.headers())
     assert final.replayed
     assert final.body == fresh[0].body
-    assert effects(caller, "faults.charge") == (1, 1, 2)
+    assert caller_effects(caller, "faults.charge") == (1, 1, 2)

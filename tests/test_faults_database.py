@@ -23,18 +23,20 @@ from typing import Any
 import pytest
 
 from tests import poolers
-from tests.conftest import postgres_only
-from tests.live import DISCONNECTED, Answer, gunicorn, request
-from tests.pg_instance import PostgresInstance, available, postgres_instance
-from tests.test_faults_crash import (
-    CHARGE,
+from tests.helpers import (
     FAIL_PATH,
     RETRY_PATH,
     Caller,
     assert_problem,
+    postgres_only,
     settle,
     sleep_past_lease,
 )
+from tests.helpers import (
+    FAULTS_CHARGE as CHARGE,
+)
+from tests.live import DISCONNECTED, Answer, gunicorn, request
+from tests.pg_instance import PostgresInstance, available, postgres_instance
 
 pytestmark = [
     postgres_only,

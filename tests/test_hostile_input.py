@@ -25,7 +25,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key, postgres_only
+from tests.helpers import examples, needs_drf, new_key, postgres_only
 from tests.live import gunicorn
 from tests.testapp.models import Charge, ProviderCall
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 CHARGE = {"amount": 100, "currency": "EUR"}
 FUZZ = hypothesis_settings(
-    max_examples=120,
+    max_examples=examples(120),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -7,14 +7,13 @@ from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 from freezegun import freeze_time
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import assert_replay
-from tests.conftest import ApiClient, needs_drf, needs_ninja, new_key
+from tests.helpers import ApiClient, needs_drf, needs_ninja, new_key
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -442,31 +441,6 @@ def test_after_ttl_a_different_payload_is_a_new_request(api):
 
 
 # -- the store -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def unreachable_store():
-    """Makes the store fail for real: a closed port on PostgreSQL, a missing table on SQLite
-    (an in-memory SQLite database cannot be disconnected without losing it)."""
-    if connection.vendor == "sqlite":
-        with connection.cursor() as cursor:
-            cursor.execute("ALTER TABLE django_idempotency_record RENAME TO moved_away")
-        try:
-            yield
-        finally:
-            with connection.cursor() as cursor:
-                cursor.execute("ALTER TABLE moved_away RENAME TO django_idempotency_record")
-        return
-    settings_dict = connection.settings_dict
-    saved = dict(settings_dict)
-    connection.close()
-    settings_dict["PORT"] = "1"
-    try:
-        yield
-    finally:
-        connection.close()
-        settings_dict.clear()
-        settings_dict.update(saved)
 
 
 @pytest.mark.parametrize("path", ["/charges/tenant/", ninja("/ninja/charges/tenant")])

@@ -23,50 +23,11 @@ from django_idempotency.models import (
     IdempotencyStep,
     RecordStatus,
 )
-from tests.factories import RecordFactory
+from tests.helpers import NOW, bulk_records, completed, in_progress
 
 pytestmark = pytest.mark.django_db
 
-NOW = datetime(2030, 1, 1, 12, 0, tzinfo=timezone.utc)
 AUDIT_ON = override_settings(IDEMPOTENCY={"AUDIT": True})
-
-
-def completed(*, expires_in: timedelta, now: datetime = NOW, **fields: Any) -> IdempotencyRecord:
-    """A completed record that expires ``expires_in`` after ``now`` (negative: expired)."""
-    return RecordFactory(created_at=now - timedelta(hours=1), expires_at=now + expires_in, **fields)
-
-
-def in_progress(
-    *,
-    lease_in: timedelta,
-    expires_in: timedelta = timedelta(hours=1),
-    policy: str = "retry",
-    now: datetime = NOW,
-    **fields: Any,
-) -> IdempotencyRecord:
-    """An in-progress record whose lease ends ``lease_in`` after ``now`` (negative: stale)."""
-    return RecordFactory(
-        status=RecordStatus.IN_PROGRESS,
-        lease_token=uuid.uuid4(),
-        lease_expires_at=now + lease_in,
-        expires_at=now + expires_in,
-        created_at=now - timedelta(minutes=5),
-        recovery_policy=policy,
-        response_status=None,
-        response_headers=[],
-        response_body=None,
-        **fields,
-    )
-
-
-def bulk_records(count: int, *, expires_at: datetime, prefix: str) -> None:
-    """``count`` completed records in a few statements (factories one by one are slow)."""
-    records = RecordFactory.build_batch(
-        count, expires_at=expires_at, created_at=expires_at - timedelta(hours=24)
-    )
-    for n, record in enumerate(records):
-        record.key = f"{prefix}-{n}"
-    IdempotencyRecord.objects.bulk_create(records, batch_size=1000)
 
 
 def remaining_keys() -> set[str]:

@@ -16,8 +16,8 @@ prometheus_client = pytest.importorskip(
 
 from django_idempotency import maintenance, metrics, signals, stats  # noqa: E402
 from django_idempotency.models import IdempotencyRecord, RecordStatus  # noqa: E402
-from tests.conftest import new_key  # noqa: E402
 from tests.factories import RecordFactory  # noqa: E402
+from tests.helpers import new_key  # noqa: E402
 
 REGISTRY = prometheus_client.REGISTRY
 CHARGE = {"amount": 100, "currency": "EUR"}

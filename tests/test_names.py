@@ -18,7 +18,7 @@ from django.test import RequestFactory
 from django_idempotency import run_once
 from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import new_key
+from tests.helpers import new_key
 from tests.testapp.models import Charge
 from tests.testapp.views import make_charge
 

@@ -25,7 +25,7 @@ from ninja.security import django_auth
 from django_idempotency import problems
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.ninja import idempotent
-from tests.conftest import ApiClient, new_key, postgres_only
+from tests.helpers import ApiClient, new_key, postgres_only
 from tests.testapp import ninja_api
 from tests.testapp.models import Charge, ProviderCall
 

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from django_idempotency import checks, maintenance, outbox, signals
 from django_idempotency.models import OutboxMessage, OutboxStatus
-from tests.conftest import postgres_only
+from tests.helpers import postgres_only
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import BROKEN, UNDELIVERABLE, sends
 

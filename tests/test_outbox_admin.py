@@ -17,7 +17,7 @@ from django.utils import timezone
 from django_idempotency import outbox
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from tests.factories import UserFactory
-from tests.test_admin import logged_in, staff_with
+from tests.helpers import logged_in, staff_with
 from tests.testapp.outbox import BROKEN, UNDELIVERABLE
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")

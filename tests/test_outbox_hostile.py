@@ -32,9 +32,9 @@ from django.utils import timezone
 from django_idempotency import checks, outbox, signals
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from django_idempotency.validation import MAX_DURATION, MAX_INT
-from tests.conftest import postgres_only
 from tests.factories import store_raw_json
-from tests.live import ROOT, finished, server_env
+from tests.helpers import postgres_only
+from tests.live import ROOT, finished, server_env, starting_a_server
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import BROKEN, FAILURES, SWALLOWS_QUERY_ERROR, sends
 
@@ -413,6 +413,7 @@ def relay_process(
     """``relay_outbox`` (no ``--once``) in a process of its own, on the test database; killed
     if the block fails."""
     pytest.importorskip("celery", reason="the relay process loads the tests' Celery app")
+    starting_a_server("a relay process")
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.outbox_proc", "relay", json.dumps(settings)],
         cwd=ROOT,
@@ -437,6 +438,7 @@ def stopped(process: subprocess.Popen[str]) -> str:
     return finished(process, TIMEOUT)
 
 
+@pytest.mark.servers
 @postgres_only  # a relay process shares the test database
 def test_a_long_running_relay_meets_a_31st_failure_and_keeps_sending():
     first, broken, last = enqueued("tests.a", 1), enqueued(BROKEN), enqueued("tests.b", 2)
@@ -459,6 +461,7 @@ def test_a_long_running_relay_meets_a_31st_failure_and_keeps_sending():
     assert message(broken).status == OutboxStatus.PENDING
 
 
+@pytest.mark.servers
 @postgres_only  # a relay process shares the test database
 def test_a_long_running_relay_survives_an_unexpected_error_and_keeps_sending(tmp_path: Path):
     fault = tmp_path / "fault"

@@ -30,20 +30,16 @@ from django.test import override_settings
 from django_idempotency import outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
 from tests import celery_app
-from tests.conftest import postgres_only
-from tests.live import ROOT, finished, free_port, server_env
-from tests.test_tasks import (  # noqa: F401  (run_queue and clean_queue are fixtures)
+from tests.helpers import (
     celery_worker,
-    clean_queue,
-    effects,
-    starts,
-    stop,
+    postgres_only,
+    stop_process,
+    task_effects,
+    task_starts,
     wait_drained,
     wait_until,
 )
-from tests.test_tasks import (
-    run_queue as run_queue,
-)
+from tests.live import ROOT, finished, free_port, server_env, starting_a_server
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import sends
 from tests.testapp.tasks import record_effect
@@ -74,6 +70,7 @@ def relay_process(
     settings: dict[str, Any], *arguments: str, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """``relay_outbox`` in a process of its own, on the test database."""
+    starting_a_server("a relay process")
     env = server_env({"TEST_CELERY_QUEUE": celery_app.QUEUE, **(extra_env or {})})
     return subprocess.Popen(
         [sys.executable, "-m", "tests.outbox_proc", "relay", json.dumps(settings), *arguments],
@@ -112,11 +109,11 @@ def test_a_commit_is_sent_once_and_a_rollback_never():
         work_that_fails()
     result = outbox.relay(once=True)
     assert (result.sent, result.failed, result.dead) == (1, 0, 0)
-    wait_until(lambda: effects("committed") == 1, "the consumer")
+    wait_until(lambda: task_effects("committed") == 1, "the consumer")
     wait_drained()
     assert sends(committed) == 1
-    assert (effects("committed"), starts("committed")) == (1, 1)
-    assert (effects("rolled-back"), starts("rolled-back")) == (0, 0)
+    assert (task_effects("committed"), task_starts("committed")) == (1, 1)
+    assert (task_effects("rolled-back"), task_starts("rolled-back")) == (0, 0)
     assert OutboxMessage.objects.get().status == OutboxStatus.SENT
 
 
@@ -134,12 +131,16 @@ def test_a_process_killed_after_its_commit_loses_no_message():
     assert writer.returncode == -signal.SIGKILL, writer.stderr
     message_id = uuid.UUID(writer.stdout.strip())
     assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.PENDING
-    assert (sends(message_id), starts("writer-killed")) == (0, 0)
+    assert (sends(message_id), task_starts("writer-killed")) == (0, 0)
     # Later, a relay finds it.
     assert outbox.relay(once=True).sent == 1
-    wait_until(lambda: effects("writer-killed") == 1, "the consumer")
+    wait_until(lambda: task_effects("writer-killed") == 1, "the consumer")
     wait_drained()
-    assert (sends(message_id), starts("writer-killed"), effects("writer-killed")) == (1, 1, 1)
+    assert (sends(message_id), task_starts("writer-killed"), task_effects("writer-killed")) == (
+        1,
+        1,
+        1,
+    )
 
 
 @pytest.mark.usefixtures("worker", "clean_queue")
@@ -152,13 +153,13 @@ def test_a_relay_killed_between_the_send_and_marking_it_sent_sends_again_and_it_
     row = OutboxMessage.objects.get(pk=message_id)
     assert (row.status, row.attempts, sends(message_id)) == (OutboxStatus.PENDING, 0, 1)
     # The send before the crash reached the broker: the consumer ran.
-    wait_until(lambda: effects("relay-killed") == 1, "the consumer")
+    wait_until(lambda: task_effects("relay-killed") == 1, "the consumer")
     wait_drained()
     assert outbox.relay(once=True).sent == 1
     assert sends(message_id) == 2
     wait_drained()
     # Two deliveries with one task id: the body ran once.
-    assert (starts("relay-killed"), effects("relay-killed")) == (1, 1)
+    assert (task_starts("relay-killed"), task_effects("relay-killed")) == (1, 1)
     record = IdempotencyRecord.objects.get(account="task", key=str(message_id))
     assert record.status == "completed"
     assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.SENT
@@ -202,6 +203,7 @@ def test_two_relays_share_400_messages_and_every_consumer_body_runs_once(tmp_pat
 @contextmanager
 def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
     """A private redis-server on ``port``, without persistence; stopped at the end."""
+    starting_a_server("a private redis-server")
     process = subprocess.Popen(
         [
             *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
@@ -225,9 +227,10 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         yield process
     finally:
         client.close()
-        stop(process)
+        stop_process(process)
 
 
+@pytest.mark.servers
 @pytest.mark.usefixtures("clean_queue")
 def test_messages_wait_while_the_broker_is_down_then_all_are_delivered():
     port = free_port()
@@ -276,6 +279,7 @@ def listening() -> bool:
     return bool(n)
 
 
+@pytest.mark.servers
 @needs_listen
 def test_a_notify_wakes_a_waiting_relay_long_before_its_next_poll():
     settings = {"OUTBOX_SENDER": "tests.testapp.outbox.record", "OUTBOX_POLL_INTERVAL": 60}
@@ -316,6 +320,7 @@ def test_polling_alone_finds_new_messages():
     assert results[0].sent == 1
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_stop_signal_finishes_the_batch_in_hand(stop_signal: int):
     ids = [enqueued(f"batch-{n}") for n in range(5)]
@@ -330,6 +335,7 @@ def test_a_stop_signal_finishes_the_batch_in_hand(stop_signal: int):
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 5
 
 
+@pytest.mark.servers
 @needs_listen
 def test_a_relay_whose_connections_are_killed_carries_on():
     name = f"outbox-relay-{uuid.uuid4().hex[:8]}"

@@ -21,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import store
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import ApiClient, needs_drf, new_key
+from tests.helpers import ApiClient, needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = [

@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import View
 
 from django_idempotency.decorators import idempotent
-from tests.conftest import needs_drf
+from tests.helpers import needs_drf
 
 
 @needs_drf

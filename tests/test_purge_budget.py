@@ -11,7 +11,7 @@ from django_idempotency import maintenance
 from django_idempotency import purge as purge_module
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory
-from tests.test_maintenance import NOW
+from tests.helpers import NOW, bulk_records
 
 pytestmark = pytest.mark.django_db
 
@@ -20,9 +20,8 @@ ROWS = 2100
 
 @pytest.fixture
 def expired() -> None:
-    RecordFactory.create_batch(
-        ROWS, created_at=NOW - timedelta(hours=30), expires_at=NOW - timedelta(hours=6)
-    )
+    # Created 30 hours before NOW, as bulk_records makes them (a day before they expire).
+    bulk_records(ROWS, expires_at=NOW - timedelta(hours=6), prefix="expired")
     RecordFactory(created_at=NOW, expires_at=NOW + timedelta(hours=1), key="young")
 
 

@@ -6,7 +6,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
@@ -16,24 +15,11 @@ from django.utils import timezone
 
 from django_idempotency import maintenance
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
-from tests.conftest import postgres_only
-from tests.test_maintenance import bulk_records, completed
+from tests.helpers import bulk_records, completed, in_thread, postgres_only
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
 
 WAIT = 30  # seconds: a bound on every wait, far above what any step needs
-
-
-def in_thread(call: Any) -> Any:
-    """Run ``call`` in a thread of its own, so on a database connection of its own."""
-
-    def wrapped(*args: Any) -> Any:
-        try:
-            return call(*args)
-        finally:
-            connections.close_all()
-
-    return wrapped
 
 
 def wait_for_a_blocked_backend() -> None:

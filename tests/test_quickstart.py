@@ -35,7 +35,7 @@ from urllib.parse import urlencode, urlsplit
 import pytest
 
 from tests import quickstart
-from tests.live import free_port
+from tests.live import free_port, starting_a_server
 
 pytestmark = [
     pytest.mark.quickstart,
@@ -217,6 +217,7 @@ def project(tmp_path_factory: pytest.TempPathFactory, database: str) -> Project:
 @pytest.fixture(scope="module")
 def server(project: Project) -> Iterator[Client]:
     (runserver,) = [w for w in quickstart.commands("python") if w[2] == "runserver"]
+    starting_a_server("the quickstart project's runserver")
     port = free_port()
     log = (project.path / "server.log").open("w")
     process = subprocess.Popen(

@@ -26,9 +26,8 @@ from django_idempotency import (
 from django_idempotency.keys import InvalidKey
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import expire_lease
-from tests.conftest import postgres_only
+from tests.helpers import in_thread, postgres_only
 from tests.live import ROOT, server_env
-from tests.test_purge_concurrency import in_thread
 from tests.testapp.models import Charge, ProviderCall
 
 pytestmark = pytest.mark.django_db

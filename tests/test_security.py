@@ -26,18 +26,23 @@ from hypothesis import strategies as st
 
 from django_idempotency import conf, maintenance, signals, store
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import ApiClient, needs_drf, new_key
 from tests.factories import RecordFactory, UserFactory
+from tests.helpers import (
+    ApiClient,
+    examples,
+    logged_in,
+    make_in_progress,
+    needs_drf,
+    new_key,
+    staff_with,
+)
 from tests.live import basic_auth
-from tests.test_admin import logged_in, staff_with
-from tests.test_http import unreachable_store  # noqa: F401  (a fixture)
-from tests.test_signals_logging import make_in_progress
 from tests.testapp.models import Charge, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 PROPERTY = hypothesis_settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -330,7 +335,7 @@ def test_no_key_or_body_reaches_a_log_on_any_path(api, anon_api, secrets):
 def test_no_key_or_body_reaches_a_log_when_the_store_is_down(
     anon_api,
     secrets,
-    unreachable_store,  # noqa: F811
+    unreachable_store,
 ):
     body = {"amount": 1, "currency": "EUR", "note": secrets.add("body-secret-down")}
     response = anon_api.post("/charges/tenant/", body, key=secrets.key(), headers={"X-Tenant": "t"})

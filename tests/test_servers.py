@@ -14,9 +14,9 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.conftest import postgres_only
+from tests.helpers import FAULTS_CHARGE as CHARGE
+from tests.helpers import RETRY_PATH, Caller, caller_effects, postgres_only
 from tests.live import Answer, gunicorn, request
-from tests.test_faults_crash import CHARGE, RETRY_PATH, Caller, effects
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
 
@@ -49,4 +49,4 @@ def test_the_same_key_on_four_servers_at_once_has_one_effect_per_round(servers):
             fresh_per_round.append(sum(a.status == 201 and not a.replayed for a in answers))
     assert fresh_per_round == [1] * ROUNDS
     # Counted in the database, per round: one local charge, one provider charge, one call.
-    assert [effects(caller, "faults.charge") for caller in callers] == [(1, 1, 1)] * ROUNDS
+    assert [caller_effects(caller, "faults.charge") for caller in callers] == [(1, 1, 1)] * ROUNDS

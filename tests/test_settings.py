@@ -25,7 +25,7 @@ from django_idempotency import checks, conf
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import IdempotencySettings, app_settings
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key
+from tests.helpers import examples, needs_drf, new_key
 from tests.testapp.models import Charge, ProviderCall
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -354,7 +354,7 @@ _ANY = st.recursive(
 
 
 @given(name=st.sampled_from(sorted(conf.DEFAULTS)), value=_ANY)
-@hypothesis_settings(max_examples=400, deadline=None)
+@hypothesis_settings(max_examples=examples(400), deadline=None)
 def test_the_check_never_raises_and_agrees_with_the_run_time(name, value):
     with override_settings(IDEMPOTENCY={name: value}):
         found = [m.id for m in check_settings()]

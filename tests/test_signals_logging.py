@@ -20,8 +20,8 @@ from django.utils import timezone
 
 from django_idempotency import maintenance, signals
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key
 from tests.factories import RecordFactory
+from tests.helpers import make_in_progress, new_key
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -77,18 +77,6 @@ def logs(caplog) -> pytest.LogCaptureFixture:
 
 def record_of(key: str) -> IdempotencyRecord:
     return IdempotencyRecord.objects.get(key=key)
-
-
-def make_in_progress(key: str, lease_left: timedelta) -> None:
-    """Turn a completed record back into a claim whose lease ends ``lease_left`` from now."""
-    IdempotencyRecord.objects.filter(key=key).update(
-        status=RecordStatus.IN_PROGRESS,
-        lease_token=uuid.uuid4(),
-        lease_expires_at=timezone.now() + lease_left,
-        response_status=None,
-        response_body=None,
-        completed_at=None,
-    )
 
 
 def assert_about(kwargs: dict[str, Any], user: Any, key: str) -> None:

@@ -27,9 +27,8 @@ from django.utils import timezone
 
 from django_idempotency import maintenance, store
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import postgres_only
+from tests.helpers import FAIL_PATH, LEASE_SECONDS, RETRY_PATH, Caller, postgres_only, settle
 from tests.live import DISCONNECTED, Answer, gunicorn, request
-from tests.test_faults_crash import FAIL_PATH, LEASE_SECONDS, RETRY_PATH, Caller, settle
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "20"))

@@ -17,7 +17,7 @@ from django_idempotency import fingerprint, sources
 from django_idempotency.decorators import idempotent
 from django_idempotency.keys import InvalidKey
 from django_idempotency.models import IdempotencyRecord
-from tests.conftest import needs_drf, new_key
+from tests.helpers import needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.testapp.source_urls")]

@@ -20,7 +20,7 @@ from django.utils import timezone
 from django_idempotency import InProgress, current, run_once, step
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
-from tests.conftest import postgres_only
+from tests.helpers import postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")

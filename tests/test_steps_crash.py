@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from django_idempotency import run_once
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
-from tests.conftest import new_key, postgres_only
+from tests.helpers import new_key, postgres_only
 from tests.live import DISCONNECTED, ROOT, gunicorn, request, server_env
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 from tests.testapp.steps import INSIDE, STAGES, book

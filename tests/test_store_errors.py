@@ -21,7 +21,7 @@ from django.test import Client, override_settings
 
 from django_idempotency import StoreUnavailable, run_once, store
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.conftest import new_key, postgres_only
+from tests.helpers import new_key, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]

@@ -5,12 +5,8 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from unittest import mock
@@ -19,15 +15,22 @@ import pytest
 
 pytest.importorskip("celery", reason="Celery is an optional dependency")
 
-from celery import Celery
 from django.utils import timezone
 
 from django_idempotency import tasks
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests import celery_app
-from tests.conftest import postgres_only
-from tests.live import ROOT, server_env
-from tests.test_maintenance import completed, in_progress
+from tests.helpers import (
+    celery_worker,
+    completed,
+    in_progress,
+    postgres_only,
+    stop_process,
+    task_effects,
+    task_starts,
+    wait_drained,
+    wait_until,
+)
 from tests.testapp.models import ProviderCall
 from tests.testapp.tasks import (
     LONG_LEASE_SECONDS,
@@ -38,14 +41,6 @@ from tests.testapp.tasks import (
 )
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
-
-
-def effects(tag: str) -> int:
-    return ProviderCall.objects.filter(key=f"effect:{tag}").count()
-
-
-def starts(tag: str) -> int:
-    return ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count()
 
 
 # Where the records of tests.record_effect live.
@@ -64,7 +59,7 @@ def test_same_task_id_runs_the_body_once_and_replays_its_result():
     first = record_effect.apply(("eager",), task_id=task_id).get()
     second = record_effect.apply(("eager",), task_id=task_id).get()
     assert first == second == {"tag": "eager", "pid": os.getpid()}
-    assert (effects("eager"), starts("eager")) == (1, 1)
+    assert (task_effects("eager"), task_starts("eager")) == (1, 1)
     record = task_record("tests.record_effect")
     assert (record.key, record.status) == (task_id, RecordStatus.COMPLETED)
 
@@ -72,20 +67,20 @@ def test_same_task_id_runs_the_body_once_and_replays_its_result():
 def test_another_task_id_is_another_delivery():
     record_effect.apply(("two",), task_id=str(uuid.uuid4()))
     record_effect.apply(("two",), task_id=str(uuid.uuid4()))
-    assert effects("two") == 2
+    assert task_effects("two") == 2
 
 
 def test_a_key_callable_dedupes_across_task_ids():
     record_effect_by_tag.apply(("tagged",), task_id=str(uuid.uuid4()))
     record_effect_by_tag.apply(("tagged",), task_id=str(uuid.uuid4()))
-    assert effects("tagged") == 1
+    assert task_effects("tagged") == 1
     assert task_record("tests.record_effect_by_tag").key == "tag:tagged"
 
 
 def test_a_plain_call_is_not_a_delivery():
     record_effect("plain")
     record_effect("plain")
-    assert effects("plain") == 2
+    assert task_effects("plain") == 2
     assert not IdempotencyRecord.objects.exists()
 
 
@@ -93,10 +88,10 @@ def test_an_exception_rolls_the_body_back_and_releases_the_claim():
     task_id = str(uuid.uuid4())
     failed = fail_once.apply(("flaky",), task_id=task_id)
     assert isinstance(failed.result, RuntimeError)
-    assert effects("flaky") == 0
+    assert task_effects("flaky") == 0
     assert not IdempotencyRecord.objects.exists()
     assert fail_once.apply(("flaky",), task_id=task_id).get() == "ok"
-    assert effects("flaky") == 1
+    assert task_effects("flaky") == 1
 
 
 def test_a_live_lease_held_elsewhere_is_refused_outside_a_worker():
@@ -104,7 +99,7 @@ def test_a_live_lease_held_elsewhere_is_refused_outside_a_worker():
     in_progress(lease_in=timedelta(seconds=30), now=timezone.now(), key=task_id, **A_TASK)
     outcome = record_effect.apply(("held",), task_id=task_id)
     assert isinstance(outcome.result, tasks.DeliveryInProgress)
-    assert effects("held") == 0
+    assert task_effects("held") == 0
 
 
 def test_a_stale_lease_is_taken_over():
@@ -116,7 +111,7 @@ def test_a_stale_lease_is_taken_over():
         lease_expires_at=timezone.now() - timedelta(seconds=1),
     )
     record_effect.apply(("stale",), task_id=task_id)
-    assert effects("stale") == 2
+    assert task_effects("stale") == 2
     record = task_record("tests.record_effect")
     assert (record.status, record.recovery_attempts) == (RecordStatus.COMPLETED, 1)
 
@@ -133,8 +128,8 @@ def test_a_delivery_that_lost_its_lease_commits_nothing():
     with mock.patch.object(ProviderCall.objects, "create", side_effect=write_then_lose_the_lease):
         outcome = record_effect.apply(("lost",), task_id=str(uuid.uuid4())).get()
     assert outcome is None
-    assert effects("lost") == 0
-    assert starts("lost") == 1
+    assert task_effects("lost") == 0
+    assert task_starts("lost") == 1
     assert task_record("tests.record_effect").status == RecordStatus.IN_PROGRESS
 
 
@@ -145,7 +140,7 @@ def test_a_record_marked_failed_is_never_run_again():
         expires_in=timedelta(hours=1), now=timezone.now(), key=task_id, status=failed, **A_TASK
     )
     assert record_effect.apply(("closed",), task_id=task_id).get() is None
-    assert effects("closed") == 0
+    assert task_effects("closed") == 0
 
 
 def test_maintenance_tasks_return_their_results():
@@ -162,117 +157,10 @@ def test_maintenance_tasks_return_their_results():
 
 # -- a real worker ----------------------------------------------------------------------------
 
-WAIT = 60  # seconds: a bound on every wait for the worker
 
-
-def wait_until(condition: Callable[[], object], what: str, timeout: float = WAIT) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def broker() -> Any:
-    import redis
-
-    return redis.Redis.from_url(celery_app.BROKER_URL)
-
-
-def drained() -> bool:
-    """No message waits in the queue, and none is held unacknowledged by a worker."""
-    client = broker()
-    return not client.llen(celery_app.QUEUE) and not client.hlen("unacked")
-
-
-def wait_drained() -> None:
-    # Seen twice, half a second apart: a message moving from the queue to the unacked
-    # set is in neither for an instant.
-    def drained_twice() -> bool:
-        if not drained():
-            return False
-        time.sleep(0.5)
-        return drained()
-
-    wait_until(drained_twice, "an empty queue")
-
-
-@contextmanager
-def celery_worker(
-    pool: str = "prefork", concurrency: int = 1, broker_url: str | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``celery worker`` process on the test database; killed at the end.
-
-    ``broker_url``: another broker than the tests' (a private Redis, say).
-    """
-    name = f"idempotency-tests-{uuid.uuid4().hex[:8]}@localhost"
-    extra = {"TEST_CELERY_QUEUE": celery_app.QUEUE}
-    if broker_url is not None:
-        extra["TEST_CELERY_BROKER"] = broker_url
-    env = server_env(extra)
-    # Only to ping the worker: never the current app, which the tests' tasks use.
-    control = (
-        celery_app.app if broker_url is None else Celery(broker=broker_url, set_as_current=False)
-    )
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
-            *("--pool", pool, "--concurrency", str(concurrency), "-Q", celery_app.QUEUE),
-            *("-n", name, "--loglevel", "WARNING"),
-            *("--without-gossip", "--without-mingle", "--without-heartbeat"),
-        ],
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        wait_until(
-            lambda: (
-                process.poll() is not None or control.control.ping(destination=[name], timeout=0.5)
-            ),
-            "the worker to answer a ping",
-            timeout=30,
-        )
-        if process.poll() is not None:
-            raise RuntimeError(f"the celery worker exited during start-up ({process.returncode})")
-        yield process
-    finally:
-        stop(process)
-        if control is not celery_app.app:
-            control.close()
-
-
-def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    """Stop a worker and its pool processes."""
-    if process.poll() is None:
-        os.killpg(process.pid, sig)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def run_queue() -> Iterator[None]:
-    """This run's queue; its routing keys are removed from Redis after the last test."""
-    yield
-    client = broker()
-    queue = celery_app.QUEUE
-    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
-
-
-@pytest.fixture
-def clean_queue(run_queue: None) -> Iterator[None]:
-    client = broker()
-    client.delete(celery_app.QUEUE)
-    yield
-    client.delete(celery_app.QUEUE)
-
-
-worker_test = pytest.mark.usefixtures("clean_queue")
+def worker_test(test: Callable[..., None]) -> Callable[..., None]:
+    """A test with real Celery workers: marked ``servers``, on an empty queue."""
+    return pytest.mark.servers(pytest.mark.usefixtures("clean_queue")(test))
 
 
 @postgres_only
@@ -302,7 +190,7 @@ def test_the_same_task_id_sent_twice_runs_once():
         record_effect.apply_async(("twice",), task_id=task_id)
         record_effect.apply_async(("twice",), task_id=task_id)
         wait_drained()
-    assert (effects("twice"), starts("twice")) == (1, 1)
+    assert (task_effects("twice"), task_starts("twice")) == (1, 1)
     assert task_record("tests.record_effect").status == RecordStatus.COMPLETED
 
 
@@ -312,12 +200,12 @@ def test_a_duplicate_delivered_during_the_run_waits_for_the_lease_and_is_skipped
     task_id = str(uuid.uuid4())
     with celery_worker(concurrency=2):
         record_effect.apply_async(("overlap",), {"hold": 2}, task_id=task_id)
-        wait_until(lambda: starts("overlap") == 1, "the first run to start")
+        wait_until(lambda: task_starts("overlap") == 1, "the first run to start")
         # The second delivery finds the lease held, is retried after it, finds the result.
         record_effect.apply_async(("overlap",), {"hold": 2}, task_id=task_id)
-        wait_until(lambda: effects("overlap") == 1, "the first run to commit")
+        wait_until(lambda: task_effects("overlap") == 1, "the first run to commit")
         wait_drained()
-    assert (effects("overlap"), starts("overlap")) == (1, 1)
+    assert (task_effects("overlap"), task_starts("overlap")) == (1, 1)
 
 
 def pool_pid(tag: str) -> int:
@@ -337,14 +225,14 @@ def assert_completed_after_the_dead_lease(dead_lease_end: Any) -> None:
 def test_a_pool_process_killed_mid_task_is_redelivered_and_runs_once():
     with celery_worker():
         record_effect_long_lease.apply_async(("child-killed",), {"hold": 60})
-        wait_until(lambda: starts("child-killed") == 1, "the first run to start")
+        wait_until(lambda: task_starts("child-killed") == 1, "the first run to start")
         dead_lease_end = task_record("tests.record_effect_long_lease").lease_expires_at
         os.kill(pool_pid("child-killed"), signal.SIGKILL)
         # reject_on_worker_lost puts the message back at once; the redelivery finds the dead
         # run's lease still live, comes back when it has run out, and takes it over.
-        wait_until(lambda: effects("child-killed") == 1, "the redelivered run to commit")
+        wait_until(lambda: task_effects("child-killed") == 1, "the redelivered run to commit")
         wait_drained()
-    assert (effects("child-killed"), starts("child-killed")) == (1, 2)
+    assert (task_effects("child-killed"), task_starts("child-killed")) == (1, 2)
     assert_completed_after_the_dead_lease(dead_lease_end)
 
 
@@ -354,16 +242,16 @@ def test_a_worker_killed_mid_task_is_redelivered_by_a_new_worker_and_runs_once()
     assert celery_app.VISIBILITY_TIMEOUT < LONG_LEASE_SECONDS
     with celery_worker() as first:
         record_effect_long_lease.apply_async(("worker-killed",), {"hold": 60})
-        wait_until(lambda: starts("worker-killed") == 1, "the first run to start")
+        wait_until(lambda: task_starts("worker-killed") == 1, "the first run to start")
         dead_lease_end = task_record("tests.record_effect_long_lease").lease_expires_at
-        stop(first, signal.SIGKILL)
-    assert effects("worker-killed") == 0
+        stop_process(first, signal.SIGKILL)
+    assert task_effects("worker-killed") == 0
     # The message is still unacknowledged in Redis: after the visibility timeout the next
     # worker gets it again, while the dead run's lease is still live.
     with celery_worker():
-        wait_until(lambda: effects("worker-killed") == 1, "the redelivered run to commit")
+        wait_until(lambda: task_effects("worker-killed") == 1, "the redelivered run to commit")
         wait_drained()
-    assert (effects("worker-killed"), starts("worker-killed")) == (1, 2)
+    assert (task_effects("worker-killed"), task_starts("worker-killed")) == (1, 2)
     assert_completed_after_the_dead_lease(dead_lease_end)
 
 
@@ -383,4 +271,4 @@ def test_two_workers_consuming_duplicated_deliveries_run_each_body_once():
         for tag, task_id in messages:
             record_effect.apply_async((tag,), task_id=task_id)
         wait_drained()
-    assert [(effects(tag), starts(tag)) for tag in tags] == [(1, 1)] * BODIES
+    assert [(task_effects(tag), task_starts(tag)) for tag in tags] == [(1, 1)] * BODIES

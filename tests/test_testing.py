@@ -47,8 +47,8 @@ from django_idempotency.testing import (
     settle,
     storm,
 )
-from tests.conftest import needs_drf, needs_ninja, postgres_only
 from tests.factories import UserFactory
+from tests.helpers import needs_drf, needs_ninja, postgres_only
 from tests.testapp import provider as testapp_provider
 from tests.testapp.models import Charge
 

@@ -2,7 +2,8 @@
 ``django_idempotency.testing`` alone, passes as it is and fails, test by test, when the
 protection is taken off the shop: each of its eight scenarios can fail.
 
-Both runs are pytest in a subprocess on this run's database engine. The unprotected run
+Both runs are pytest in a subprocess on this run's database engine, started together (each
+spends most of its time starting up, and a machine has more than one core). The unprotected run
 serves copies of the shop's views and tasks (``tests/unprotected.py``) without
 ``IdempotencyMixin``, without ``@idempotent_task()`` and without the gateway key derived
 from the client's key: what a project that never protected them would have.
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,34 +74,80 @@ def unprotected_copies(directory: Path) -> dict[str, str]:
     return copies
 
 
-def outcomes(directory: Path, copies: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """Run the shop's suite; ``test id -> (outcome, traceback)`` from its JUnit report.
+class SampleRun:
+    """The shop's suite in a pytest process of its own, started at once; ``copies``: the
+    modules it runs in place of the shop's (``tests/unprotected.py``)."""
+
+    def __init__(self, directory: Path, copies: dict[str, str]) -> None:
+        self.report = directory / "report.xml"
+        env = {**os.environ, "UNPROTECTED_MODULES": json.dumps(copies)}
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                str(SHOP / "tests"),
+                "-p",
+                "tests.unprotected",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                f"--junitxml={self.report}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def outcomes(self) -> dict[str, tuple[str, str]]:
+        """``test id -> (outcome, traceback)`` from the run's JUnit report, once it ended."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            raise
+        assert self.report.is_file(), stdout + stderr
+        return read_report(self.report)
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, SampleRun | AssertionError]]:
+    """Both runs, started together: the shop as it is, and its unprotected copies (or the
+    reason they could not be made, which fails that test alone). A run no test waited for
+    (the other test deselected) is killed at the end."""
+    started: dict[str, SampleRun | AssertionError] = {
+        "protected": SampleRun(tmp_path_factory.mktemp("protected"), {})
+    }
+    directory = tmp_path_factory.mktemp("unprotected")
+    try:
+        started["unprotected"] = SampleRun(directory, unprotected_copies(directory))
+    except AssertionError as error:
+        started["unprotected"] = error
+    yield started
+    for run in started.values():
+        if isinstance(run, SampleRun) and run.process.poll() is None:
+            run.process.kill()
+            run.process.communicate()
+
+
+def outcomes(runs: dict[str, SampleRun | AssertionError], name: str) -> dict[str, tuple[str, str]]:
+    run = runs[name]
+    if isinstance(run, AssertionError):
+        raise run
+    return run.outcomes()
+
+
+def read_report(report: Path) -> dict[str, tuple[str, str]]:
+    """``test id -> (outcome, traceback)`` from a JUnit report.
 
     The outcome is the test's own (its call). An error in its teardown is reported by JUnit
     as a second entry of the same test, kept apart under ``"<test id> [teardown]"``.
     """
-    report = directory / "report.xml"
-    env = {**os.environ, "UNPROTECTED_MODULES": json.dumps(copies)}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            str(SHOP / "tests"),
-            "-p",
-            "tests.unprotected",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            f"--junitxml={report}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert report.is_file(), run.stdout + run.stderr
     found = {}
     for case in ET.parse(report).iter("testcase"):
         module, _, cls = (
@@ -121,13 +169,13 @@ def expected(outcome: str) -> dict[str, str]:
     return {test: "skipped" if test in skipped else outcome for test in SCENARIOS}
 
 
-def test_the_sample_suite_passes_against_the_protected_shop(tmp_path):
-    found = outcomes(tmp_path, {})
+def test_the_sample_suite_passes_against_the_protected_shop(runs):
+    found = outcomes(runs, "protected")
     assert {test: outcome for test, (outcome, _) in found.items()} == expected("passed")
 
 
-def test_each_scenario_fails_against_an_unprotected_shop(tmp_path):
-    found = outcomes(tmp_path, unprotected_copies(tmp_path))
+def test_each_scenario_fails_against_an_unprotected_shop(runs):
+    found = outcomes(runs, "unprotected")
     # A scenario that failed against the unprotected shop can leave the live server's
     # request running (the original it had paused, released when the test failed); the
     # flush at the test's teardown can then deadlock with that request's transaction

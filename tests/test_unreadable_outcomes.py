@@ -23,8 +23,8 @@ from django.utils import timezone
 
 from django_idempotency import IdempotencyError, RecordUnreadable, crypto, run_once, step
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
-from tests.conftest import new_key
 from tests.factories import UserFactory, store_raw_json
+from tests.helpers import new_key
 from tests.testapp.models import Charge
 
 fernet = pytest.importorskip("cryptography.fernet")

@@ -11,7 +11,7 @@ from django.http import HttpResponse
 
 from django_idempotency import validation
 from django_idempotency.decorators import idempotent
-from tests.conftest import ApiClient, needs_drf, new_key
+from tests.helpers import ApiClient, needs_drf, new_key
 from tests.testapp.models import Charge
 
 MISSING_PATH = "no_such_module.resolver"

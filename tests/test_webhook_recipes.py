@@ -36,7 +36,7 @@ from django_idempotency.models import IdempotencyRecord
 from example_project.demo_webhook import stripe_signature
 from example_project.recipes.github_webhooks import github_signature
 from example_project.recipes.models import WebhookEvent
-from tests.conftest import postgres_only
+from tests.helpers import postgres_only
 from tests.live import Answer, gunicorn, request
 
 STRIPE = "/webhooks/stripe/"

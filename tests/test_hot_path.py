@@ -1,4 +1,5 @@
-"""Engine v2: the hot path's statements, what a replay does not do, and the defects it fixed."""
+"""The hot path's statements, what a replay does not do, and the defects the one-statement
+claim fixed (engine v2)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from django.utils import timezone
 
 from django_idempotency import store
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
-from tests.conftest import ApiClient, new_key
-from tests.test_purge_concurrency import in_thread
+from tests.helpers import ApiClient, in_thread, new_key
 from tests.testapp import views
 from tests.testapp.models import Charge
 
