@@ -127,16 +127,20 @@ test: lint check-migrations
 
 # The fast loop: pytest on SQLite, without the tests that start a server or a worker process
 # (the marker `servers`: gunicorn, uvicorn, runserver, live servers, Celery workers, relays,
-# PgBouncer, a private PostgreSQL), without lint and without coverage: about 140 s of CPU, in
-# one process (2m26s on 2 cores beside another job). TEST_QUICK=1: the property-based tests try a quarter of their examples
+# PgBouncer, a private PostgreSQL), without lint and without coverage: about 140 s of CPU,
+# in one pytest-xdist process per core. TEST_QUICK=1: the property-based tests try a quarter
+# of their examples
 # (tests/helpers.py, examples). No test uses schemathesis's pytest plugin (CI's schemathesis
 # step is a command of its own): not loading it saves two seconds in each pytest process,
 # this one and the sample shop's runs of tests/test_testing_sample.py. PYTEST_ARGS: more
 # arguments (`-x`, `-k name`, test files).
 PYTEST_ARGS ?=
+# QUICK_WORKERS: pytest-xdist processes (one per core: 2 here); 0 runs in this process.
+QUICK_WORKERS ?= 2
+
 test-quick: $(STAMP)
 	TEST_DB=sqlite TEST_QUICK=1 PYTEST_ADDOPTS="-p no:schemathesis $(PYTEST_ADDOPTS)" \
-		$(BIN)/pytest -q -m "not servers" $(PYTEST_ARGS)
+		$(BIN)/pytest -q -m "not servers" -n $(QUICK_WORKERS) $(PYTEST_ARGS)
 
 # The coverage report of the last `make test`, with the lines no test reached.
 coverage: $(STAMP)

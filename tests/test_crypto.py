@@ -102,7 +102,7 @@ def test_the_settings_shown_read_the_keys_from_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     ("value", "why"),
     [
-        (NEW, "got a str"),
+        pytest.param(NEW, "got a str", id="a-key-not-in-a-list"),
         ([NEW[:-2]], "key 1 of 1 is not URL-safe base64"),
         ([NEW, "A" * 40 + "AA=="], "key 2 of 2 decodes to 31 bytes, not 32"),
         ([NEW, NEW], "key 2 is the same as key 1"),
