@@ -3,7 +3,7 @@
 ``python -m benchmarks.purge_bench [--rows N] [--batch-size N] [--baseline S] [--rate R]``
 prints one JSON object. It fills ``django_idempotency_bench_purge`` with ``--rows`` expired
 records (``INSERT ... SELECT generate_series``, then ``VACUUM ANALYZE``), starts a claimer
-process that claims keys at a steady ``--rate`` through ``store.claim`` (half new keys, half
+process that claims keys at a steady ``--rate`` through ``_store.claim`` (half new keys, half
 keys of the expired records, which the purge may be deleting at that moment), lets it run
 ``--baseline`` seconds without a purge, then runs ``maintenance.purge_expired`` and stops
 the claimer a second after the purge ends. Claim latencies are split into "no purge" and
@@ -94,10 +94,10 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
 
     from django.utils import timezone
 
-    from django_idempotency import store
+    from django_idempotency import _store
 
     samples: list[tuple[float, str, float]] = []
-    store.fetch("default", "warm", "up", "connection")
+    _store.fetch("default", "warm", "up", "connection")
     for n in paced(rate, stop_file, cap):
         if n % 2:
             kind = "new"
@@ -106,7 +106,7 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
             kind = "expired"
             # A prime stride: every expired record is claimed at most once.
             account, key = expired_key((n // 2 * 7919) % rows + 1)
-        request = store.ClaimRequest(
+        request = _store.ClaimRequest(
             account=account,
             operation=OPERATION,
             key=key,
@@ -118,7 +118,7 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
             ttl=timedelta(hours=24),
         )
         started = time.perf_counter()
-        result = store.claim("default", request)
+        result = _store.claim("default", request)
         elapsed = time.perf_counter() - started
         if not result.claimed:
             kind += "-not-claimed"

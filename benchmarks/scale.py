@@ -9,7 +9,7 @@ with a realistic mix, for each size in turn:
 - 617 accounts, three operations, random 32-hex-digit keys (as clients' UUIDs are), a
   250-byte stored body;
 
-then measures, through the engine's store (``store.claim`` and ``store.finish``, the
+then measures, through the engine's store (``_store.claim`` and ``_store.finish``, the
 statements a request runs): the claim of a new key, a whole first request (claim, then the
 fenced completion in its own transaction), and a replay (the claim statement meeting a
 completed record), interleaved, one connection; the table's and each index's size; and the
@@ -106,9 +106,9 @@ def log(message: str) -> None:
 def claim_request(account: str, key: str, operation: str = OPERATIONS[0]) -> Any:
     from django.utils import timezone
 
-    from django_idempotency import store
+    from django_idempotency import _store
 
-    return store.ClaimRequest(
+    return _store.ClaimRequest(
         account=account,
         operation=operation,
         key=key,
@@ -123,11 +123,11 @@ def claim_request(account: str, key: str, operation: str = OPERATIONS[0]) -> Any
 
 def claim(account: str, key: str) -> tuple[Any, float]:
     """One claim statement; (its result, milliseconds)."""
-    from django_idempotency import store
+    from django_idempotency import _store
 
     request = claim_request(account, key)
     started = time.perf_counter()
-    result = store.claim(ALIAS, request)
+    result = _store.claim(ALIAS, request)
     return result, (time.perf_counter() - started) * 1000
 
 
@@ -136,15 +136,15 @@ def complete(result: Any) -> float:
     from django.db import transaction
     from django.utils import timezone
 
-    from django_idempotency import store
+    from django_idempotency import _store
 
     started = time.perf_counter()
     with transaction.atomic(using=ALIAS):
-        done = store.finish(
+        done = _store.finish(
             ALIAS,
             result.state.id,
             result.state.lease_token,
-            status=store.COMPLETED,
+            status=_store.COMPLETED,
             response_status=201,
             response_headers=HEADERS,
             response_body=BODY,
@@ -256,15 +256,15 @@ def latency(rows: int, samples: int, window: int = 50) -> dict[str, Any]:
 
 
 def claim_stored(rows: int) -> float:
-    from django_idempotency import store
+    from django_idempotency import _store
 
     account, operation, key = stored_key(rows)
     request = claim_request(account, key, operation)
     started = time.perf_counter()
-    result = store.claim(ALIAS, request)
+    result = _store.claim(ALIAS, request)
     elapsed = (time.perf_counter() - started) * 1000
     assert not result.claimed, result
-    assert result.state.status == store.COMPLETED, result
+    assert result.state.status == _store.COMPLETED, result
     return elapsed
 
 

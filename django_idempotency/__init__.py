@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from django_idempotency.core import IdempotencyContext, current, step
+    from django_idempotency._core import IdempotencyContext, current, step
+    from django_idempotency._once import run_once
     from django_idempotency.exceptions import (
         IdempotencyError,
         InProgress,
@@ -35,19 +36,18 @@ if TYPE_CHECKING:
         RecordUnreadable,
         StoreUnavailable,
     )
-    from django_idempotency.once import run_once
 
 _WHERE = {
-    "IdempotencyContext": "core",
-    "current": "core",
+    "IdempotencyContext": "_core",
+    "current": "_core",
     "IdempotencyError": "exceptions",
     "InProgress": "exceptions",
     "KeyReused": "exceptions",
     "OutcomeUnknown": "exceptions",
     "RecordUnreadable": "exceptions",
     "StoreUnavailable": "exceptions",
-    "run_once": "once",
-    "step": "core",
+    "run_once": "_once",
+    "step": "_core",
 }
 
 

@@ -20,7 +20,7 @@ The changelist is built for tables of millions of rows: every filter is served b
 index, the full count is never taken, and the list never loads stored response bodies.
 
 Every record and every outbox message renders, whatever its stored body, headers or
-arguments hold: they are read as stored and shown through :mod:`django_idempotency.display`.
+arguments hold: they are read as stored and shown through :mod:`django_idempotency._display`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import crypto, display, maintenance, outbox, stats, store
+from django_idempotency import _display, _stats, _store, crypto, maintenance, outbox
+from django_idempotency._core import RESUME
 from django_idempotency.conf import app_settings
-from django_idempotency.core import RESUME
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -70,7 +70,7 @@ class OperationFilter(admin.SimpleListFilter):
     max_choices = 100
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = stats.operations(limit=self.max_choices)
+        names = _stats.operations(limit=self.max_choices)
         current = self.value()
         if current and current not in names:
             names.append(current)
@@ -136,7 +136,7 @@ class ReadableFilter(admin.SimpleListFilter):
 
 def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
-    if record.status != store.IN_PROGRESS or record.lease_expires_at is None:
+    if record.status != _store.IN_PROGRESS or record.lease_expires_at is None:
         return "-"
     now = now or timezone.now()
     if record.lease_expires_at > now:
@@ -149,12 +149,12 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
 def stored_response(record: IdempotencyRecord) -> tuple[Any, bytes | None] | crypto.Unreadable:
     """The record's stored headers (decoded JSON: anything, pairs when intact) and body,
     opened when sealed, or the :class:`~django_idempotency.crypto.Unreadable` that says why
-    they cannot be. Read undecoded from the database (``display.stored_columns``), so no
+    they cannot be. Read undecoded from the database (``_display.stored_columns``), so no
     stored value stops the page; kept on the record: one page shows it in several fields."""
     cached = getattr(record, "_stored_response", None)
     if cached is None:
-        stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
-        headers, _problem = display.read_json(stored["response_headers"])
+        stored = _display.stored_columns(record, *_RESPONSE_COLUMNS)
+        headers, _problem = _display.read_json(stored["response_headers"])
         body = stored["response_body"]
         try:
             cached = crypto.open_response(headers, body)
@@ -168,8 +168,8 @@ def encryption_state(record: IdempotencyRecord) -> str:
     """How the record's response is stored: in the clear, or sealed with which key."""
     if record.response_status is None:
         return "-"
-    stored = display.stored_columns(record, *_RESPONSE_COLUMNS)
-    headers, _problem = display.read_json(stored["response_headers"])
+    stored = _display.stored_columns(record, *_RESPONSE_COLUMNS)
+    headers, _problem = _display.read_json(stored["response_headers"])
     kid = crypto.sealed_with(headers)
     if kid is None:
         return str(_("not encrypted"))
@@ -194,14 +194,14 @@ def _with_response(
 
 
 def _headers_html(record: IdempotencyRecord) -> SafeString:
-    text = display.stored_columns(record, *_RESPONSE_COLUMNS)["response_headers"]
-    stored, _problem = display.read_json(text)
+    text = _display.stored_columns(record, *_RESPONSE_COLUMNS)["response_headers"]
+    stored, _problem = _display.read_json(text)
     if not crypto.sealed_with(stored):  # in the clear, or no sealed value at all: as stored
-        return display.render_headers(text)
+        return _display.render_headers(text)
     opened = stored_response(record)
     if isinstance(opened, crypto.Unreadable):
         return _unreadable(opened)
-    return display.render_headers(json.dumps(opened[0]))  # as they were answered
+    return _display.render_headers(json.dumps(opened[0]))  # as they were answered
 
 
 def _summary_html(headers: Any, body: bytes | None) -> SafeString:
@@ -210,7 +210,7 @@ def _summary_html(headers: Any, body: bytes | None) -> SafeString:
     return format_html(
         "{} · {}<br><em>{}</em>",
         ngettext("%(size)d byte", "%(size)d bytes", len(body)) % {"size": len(body)},
-        display.content_type(headers) or _("no content type"),
+        _display.content_type(headers) or _("no content type"),
         _("The body and headers are shown to users with the view_response_body permission."),
     )
 
@@ -347,7 +347,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         # stored headers and body, and the steps' result sizes that of their results.
         fieldsets = list(super().get_fieldsets(request, obj))
         if obj is not None and (
-            obj.recovery_policy == RESUME or display.has_steps(app_settings.DATABASE, obj.pk)
+            obj.recovery_policy == RESUME or _display.has_steps(app_settings.DATABASE, obj.pk)
         ):
             fieldsets.insert(2, (_("Steps"), {"fields": ("steps_pretty",)}))
         if self.has_view_response_body_permission(request):
@@ -368,7 +368,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
         # Bodies can be a megabyte each, and headers anything another program wrote: only the
-        # detail page reads them, undecoded (display.stored_columns).
+        # detail page reads them, undecoded (_display.stored_columns).
         return _qs(
             super().get_queryset(request).using(app_settings.DATABASE).defer(*_RESPONSE_COLUMNS)
         )
@@ -426,7 +426,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     @admin.display(description=_("response body"))
     def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored body: indented JSON, escaped text, or a size for binary data."""
-        return _with_response(record, lambda headers, body: display.render_body(body, headers))
+        return _with_response(record, lambda headers, body: _display.render_body(body, headers))
 
     @admin.display(description=_("response body"))
     def response_summary(self, record: IdempotencyRecord) -> SafeString:
@@ -436,13 +436,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     @admin.display(description=_("recorded steps"))
     def steps_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The steps of a resumable record: name, when, and the result, bounded."""
-        return display.render_steps(app_settings.DATABASE, record.pk, show_results=True)
+        return _display.render_steps(app_settings.DATABASE, record.pk, show_results=True)
 
     @admin.display(description=_("recorded steps"))
     def steps_summary(self, record: IdempotencyRecord) -> SafeString:
         """The steps' names and times, and their results' sizes, for users who may not see
         stored results."""
-        return display.render_steps(app_settings.DATABASE, record.pk, show_results=False)
+        return _display.render_steps(app_settings.DATABASE, record.pk, show_results=False)
 
     # -- actions: all through the maintenance module --------------------------------------
 
@@ -587,18 +587,18 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
         # Messages live on the IDEMPOTENCY database, whatever the project's routers say. The
-        # arguments are read only on the detail page, undecoded (display.stored_columns).
+        # arguments are read only on the detail page, undecoded (_display.stored_columns).
         return super().get_queryset(request).using(app_settings.DATABASE).defer(*_ARGUMENT_COLUMNS)
 
     @admin.display(description=_("args"))
     def args_pretty(self, message: OutboxMessage) -> SafeString:
         """The positional arguments, as indented JSON (or as stored)."""
-        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["args"])
+        return _display.render_json(_display.stored_columns(message, *_ARGUMENT_COLUMNS)["args"])
 
     @admin.display(description=_("kwargs"))
     def kwargs_pretty(self, message: OutboxMessage) -> SafeString:
         """The keyword arguments, as indented JSON (or as stored)."""
-        return display.render_json(display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
+        return _display.render_json(_display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
 
     @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:

@@ -17,17 +17,17 @@ class IdempotencyConfig(AppConfig):
         from django.core.signals import request_finished, request_started
 
         from django_idempotency import (
-            atomic_requests,
+            _atomic_requests,
             checks,  # noqa: F401  (registers the checks)
         )
-        from django_idempotency.autonomous import close_idle
+        from django_idempotency._autonomous import close_idle
 
         # Protected views leave ATOMIC_REQUESTS (views marked when the first request comes).
         request_started.connect(
-            atomic_requests.request_started, dispatch_uid="django_idempotency.atomic_requests"
+            _atomic_requests.request_started, dispatch_uid="django_idempotency._atomic_requests"
         )
         request_finished.connect(
-            atomic_requests.request_finished, dispatch_uid="django_idempotency.atomic_end"
+            _atomic_requests.request_finished, dispatch_uid="django_idempotency.atomic_end"
         )
         # The claims' second connections are closed when Django closes its own.
         request_started.connect(close_idle, dispatch_uid="django_idempotency.close_idle")

@@ -27,8 +27,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_idempotency import validation
-from django_idempotency.validation import Invalid
+from django_idempotency import _validation
+from django_idempotency._validation import Invalid
 
 # Never stored, never replayed: they describe one hop or one moment, or carry credentials.
 # Naming one in REPLAY_HEADERS is an error (check E009), not something silently dropped.
@@ -59,7 +59,7 @@ def check_id(number: int) -> str:
 
 
 def _replay_headers(value: Any) -> tuple[str, ...]:
-    return validation.header_names(value, NEVER_STORED_HEADERS)
+    return _validation.header_names(value, NEVER_STORED_HEADERS)
 
 
 def _database(value: Any) -> str:
@@ -94,36 +94,36 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("HEADER", "Idempotency-Key", 5, validation.header_name),
-    Setting("REQUIRED", True, 12, validation.flag),
-    Setting("TTL", timedelta(hours=24), 3, validation.duration),
-    Setting("LEASE", timedelta(seconds=60), 13, validation.duration),
-    Setting("METHODS", ("POST", "PATCH"), 6, validation.methods),
+    Setting("HEADER", "Idempotency-Key", 5, _validation.header_name),
+    Setting("REQUIRED", True, 12, _validation.flag),
+    Setting("TTL", timedelta(hours=24), 3, _validation.duration),
+    Setting("LEASE", timedelta(seconds=60), 13, _validation.duration),
+    Setting("METHODS", ("POST", "PATCH"), 6, _validation.methods),
     Setting(
-        "ACCOUNT_RESOLVER", "django_idempotency.accounts.user_account", 8, validation.callable_ref
+        "ACCOUNT_RESOLVER", "django_idempotency.accounts.user_account", 8, _validation.callable_ref
     ),
     Setting(
         "FINGERPRINT",
         "django_idempotency.fingerprint.default_fingerprint",
         15,
-        validation.callable_ref,
+        _validation.callable_ref,
     ),
-    Setting("RECOVERY", validation.RETRY, 16, validation.recovery),
+    Setting("RECOVERY", _validation.RETRY, 16, _validation.recovery),
     Setting("DATABASE", "default", 7, _database),
     Setting("REPLAY_HEADERS", (), 9, _replay_headers),
-    Setting("MAX_RESPONSE_BYTES", 1024 * 1024, 10, validation.optional_positive_int),
-    Setting("TRANSIENT_STATUSES", (409, 429), 17, validation.client_error_statuses),
-    Setting("IN_PROGRESS_WAIT", timedelta(0), 14, validation.duration_or_zero),
-    Setting("RETRY_AFTER", 1, 18, validation.seconds),
-    Setting("PURGE_BATCH_SIZE", 1000, 23, validation.positive_int),
-    Setting("PURGE_MAX_BATCHES", None, 22, validation.optional_positive_int),
-    Setting("AUDIT", False, 20, validation.flag),
-    Setting("AUDIT_RETENTION", timedelta(days=90), 21, validation.duration),
+    Setting("MAX_RESPONSE_BYTES", 1024 * 1024, 10, _validation.optional_positive_int),
+    Setting("TRANSIENT_STATUSES", (409, 429), 17, _validation.client_error_statuses),
+    Setting("IN_PROGRESS_WAIT", timedelta(0), 14, _validation.duration_or_zero),
+    Setting("RETRY_AFTER", 1, 18, _validation.seconds),
+    Setting("PURGE_BATCH_SIZE", 1000, 23, _validation.positive_int),
+    Setting("PURGE_MAX_BATCHES", None, 22, _validation.optional_positive_int),
+    Setting("AUDIT", False, 20, _validation.flag),
+    Setting("AUDIT_RETENTION", timedelta(days=90), 21, _validation.duration),
     # Stored responses sealed at rest (django_idempotency.crypto); E025 below.
-    Setting("ENCRYPTION_KEYS", (), 24, validation.fernet_keys),
-    # Where a claim made inside a caller's transaction commits (django_idempotency.autonomous).
+    Setting("ENCRYPTION_KEYS", (), 24, _validation.fernet_keys),
+    # Where a claim made inside a caller's transaction commits (django_idempotency._autonomous).
     Setting("CLAIM_DATABASE", None, 38, _optional_database),
-    Setting("CLAIM_TIMEOUT", timedelta(seconds=5), 39, validation.duration),
+    Setting("CLAIM_TIMEOUT", timedelta(seconds=5), 39, _validation.duration),
 )
 
 # -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
@@ -147,17 +147,17 @@ def _outbox_sender(value: Any) -> str | Callable[..., Any]:
     # (outbox.configured_sender).
     if sender_lacks_celery(value):
         return DEFAULT_OUTBOX_SENDER
-    return validation.callable_ref(value)
+    return _validation.callable_ref(value)
 
 
 OUTBOX_SETTINGS: tuple[Setting, ...] = (
     Setting("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER, 30, _outbox_sender),
-    Setting("OUTBOX_MAX_ATTEMPTS", 20, 31, validation.positive_int),
-    Setting("OUTBOX_RETENTION", timedelta(days=7), 32, validation.duration),
-    Setting("OUTBOX_BATCH_SIZE", 100, 33, validation.positive_int),
-    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), 34, validation.duration),
-    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), 35, validation.duration),
-    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), 36, validation.duration),
+    Setting("OUTBOX_MAX_ATTEMPTS", 20, 31, _validation.positive_int),
+    Setting("OUTBOX_RETENTION", timedelta(days=7), 32, _validation.duration),
+    Setting("OUTBOX_BATCH_SIZE", 100, 33, _validation.positive_int),
+    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), 34, _validation.duration),
+    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), 35, _validation.duration),
+    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), 36, _validation.duration),
 )
 OUTBOX_DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in OUTBOX_SETTINGS}
 SETTINGS += OUTBOX_SETTINGS
@@ -255,7 +255,7 @@ def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
     if raw is _MISSING:
         raw = getattr(settings, "IDEMPOTENCY", {})
     if not isinstance(raw, Mapping):
-        message = f"The IDEMPOTENCY setting must be a dict; got {validation.describe(raw)}."
+        message = f"The IDEMPOTENCY setting must be a dict; got {_validation.describe(raw)}."
         return {}, [Problem(check_id(NOT_A_DICT), message)]
     problems = [
         Problem(
@@ -528,13 +528,13 @@ def _reload(*, setting: str, **kwargs: Any) -> None:
     # DATABASES too: the DATABASE entry is checked against it.
     if setting in ("IDEMPOTENCY", "DATABASES"):
         app_settings.reload()
-        validation.import_cached.cache_clear()
+        _validation.import_cached.cache_clear()
 
 
 def resolve_callable(value: str | Callable[..., Any]) -> Callable[..., Any]:
     """A callable given as itself or as a dotted import path (imports are remembered)."""
     if isinstance(value, str):
-        imported: Callable[..., Any] = validation.import_cached(value)
+        imported: Callable[..., Any] = _validation.import_cached(value)
         return imported
     return value
 

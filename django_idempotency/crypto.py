@@ -38,10 +38,10 @@ from django.db import connections, transaction
 from django.db.models import Count, QuerySet, TextField
 from django.db.models.functions import Cast, Substr
 
-from django_idempotency import storable
+from django_idempotency import _storable
+from django_idempotency._purge import budgeted_batches
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
-from django_idempotency.purge import budgeted_batches
 from django_idempotency.states import IN_PROGRESS
 
 if TYPE_CHECKING:
@@ -303,7 +303,7 @@ class _Walk:
         if kid is not None and kid not in self.keys.ids:
             self.tally["unreadable"] += 1
             return False
-        if kid is None and not storable.header_pairs(stored_headers):
+        if kid is None and not _storable.header_pairs(stored_headers):
             # Damaged in the clear: sealing it would only hide the damage.
             self.tally["unreadable"] += 1
             return False

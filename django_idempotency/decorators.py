@@ -15,7 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 from django.views import View
 
-from django_idempotency import engine, sources, validation
+from django_idempotency import _http, _validation, sources
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -31,7 +31,7 @@ def _is_drf_request(request: Any) -> bool:
 
 def _refuse_unprotectable(view: Any) -> None:
     """Refuse what ``@idempotent`` could wrap but not protect as the docs say."""
-    name = validation.name_of(view)
+    name = _validation.name_of(view)
     if isinstance(view, type):
         raise ImproperlyConfigured(
             f"@idempotent on the class {name}: decorate its method, "
@@ -67,11 +67,11 @@ def idempotent(
     required: bool | None = None,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
-    recovery: engine.Recovery | None = None,
-    account: engine.Resolver | str | None = None,
-    fingerprint: engine.Fingerprint | str | None = None,
+    recovery: _http.Recovery | None = None,
+    account: _http.Resolver | str | None = None,
+    fingerprint: _http.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
-    key: engine.KeySource | str | None = None,
+    key: _http.KeySource | str | None = None,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -82,11 +82,11 @@ def idempotent(
     required: bool | None = None,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
-    recovery: engine.Recovery | None = None,
-    account: engine.Resolver | str | None = None,
-    fingerprint: engine.Fingerprint | str | None = None,
+    recovery: _http.Recovery | None = None,
+    account: _http.Resolver | str | None = None,
+    fingerprint: _http.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
-    key: engine.KeySource | str | None = None,
+    key: _http.KeySource | str | None = None,
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
@@ -102,19 +102,19 @@ def idempotent(
     """
     if view is not None and not callable(view):
         raise ImproperlyConfigured(
-            f"@idempotent at {validation.caller()}: its arguments are keyword arguments "
-            f"(e.g. methods=[...]); got the positional {validation.describe(view)}."
+            f"@idempotent at {_validation.caller()}: its arguments are keyword arguments "
+            f"(e.g. methods=[...]); got the positional {_validation.describe(view)}."
         )
     if view is not None:
         _refuse_unprotectable(view)
     where = (
-        f"@idempotent on {validation.name_of(view)}"
+        f"@idempotent on {_validation.name_of(view)}"
         if view is not None
-        else f"@idempotent(...) at {validation.caller()}"
+        else f"@idempotent(...) at {_validation.caller()}"
     )
     # Validated now, when the view is decorated: a wrong value never reaches a request.
-    options = engine.Options(
-        **validation.view_arguments(
+    options = _http.Options(
+        **_validation.view_arguments(
             where,
             operation=operation,
             required=required,
@@ -136,7 +136,7 @@ def idempotent(
                 # A method of a class-based view, decorated as it stands: its first argument
                 # is the view, and no request reaches the claim.
                 raise ImproperlyConfigured(
-                    f"@idempotent on the method {validation.name_of(func)} of a class-based "
+                    f"@idempotent on the method {_validation.name_of(func)} of a class-based "
                     "view: use method_decorator(idempotent, ...) for a Django view, or "
                     "IdempotencyMixin first in a DRF view's bases."
                 )
@@ -150,8 +150,8 @@ def idempotent(
                     response: HttpResponseBase = view(request, *args, **kwargs)
                     return response
 
-            return engine.handle(
-                request, call, options, lambda: engine.route_operation(request, func)
+            return _http.handle(
+                request, call, options, lambda: _http.route_operation(request, func)
             )
 
         wrapper: Callable[..., Any]
@@ -160,12 +160,12 @@ def idempotent(
             # must share one connection. It runs in the request's thread-sensitive thread, and
             # the async view runs back on the event loop from there; its async ORM calls then
             # come back to that same thread, inside the transaction. A client that goes away
-            # does not cut it short (engine.run_to_the_end).
+            # does not cut it short (_http.run_to_the_end).
             sync_view = async_to_sync(func)
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
-                return await engine.run_to_the_end(lambda: handle(request, args, kwargs, sync_view))
+                return await _http.run_to_the_end(lambda: handle(request, args, kwargs, sync_view))
 
             wrapper = async_wrapper
         else:
@@ -179,7 +179,7 @@ def idempotent(
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
-        wrapper.__dict__["_non_atomic_requests"] = engine.IdempotencyDatabase(existing)
+        wrapper.__dict__["_non_atomic_requests"] = _http.IdempotencyDatabase(existing)
         # How manage.py idempotency_audit knows the view is protected, and with what options.
         wrapper.__dict__["idempotency_options"] = options
         if _has_spectacular() and "schema" not in wrapper.__dict__:

@@ -17,7 +17,7 @@ from django.views import View
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import conf, engine, sources, validation
+from django_idempotency import _http, _validation, conf, sources
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
@@ -78,7 +78,7 @@ class IdempotencyMixin:
     #: How long a claim is owned before a retry may take it over; ``None``: ``LEASE``.
     idempotency_lease: timedelta | int | None = None
     #: ``"retry"``, ``"fail"`` or a callable ``recover(record)``; ``None``: ``RECOVERY``.
-    idempotency_recovery: engine.Recovery | None = None
+    idempotency_recovery: _http.Recovery | None = None
     #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
     idempotency_operation: str | None = None
     #: Where the key comes from: a callable called with the request alone (a
@@ -96,15 +96,15 @@ class IdempotencyMixin:
                 # APIView's dispatch and initial call no super(): the mixin's never run.
                 first = next(k for k in mro[1:] if issubclass(k, APIView))
                 raise ImproperlyConfigured(
-                    f"{validation.name_of(cls)}: IdempotencyMixin must come before "
-                    f"{validation.name_of(first)} in the class's bases (class "
+                    f"{_validation.name_of(cls)}: IdempotencyMixin must come before "
+                    f"{_validation.name_of(first)} in the class's bases (class "
                     f"{cls.__name__}(IdempotencyMixin, {first.__name__})). After DRF's "
                     "base its dispatch and initial never run, and the view would run "
                     "unprotected."
                 )
         elif issubclass(cls, View):
             raise ImproperlyConfigured(
-                f"{validation.name_of(cls)}: IdempotencyMixin protects DRF views only (it "
+                f"{_validation.name_of(cls)}: IdempotencyMixin protects DRF views only (it "
                 "claims in APIView.initial, after DRF's authentication). On a Django view, "
                 'use method_decorator(idempotent, name="dispatch") instead.'
             )
@@ -117,8 +117,8 @@ class IdempotencyMixin:
         transaction back to the methods it does not protect."""
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
         existing: set[str] = getattr(view, "_non_atomic_requests", set())
-        if not isinstance(existing, engine.IdempotencyDatabase):
-            view._non_atomic_requests = engine.IdempotencyDatabase(existing)
+        if not isinstance(existing, _http.IdempotencyDatabase):
+            view._non_atomic_requests = _http.IdempotencyDatabase(existing)
         return view
 
     def get_idempotency_account(self, request: Request) -> str | None:
@@ -167,18 +167,18 @@ class IdempotencyMixin:
     def get_idempotency_operation(self, request: Request) -> str:
         """The operation name used when ``idempotency_operation`` is not set."""
         assert isinstance(self, APIView)
-        return _viewset_operation(self) or engine.route_operation(request, type(self))
+        return _viewset_operation(self) or _http.route_operation(request, type(self))
 
-    def _idempotency_options(self) -> engine.Options:
+    def _idempotency_options(self) -> _http.Options:
         # Read twice per request (dispatch, then initial): worked out once per view instance,
         # which DRF makes per request, from what is validated once per class.
-        options: engine.Options | None = self.__dict__.get("_idempotency_validated")
+        options: _http.Options | None = self.__dict__.get("_idempotency_validated")
         if options is None:
             options = self._validated_options()
             self.__dict__["_idempotency_validated"] = options
         return options
 
-    def _validated_options(self) -> engine.Options:
+    def _validated_options(self) -> _http.Options:
         cls = type(self)
         # What the attributes hold, read as the view reads them (an instance's own values
         # first: as_view(idempotency_ttl=...)); the recovery from the class, where a
@@ -198,8 +198,8 @@ class IdempotencyMixin:
         cached = _VALIDATED.get(cls)
         if cached is None or not all(map(operator.is_, cached[0], raw)):
             operation, required, ttl, lease, recovery, methods, key = raw
-            arguments = validation.view_arguments(
-                f"IdempotencyMixin on {validation.name_of(cls)}",
+            arguments = _validation.view_arguments(
+                f"IdempotencyMixin on {_validation.name_of(cls)}",
                 prefix="idempotency_",
                 operation=operation,
                 required=required,
@@ -217,7 +217,7 @@ class IdempotencyMixin:
                 or overridden
             )
             # Without an overridden hook, nothing depends on the instance: one Options serves.
-            whole = None if hooks else engine.Options(**arguments, key=source)
+            whole = None if hooks else _http.Options(**arguments, key=source)
             cached = (raw, arguments, source, whole)
             _VALIDATED[cls] = cached
         _, arguments, source, whole = cached
@@ -241,7 +241,7 @@ class IdempotencyMixin:
             if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
             else source
         )
-        return engine.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
+        return _http.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         options = self._idempotency_options()
@@ -249,13 +249,13 @@ class IdempotencyMixin:
         if options.protects(request.method):
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
-        return engine.with_atomic_requests(
+        return _http.with_atomic_requests(
             app_settings.DATABASE, lambda: dispatch(request, *args, **kwargs)
         )
 
     # Copied onto the view function by as_view(): Django then leaves it out of
     # ATOMIC_REQUESTS, so the claim can commit before the view's own transaction.
-    dispatch._non_atomic_requests = engine.IdempotencyDatabase()  # type: ignore[attr-defined]
+    dispatch._non_atomic_requests = _http.IdempotencyDatabase()  # type: ignore[attr-defined]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
@@ -272,7 +272,7 @@ class IdempotencyMixin:
         assert isinstance(view, APIView)
 
         def protected(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
-            return engine.handle(
+            return _http.handle(
                 request,
                 lambda: _finalized(view, request, lambda: handler(request, *args, **kwargs)),
                 options,

@@ -20,10 +20,10 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from django_idempotency import core, crypto, engine, once, store
+from django_idempotency import _core, _http, _once, _store, crypto
+from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.purge import Progress, PurgeResult
 from django_idempotency.states import IN_PROGRESS, stale_lease_q, stale_q
 
 logger = logging.getLogger("django_idempotency")
@@ -76,7 +76,7 @@ def purge_expired(
 
     The command, the Celery task and the admin action all call this; it is
     ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
-    described in ``django_idempotency.purge.purge``.
+    described in ``django_idempotency._purge.purge``.
     """
     return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
         batch_size=batch_size,
@@ -171,13 +171,13 @@ def recover_stale_leases(
     for row in _stale_rows(stale, limit):
         result.found += 1
         policies[row.policy] += 1
-        if row.policy == core.RESUME:
+        if row.policy == _core.RESUME:
             result.resumable += 1
             continue
         if dry_run:
             continue
         try:
-            outcome = _apply(alias, row, core.resolve_recovery(row.policy), now)
+            outcome = _apply(alias, row, _core.resolve_recovery(row.policy), now)
         except Exception:
             # The record is named by its id: the client's key does not belong in logs.
             logger.exception(
@@ -203,13 +203,13 @@ def release_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     its recorded steps, and its next attempt would run them again. Returns how many were
     released.
     """
-    return _force(queryset.exclude(recovery_policy=core.RESUME), engine.RETRY)
+    return _force(queryset.exclude(recovery_policy=_core.RESUME), _http.RETRY)
 
 
 def resumable_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     """How many records of ``queryset`` are resumable (``"resume"``) with a stale lease:
     what `release_stale` leaves alone."""
-    return int(queryset.filter(stale_lease_q(timezone.now()), recovery_policy=core.RESUME).count())
+    return int(queryset.filter(stale_lease_q(timezone.now()), recovery_policy=_core.RESUME).count())
 
 
 def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
@@ -220,7 +220,7 @@ def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
     its operation must not go on); its recorded steps stay with it until the purge, for
     reconciliation. Returns how many were marked.
     """
-    return _force(queryset, engine.FAIL)
+    return _force(queryset, _http.FAIL)
 
 
 def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
@@ -257,41 +257,41 @@ def _owned(alias: str, row: _Stale) -> QuerySet[IdempotencyRecord]:
     )
 
 
-def _apply(alias: str, row: _Stale, policy: engine.Recovery, now: datetime) -> str | None:
+def _apply(alias: str, row: _Stale, policy: _http.Recovery, now: datetime) -> str | None:
     """Apply one policy; the outcome, or ``None`` when the record changed meanwhile.
 
-    The rule is the request path's (:func:`core.recover`); only what follows differs: where
+    The rule is the request path's (:func:`_core.recover`); only what follows differs: where
     a retry would run the view, the record is released for the next retry to run afresh.
     The callable is called outside any transaction: it may ask a provider what happened,
     and no lock may be held while it waits.
     """
     if row.token is None:
         return None
-    recovered = core.recover(
+    recovered = _core.recover(
         policy,
         load_record=lambda: _owned(alias, row).first(),
-        fail_outcome=lambda: core.failure_outcome(row.key, row.operation),
+        fail_outcome=lambda: _core.failure_outcome(row.key, row.operation),
         # A record of run_once stores a result, a request's record a response.
-        as_outcome=once.outcome_of
-        if row.fingerprint_version == once.FINGERPRINT_VERSION
-        else engine.outcome_of,
+        as_outcome=_once.outcome_of
+        if row.fingerprint_version == _once.FINGERPRINT_VERSION
+        else _http.outcome_of,
         close=lambda outcome: _close(alias, row, outcome, now),
     )
     if recovered.lease_lost:
         return None
     if recovered.run:
-        return RELEASED if store.release(alias, row.id, row.token) else None
+        return RELEASED if _store.release(alias, row.id, row.token) else None
     if recovered.undecided:
         status = getattr(recovered.answer, "status_code", None)
         raise _Unstorable(f"recovery answered {status}, which cannot be replayed")
     assert recovered.outcome is not None
-    return FAILED if recovered.outcome.status == store.FAILED else COMPLETED
+    return FAILED if recovered.outcome.status == _store.FAILED else COMPLETED
 
 
-def _close(alias: str, row: _Stale, outcome: core.Outcome, now: datetime) -> bool:
+def _close(alias: str, row: _Stale, outcome: _core.Outcome, now: datetime) -> bool:
     # The attempt is counted and the outcome stored in one transaction, both fenced.
     with transaction.atomic(using=alias):
-        return _count_attempt(alias, row) and core.finish(
+        return _count_attempt(alias, row) and _core.finish(
             alias, row.id, row.token, outcome, now=now
         )
 
@@ -301,4 +301,4 @@ def _count_attempt(alias: str, row: _Stale) -> bool:
 
 
 def _recovered(row: _Stale, policy: str, outcome: str) -> None:
-    core.announce_recovery(row.account, row.operation, row.key, policy, outcome, row.id)
+    _core.announce_recovery(row.account, row.operation, row.key, policy, outcome, row.id)

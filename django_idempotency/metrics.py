@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from django_idempotency import outbox, signals, stats
+from django_idempotency import _stats, outbox, signals
 from django_idempotency.conf import app_settings
 from django_idempotency.models import RecordStatus
 
@@ -144,7 +144,7 @@ def _read_database(read: Callable[[], float | None], what: str) -> float:
 def oldest_in_progress_seconds() -> float:
     """The in-progress gauge's value: one indexed query per scrape."""
     return _read_database(
-        lambda: stats.oldest_in_progress_seconds(), "the oldest in-progress idempotency record"
+        lambda: _stats.oldest_in_progress_seconds(), "the oldest in-progress idempotency record"
     )
 
 
@@ -216,7 +216,7 @@ class ResumableRecordsCollector(Collector):
         return [GaugeMetricFamily(self.name, self.documentation, labels=["status"])]
 
     def collect(self) -> Iterable[Metric]:
-        counts = _query(stats.resumable_by_status, "the resumable idempotency records", None)
+        counts = _query(_stats.resumable_by_status, "the resumable idempotency records", None)
         family = GaugeMetricFamily(self.name, self.documentation, labels=["status"])
         for status in RecordStatus.values:
             family.add_metric([status], math.nan if counts is None else float(counts[status]))

@@ -11,9 +11,9 @@ from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import purge, states
+from django_idempotency import _purge, states
+from django_idempotency._purge import PURGED
 from django_idempotency.conf import app_settings
-from django_idempotency.purge import PURGED
 from django_idempotency.states import expired_q, stale_q
 
 __all__ = [
@@ -102,20 +102,20 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         max_batches: int | None = None,
         dry_run: bool = False,
         now: datetime | None = None,
-        progress: purge.Progress | None = None,
-    ) -> purge.PurgeResult:
+        progress: _purge.Progress | None = None,
+    ) -> _purge.PurgeResult:
         """Delete, on this queryset's database and in bounded batches: these records once
         expired (copied to the audit trail first when ``AUDIT`` is on), audit records past
         ``AUDIT_RETENTION`` and sent outbox messages past ``OUTBOX_RETENTION``.
 
         The purge of the ``purge_idempotency`` command, the Celery task and the admin action;
-        its batches are described in :func:`django_idempotency.purge.purge`.
+        its batches are described in :func:`django_idempotency._purge.purge`.
         """
         now = now or timezone.now()
         alias = self.db
         archive = None
         if app_settings.AUDIT:
-            archive = purge.Archive(
+            archive = _purge.Archive(
                 copy=lambda batch: cast(IdempotencyRecordQuerySet, batch).archive(PURGED, now=now),
                 insert_sql=IdempotencyAuditRecord.insert_sql,
                 columns=tuple(
@@ -124,7 +124,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
                 ),
                 params=(now, PURGED),
             )
-        return purge.purge(
+        return _purge.purge(
             records=self.filter(expired_q(now)),
             audits=IdempotencyAuditRecord.objects.using(alias).filter(
                 archived_at__lte=now - app_settings.AUDIT_RETENTION

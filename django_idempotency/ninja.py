@@ -8,7 +8,7 @@ of operations when a router is mounted). A protected request then runs:
 
 1. ninja's authentication and throttles, as ninja would: a refused caller gets ninja's own
    answer and no record is written;
-2. the claim of ``(account, operation, key)``, by :func:`django_idempotency.engine.handle`;
+2. the claim of ``(account, operation, key)``, by :func:`django_idempotency._http.handle`;
 3. inside the engine's transaction, the rest of ninja's own ``run``: parameter validation,
    the operation function, the rendering of its result and ninja's exception handlers, so
    what is stored and replayed is the rendered response, byte for byte.
@@ -33,7 +33,7 @@ from django.http.response import HttpResponseBase
 from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
-from django_idempotency import apidocs, conf, engine, sources, validation
+from django_idempotency import _apidocs, _http, _validation, conf, sources
 from django_idempotency.conf import app_settings
 
 __all__ = ["auth_account", "idempotent"]
@@ -78,11 +78,11 @@ def idempotent(
     required: bool | None = None,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
-    recovery: engine.Recovery | None = None,
-    account: engine.Resolver | str | None = None,
-    fingerprint: engine.Fingerprint | str | None = None,
+    recovery: _http.Recovery | None = None,
+    account: _http.Resolver | str | None = None,
+    fingerprint: _http.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | None = None,
-    key: engine.KeySource | str | None = None,
+    key: _http.KeySource | str | None = None,
 ) -> Callable[[OperationFunc], OperationFunc]: ...
 
 
@@ -93,11 +93,11 @@ def idempotent(
     required: bool | None = None,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
-    recovery: engine.Recovery | None = None,
-    account: engine.Resolver | str | None = None,
-    fingerprint: engine.Fingerprint | str | None = None,
+    recovery: _http.Recovery | None = None,
+    account: _http.Resolver | str | None = None,
+    fingerprint: _http.Fingerprint | str | None = None,
     methods: tuple[str, ...] | list[str] | None = None,
-    key: engine.KeySource | str | None = None,
+    key: _http.KeySource | str | None = None,
 ) -> OperationFunc | Callable[[OperationFunc], OperationFunc]:
     """Make a ninja operation's protected methods (``POST`` and ``PATCH`` by default)
     idempotent.
@@ -112,11 +112,11 @@ def idempotent(
     ``auth_account``.
     """
     # Validated now, when the operation is decorated: a wrong value never reaches a request.
-    arguments = validation.view_arguments(
+    arguments = _validation.view_arguments(
         (
-            f"ninja @idempotent on {validation.name_of(func)}"
+            f"ninja @idempotent on {_validation.name_of(func)}"
             if func is not None
-            else f"ninja @idempotent(...) at {validation.caller()}"
+            else f"ninja @idempotent(...) at {_validation.caller()}"
         ),
         operation=operation,
         required=required,
@@ -127,7 +127,7 @@ def idempotent(
         fingerprint=fingerprint,
         methods=methods,
     )
-    options = engine.Options(**arguments, key=sources.key_source(key, "ninja @idempotent(key=...)"))
+    options = _http.Options(**arguments, key=sources.key_source(key, "ninja @idempotent(key=...)"))
 
     def decorate(func: OperationFunc) -> OperationFunc:
         built = getattr(func, "_ninja_operation", None)
@@ -143,7 +143,7 @@ def idempotent(
     return decorate
 
 
-def _protect(operation: Operation, options: engine.Options) -> None:
+def _protect(operation: Operation, options: _http.Options) -> None:
     if isinstance(operation, _Protected):
         raise ImproperlyConfigured(
             f"{_name(operation)} is decorated with @idempotent twice; keep one."
@@ -180,7 +180,7 @@ def _name(operation: Operation) -> str:
 class _Protected(Operation):
     """What protected operations add to ninja's ``Operation``; mixed in front of its class."""
 
-    idempotency_options: ClassVar[engine.Options]
+    idempotency_options: ClassVar[_http.Options]
     _own_openapi_extra: dict[str, Any] | None
 
     @property
@@ -211,15 +211,15 @@ class _Protected(Operation):
         return cloned
 
     def _default_operation(self, request: HttpRequest) -> str:
-        return self.operation_id or engine.route_operation(request, self.view_func)
+        return self.operation_id or _http.route_operation(request, self.view_func)
 
     def _handle(
         self, request: HttpRequest, call: Callable[[], HttpResponseBase]
     ) -> HttpResponseBase:
         # Under ATOMIC_REQUESTS Django has wrapped ninja's view in the request's transaction
         # (ninja's views cannot be taken out of it): the claim then commits on a connection
-        # of its own (see django_idempotency.autonomous), and the completion with the request.
-        return engine.handle(
+        # of its own (see django_idempotency._autonomous), and the completion with the request.
+        return _http.handle(
             request, call, self.idempotency_options, partial(self._default_operation, request)
         )
 
@@ -260,7 +260,7 @@ class _AsyncProtected(_Protected, AsyncOperation):
             return error
         setattr(request, _CHECKED, True)
         sync_run = async_to_sync(run)
-        return await engine.run_to_the_end(
+        return await _http.run_to_the_end(
             lambda: self._handle(request, lambda: sync_run(request, **kw))
         )
 
@@ -283,12 +283,12 @@ def _documentation(operation: _Protected) -> dict[str, Any]:
             for s in statuses
         },
     }
-    apidocs.document_operation(
+    _apidocs.document_operation(
         described,
         operation.idempotency_options,
         # Written inline (ninja offers an operation no way to add a component), under the
         # component's name for a reader and a code generator.
-        {**apidocs.problem_schema(apidocs.code_schema()), "title": apidocs.PROBLEM_COMPONENT},
+        {**_apidocs.problem_schema(_apidocs.code_schema()), "title": _apidocs.PROBLEM_COMPONENT},
     )
     return {
         "parameters": described["parameters"][len(own_parameters) :],

@@ -28,8 +28,8 @@ from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from django_idempotency import apidocs, engine
-from django_idempotency.apidocs import (
+from django_idempotency import _apidocs, _http
+from django_idempotency._apidocs import (
     CODE_COMPONENT,
     KEY_PATTERN,
     PROBLEM_COMPONENT,
@@ -50,13 +50,13 @@ __all__ = [
 
 
 def document_operation(
-    operation: dict[str, Any], options: engine.Options, registry: ComponentRegistry
+    operation: dict[str, Any], options: _http.Options, registry: ComponentRegistry
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``, the
     problem schema as a component of the schema being generated."""
     code_ref = _schema_component(registry, CODE_COMPONENT, code_schema())
     problem_ref = _schema_component(registry, PROBLEM_COMPONENT, problem_schema(code_ref))
-    apidocs.document_operation(operation, options, problem_ref)
+    _apidocs.document_operation(operation, options, problem_ref)
 
 
 def _schema_component(
@@ -71,7 +71,7 @@ def _schema_component(
     return ref
 
 
-def view_options(view: Any) -> engine.Options | None:
+def view_options(view: Any) -> _http.Options | None:
     """The idempotency options of a view instance, ``None`` if it is not protected at all."""
     if isinstance(view, IdempotencyMixin):
         return view._idempotency_options()
@@ -160,7 +160,7 @@ class IdempotentViewSchema(DefaultSchema):
     DRF's own schema generation and custom schema classes keep working.
     """
 
-    def __init__(self, options: engine.Options) -> None:
+    def __init__(self, options: _http.Options) -> None:
         super().__init__()
         self.options = options
 

@@ -30,10 +30,10 @@ from django.db.models.functions import Cast
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import signals, storable, wakeup
+from django_idempotency import _storable, _wakeup, signals
+from django_idempotency._wakeup import CHANNEL, Stop
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
-from django_idempotency.wakeup import CHANNEL, Stop
 
 logger = logging.getLogger("django_idempotency")
 
@@ -46,7 +46,7 @@ ERROR_PAUSE_SECONDS = 1.0
 ERROR_PAUSE_MAX_SECONDS = 30.0
 
 # Stored arguments nested deeper than this are not handed to a sender: only another program
-# can have written them (enqueue allows storable.MAX_DEPTH levels), and a sender's own
+# can have written them (enqueue allows _storable.MAX_DEPTH levels), and a sender's own
 # serializer would exhaust Python's recursion limit on them.
 MAX_READ_DEPTH = 500
 
@@ -79,7 +79,7 @@ def task_name(task: object) -> str:
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"enqueue() needs a Celery task or a task name, not {task!r}")
-    problem = storable.text_problem(name)
+    problem = _storable.text_problem(name)
     if problem is not None:
         raise TypeError(f"a task name that {problem} cannot be stored: {name!r}")
     max_length = OutboxMessage._meta.get_field("task").max_length
@@ -110,8 +110,8 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
             "message commits or rolls back with the work it belongs to"
         )
     # Stored as JSON gives them back, so the sender hands on exactly what was checked.
-    positional = storable.json_value(list(args), "the arguments of an outbox message")
-    named = storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
+    positional = _storable.json_value(list(args), "the arguments of an outbox message")
+    named = _storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
     now = timezone.now()
     message = OutboxMessage.objects.using(alias).create(
         task=name, args=positional, kwargs=named, available_at=now, created_at=now
@@ -328,13 +328,13 @@ def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unr
 def _stored_arguments(text: str | None, column: str, kind: type[Any]) -> Any:
     what = "a JSON list" if kind is list else "a JSON object"
     try:
-        value = storable.read_json(text if text is not None else "null")
+        value = _storable.read_json(text if text is not None else "null")
     except ValueError as exc:
         raise Unreadable(f"the stored {column} cannot be decoded: {exc}") from None
     if not isinstance(value, kind):
         raise Unreadable(f"the stored {column} are not {what}")
     # Each level takes two characters at least: short texts need no walk.
-    deep = len(text or "") > 2 * MAX_READ_DEPTH and storable.nested_deeper_than(
+    deep = len(text or "") > 2 * MAX_READ_DEPTH and _storable.nested_deeper_than(
         value, MAX_READ_DEPTH
     )
     if deep:
@@ -374,7 +374,7 @@ def error_text(exc: BaseException) -> str:
         text = f"{name}: {exc}"
     except Exception:
         text = f"{name} (its text could not be read)"
-    return storable.storable_text(text)[:MAX_ERROR_CHARS]
+    return _storable.storable_text(text)[:MAX_ERROR_CHARS]
 
 
 def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: datetime) -> bool:
@@ -475,7 +475,7 @@ def relay(
     )
     total = RelayResult()
     in_a_row = 0
-    with wakeup.listener(alias, listen) as wait:
+    with _wakeup.listener(alias, listen) as wait:
         while not should_stop():
             try:
                 # A long-running relay has no request cycle to recycle its connection: after
@@ -494,7 +494,7 @@ def relay(
                 _failed(exc)
                 with contextlib.suppress(Exception):
                     connections[alias].close()
-                wakeup.sleep(_error_pause(in_a_row), should_stop)
+                _wakeup.sleep(_error_pause(in_a_row), should_stop)
             else:
                 in_a_row = 0
     return total

@@ -16,10 +16,10 @@ from typing import Any, TypeVar, cast
 from celery import current_task, shared_task
 from celery.app.task import Task
 
-from django_idempotency import maintenance, outbox, validation
-from django_idempotency.core import RETRY
+from django_idempotency import _validation, maintenance, outbox
+from django_idempotency._core import RETRY
+from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
-from django_idempotency.once import LeaseTakenOver, call_once
 
 logger = logging.getLogger("django_idempotency")
 
@@ -94,8 +94,8 @@ def idempotent_task(
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
     ``ImproperlyConfigured`` here, when the task is decorated.
     """
-    checked = validation.view_arguments(
-        f"@idempotent_task(...) at {validation.caller()}",
+    checked = _validation.view_arguments(
+        f"@idempotent_task(...) at {_validation.caller()}",
         key=key,
         ttl=ttl,
         lease=lease,

@@ -15,8 +15,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django.utils.html import escape
 
+from django_idempotency import _display, _store
 from django_idempotency import admin as records_admin
-from django_idempotency import display, store
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
 from tests.helpers import logged_in, staff_with
@@ -309,11 +309,11 @@ def test_detail_shows_json_text_as_text_when_not_served_as_json(admin_client):
 
 
 def test_detail_cuts_a_large_body(admin_client):
-    body = b"x" * (display.BODY_PREVIEW_BYTES + 10)
+    body = b"x" * (_display.BODY_PREVIEW_BYTES + 10)
     record = make(response_body=body, response_headers=[["Content-Type", "text/plain"]])
     html = admin_client.get(detail_url(record)).content.decode()
-    assert f"first {display.BODY_PREVIEW_BYTES} of {len(body)} bytes shown" in html
-    assert "x" * (display.BODY_PREVIEW_BYTES + 1) not in html
+    assert f"first {_display.BODY_PREVIEW_BYTES} of {len(body)} bytes shown" in html
+    assert "x" * (_display.BODY_PREVIEW_BYTES + 1) not in html
 
 
 def test_detail_of_an_in_progress_record(admin_client):
@@ -331,7 +331,7 @@ def test_detail_is_read_only(admin_client):
     response = admin_client.post(detail_url(record), {"status": RecordStatus.FAILED})
     assert response.status_code == 403
     record.refresh_from_db()
-    assert record.status == store.COMPLETED
+    assert record.status == _store.COMPLETED
 
 
 def test_no_add_and_no_delete(admin_client):
@@ -345,14 +345,14 @@ def test_no_add_and_no_delete(admin_client):
 
 
 def test_render_body_handles_a_cut_inside_a_character():
-    body = b"a" * (display.BODY_PREVIEW_BYTES - 1) + "é".encode() + b"tail"
-    html = str(display.render_body(body, [["Content-Type", "text/plain"]]))
+    body = b"a" * (_display.BODY_PREVIEW_BYTES - 1) + "é".encode() + b"tail"
+    html = str(_display.render_body(body, [["Content-Type", "text/plain"]]))
     assert "bytes of binary data" not in html
     assert "bytes shown" in html
 
 
 def test_render_body_of_an_empty_body():
-    assert "empty body" in str(display.render_body(b"", []))
+    assert "empty body" in str(_display.render_body(b"", []))
 
 
 # -- actions ----------------------------------------------------------------------------
@@ -386,9 +386,9 @@ def test_mark_as_failed(admin_client):
     response = run_action(admin_client, "mark_as_failed", old, running)
     old.refresh_from_db()
     running.refresh_from_db()
-    assert old.status == store.FAILED
+    assert old.status == _store.FAILED
     assert json.loads(old.response_body)["code"] == "idempotency_outcome_unknown"
-    assert running.status == store.IN_PROGRESS
+    assert running.status == _store.IN_PROGRESS
     assert messages_of(response)[0].startswith("1 of 2 selected records marked as failed.")
 
 
@@ -465,7 +465,7 @@ def test_staff_with_the_view_permission_sees_but_cannot_act():
         run_action(client, action, old, gone)
     assert IdempotencyRecord.objects.filter(pk__in=[old.pk, gone.pk]).count() == 2
     old.refresh_from_db()
-    assert old.status == store.IN_PROGRESS
+    assert old.status == _store.IN_PROGRESS
 
 
 def test_change_permission_allows_release_and_mark_failed_but_not_purge():

@@ -17,7 +17,7 @@ from django.test import Client
 from django.utils import timezone
 from django.utils.html import escape
 
-from django_idempotency import display, run_once, step
+from django_idempotency import _display, run_once, step
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.maintenance import purge_expired
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
@@ -120,7 +120,7 @@ def test_a_long_result_is_cut_in_the_query_and_on_the_page():
     long = json.dumps(["x" * 100] * 1000)
     record_step(record, "big", long)
     html = page(superuser(), record)
-    shown = display.STEP_PREVIEW_CHARS
+    shown = _display.STEP_PREVIEW_CHARS
     assert f"first {shown} characters of {len(long.encode())} bytes shown" in html
     assert long[: shown + 1] not in html
 
@@ -145,11 +145,11 @@ def test_many_steps_are_bounded():
     record = resumable()
     IdempotencyStep.objects.bulk_create(
         IdempotencyStep(record=record, name=f"ship:{n}", result=str(n))
-        for n in range(display.STEPS_SHOWN + 20)
+        for n in range(_display.STEPS_SHOWN + 20)
     )
     html = page(superuser(), record)
-    assert f"The first {display.STEPS_SHOWN} of {display.STEPS_SHOWN + 20} steps" in html
-    assert html.count('<pre class="idempotency-step">') == display.STEPS_SHOWN
+    assert f"The first {_display.STEPS_SHOWN} of {_display.STEPS_SHOWN + 20} steps" in html
+    assert html.count('<pre class="idempotency-step">') == _display.STEPS_SHOWN
 
 
 @pytest.mark.django_db
@@ -263,5 +263,5 @@ def test_step_times_show_milliseconds_with_and_without_time_zones():
     from datetime import datetime, timezone
 
     moment = datetime(2026, 1, 2, 3, 4, 5, 678901)
-    assert display._when(moment) == "2026-01-02 03:04:05.678"
-    assert display._when(moment.replace(tzinfo=timezone.utc)).startswith("2026-01-02 03:04:05.678")
+    assert _display._when(moment) == "2026-01-02 03:04:05.678"
+    assert _display._when(moment.replace(tzinfo=timezone.utc)).startswith("2026-01-02 03:04:05.678")

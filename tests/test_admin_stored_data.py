@@ -21,7 +21,7 @@ from django.db.models import TextField
 from django.db.models.functions import Cast
 from django.test import Client
 
-from django_idempotency import display, outbox
+from django_idempotency import _display, outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.factories import RecordFactory, UserFactory, store_raw_json
 from tests.helpers import logged_in
@@ -33,7 +33,7 @@ MESSAGES = "/admin/django_idempotency/outboxmessage/"
 JSON = [["Content-Type", "application/json"]]
 # The page around a shown body, and the body shown: escaping may make each character of it
 # six (&quot;), and notes are short.
-PAGE_LIMIT = 64 * 1024 + 6 * display.PREVIEW_CHARS
+PAGE_LIMIT = 64 * 1024 + 6 * _display.PREVIEW_CHARS
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ WIDE_JSON = b"[" + b",".join([b"[]"] * 20_000) + b"]"  # indented, more than PRE
 BODIES: dict[str, tuple[bytes, list[list[str]], str]] = {
     "json-30000-levels-deep": (deep_array(30_000), JSON, "not indented: nested too deeply"),
     "json-100-levels-deep": (deep_array(100), JSON, "\n" + " " * 198 + "[]\n"),
-    "json-of-a-megabyte": (BIG_JSON, JSON, f"first {display.BODY_PREVIEW_BYTES} of"),
+    "json-of-a-megabyte": (BIG_JSON, JSON, f"first {_display.BODY_PREVIEW_BYTES} of"),
     "json-whose-indented-form-is-huge": (WIDE_JSON, JSON, "characters shown"),
     "invalid-json-served-as-json": (b'{"a": 1', JSON, "not indented: "),
     "json-with-a-lone-surrogate": (b'{"a": "\\ud800"}', JSON, "\\ud800"),

@@ -29,8 +29,8 @@ from django.urls import path
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from django_idempotency._endpoints import audit, duration
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.endpoints import audit, duration
 from tests.live import ROOT
 from tests.testapp.models import Charge
 

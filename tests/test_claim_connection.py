@@ -236,7 +236,7 @@ def test_a_late_watchdog_never_cancels_the_next_claims_statement():
 
     from django.db import DatabaseError
 
-    from django_idempotency import autonomous
+    from django_idempotency import _autonomous
 
     go = threading.Event()
 
@@ -254,14 +254,14 @@ def test_a_late_watchdog_never_cancels_the_next_claims_statement():
         with bound, transaction.atomic():
             Charge.objects.count()  # the caller's transaction
             try:
-                with autonomous.claiming("default"), connection.cursor() as cursor:
+                with _autonomous.claiming("default"), connection.cursor() as cursor:
                     cursor.execute("SELECT pg_sleep(0.4)")
                 outcome["first"] = "finished"
             except DatabaseError as exc:
                 outcome["first"] = type(exc).__name__
             threading.Timer(0.05, go.set).start()
             try:
-                with autonomous.claiming("default"), connection.cursor() as cursor:
+                with _autonomous.claiming("default"), connection.cursor() as cursor:
                     cursor.execute("SELECT pg_sleep(0.15)")
                 outcome["second"] = "finished"
             except DatabaseError as exc:

@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency import store
+from django_idempotency import _store
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import needs_drf, new_key
 
@@ -24,7 +24,7 @@ postgresql_only = pytest.mark.skipif(
 )
 
 
-def claim_request(**overrides: object) -> store.ClaimRequest:
+def claim_request(**overrides: object) -> _store.ClaimRequest:
     values: dict[str, object] = {
         "account": "user:1",
         "operation": "charge.create",
@@ -38,18 +38,18 @@ def claim_request(**overrides: object) -> store.ClaimRequest:
         "ttl": timedelta(days=3, microseconds=999_999),
     }
     values.update(overrides)
-    return store.ClaimRequest(**values)  # type: ignore[arg-type]
+    return _store.ClaimRequest(**values)  # type: ignore[arg-type]
 
 
 def complete(
-    state: store.RecordState, now: datetime = datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC)
+    state: _store.RecordState, now: datetime = datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC)
 ) -> None:
     assert state.lease_token is not None
-    assert store.finish(
+    assert _store.finish(
         "default",
         state.id,
         state.lease_token,
-        status=store.COMPLETED,
+        status=_store.COMPLETED,
         response_status=201,
         response_headers=[["Content-Type", "application/json"]],
         response_body=b"{}",
@@ -61,13 +61,13 @@ def complete(
 @pytest.mark.parametrize("complete_first", [False, True], ids=["in progress", "completed"])
 def test_the_record_in_the_way_reads_as_the_record_itself(complete_first):
     request = claim_request()
-    first = store.claim("default", request)
+    first = _store.claim("default", request)
     assert first.claimed
     if complete_first:
         complete(first.state)
-    again = store.claim("default", request)
+    again = _store.claim("default", request)
     assert not again.claimed
-    stored = store.fetch("default", request.account, request.operation, request.key)
+    stored = _store.fetch("default", request.account, request.operation, request.key)
     assert stored is not None
     # The claim reads the times as doubles: to the microsecond, the stored ones.
     assert again.state.expires_at == stored.expires_at == request.now + request.ttl
@@ -82,7 +82,7 @@ def test_the_record_in_the_way_reads_as_the_record_itself(complete_first):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_new_claim_holds_the_lease_token_that_was_stored():
-    result = store.claim("default", claim_request())
+    result = _store.claim("default", claim_request())
     assert result.claimed
     token = result.state.lease_token
     assert isinstance(token, uuid.UUID)
@@ -92,13 +92,13 @@ def test_a_new_claim_holds_the_lease_token_that_was_stored():
     assert record.expires_at == result.state.expires_at
     # The completion is fenced by that token: it is the owner's.
     complete(result.state)
-    assert IdempotencyRecord.objects.get(pk=result.state.id).status == store.COMPLETED
+    assert IdempotencyRecord.objects.get(pk=result.state.id).status == _store.COMPLETED
 
 
 @pytest.mark.django_db(transaction=True)
 def test_two_claims_draw_two_lease_tokens():
-    first = store.claim("default", claim_request())
-    second = store.claim("default", claim_request())
+    first = _store.claim("default", claim_request())
+    second = _store.claim("default", claim_request())
     assert first.claimed
     assert second.claimed
     assert first.state.lease_token != second.state.lease_token
@@ -118,16 +118,16 @@ HOSTILE_NAMES = [
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
 def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
-    others = store.claim("default", claim_request(operation="other"))
+    others = _store.claim("default", claim_request(operation="other"))
     request = claim_request(operation=name, fingerprint_version=name, recovery_policy="fail")
     with CaptureQueriesContext(connection) as queries:
-        first = store.claim("default", request)
+        first = _store.claim("default", request)
     assert first.claimed
-    sql = store._postgres_claim_sql("default", name, name, "fail", request.lease, request.ttl)
+    sql = _store._postgres_claim_sql("default", name, name, "fail", request.lease, request.ttl)
     assert f"'{name}'" not in sql
     assert "%(operation)s" in sql
     assert "%(fingerprint_version)s" in sql
-    again = store.claim("default", request)
+    again = _store.claim("default", request)
     assert not again.claimed
     assert again.state.id == first.state.id
     record = IdempotencyRecord.objects.get(pk=first.state.id)
@@ -141,7 +141,7 @@ def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
 @postgresql_only
 def test_an_operation_of_plain_words_is_written_into_the_statement():
     request = claim_request()
-    sql = store._postgres_claim_sql(
+    sql = _store._postgres_claim_sql(
         "default", "charge.create", "v1", "retry", request.lease, request.ttl
     )
     assert "'charge.create'" in sql
@@ -167,7 +167,7 @@ def test_an_operation_of_plain_words_is_written_into_the_statement():
 def test_a_time_read_as_seconds_since_the_epoch_comes_back_to_the_microsecond(moment):
     # What PostgreSQL's date_part('epoch', ...) gives: the double nearest the microseconds.
     microseconds = (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
-    assert store._from_epoch(microseconds / 1e6) == moment
+    assert _store._from_epoch(microseconds / 1e6) == moment
 
 
 @pytest.mark.django_db(transaction=True, databases="__all__")
@@ -201,12 +201,12 @@ def test_without_time_zones_the_record_in_the_way_reads_as_the_record_itself(set
     settings.TIME_ZONE = "America/New_York"
     settings.USE_TZ = False
     request = claim_request(now=datetime(2026, 12, 2, 9, 31, 7, 123457))
-    first = store.claim("default", request)
+    first = _store.claim("default", request)
     assert first.claimed
     complete(first.state, now=datetime(2026, 12, 2, 9, 31, 8))
-    again = store.claim("default", request)
+    again = _store.claim("default", request)
     assert not again.claimed
-    stored = store.fetch("default", request.account, request.operation, request.key)
+    stored = _store.fetch("default", request.account, request.operation, request.key)
     assert stored is not None
     assert again.state.expires_at == stored.expires_at == request.now + request.ttl
     assert again.state.expires_at.tzinfo is None

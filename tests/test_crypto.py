@@ -17,7 +17,7 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import conf, crypto, maintenance, run_once, store
+from django_idempotency import _store, conf, crypto, maintenance, run_once
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
@@ -280,14 +280,14 @@ def test_a_waiting_duplicate_never_replays_a_response_it_cannot_open(api, user, 
     """The original is completed meanwhile by a server whose key this one lacks: the
     duplicate that waits for it is refused, never replays nothing, never runs again."""
     polling = threading.Event()
-    real_fetch = store.fetch
+    real_fetch = _store.fetch
 
     def observed_fetch(*args: Any) -> Any:
         # On PostgreSQL the claim is one statement: a fetch is the waiting duplicate's poll.
         polling.set()
         return real_fetch(*args)
 
-    monkeypatch.setattr(store, "fetch", observed_fetch)
+    monkeypatch.setattr(_store, "fetch", observed_fetch)
     original = RecordFactory(
         account=f"user:{user.pk}",
         operation="POST outcome/",

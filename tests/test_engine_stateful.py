@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from django_idempotency import store
-from django_idempotency.engine import IdempotencyContext
+from django_idempotency import _store
+from django_idempotency._http import IdempotencyContext
 from django_idempotency.fingerprint import default_fingerprint
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import examples
@@ -154,9 +154,9 @@ class EngineMachine(RuleBasedStateMachine):
         """A claim whose view is still running (or whose process is about to die)."""
         slot = self.slots[(account, key)]
         expected = self._claim_outcome(slot, payload)
-        result = store.claim(
+        result = _store.claim(
             connection.alias,
-            store.ClaimRequest(
+            _store.ClaimRequest(
                 account=account,
                 operation=OPERATION,
                 key=key,
@@ -189,7 +189,7 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             with transaction.atomic():
                 Charge.objects.create(account=attempt.account, amount=1, currency="EUR")
-                if not store.finish(
+                if not _store.finish(
                     connection.alias,
                     attempt.record_id,
                     attempt.token,
@@ -215,7 +215,7 @@ class EngineMachine(RuleBasedStateMachine):
         """A 5xx or an exception: rolled back and released, if the attempt still owns it."""
         attempt = self.attempts.pop(data.draw(st.integers(0, len(self.attempts) - 1)))
         slot = self.slots[(attempt.account, attempt.key)]
-        released = store.release(connection.alias, attempt.record_id, attempt.token)
+        released = _store.release(connection.alias, attempt.record_id, attempt.token)
         owns = slot.owner is attempt.owner and slot.status == "in_progress"
         assert released == owns
         if released:

@@ -14,7 +14,7 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import store
+from django_idempotency import _store
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
 from tests.helpers import ApiClient, in_thread, new_key
 from tests.testapp import views
@@ -199,7 +199,7 @@ def test_every_path_of_the_claim_archives_the_expired_record_it_replaces(setting
         expires_at=now - timedelta(seconds=1),
     )
     looks = {"insert": 0, "fetch": 0}
-    real_insert, real_fetch = store._insert_or_existing, store.fetch
+    real_insert, real_fetch = _store._insert_or_existing, _store.fetch
 
     def first_sees_nothing(*args: Any) -> Any:
         looks["insert"] += 1
@@ -209,11 +209,11 @@ def test_every_path_of_the_claim_archives_the_expired_record_it_replaces(setting
         looks["fetch"] += 1
         return None if looks["fetch"] == 1 else real_fetch(*args)
 
-    monkeypatch.setattr(store, "_insert_or_existing", first_sees_nothing)
-    monkeypatch.setattr(store, "fetch", vanished_once)
-    result = store.claim(
+    monkeypatch.setattr(_store, "_insert_or_existing", first_sees_nothing)
+    monkeypatch.setattr(_store, "fetch", vanished_once)
+    result = _store.claim(
         "default",
-        store.ClaimRequest(
+        _store.ClaimRequest(
             account="user:1",
             operation="op",
             key="k",
@@ -273,11 +273,11 @@ def test_a_retry_claim_commits_before_the_view_runs_and_is_seen_at_once(api):
     ids=["first", "second", "lower-case", "twice", "none", "no headers"],
 )
 def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
-    from django_idempotency import engine
+    from django_idempotency import _http
 
-    state = store.RecordState(
+    state = _store.RecordState(
         id=1,
-        status=store.COMPLETED,
+        status=_store.COMPLETED,
         lease_token=None,
         lease_expires_at=None,
         expires_at=timezone.now(),
@@ -288,7 +288,7 @@ def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
         response_headers=stored,
         response_body=b"{}",
     )
-    response = engine.replay_response(state)
+    response = _http.replay_response(state)
     expected: dict[str, tuple[str, str]] = {}
     for name, value in stored:  # the last of a name wins, as when they were set one by one
         expected[name.lower()] = (name, value)

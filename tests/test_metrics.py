@@ -14,7 +14,7 @@ prometheus_client = pytest.importorskip(
     "prometheus_client", reason="the [prometheus] extra is not installed"
 )
 
-from django_idempotency import maintenance, metrics, signals, stats  # noqa: E402
+from django_idempotency import _stats, maintenance, metrics, signals  # noqa: E402
 from django_idempotency.models import IdempotencyRecord, RecordStatus  # noqa: E402
 from tests.factories import RecordFactory  # noqa: E402
 from tests.helpers import new_key  # noqa: E402
@@ -183,7 +183,7 @@ def test_oldest_in_progress_gauge_is_nan_when_the_database_fails(monkeypatch):
     def unreachable(*args, **kwargs):
         raise DatabaseError("connection refused")
 
-    monkeypatch.setattr(stats, "oldest_in_progress_seconds", unreachable)
+    monkeypatch.setattr(_stats, "oldest_in_progress_seconds", unreachable)
     assert math.isnan(gauge())
 
 
@@ -256,7 +256,7 @@ def test_the_resumable_records_gauge_is_nan_when_the_database_fails(monkeypatch)
     def unreachable(*args, **kwargs):
         raise DatabaseError("connection refused")
 
-    monkeypatch.setattr(stats, "resumable_by_status", unreachable)
+    monkeypatch.setattr(_stats, "resumable_by_status", unreachable)
     assert all(math.isnan(v) for v in resumable_gauge().values())
 
 

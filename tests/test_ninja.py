@@ -22,7 +22,7 @@ from django.test import override_settings
 from ninja import NinjaAPI, Router
 from ninja.security import django_auth
 
-from django_idempotency import problems
+from django_idempotency import _problems
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.ninja import idempotent
 from tests.helpers import ApiClient, new_key, postgres_only
@@ -36,7 +36,7 @@ CHARGE = {"amount": 100, "currency": "EUR"}
 
 def problem(response: Any, code: str, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.content
-    assert response["Content-Type"] == problems.PROBLEM_CONTENT_TYPE
+    assert response["Content-Type"] == _problems.PROBLEM_CONTENT_TYPE
     body: dict[str, Any] = json.loads(response.content)
     assert body["code"] == code
     return body
@@ -373,7 +373,7 @@ def test_schema_documents_every_protected_operation():
         assert problem_schema["title"] == "IdempotencyProblem"
         assert problem_schema["required"] == ["type", "title", "status", "detail", "code"]
         assert problem_schema["properties"]["code"]["enum"] == [
-            p.code for p in problems.ALL_PROBLEMS
+            p.code for p in _problems.ALL_PROBLEMS
         ]
     assert "idempotency_key_missing" in responses["400"]["description"]
     assert "idempotency_key_in_use" in responses["409"]["description"]

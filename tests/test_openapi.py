@@ -28,7 +28,7 @@ from rest_framework import generics, serializers, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from django_idempotency import openapi, problems
+from django_idempotency import _problems, openapi
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.keys import MAX_KEY_LENGTH, parse_key
 from tests.live import ROOT
@@ -137,7 +137,7 @@ def test_problem_schema_lists_every_code() -> None:
     assert problem["properties"]["code"] == {
         "$ref": f"#/components/schemas/{openapi.CODE_COMPONENT}"
     }
-    assert components[openapi.CODE_COMPONENT]["enum"] == [p.code for p in problems.ALL_PROBLEMS]
+    assert components[openapi.CODE_COMPONENT]["enum"] == [p.code for p in _problems.ALL_PROBLEMS]
     # drf-spectacular's enum hoisting did not take it over under a generic name.
     assert "CodeEnum" not in components
 
@@ -149,7 +149,7 @@ def test_problem_schema_describes_the_real_answers() -> None:
     validator = jsonschema.Draft4Validator(
         {**components[openapi.PROBLEM_COMPONENT], "components": {"schemas": components}}
     )
-    for problem in problems.ALL_PROBLEMS:
+    for problem in _problems.ALL_PROBLEMS:
         body = problem.response("detail", retry_after=1).content
         validator.validate(json.loads(body))
 

@@ -30,8 +30,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency import checks, outbox, signals
+from django_idempotency._validation import MAX_DURATION, MAX_INT
 from django_idempotency.models import OutboxMessage, OutboxStatus
-from django_idempotency.validation import MAX_DURATION, MAX_INT
 from tests.factories import store_raw_json
 from tests.helpers import postgres_only
 from tests.live import ROOT, finished, server_env, starting_a_server

@@ -7,8 +7,8 @@ from itertools import pairwise
 
 import pytest
 
+from django_idempotency import _purge as purge_module
 from django_idempotency import maintenance
-from django_idempotency import purge as purge_module
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory
 from tests.helpers import NOW, bulk_records

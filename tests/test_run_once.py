@@ -167,8 +167,8 @@ def stale_record(key: str, policy: str) -> IdempotencyRecord:
     return IdempotencyRecord.objects.create(
         **IDENTITY,
         key=key,
-        request_hash=django_idempotency.once.fingerprint_of(None),
-        fingerprint_version=django_idempotency.once.FINGERPRINT_VERSION,
+        request_hash=django_idempotency._once.fingerprint_of(None),
+        fingerprint_version=django_idempotency._once.FINGERPRINT_VERSION,
         status=RecordStatus.IN_PROGRESS,
         lease_token=uuid.uuid4(),
         lease_expires_at=started - timedelta(seconds=1),

@@ -1,4 +1,4 @@
-"""``idempotency_stats`` and the queries behind it (``django_idempotency.stats``)."""
+"""``idempotency_stats`` and the queries behind it (``django_idempotency._stats``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from django.db import connection
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from django_idempotency import stats
+from django_idempotency import _stats
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory
 
@@ -42,7 +42,7 @@ def table():
 
 
 def test_collect(table):
-    snapshot = stats.collect(now=table)
+    snapshot = _stats.collect(now=table)
     assert snapshot.database == "default"
     assert snapshot.rows == 6
     assert snapshot.by_status == {"in_progress": 2, "completed": 3, "failed": 1}
@@ -56,7 +56,7 @@ def test_collect(table):
 
 
 def test_collect_on_an_empty_table():
-    snapshot = stats.collect()
+    snapshot = _stats.collect()
     assert snapshot.rows == 0
     assert snapshot.by_status == {"in_progress": 0, "completed": 0, "failed": 0}
     assert snapshot.oldest_in_progress_seconds is None
@@ -72,7 +72,7 @@ def test_an_expired_claim_with_a_live_lease_is_not_counted_as_expired():
         lease_expires_at=now + timedelta(seconds=30),
         expires_at=now - timedelta(seconds=1),
     )
-    assert stats.collect(now=now).expired == 0
+    assert _stats.collect(now=now).expired == 0
 
 
 def labelled(output: str, section: str | None = None) -> dict[str, str]:
@@ -159,7 +159,7 @@ def resumable(table):
 
 
 def test_collect_counts_resumable_records_by_status(resumable):
-    snapshot = stats.collect(now=resumable)
+    snapshot = _stats.collect(now=resumable)
     assert snapshot.resumable == {"in_progress": 3, "completed": 1, "failed": 1}
     assert snapshot.resumable_stale == 2
     assert snapshot.by_status == {"in_progress": 5, "completed": 4, "failed": 2}
@@ -207,9 +207,9 @@ def test_the_resumable_count_reads_its_index_on_a_large_table():
         )
         cursor.execute("ANALYZE django_idempotency_record")
     assert IdempotencyRecord.objects.filter(recovery_policy="resume").count() == 4
-    queryset = stats.resumable_records().order_by().values_list("status").annotate(n=Count("*"))
+    queryset = _stats.resumable_records().order_by().values_list("status").annotate(n=Count("*"))
     assert "idempotency_resumable_idx" in queryset.explain()
-    assert stats.resumable_by_status()["completed"] == 4
+    assert _stats.resumable_by_status()["completed"] == 4
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "provider"])
@@ -258,9 +258,9 @@ def test_sizes(size, shown):
 def test_operations_are_distinct_sorted_and_bounded():
     for name in ("refunds.create", "charges.create", "charges.create", "b.op", "a.op"):
         RecordFactory(operation=name)
-    assert stats.operations() == ["a.op", "b.op", "charges.create", "refunds.create"]
-    assert stats.operations(limit=2) == ["a.op", "b.op"]
+    assert _stats.operations() == ["a.op", "b.op", "charges.create", "refunds.create"]
+    assert _stats.operations(limit=2) == ["a.op", "b.op"]
 
 
 def test_operations_of_an_empty_table():
-    assert stats.operations() == []
+    assert _stats.operations() == []

@@ -19,7 +19,7 @@ import pytest
 from django.db import OperationalError, connection, connections, transaction
 from django.test import Client, override_settings
 
-from django_idempotency import StoreUnavailable, run_once, store
+from django_idempotency import StoreUnavailable, _store, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import new_key, postgres_only
 from tests.testapp.models import Charge
@@ -139,14 +139,14 @@ def bounced_with_prepared_statements() -> Iterator[str]:
         settings["PORT"] = str(bouncer.port)
         settings["OPTIONS"] = {**settings["OPTIONS"], "prepare_threshold": 0}
         settings["DISABLE_SERVER_SIDE_CURSORS"] = True
-        store._refused.discard("claims")
+        _store._refused.discard("claims")
         try:
             with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
                 yield "claims"
         finally:
             connections["claims"].close()
             settings["PORT"], settings["OPTIONS"], settings["DISABLE_SERVER_SIDE_CURSORS"] = saved
-            store._refused.discard("claims")
+            _store._refused.discard("claims")
 
 
 @on_postgresql
@@ -188,7 +188,7 @@ def test_prepared_statements_through_an_old_pgbouncer_stop_and_nothing_is_left_i
     assert not IdempotencyRecord.objects.filter(status=RecordStatus.IN_PROGRESS).exists()
     completed = IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count()
     assert completed == outcomes.count("ran") == Charge.objects.count()
-    assert "claims" in store._refused
+    assert "claims" in _store._refused
     assert caplog.text.count("refused a prepared statement") == 1
 
 
@@ -197,7 +197,7 @@ def dies_after_the_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     before anything else runs: the statements that follow (reading a resumable operation's
     steps, a recovery policy's closing) find it gone. The list counts the terminations."""
     fired: list[int] = []
-    real = store.claim
+    real = _store.claim
 
     def claim_then_die(alias: str, request: Any) -> Any:
         result = real(alias, request)
@@ -206,7 +206,7 @@ def dies_after_the_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             terminate()
         return result
 
-    monkeypatch.setattr(store, "claim", claim_then_die)
+    monkeypatch.setattr(_store, "claim", claim_then_die)
     return fired
 
 

@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.test import TestCase
 
-from django_idempotency import autonomous, run_once
+from django_idempotency import _autonomous, run_once
 from django_idempotency.models import IdempotencyRecord
 from tests.testapp.models import Charge
 
@@ -35,7 +35,7 @@ class ProjectTests(TestCase):
     def test_run_once_inside_atomic(self) -> None:
         with transaction.atomic():
             # The test's own blocks are marked; this one is the test's code, inside them.
-            assert not autonomous.separate("default")
+            assert not _autonomous.separate("default")
             first = run_once(ship, **IDENTITY, recovery="fail")
             assert run_once(ship, **IDENTITY, recovery="fail") == first
         assert run_once(ship, **IDENTITY) == first
@@ -75,7 +75,7 @@ def test_nothing_a_test_case_claimed_outlives_it():
 @pytest.mark.django_db
 def test_pytest_django_db_is_the_tests_transaction_too():
     with transaction.atomic():
-        assert not autonomous.separate("default")
+        assert not _autonomous.separate("default")
         first = run_once(ship, **IDENTITY)
     assert run_once(ship, **IDENTITY) == first
     assert Charge.objects.count() == 1

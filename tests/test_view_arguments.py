@@ -9,7 +9,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 
-from django_idempotency import validation
+from django_idempotency import _validation
 from django_idempotency.decorators import idempotent
 from tests.helpers import ApiClient, needs_drf, new_key
 from tests.testapp.models import Charge
@@ -86,7 +86,7 @@ def test_a_ttl_not_longer_than_the_lease_is_refused():
 
 
 def test_good_arguments_are_kept_in_their_typed_form():
-    cleaned = validation.view_arguments(
+    cleaned = _validation.view_arguments(
         "here", methods=["post", "put"], ttl=60, lease=1.5, recovery="fail", required=None
     )
     assert cleaned == {
@@ -100,7 +100,7 @@ def test_good_arguments_are_kept_in_their_typed_form():
 
 def test_a_dotted_recovery_path_stays_a_path():
     path = "tests.testapp.views.recover_by_asking_provider"
-    assert validation.view_arguments("here", recovery=path) == {"recovery": path}
+    assert _validation.view_arguments("here", recovery=path) == {"recovery": path}
 
 
 # -- the mixin, on the view's first call ---------------------------------------------------

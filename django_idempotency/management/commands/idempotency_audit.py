@@ -1,5 +1,5 @@
 """``manage.py idempotency_audit``: every endpoint that takes an unsafe method, protected or
-not, and how (see :mod:`django_idempotency.endpoints`)."""
+not, and how (see :mod:`django_idempotency._endpoints`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency.endpoints import Audit, Endpoint, audit, duration
+from django_idempotency._endpoints import Audit, Endpoint, audit, duration
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
 

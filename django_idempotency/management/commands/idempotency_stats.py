@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import TextChoices
 
-from django_idempotency import stats
+from django_idempotency import _stats
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxStatus, RecordStatus
 
@@ -61,8 +61,8 @@ class Command(BaseCommand):
         alias = options["database"] or app_settings.DATABASE
         if alias not in settings.DATABASES:
             raise CommandError(f"Unknown database {alias!r}.")
-        snapshot = stats.collect(using=alias)
-        messages = stats.outbox(using=alias, now=snapshot.taken_at)
+        snapshot = _stats.collect(using=alias)
+        messages = _stats.outbox(using=alias, now=snapshot.taken_at)
         if options["json"]:
             data = {**snapshot.as_dict(), "outbox": messages.as_dict()}
             self.stdout.write(json.dumps(data, indent=2))

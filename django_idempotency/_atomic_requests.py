@@ -40,7 +40,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.urls import get_resolver, get_urlconf
 
-from django_idempotency import endpoints, engine
+from django_idempotency import _endpoints, _http
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -68,7 +68,7 @@ def request_started(
     # Under ASGI this runs in a task of its own (Signal.asend): the value does not reach the
     # request, which finds None there, as it should.
     method = (environ or {}).get("REQUEST_METHOD") or (scope or {}).get("method")
-    engine.request_method.set(method.upper() if isinstance(method, str) else None)
+    _http.request_method.set(method.upper() if isinstance(method, str) else None)
     resolver = get_resolver(get_urlconf())
     if resolver not in _marked:
         mark_protected_views(resolver)
@@ -77,8 +77,8 @@ def request_started(
 def request_finished(sender: Any = None, **kwargs: Any) -> None:
     """``request_finished`` receiver: forget the method, so that no later request of the
     thread (or of a context copied from it) reads it."""
-    if engine.request_method.get() is not None:
-        engine.request_method.set(None)
+    if _http.request_method.get() is not None:
+        _http.request_method.set(None)
 
 
 def mark_protected_views(resolver: Any) -> int:
@@ -90,7 +90,7 @@ def mark_protected_views(resolver: Any) -> int:
             return 0
         marked = 0
         try:
-            for callback in endpoints.callbacks(resolver.urlconf_name):
+            for callback in _endpoints.callbacks(resolver.urlconf_name):
                 marked += _mark(callback)
         except Exception:
             # The URLconf does not import, or a view cannot be inspected: Django reports
@@ -108,16 +108,16 @@ def mark_protected_views(resolver: Any) -> int:
 
 def _mark(callback: Callable[..., Any]) -> int:
     existing: set[str] = getattr(callback, "_non_atomic_requests", set())
-    if isinstance(existing, engine.IdempotencyDatabase):
+    if isinstance(existing, _http.IdempotencyDatabase):
         return 0  # marked when it was made
-    table = endpoints.protected_methods(callback)
+    table = _endpoints.protected_methods(callback)
     if not table:
         return 0
     unknown = inspect.iscoroutinefunction(callback) or _every_method_reaches_the_engine(
         callback, table
     )
     try:
-        callback._non_atomic_requests = engine.IdempotencyDatabase(  # type: ignore[attr-defined]
+        callback._non_atomic_requests = _http.IdempotencyDatabase(  # type: ignore[attr-defined]
             existing, _protects(table), unknown
         )
     except AttributeError:  # a bound method (older django-ninja): left as it is
@@ -126,19 +126,19 @@ def _mark(callback: Callable[..., Any]) -> int:
 
 
 def _every_method_reaches_the_engine(
-    callback: Callable[..., Any], table: dict[str, engine.Options]
+    callback: Callable[..., Any], table: dict[str, _http.Options]
 ) -> bool:
     """Whether every method the view serves (``OPTIONS`` aside) goes through an adapter of
     this package, which runs the unprotected ones in the request's transaction itself."""
-    if endpoints.EVERY_METHOD in table:
+    if _endpoints.EVERY_METHOD in table:
         return True
-    served = endpoints.served_methods(callback)
+    served = _endpoints.served_methods(callback)
     return served is not None and served - {"OPTIONS"} <= set(table)
 
 
-def _protects(table: dict[str, engine.Options]) -> Callable[[str], bool]:
+def _protects(table: dict[str, _http.Options]) -> Callable[[str], bool]:
     def protects(method: str) -> bool:
-        options = table.get(method) or table.get(endpoints.EVERY_METHOD)
+        options = table.get(method) or table.get(_endpoints.EVERY_METHOD)
         return options is not None and options.protects(method)
 
     return protects

@@ -21,7 +21,7 @@ from typing import Any
 from django.db import connections, models, transaction
 from django.db.models import QuerySet
 
-from django_idempotency import retry, signals
+from django_idempotency import _retry, signals
 from django_idempotency.conf import app_settings
 
 Progress = Callable[[int, int], None]
@@ -161,7 +161,7 @@ def budgeted_batches(
 
     ``run(n)`` handles at most ``n`` rows in one short transaction and returns how many it
     handled; a short batch is the last one. It is run again on a deadlock or serialization
-    failure (:func:`retry.retrying`), so it must change nothing outside its transaction
+    failure (:func:`_retry.retrying`), so it must change nothing outside its transaction
     before that commits. ``size`` is a ceiling: a batch slower than ``BATCH_BUDGET_SECONDS``
     halves the next one (down to ``MIN_BATCH``), one well inside it doubles the next one
     back. ``limit``: at most that many batches. The purge and the key rotation
@@ -170,7 +170,7 @@ def budgeted_batches(
     taken, current = 0, size
     while limit is None or taken < limit:
         started = time.monotonic()
-        rows = retry.retrying(functools.partial(run, current))
+        rows = _retry.retrying(functools.partial(run, current))
         if rows == 0:
             return
         taken += 1

@@ -24,9 +24,8 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
-from django_idempotency import autonomous, conf, core, problems, signals, store
-from django_idempotency.conf import app_settings
-from django_idempotency.core import (
+from django_idempotency import _autonomous, _core, _problems, _store, conf, signals
+from django_idempotency._core import (
     FAIL,
     RETRY,
     IdempotencyContext,
@@ -34,6 +33,7 @@ from django_idempotency.core import (
     resolve_recovery,
     storable_name,
 )
+from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
 from django_idempotency.fingerprint import django_request, fingerprint_version
@@ -170,12 +170,12 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
         try:
             return parse_key(raw)
         except InvalidKey as exc:
-            return problems.KEY_INVALID.response(f"The {header} header is invalid: {exc}.")
+            return _problems.KEY_INVALID.response(f"The {header} header is invalid: {exc}.")
     try:
         value = conf.resolve_callable(options.key)(request)
         return None if value is None else validate_key(value)
     except InvalidKey as exc:
-        return problems.KEY_INVALID.response(f"The request's idempotency key is invalid: {exc}.")
+        return _problems.KEY_INVALID.response(f"The request's idempotency key is invalid: {exc}.")
 
 
 @functools.lru_cache(maxsize=8)
@@ -211,17 +211,17 @@ def handle(
                 if options.key is None
                 else getattr(options.key, "description", "idempotency key")
             )
-            return problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
+            return _problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
         return with_atomic_requests(alias, call_view)
     account = terms.account(request)
     if account is None or account == "":
-        return problems.ACCOUNT_MISSING.response(
+        return _problems.ACCOUNT_MISSING.response(
             "This request carries an idempotency key but no authenticated caller to scope it to."
         )
     if not isinstance(account, str):
         # Never coerced: str() of an object could name another caller's account.
         logger.error("the account resolver answered %s, not a string", type(account).__name__)
-        return problems.ACCOUNT_INVALID.response(
+        return _problems.ACCOUNT_INVALID.response(
             "The server could not name the caller this key belongs to; nothing was run."
         )
     context = IdempotencyContext(
@@ -239,7 +239,7 @@ class _Protected:
     __slots__ = ("context", "operation", "recovery", "request")
 
     def __init__(
-        self, request: Any, context: IdempotencyContext, operation: core.Operation, recovery: Any
+        self, request: Any, context: IdempotencyContext, operation: _core.Operation, recovery: Any
     ) -> None:
         self.request = request
         self.context = context
@@ -248,7 +248,7 @@ class _Protected:
 
     @classmethod
     def of(cls, request: Any, context: IdempotencyContext, terms: _Terms) -> _Protected:
-        operation = core.Operation(
+        operation = _core.Operation(
             terms.database,
             context.account,
             context.operation,
@@ -282,7 +282,7 @@ class _Protected:
             result = self.operation.claim()
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
-            autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
+            _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
             return self.store_unavailable(
                 "The request was not run because its idempotency key could not be recorded."
             )
@@ -291,7 +291,7 @@ class _Protected:
         return self.existing(result.state, call_view, allow_wait)
 
     def existing(
-        self, state: store.RecordState, call_view: Callable[[], HttpResponseBase], allow_wait: bool
+        self, state: _store.RecordState, call_view: Callable[[], HttpResponseBase], allow_wait: bool
     ) -> HttpResponseBase:
         """The answer when another attempt's record is in the way."""
         if (
@@ -300,7 +300,7 @@ class _Protected:
         ):
             logger.debug("payload mismatch on record %s (%s)", state.id, self.context.operation)
             self.send(signals.payload_mismatched)
-            return problems.KEY_REUSED.response(
+            return _problems.KEY_REUSED.response(
                 f"Key {self.context.key!r} was first used with a different request; "
                 "use a new key for a new operation."
             )
@@ -315,17 +315,17 @@ class _Protected:
         return self.conflict()
 
     def store_unavailable(self, detail: str) -> HttpResponse:
-        return problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
+        return _problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
 
     def conflict(self) -> HttpResponse:
         self.send(signals.request_conflicted)
-        return problems.KEY_IN_USE.response(
+        return _problems.KEY_IN_USE.response(
             f"A request with key {self.context.key!r} for {self.context.operation} is still "
             "in progress.",
             retry_after=app_settings.RETRY_AFTER,
         )
 
-    def wait_for(self, state: store.RecordState) -> HttpResponseBase | None:
+    def wait_for(self, state: _store.RecordState) -> HttpResponseBase | None:
         """Poll, with short autocommit reads, until the original finishes; never longer than
         ``IN_PROGRESS_WAIT``, and no lock is held meanwhile. ``None``: the record is gone or
         its lease went stale."""
@@ -349,7 +349,7 @@ class _Protected:
                 return None
         return self.conflict()
 
-    def done(self, state: store.RecordState) -> HttpResponse:
+    def done(self, state: _store.RecordState) -> HttpResponse:
         """The answer of a completed or failed record: its replay, or a refusal when its
         stored outcome cannot be read back (never a second run within its TTL)."""
         if state.unreadable is not None:
@@ -361,13 +361,13 @@ class _Protected:
         refusal = (
             problem
             if isinstance(problem, RecordUnreadable)
-            else core.refuse_unreadable(self.context, problem, self.request)
+            else _core.refuse_unreadable(self.context, problem, self.request)
         )
-        return problems.RECORD_UNREADABLE.response(
+        return _problems.RECORD_UNREADABLE.response(
             str(refusal), retry_after=app_settings.RETRY_AFTER
         )
 
-    def replay(self, state: store.RecordState) -> HttpResponse:
+    def replay(self, state: _store.RecordState) -> HttpResponse:
         logger.debug("replaying record %s (%s)", state.id, self.context.operation)
         self.context.replayed = True
         self.context.record_id = state.id
@@ -381,7 +381,7 @@ class _Protected:
             self.context.record_id,
             self.context.operation,
         )
-        return problems.LEASE_LOST.response(
+        return _problems.LEASE_LOST.response(
             "This attempt took longer than its lease and a newer attempt took over; "
             "its work was rolled back.",
             retry_after=app_settings.RETRY_AFTER,
@@ -391,7 +391,7 @@ class _Protected:
 class _Owner:
     """The attempt that holds the lease: recovers a stale predecessor, runs the view fenced."""
 
-    def __init__(self, protected: _Protected, result: store.ClaimResult) -> None:
+    def __init__(self, protected: _Protected, result: _store.ClaimResult) -> None:
         self.protected = protected
         self.state = result.state
         self.takeover = result.took_over_stale_lease
@@ -422,37 +422,37 @@ class _Owner:
         name = recovery_name(policy)
         context = self.protected.context
         try:
-            recovered = core.recover(
+            recovered = _core.recover(
                 resolve_recovery(policy),
                 load_record=lambda: (
                     IdempotencyRecord.objects.using(self.alias)
                     .filter(pk=self.state.id, lease_token=self.token)
                     .first()
                 ),
-                fail_outcome=lambda: core.failure_outcome(context.key, context.operation),
+                fail_outcome=lambda: _core.failure_outcome(context.key, context.operation),
                 as_outcome=outcome_of,
-                close=lambda outcome: core.close(self.alias, self.state.id, self.token, outcome),
+                close=lambda outcome: _core.close(self.alias, self.state.id, self.token, outcome),
             )
         except StoreUnavailable:
-            core.give_back(self.alias, self.state.id, self.token)
+            _core.give_back(self.alias, self.state.id, self.token)
             return self.protected.store_unavailable(
                 "The recovery of an earlier attempt could not be recorded; nothing ran."
             )
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.
-            core.give_back(self.alias, self.state.id, self.token)
+            _core.give_back(self.alias, self.state.id, self.token)
             raise
         if recovered.lease_lost:
             return self.protected.lease_lost()
         if recovered.run:
             # Under "resume" the body runs again to resume after its recorded steps.
-            _recovered(context, name, "resumed" if name == core.RESUME else "retried")
+            _recovered(context, name, "resumed" if name == _core.RESUME else "retried")
             return None
         if recovered.undecided:
             # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:
             # the client gets it, the claim is released, and the next retry runs afresh.
-            core.release_quietly(self.alias, self.state.id, self.token)
+            _core.release_quietly(self.alias, self.state.id, self.token)
             _recovered(context, name, "released")
             undecided: HttpResponseBase = recovered.answer
             return undecided
@@ -470,8 +470,8 @@ class _Owner:
         """The view, its rendering and the completion, in one transaction (under
         ``"resume"``: the view's steps, each in its own, then the completion)."""
         try:
-            with core.running(self.protected.context):
-                fenced = core.run_owned(
+            with _core.running(self.protected.context):
+                fenced = _core.run_owned(
                     self.protected.recovery,
                     self.alias,
                     self.state.id,
@@ -480,7 +480,7 @@ class _Owner:
                     outcome_of,
                     fresh=not self.takeover,
                 )
-        except core.LeaseLost:
+        except _core.LeaseLost:
             return self.protected.lease_lost()
         except RecordUnreadable as refusal:
             # A recorded step (or an operation the view ran) whose outcome cannot be read
@@ -501,7 +501,7 @@ class _Owner:
             response.status_code < 500
             and response.status_code not in app_settings.TRANSIENT_STATUSES
         ):
-            return problems.RESPONSE_NOT_STORABLE.response(
+            return _problems.RESPONSE_NOT_STORABLE.response(
                 "The response could not be kept for replay (streamed, or larger than "
                 "MAX_RESPONSE_BYTES), so the request was rolled back."
             )
@@ -518,7 +518,7 @@ async def run_to_the_end(run: Callable[[], HttpResponseBase]) -> HttpResponseBas
     the attempt is shielded from that cancellation and goes on as a sync view would, so its
     outcome is stored and the client's retry gets it replayed. Were the attempt cancelled
     all the same (a server shutting down), the engine keeps the claim as a killed process
-    would (``core.CRASHES``): never a silent release, and never a second run that the
+    would (``_core.CRASHES``): never a silent release, and never a second run that the
     recovery policy did not choose.
     """
     attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=True)())
@@ -544,7 +544,7 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
 
 
 def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:
-    core.announce_recovery(
+    _core.announce_recovery(
         context.account, context.operation, context.key, policy, outcome, context.record_id
     )
 
@@ -573,21 +573,21 @@ def stored_headers(response: HttpResponseBase) -> list[list[str]]:
     return [[name, response[name]] for name in app_settings.stored_headers if name in response]
 
 
-def _outcome(response: HttpResponse, status: str) -> core.Outcome:
-    return core.Outcome(response.status_code, stored_headers(response), response.content, status)
+def _outcome(response: HttpResponse, status: str) -> _core.Outcome:
+    return _core.Outcome(response.status_code, stored_headers(response), response.content, status)
 
 
-def outcome_of(response: Any) -> core.Outcome | None:
+def outcome_of(response: Any) -> _core.Outcome | None:
     """What is stored for a response, or ``None`` when it cannot be kept and replayed."""
     if not isinstance(response, HttpResponseBase):
         return None
     response = rendered(response)
     if not isinstance(response, HttpResponse) or not is_storable(response):
         return None
-    return _outcome(response, core.COMPLETED)
+    return _outcome(response, _core.COMPLETED)
 
 
-def _response(outcome: core.Outcome) -> HttpResponse:
+def _response(outcome: _core.Outcome) -> HttpResponse:
     return _stored(outcome.body, outcome.response_status, outcome.headers)
 
 
@@ -610,7 +610,7 @@ def _stored(body: bytes, status: int, headers: list[list[str]]) -> HttpResponse:
     return response
 
 
-def replay_response(state: store.RecordState) -> HttpResponse:
+def replay_response(state: _store.RecordState) -> HttpResponse:
     """The stored outcome as a response: same status, same body bytes, same stored headers."""
     assert state.response_status is not None
     response = _stored(state.response_body or b"", state.response_status, state.response_headers)

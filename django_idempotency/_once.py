@@ -18,7 +18,7 @@ from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency import autonomous, core, validation
+from django_idempotency import _autonomous, _core, _validation
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import (
@@ -61,7 +61,7 @@ def fingerprint_of(value: Any) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def stored_result(result: Any) -> core.Outcome:
+def stored_result(result: Any) -> _core.Outcome:
     """The record's outcome for a return value; ``TypeError`` when it is not JSON."""
     try:
         body = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False).encode()
@@ -70,10 +70,10 @@ def stored_result(result: Any) -> core.Outcome:
             f"run_once stores the callable's result as JSON, and {type(result).__name__} "
             f"is not JSON ({exc}); nothing was committed"
         ) from exc
-    return core.Outcome(200, [["Content-Type", "application/json"]], body)
+    return _core.Outcome(200, [["Content-Type", "application/json"]], body)
 
 
-def outcome_of(result: Any) -> core.Outcome | None:
+def outcome_of(result: Any) -> _core.Outcome | None:
     """What is stored for a result, or ``None`` when it is not JSON (the recovery job's
     test of a recovery callable's answer)."""
     try:
@@ -153,13 +153,13 @@ def call_once(
     may use any name (the Celery adapter passes a task's own arguments through)."""
     # The decorator's rules, through the same code: a wrong value raises before anything runs.
     where = f"run_once(operation={operation!r})"
-    checked = validation.view_arguments(
+    checked = _validation.view_arguments(
         where, operation=operation, ttl=ttl, lease=lease, recovery=recovery
     )
     if not isinstance(account, str) or not account:
         raise ImproperlyConfigured(
             f"{where}: account must be a non-empty string naming who the key belongs to, "
-            f"such as 'consumer:shipping'; got {validation.describe(account)}."
+            f"such as 'consumer:shipping'; got {_validation.describe(account)}."
         )
     if operation is None:  # view_arguments reads None as "the default": there is none here
         raise ImproperlyConfigured(f"{where}: operation must be a non-empty string; got None.")
@@ -171,16 +171,16 @@ def call_once(
     except (TypeError, ValueError) as exc:
         raise ImproperlyConfigured(
             f"{where}: fingerprint must be a string or a JSON-able value; "
-            f"got {validation.describe(fingerprint)} ({exc})."
+            f"got {_validation.describe(fingerprint)} ({exc})."
         ) from None
-    op = core.Operation(
+    op = _core.Operation(
         alias=app_settings.DATABASE,
-        account=core.storable_name(account),
-        operation=core.storable_name(operation),
+        account=_core.storable_name(account),
+        operation=_core.storable_name(operation),
         key=validate_key(key),
         request_hash=request_hash,
         fingerprint_version=FINGERPRINT_VERSION,
-        recovery_policy=core.recovery_name(policy),
+        recovery_policy=_core.recovery_name(policy),
         ttl=ttl,
         lease=lease,
     )
@@ -188,7 +188,7 @@ def call_once(
         result = op.claim()
     except db.Error as exc:  # any error of the database's, InterfaceError included
         logger.warning("idempotency store unavailable during the claim of %s", op.operation)
-        autonomous.discard_broken(op.alias)  # the next call connects afresh
+        _autonomous.discard_broken(op.alias)  # the next call connects afresh
         raise StoreUnavailable(
             f"{op.operation} was not run: its idempotency key could not be recorded ({exc})"
         ) from exc
@@ -197,16 +197,16 @@ def call_once(
         return cast(T, _duplicate(op, state))
     assert state.lease_token is not None
     token = state.lease_token
-    context = core.IdempotencyContext(
+    context = _core.IdempotencyContext(
         key=op.key, operation=op.operation, account=op.account, record_id=state.id
     )
     if result.took_over_stale_lease:
-        recovered = _recover(op, state.id, token, core.resolve_recovery(policy))
+        recovered = _recover(op, state.id, token, _core.resolve_recovery(policy))
         if recovered is not None:
             return cast(T, recovered)
     try:
-        with core.running(context):
-            fenced = core.run_owned(
+        with _core.running(context):
+            fenced = _core.run_owned(
                 policy,
                 op.alias,
                 state.id,
@@ -215,7 +215,7 @@ def call_once(
                 stored_result,
                 fresh=not result.took_over_stale_lease,
             )
-    except core.LeaseLost:
+    except _core.LeaseLost:
         try:
             now_state = op.fetch()
         except db.Error:  # only the Retry-After is at stake
@@ -228,7 +228,7 @@ def call_once(
     return cast(T, fenced.result)
 
 
-def _duplicate(op: core.Operation, state: Any) -> Any:
+def _duplicate(op: _core.Operation, state: Any) -> Any:
     if (
         state.fingerprint_version == op.fingerprint_version
         and state.request_hash != op.request_hash
@@ -238,13 +238,13 @@ def _duplicate(op: core.Operation, state: Any) -> Any:
             "use a new key for a new operation"
         )
     if state.status == COMPLETED:
-        context = core.IdempotencyContext(op.key, op.operation, op.account, record_id=state.id)
+        context = _core.IdempotencyContext(op.key, op.operation, op.account, record_id=state.id)
         if state.unreadable is not None:
-            raise core.refuse_unreadable(context, state.unreadable)
+            raise _core.refuse_unreadable(context, state.unreadable)
         try:
             return json.loads(state.response_body) if state.response_body else None
         except (ValueError, RecursionError):
-            raise core.refuse_unreadable(
+            raise _core.refuse_unreadable(
                 context, Unreadable(None, "the stored result is not JSON")
             ) from None
     if state.status == FAILED:
@@ -258,37 +258,37 @@ def _duplicate(op: core.Operation, state: Any) -> Any:
     )
 
 
-def _recover(op: core.Operation, record_id: int, token: Any, policy: Any) -> Any:
+def _recover(op: _core.Operation, record_id: int, token: Any, policy: Any) -> Any:
     from django_idempotency.models import IdempotencyRecord
 
     try:
-        recovered = core.recover(
+        recovered = _core.recover(
             policy,
             load_record=lambda: (
                 IdempotencyRecord.objects.using(op.alias)
                 .filter(pk=record_id, lease_token=token)
                 .first()
             ),
-            fail_outcome=lambda: core.failure_outcome(op.key, op.operation),
+            fail_outcome=lambda: _core.failure_outcome(op.key, op.operation),
             as_outcome=stored_result,
-            close=lambda outcome: core.close(op.alias, record_id, token, outcome),
+            close=lambda outcome: _core.close(op.alias, record_id, token, outcome),
         )
     except Exception:  # StoreUnavailable, or a policy that could not decide
-        core.give_back(op.alias, record_id, token)
+        _core.give_back(op.alias, record_id, token)
         raise
     if recovered.lease_lost:
         raise LeaseTakenOver(
             f"the recovery of {op.operation} lost its lease to another attempt",
             retry_after=seconds_left(None),
         )
-    name = core.recovery_name(policy)
+    name = _core.recovery_name(policy)
 
     def announce(outcome: str) -> None:
-        core.announce_recovery(op.account, op.operation, op.key, name, outcome, record_id)
+        _core.announce_recovery(op.account, op.operation, op.key, name, outcome, record_id)
 
     if recovered.run:
         # As the request path says it: the policy ran the callable again, or resumes it.
-        announce("resumed" if policy == core.RESUME else "retried")
+        announce("resumed" if policy == _core.RESUME else "retried")
         return None
     assert recovered.outcome is not None
     if recovered.outcome.status == FAILED:

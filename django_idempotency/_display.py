@@ -26,7 +26,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_idempotency import storable
+from django_idempotency import _storable
 from django_idempotency.models import IdempotencyStep
 
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); a page shows at most this
@@ -63,7 +63,7 @@ def read_json(text: str | None) -> tuple[Any, str | None]:
     if text is None:
         return None, _("nothing stored")
     try:
-        return storable.read_json(text), None
+        return _storable.read_json(text), None
     except ValueError as exc:
         return None, str(exc)
 
@@ -184,7 +184,7 @@ def _pre(text: str, css_class: str, *notes: str) -> SafeString:
         )
         text = text[:PREVIEW_CHARS]
     # A lone surrogate (from a JSON escape) cannot be encoded into the page: show it escaped.
-    shown = format_html('<pre class="{}">{}</pre>', css_class, storable.storable_text(text))
+    shown = format_html('<pre class="{}">{}</pre>', css_class, _storable.storable_text(text))
     if not notes:
         return shown
     return format_html("{}{}", shown, format_html_join("", "<p>{}</p>", ((n,) for n in notes)))

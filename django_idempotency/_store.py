@@ -31,10 +31,10 @@ from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_idempotency import crypto, states, storable
+from django_idempotency import _storable, crypto, states
+from django_idempotency._retry import is_retryable, retrying
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.retry import is_retryable, retrying
 from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
 __all__ = [
@@ -166,7 +166,7 @@ def _stored_response(
         headers, body, unreadable = crypto.opened(headers, body)
         if unreadable is not None:
             return [], None, unreadable
-    if not storable.header_pairs(headers):
+    if not _storable.header_pairs(headers):
         return [], None, crypto.Unreadable(None, "the stored headers are not [name, value] pairs")
     if response_status.__class__ is not int or not 100 <= response_status <= 599:
         return [], None, crypto.Unreadable(None, "the record holds no valid response status")

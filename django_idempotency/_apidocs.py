@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import engine, problems, sources
+from django_idempotency import _http, _problems, sources
 from django_idempotency.conf import app_settings
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -40,7 +40,7 @@ def code_schema() -> dict[str, Any]:
     """The ``code`` member of this package's problems: every code it can answer with."""
     return {
         "type": "string",
-        "enum": [p.code for p in problems.ALL_PROBLEMS],
+        "enum": [p.code for p in _problems.ALL_PROBLEMS],
         "description": "The stable, machine-readable reason of a django-idempotency problem.",
     }
 
@@ -57,7 +57,7 @@ def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
             "type": {
                 "type": "string",
                 "description": "`urn:django-idempotency:<code>`.",
-                "example": problems.KEY_IN_USE.type,
+                "example": _problems.KEY_IN_USE.type,
             },
             "title": {"type": "string"},
             "status": {"type": "integer"},
@@ -68,7 +68,7 @@ def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def key_header(options: engine.Options) -> str | None:
+def key_header(options: _http.Options) -> str | None:
     """The header a protected operation takes its key from: the ``HEADER`` setting's, the
     one of a ``sources.header(...)``, or ``None`` when the key is elsewhere (a webhook's
     JSON body, a form field, a function of the view's): then no key header is documented."""
@@ -85,10 +85,10 @@ def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
     purpose = (
         "One key per logical operation: make it when the user acts (a UUID is fine) and "
         "send the same key with every retry of that operation. A retry gets the original "
-        f"response, marked `{engine.REPLAYED_HEADER}: true`."
+        f"response, marked `{_http.REPLAYED_HEADER}: true`."
         if name.lower() == app_settings.HEADER.lower()
         else "The sender's id of this delivery, the same on every redelivery of it. A "
-        f"redelivery gets the original response, marked `{engine.REPLAYED_HEADER}: true`."
+        f"redelivery gets the original response, marked `{_http.REPLAYED_HEADER}: true`."
     )
     return {
         "in": "header",
@@ -131,8 +131,8 @@ def retry_after_header() -> dict[str, Any]:
 def _problem_description(status: int, required: bool) -> str:
     found = [
         f"`{p.code}`: {p.title}."
-        for p in problems.ALL_PROBLEMS
-        if p.status == status and (required or p is not problems.KEY_MISSING)
+        for p in _problems.ALL_PROBLEMS
+        if p.status == status and (required or p is not _problems.KEY_MISSING)
     ]
     return " ".join(found)
 
@@ -143,7 +143,7 @@ def _is_replayable(code: str) -> bool:
 
 
 def document_operation(
-    operation: dict[str, Any], options: engine.Options, problem_ref: dict[str, Any]
+    operation: dict[str, Any], options: _http.Options, problem_ref: dict[str, Any]
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``.
 
@@ -164,7 +164,7 @@ def document_operation(
     # The view's own answers below 500 are stored and replayed with the marker header.
     for code, response in responses.items():
         if _is_replayable(code) and "$ref" not in response:
-            response.setdefault("headers", {})[engine.REPLAYED_HEADER] = replayed_header()
+            response.setdefault("headers", {})[_http.REPLAYED_HEADER] = replayed_header()
 
     for status in DOCUMENTED_STATUSES:
         description = _problem_description(status, required)
@@ -176,6 +176,6 @@ def document_operation(
         response["description"] = "\n\n".join(
             filter(None, [response.get("description"), description])
         )
-        response.setdefault("content", {})[problems.PROBLEM_CONTENT_TYPE] = {"schema": problem_ref}
+        response.setdefault("content", {})[_problems.PROBLEM_CONTENT_TYPE] = {"schema": problem_ref}
         if status in _RETRY_AFTER_STATUSES:
             response.setdefault("headers", {})["Retry-After"] = retry_after_header()

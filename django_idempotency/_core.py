@@ -25,7 +25,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
-from django_idempotency import autonomous, conf, problems, signals, storable, store
+from django_idempotency import _autonomous, _problems, _storable, _store, conf, signals
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, SimulatedCrash, StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
@@ -109,7 +109,7 @@ def _plain(name: str) -> bool:
     # text_problem: a NUL or a lone surrogate, which no database stores.
     if name.startswith(HASHED) or (name and name[-1].isspace()):
         return False
-    return storable.text_problem(name) is None
+    return _storable.text_problem(name) is None
 
 
 def recovery_name(recovery: str | Callable[..., Any]) -> str:
@@ -140,10 +140,10 @@ class Operation:
     lease: timedelta
     ttl: timedelta
 
-    def claim(self) -> store.ClaimResult:
-        """Claim the record (see :func:`store.claim`), now, committed at once whatever
+    def claim(self) -> _store.ClaimResult:
+        """Claim the record (see :func:`_store.claim`), now, committed at once whatever
         transaction the caller is in (see :mod:`.autonomous`)."""
-        request = store.ClaimRequest(
+        request = _store.ClaimRequest(
             self.account,
             self.operation,
             self.key,
@@ -154,26 +154,26 @@ class Operation:
             self.lease,
             self.ttl,
         )
-        if not autonomous.in_callers_transaction(connections[self.alias]):
+        if not _autonomous.in_callers_transaction(connections[self.alias]):
             # The usual case: autocommit (or a test case's transaction), where the claim
             # commits at once on the caller's own connection.
-            return store.claim(self.alias, request)
-        autonomous.refuse_unkeepable(self.alias, self.recovery_policy, self.operation)
-        if autonomous.separate(self.alias):
+            return _store.claim(self.alias, request)
+        _autonomous.refuse_unkeepable(self.alias, self.recovery_policy, self.operation)
+        if _autonomous.separate(self.alias):
             # The caller's transaction may hold this key's outcome already, not yet committed
             # (an earlier call with the key in the same transaction): its own view of the
             # record answers, where the second connection would see the claim in progress,
             # or wait for the caller's lock on the row to take a stale lease over.
-            own = store.fetch(self.alias, self.account, self.operation, self.key)
+            own = _store.fetch(self.alias, self.account, self.operation, self.key)
             if own is not None and own.status != IN_PROGRESS and not own.replaceable_by(request):
-                return store.ClaimResult(state=own, claimed=False)
-        with autonomous.claiming(self.alias):
-            return store.claim(self.alias, request)
+                return _store.ClaimResult(state=own, claimed=False)
+        with _autonomous.claiming(self.alias):
+            return _store.claim(self.alias, request)
 
-    def fetch(self) -> store.RecordState | None:
+    def fetch(self) -> _store.RecordState | None:
         """The record as it is now (committed state, whatever the caller's transaction)."""
-        with autonomous.claiming(self.alias):
-            return store.fetch(self.alias, self.account, self.operation, self.key)
+        with _autonomous.claiming(self.alias):
+            return _store.fetch(self.alias, self.account, self.operation, self.key)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def finish(
 
     On the caller's connection: inside a fenced execution it commits with the work.
     """
-    return store.finish(
+    return _store.finish(
         alias,
         record_id,
         token,
@@ -212,9 +212,9 @@ def failure_outcome(key: str, operation: str) -> Outcome:
         "took effect is unknown and needs reconciliation. It will not be run again."
     )
     return Outcome(
-        problems.OUTCOME_UNKNOWN.status,
-        [["Content-Type", problems.PROBLEM_CONTENT_TYPE]],
-        problems.OUTCOME_UNKNOWN.body(detail),
+        _problems.OUTCOME_UNKNOWN.status,
+        [["Content-Type", _problems.PROBLEM_CONTENT_TYPE]],
+        _problems.OUTCOME_UNKNOWN.body(detail),
         FAILED,
     )
 
@@ -251,7 +251,7 @@ class Fenced(Generic[T]):
 def close(alias: str, record_id: int, token: Any, outcome: Outcome) -> bool:
     """Store a recovery policy's ``outcome`` at once, outside any transaction of the caller's
     (it decides the record for every retry, whatever the caller does next)."""
-    with autonomous.claiming(alias):
+    with _autonomous.claiming(alias):
         return finish(alias, record_id, token, outcome)
 
 
@@ -262,17 +262,17 @@ def release_quietly(alias: str, record_id: int, token: Any) -> None:
     (a terminated backend, a restarted server) is replaced and the release tried once more,
     so that an attempt that failed for the connection's sake leaves no claim behind.
     """
-    _claim_side(alias, lambda: store.release(alias, record_id, token), "release a claim")
+    _claim_side(alias, lambda: _store.release(alias, record_id, token), "release a claim")
 
 
 def _claim_side(alias: str, statement: Callable[[], object], what: str) -> None:
     for attempt in (1, 2):
         try:
-            with autonomous.claiming(alias):
+            with _autonomous.claiming(alias):
                 statement()
             return
         except db.Error:
-            if attempt == 1 and autonomous.discard_broken(alias):
+            if attempt == 1 and _autonomous.discard_broken(alias):
                 continue
             # The lease runs out on its own; the recovery policy takes it from there.
             logger.exception("could not %s of idempotency; its lease will expire", what)
@@ -311,12 +311,12 @@ def run_fenced(
                 outcome = judge(result)
                 if outcome is None or transaction.get_rollback(using=alias):
                     raise _RolledBack(result, outcome)
-                _store(alias, record_id, token, outcome)
+                _complete(alias, record_id, token, outcome)
         except _RolledBack as rolled_back:
             if rolled_back.outcome is None:
                 release_quietly(alias, record_id, token)
                 return Fenced(rolled_back.result, stored=False)
-            _store(alias, record_id, token, rolled_back.outcome)
+            _complete(alias, record_id, token, rolled_back.outcome)
             return Fenced(rolled_back.result, stored=True)
         return Fenced(result, stored=True)
     except _KEEP_CLAIM:
@@ -339,7 +339,7 @@ def run_fenced(
         _steps.reset(outer_steps)
 
 
-def _store(alias: str, record_id: int, token: Any, outcome: Outcome) -> None:
+def _complete(alias: str, record_id: int, token: Any, outcome: Outcome) -> None:
     """Store ``outcome``, fenced: :class:`LeaseLost` when another attempt owns the record,
     ``StoreUnavailable`` when the statement fails."""
     try:
@@ -446,7 +446,7 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
             with transaction.atomic(using=steps.alias):
                 recorded = _step_json(name, func(*args, **kwargs))
                 try:
-                    kept = store.record_step(
+                    kept = _store.record_step(
                         steps.alias, steps.record_id, steps.token, name, recorded, timezone.now()
                     )
                 except db.Error as exc:
@@ -484,7 +484,7 @@ def run_resumable(
     record now: at a step, or at the completion.
     """
     try:
-        recorded = store.recorded_steps(alias, record_id)
+        recorded = _store.recorded_steps(alias, record_id)
     except db.Error as exc:
         (release_quietly if fresh else give_back)(alias, record_id, token)
         raise _store_failed(exc) from exc
@@ -505,7 +505,7 @@ def run_resumable(
         return Fenced(result, stored=False)
     try:
         with transaction.atomic(using=alias):
-            _store(alias, record_id, token, outcome)
+            _complete(alias, record_id, token, outcome)
     except db.Error as exc:  # the commit
         give_back(alias, record_id, token)
         raise _store_failed(exc) from exc
@@ -665,7 +665,7 @@ def give_back(alias: str, record_id: int, token: Any, now: datetime | None = Non
     """End an owned lease now, keeping the record in progress (stale) for the next ask."""
     moment = now or timezone.now()
     _claim_side(
-        alias, lambda: store.give_back(alias, record_id, token, moment), "give a lease back"
+        alias, lambda: _store.give_back(alias, record_id, token, moment), "give a lease back"
     )
 
 

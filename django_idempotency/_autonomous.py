@@ -47,7 +47,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_idempotency import retry
+from django_idempotency import _retry
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -169,7 +169,7 @@ def claiming(alias: str) -> Iterator[None]:
     claim = _second_connection(connection)
     connections[alias] = claim
     try:
-        with _bounded(claim, app_settings.CLAIM_TIMEOUT), retry.bounded():
+        with _bounded(claim, app_settings.CLAIM_TIMEOUT), _retry.bounded():
             yield
     finally:
         connections[alias] = connection
