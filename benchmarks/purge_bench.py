@@ -95,9 +95,14 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
     from django.utils import timezone
 
     from django_idempotency import _store
+    from django_idempotency._operation import Operation
 
     samples: list[tuple[float, str, float]] = []
-    _store.fetch("default", "warm", "up", "connection")
+    _store.fetch(
+        Operation(
+            "default", "warm", "up", "connection", "", "v1", "retry", timedelta(0), timedelta(0)
+        )
+    )
     for n in paced(rate, stop_file, cap):
         if n % 2:
             kind = "new"
@@ -106,19 +111,19 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
             kind = "expired"
             # A prime stride: every expired record is claimed at most once.
             account, key = expired_key((n // 2 * 7919) % rows + 1)
-        request = _store.ClaimRequest(
+        request = Operation(
+            alias="default",
             account=account,
             operation=OPERATION,
             key=key,
             request_hash=hashlib.sha256(key.encode()).hexdigest(),
             fingerprint_version="v1",
             recovery_policy="retry",
-            now=timezone.now(),
             lease=timedelta(seconds=60),
             ttl=timedelta(hours=24),
         )
         started = time.perf_counter()
-        result = _store.claim("default", request)
+        result = _store.claim(request, timezone.now())
         elapsed = time.perf_counter() - started
         if not result.claimed:
             kind += "-not-claimed"

@@ -9,7 +9,7 @@ with a realistic mix, for each size in turn:
 - 617 accounts, three operations, random 32-hex-digit keys (as clients' UUIDs are), a
   250-byte stored body;
 
-then measures, through the engine's store (``_store.claim`` and ``_store.finish``, the
+then measures, through the engine's store (``_store.claim`` and ``_store.complete``, the
 statements a request runs): the claim of a new key, a whole first request (claim, then the
 fenced completion in its own transaction), and a replay (the claim statement meeting a
 completed record), interleaved, one connection; the table's and each index's size; and the
@@ -104,18 +104,16 @@ def log(message: str) -> None:
 
 
 def claim_request(account: str, key: str, operation: str = OPERATIONS[0]) -> Any:
-    from django.utils import timezone
+    from django_idempotency._operation import Operation
 
-    from django_idempotency import _store
-
-    return _store.ClaimRequest(
+    return Operation(
+        alias=ALIAS,
         account=account,
         operation=operation,
         key=key,
         request_hash=hashlib.sha256(key.encode()).hexdigest(),
         fingerprint_version="v1",
         recovery_policy="retry",
-        now=timezone.now(),
         lease=timedelta(seconds=60),
         ttl=timedelta(hours=24),
     )
@@ -123,11 +121,13 @@ def claim_request(account: str, key: str, operation: str = OPERATIONS[0]) -> Any
 
 def claim(account: str, key: str) -> tuple[Any, float]:
     """One claim statement; (its result, milliseconds)."""
+    from django.utils import timezone
+
     from django_idempotency import _store
 
     request = claim_request(account, key)
     started = time.perf_counter()
-    result = _store.claim(ALIAS, request)
+    result = _store.claim(request, timezone.now())
     return result, (time.perf_counter() - started) * 1000
 
 
@@ -140,11 +140,11 @@ def complete(result: Any) -> float:
 
     started = time.perf_counter()
     with transaction.atomic(using=ALIAS):
-        done = _store.finish(
+        done = _store.complete(
             ALIAS,
             result.state.id,
             result.state.lease_token,
-            status=_store.COMPLETED,
+            status="completed",
             response_status=201,
             response_headers=HEADERS,
             response_body=BODY,
@@ -256,15 +256,17 @@ def latency(rows: int, samples: int, window: int = 50) -> dict[str, Any]:
 
 
 def claim_stored(rows: int) -> float:
-    from django_idempotency import _store
+    from django.utils import timezone
+
+    from django_idempotency import _store, states
 
     account, operation, key = stored_key(rows)
     request = claim_request(account, key, operation)
     started = time.perf_counter()
-    result = _store.claim(ALIAS, request)
+    result = _store.claim(request, timezone.now())
     elapsed = (time.perf_counter() - started) * 1000
     assert not result.claimed, result
-    assert result.state.status == _store.COMPLETED, result
+    assert result.state.status == states.COMPLETED, result
     return elapsed
 
 

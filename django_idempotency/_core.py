@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from django import db
@@ -25,7 +24,8 @@ from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
-from django_idempotency import _autonomous, _problems, _storable, _store, conf, signals
+from django_idempotency import _autonomous, _problems, _store, conf, signals
+from django_idempotency._operation import Operation, storable_name
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, SimulatedCrash, StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
@@ -84,34 +84,6 @@ def running(context: IdempotencyContext) -> Iterator[None]:
         _current.reset(token)
 
 
-_MAX_NAME = 255
-#: What a name stored by its hash begins with. A name given with this beginning is itself
-#: stored by its hash, so no name stored as it is can take the form of a hashed one.
-HASHED = "sha256:"
-
-
-def storable_name(name: str) -> str:
-    """An account or operation as stored: itself, or ``sha256:<hex>`` of it.
-
-    Stored as it is when every supported database keeps it apart from every other name: at
-    most 255 characters, no NUL, no lone surrogate, no whitespace at its end (MariaDB's
-    collations compare ``'t1'`` and ``'t1 '`` as equal), and not beginning with ``sha256:``.
-    Any other name is stored by its hash: ``sha256:`` and 64 hex digits, which no name
-    stored as it is can spell. Deterministic, so every retry maps to the same record, and
-    two different names never share one (short of a SHA-256 collision).
-    """
-    if len(name) <= _MAX_NAME and _plain(name):
-        return name
-    return HASHED + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _plain(name: str) -> bool:
-    # text_problem: a NUL or a lone surrogate, which no database stores.
-    if name.startswith(HASHED) or (name and name[-1].isspace()):
-        return False
-    return _storable.text_problem(name) is None
-
-
 def recovery_name(recovery: str | Callable[..., Any]) -> str:
     """How a recovery policy is stored on the record, so the recovery job can apply it."""
     if isinstance(recovery, str):
@@ -126,54 +98,31 @@ def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
     return recovery
 
 
-@dataclass(slots=True)
-class Operation:
-    """What one claim is for: the record's identity, the request's fingerprint, its terms."""
+def claim(op: Operation) -> _store.ClaimResult:
+    """Claim ``op``'s record (see :func:`._store.claim`), now, committed at once whatever
+    transaction the caller is in (see :mod:`._autonomous`)."""
+    now = timezone.now()
+    if not _autonomous.in_callers_transaction(connections[op.alias]):
+        # The usual case: autocommit (or a test case's transaction), where the claim
+        # commits at once on the caller's own connection.
+        return _store.claim(op, now)
+    _autonomous.refuse_unkeepable(op.alias, op.recovery_policy, op.operation)
+    if _autonomous.separate(op.alias):
+        # The caller's transaction may hold this key's outcome already, not yet committed
+        # (an earlier call with the key in the same transaction): its own view of the
+        # record answers, where the second connection would see the claim in progress,
+        # or wait for the caller's lock on the row to take a stale lease over.
+        own = _store.fetch(op)
+        if own is not None and own.status != IN_PROGRESS and not own.replaceable_by(op, now):
+            return _store.ClaimResult(state=own, claimed=False)
+    with _autonomous.claiming(op.alias):
+        return _store.claim(op, now)
 
-    alias: str
-    account: str
-    operation: str
-    key: str
-    request_hash: str
-    fingerprint_version: str
-    recovery_policy: str
-    lease: timedelta
-    ttl: timedelta
 
-    def claim(self) -> _store.ClaimResult:
-        """Claim the record (see :func:`_store.claim`), now, committed at once whatever
-        transaction the caller is in (see :mod:`.autonomous`)."""
-        request = _store.ClaimRequest(
-            self.account,
-            self.operation,
-            self.key,
-            self.request_hash,
-            self.fingerprint_version,
-            self.recovery_policy,
-            timezone.now(),
-            self.lease,
-            self.ttl,
-        )
-        if not _autonomous.in_callers_transaction(connections[self.alias]):
-            # The usual case: autocommit (or a test case's transaction), where the claim
-            # commits at once on the caller's own connection.
-            return _store.claim(self.alias, request)
-        _autonomous.refuse_unkeepable(self.alias, self.recovery_policy, self.operation)
-        if _autonomous.separate(self.alias):
-            # The caller's transaction may hold this key's outcome already, not yet committed
-            # (an earlier call with the key in the same transaction): its own view of the
-            # record answers, where the second connection would see the claim in progress,
-            # or wait for the caller's lock on the row to take a stale lease over.
-            own = _store.fetch(self.alias, self.account, self.operation, self.key)
-            if own is not None and own.status != IN_PROGRESS and not own.replaceable_by(request):
-                return _store.ClaimResult(state=own, claimed=False)
-        with _autonomous.claiming(self.alias):
-            return _store.claim(self.alias, request)
-
-    def fetch(self) -> _store.RecordState | None:
-        """The record as it is now (committed state, whatever the caller's transaction)."""
-        with _autonomous.claiming(self.alias):
-            return _store.fetch(self.alias, self.account, self.operation, self.key)
+def fetch(op: Operation) -> _store.RecordState | None:
+    """``op``'s record as it is now (committed state, whatever the caller's transaction)."""
+    with _autonomous.claiming(op.alias):
+        return _store.fetch(op)
 
 
 @dataclass(frozen=True)
@@ -193,7 +142,7 @@ def finish(
 
     On the caller's connection: inside a fenced execution it commits with the work.
     """
-    return _store.finish(
+    return _store.complete(
         alias,
         record_id,
         token,
@@ -681,8 +630,10 @@ __all__ = [
     "Operation",
     "Outcome",
     "Recovered",
+    "claim",
     "close",
     "current",
+    "fetch",
     "finish",
     "recover",
     "recovery_name",

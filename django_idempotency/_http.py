@@ -279,7 +279,7 @@ class _Protected:
     ) -> HttpResponseBase:
         """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
-            result = self.operation.claim()
+            result = _core.claim(self.operation)
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
@@ -335,7 +335,7 @@ class _Protected:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.25)
             try:
-                current = self.operation.fetch()
+                current = _core.fetch(self.operation)
             except db.Error:
                 logger.exception("idempotency store unavailable while waiting for a record")
                 return self.store_unavailable(

@@ -185,7 +185,7 @@ def call_once(
         lease=lease,
     )
     try:
-        result = op.claim()
+        result = _core.claim(op)
     except db.Error as exc:  # any error of the database's, InterfaceError included
         logger.warning("idempotency store unavailable during the claim of %s", op.operation)
         _autonomous.discard_broken(op.alias)  # the next call connects afresh
@@ -217,7 +217,7 @@ def call_once(
             )
     except _core.LeaseLost:
         try:
-            now_state = op.fetch()
+            now_state = _core.fetch(op)
         except db.Error:  # only the Retry-After is at stake
             now_state = None
         raise LeaseTakenOver(

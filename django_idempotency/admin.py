@@ -40,7 +40,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _display, _stats, _store, crypto, maintenance, outbox
+from django_idempotency import _display, _stats, crypto, maintenance, outbox, states
 from django_idempotency._core import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
@@ -136,7 +136,7 @@ class ReadableFilter(admin.SimpleListFilter):
 
 def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
-    if record.status != _store.IN_PROGRESS or record.lease_expires_at is None:
+    if record.status != states.IN_PROGRESS or record.lease_expires_at is None:
         return "-"
     now = now or timezone.now()
     if record.lease_expires_at > now:

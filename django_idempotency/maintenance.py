@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from django_idempotency import _core, _http, _once, _store, crypto
+from django_idempotency import _core, _http, _once, _store, crypto, states
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
@@ -285,7 +285,7 @@ def _apply(alias: str, row: _Stale, policy: _http.Recovery, now: datetime) -> st
         status = getattr(recovered.answer, "status_code", None)
         raise _Unstorable(f"recovery answered {status}, which cannot be replayed")
     assert recovered.outcome is not None
-    return FAILED if recovered.outcome.status == _store.FAILED else COMPLETED
+    return FAILED if recovered.outcome.status == states.FAILED else COMPLETED
 
 
 def _close(alias: str, row: _Stale, outcome: _core.Outcome, now: datetime) -> bool:

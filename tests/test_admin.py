@@ -15,7 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django.utils.html import escape
 
-from django_idempotency import _display, _store
+from django_idempotency import _display, states
 from django_idempotency import admin as records_admin
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
@@ -331,7 +331,7 @@ def test_detail_is_read_only(admin_client):
     response = admin_client.post(detail_url(record), {"status": RecordStatus.FAILED})
     assert response.status_code == 403
     record.refresh_from_db()
-    assert record.status == _store.COMPLETED
+    assert record.status == states.COMPLETED
 
 
 def test_no_add_and_no_delete(admin_client):
@@ -386,9 +386,9 @@ def test_mark_as_failed(admin_client):
     response = run_action(admin_client, "mark_as_failed", old, running)
     old.refresh_from_db()
     running.refresh_from_db()
-    assert old.status == _store.FAILED
+    assert old.status == states.FAILED
     assert json.loads(old.response_body)["code"] == "idempotency_outcome_unknown"
-    assert running.status == _store.IN_PROGRESS
+    assert running.status == states.IN_PROGRESS
     assert messages_of(response)[0].startswith("1 of 2 selected records marked as failed.")
 
 
@@ -465,7 +465,7 @@ def test_staff_with_the_view_permission_sees_but_cannot_act():
         run_action(client, action, old, gone)
     assert IdempotencyRecord.objects.filter(pk__in=[old.pk, gone.pk]).count() == 2
     old.refresh_from_db()
-    assert old.status == _store.IN_PROGRESS
+    assert old.status == states.IN_PROGRESS
 
 
 def test_change_permission_allows_release_and_mark_failed_but_not_purge():

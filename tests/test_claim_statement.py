@@ -14,7 +14,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency import _store
+from django_idempotency import _store, states
+from django_idempotency._operation import Operation
+from django_idempotency._store.postgres import claim_sql
+from django_idempotency._store.records import from_epoch
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import needs_drf, new_key
 
@@ -24,32 +27,34 @@ postgresql_only = pytest.mark.skipif(
 )
 
 
-def claim_request(**overrides: object) -> _store.ClaimRequest:
+NOW = datetime(2026, 12, 2, 9, 31, 7, 123457, tzinfo=UTC)
+
+
+def claim_request(**overrides: object) -> Operation:
     values: dict[str, object] = {
+        "alias": "default",
         "account": "user:1",
         "operation": "charge.create",
         "key": uuid.uuid4().hex,
         "request_hash": "a" * 64,
         "fingerprint_version": "v1",
         "recovery_policy": "retry",
-        # Odd microseconds: every digit of the time must come back.
-        "now": datetime(2026, 12, 2, 9, 31, 7, 123457, tzinfo=UTC),
         "lease": timedelta(seconds=61, microseconds=3),
         "ttl": timedelta(days=3, microseconds=999_999),
     }
     values.update(overrides)
-    return _store.ClaimRequest(**values)  # type: ignore[arg-type]
+    return Operation(**values)  # type: ignore[arg-type]
 
 
 def complete(
     state: _store.RecordState, now: datetime = datetime(2026, 12, 2, 9, 31, 8, tzinfo=UTC)
 ) -> None:
     assert state.lease_token is not None
-    assert _store.finish(
+    assert _store.complete(
         "default",
         state.id,
         state.lease_token,
-        status=_store.COMPLETED,
+        status=states.COMPLETED,
         response_status=201,
         response_headers=[["Content-Type", "application/json"]],
         response_body=b"{}",
@@ -61,19 +66,19 @@ def complete(
 @pytest.mark.parametrize("complete_first", [False, True], ids=["in progress", "completed"])
 def test_the_record_in_the_way_reads_as_the_record_itself(complete_first):
     request = claim_request()
-    first = _store.claim("default", request)
+    first = _store.claim(request, NOW)
     assert first.claimed
     if complete_first:
         complete(first.state)
-    again = _store.claim("default", request)
+    again = _store.claim(request, NOW)
     assert not again.claimed
-    stored = _store.fetch("default", request.account, request.operation, request.key)
+    stored = _store.fetch(request)
     assert stored is not None
     # The claim reads the times as doubles: to the microsecond, the stored ones.
-    assert again.state.expires_at == stored.expires_at == request.now + request.ttl
+    assert again.state.expires_at == stored.expires_at == NOW + request.ttl
     assert again.state.lease_expires_at == stored.lease_expires_at
     if not complete_first:
-        assert stored.lease_expires_at == request.now + request.lease
+        assert stored.lease_expires_at == NOW + request.lease
     assert again.state.status == stored.status
     assert again.state.request_hash == stored.request_hash
     assert again.state.response_headers == stored.response_headers
@@ -82,7 +87,7 @@ def test_the_record_in_the_way_reads_as_the_record_itself(complete_first):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_new_claim_holds_the_lease_token_that_was_stored():
-    result = _store.claim("default", claim_request())
+    result = _store.claim(claim_request(), NOW)
     assert result.claimed
     token = result.state.lease_token
     assert isinstance(token, uuid.UUID)
@@ -92,13 +97,13 @@ def test_a_new_claim_holds_the_lease_token_that_was_stored():
     assert record.expires_at == result.state.expires_at
     # The completion is fenced by that token: it is the owner's.
     complete(result.state)
-    assert IdempotencyRecord.objects.get(pk=result.state.id).status == _store.COMPLETED
+    assert IdempotencyRecord.objects.get(pk=result.state.id).status == states.COMPLETED
 
 
 @pytest.mark.django_db(transaction=True)
 def test_two_claims_draw_two_lease_tokens():
-    first = _store.claim("default", claim_request())
-    second = _store.claim("default", claim_request())
+    first = _store.claim(claim_request(), NOW)
+    second = _store.claim(claim_request(), NOW)
     assert first.claimed
     assert second.claimed
     assert first.state.lease_token != second.state.lease_token
@@ -118,16 +123,16 @@ HOSTILE_NAMES = [
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
 def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
-    others = _store.claim("default", claim_request(operation="other"))
+    others = _store.claim(claim_request(operation="other"), NOW)
     request = claim_request(operation=name, fingerprint_version=name, recovery_policy="fail")
     with CaptureQueriesContext(connection) as queries:
-        first = _store.claim("default", request)
+        first = _store.claim(request, NOW)
     assert first.claimed
-    sql = _store._postgres_claim_sql("default", name, name, "fail", request.lease, request.ttl)
+    sql = claim_sql("default", name, name, "fail", request.lease, request.ttl)
     assert f"'{name}'" not in sql
     assert "%(operation)s" in sql
     assert "%(fingerprint_version)s" in sql
-    again = _store.claim("default", request)
+    again = _store.claim(request, NOW)
     assert not again.claimed
     assert again.state.id == first.state.id
     record = IdempotencyRecord.objects.get(pk=first.state.id)
@@ -141,9 +146,7 @@ def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
 @postgresql_only
 def test_an_operation_of_plain_words_is_written_into_the_statement():
     request = claim_request()
-    sql = _store._postgres_claim_sql(
-        "default", "charge.create", "v1", "retry", request.lease, request.ttl
-    )
+    sql = claim_sql("default", "charge.create", "v1", "retry", request.lease, request.ttl)
     assert "'charge.create'" in sql
     assert "'v1'" in sql
     assert "'retry'" in sql
@@ -167,7 +170,7 @@ def test_an_operation_of_plain_words_is_written_into_the_statement():
 def test_a_time_read_as_seconds_since_the_epoch_comes_back_to_the_microsecond(moment):
     # What PostgreSQL's date_part('epoch', ...) gives: the double nearest the microseconds.
     microseconds = (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
-    assert _store._from_epoch(microseconds / 1e6) == moment
+    assert from_epoch(microseconds / 1e6) == moment
 
 
 @pytest.mark.django_db(transaction=True, databases="__all__")
@@ -200,14 +203,14 @@ def test_without_time_zones_the_record_in_the_way_reads_as_the_record_itself(set
     # made every replay compare aware with naive: a TypeError).
     settings.TIME_ZONE = "America/New_York"
     settings.USE_TZ = False
-    request = claim_request(now=datetime(2026, 12, 2, 9, 31, 7, 123457))
-    first = _store.claim("default", request)
+    request, naive = claim_request(), NOW.replace(tzinfo=None)
+    first = _store.claim(request, naive)
     assert first.claimed
     complete(first.state, now=datetime(2026, 12, 2, 9, 31, 8))
-    again = _store.claim("default", request)
+    again = _store.claim(request, naive)
     assert not again.claimed
-    stored = _store.fetch("default", request.account, request.operation, request.key)
+    stored = _store.fetch(request)
     assert stored is not None
-    assert again.state.expires_at == stored.expires_at == request.now + request.ttl
+    assert again.state.expires_at == stored.expires_at == naive + request.ttl
     assert again.state.expires_at.tzinfo is None
-    assert not again.state.replaceable_by(request)
+    assert not again.state.replaceable_by(request, naive)

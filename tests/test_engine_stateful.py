@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from django_idempotency import _store
 from django_idempotency._http import IdempotencyContext
+from django_idempotency._operation import Operation
 from django_idempotency.fingerprint import default_fingerprint
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import examples
@@ -155,18 +156,18 @@ class EngineMachine(RuleBasedStateMachine):
         slot = self.slots[(account, key)]
         expected = self._claim_outcome(slot, payload)
         result = _store.claim(
-            connection.alias,
-            _store.ClaimRequest(
+            Operation(
+                alias=connection.alias,
                 account=account,
                 operation=OPERATION,
                 key=key,
                 request_hash=fingerprint(account, key, PAYLOADS[payload]),
                 fingerprint_version="v1",
                 recovery_policy="retry",
-                now=self.now(),
                 lease=LEASE,
                 ttl=TTL,
             ),
+            self.now(),
         )
         assert result.claimed == (expected in ("new", "takeover")), expected
         if result.claimed:
@@ -189,7 +190,7 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             with transaction.atomic():
                 Charge.objects.create(account=attempt.account, amount=1, currency="EUR")
-                if not _store.finish(
+                if not _store.complete(
                     connection.alias,
                     attempt.record_id,
                     attempt.token,

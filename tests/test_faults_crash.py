@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from django_idempotency import _store, maintenance
+from django_idempotency import maintenance, states
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import (
     FAIL_PATH,
@@ -95,7 +95,7 @@ def test_kill_between_the_fenced_update_and_the_commit_retry_policy(server):
     caller = Caller.new()
     crash(server, RETRY_PATH, caller, "kill-before-commit")
     record = record_of(caller)
-    assert record.status == _store.IN_PROGRESS
+    assert record.status == states.IN_PROGRESS
     assert caller_effects(caller, "faults.charge") == (0, 1, 1)
     sleep_past_lease()
     answer = settle(server, RETRY_PATH, caller.headers())
@@ -111,14 +111,14 @@ def test_kill_between_the_fenced_update_and_the_commit_retry_policy(server):
 def test_kill_between_the_fenced_update_and_the_commit_fail_policy(server):
     caller = Caller.new()
     crash(server, FAIL_PATH, caller, "kill-before-commit")
-    assert record_of(caller).status == _store.IN_PROGRESS
+    assert record_of(caller).status == states.IN_PROGRESS
     sleep_past_lease()
     answer = settle(server, FAIL_PATH, caller.headers())
     assert_problem(answer, 500, "idempotency_outcome_unknown")
     again = request(server, "POST", FAIL_PATH, CHARGE, caller.headers())
     assert again.replayed
     assert again.body == answer.body
-    assert record_of(caller).status == _store.FAILED
+    assert record_of(caller).status == states.FAILED
     # The provider was charged by the dead attempt and never called again.
     assert caller_effects(caller, "faults.charge-fail") == (0, 1, 1)
 
@@ -129,7 +129,7 @@ def test_kill_after_the_commit_replays_without_running_again(server):
     caller = Caller.new()
     crash(server, RETRY_PATH, caller, "kill-after-commit")
     record = record_of(caller)
-    assert record.status == _store.COMPLETED
+    assert record.status == states.COMPLETED
     answer = request(server, "POST", RETRY_PATH, CHARGE, caller.headers())
     assert answer.status == 201
     assert answer.replayed

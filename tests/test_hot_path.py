@@ -14,7 +14,9 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import _store
+from django_idempotency import _store, states
+from django_idempotency._operation import Operation
+from django_idempotency._store import claiming
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
 from tests.helpers import ApiClient, in_thread, new_key
 from tests.testapp import views
@@ -199,7 +201,7 @@ def test_every_path_of_the_claim_archives_the_expired_record_it_replaces(setting
         expires_at=now - timedelta(seconds=1),
     )
     looks = {"insert": 0, "fetch": 0}
-    real_insert, real_fetch = _store._insert_or_existing, _store.fetch
+    real_insert, real_fetch = claiming._insert_or_existing, claiming.fetch
 
     def first_sees_nothing(*args: Any) -> Any:
         looks["insert"] += 1
@@ -209,21 +211,21 @@ def test_every_path_of_the_claim_archives_the_expired_record_it_replaces(setting
         looks["fetch"] += 1
         return None if looks["fetch"] == 1 else real_fetch(*args)
 
-    monkeypatch.setattr(_store, "_insert_or_existing", first_sees_nothing)
-    monkeypatch.setattr(_store, "fetch", vanished_once)
+    monkeypatch.setattr(claiming, "_insert_or_existing", first_sees_nothing)
+    monkeypatch.setattr(claiming, "fetch", vanished_once)
     result = _store.claim(
-        "default",
-        _store.ClaimRequest(
+        Operation(
+            alias="default",
             account="user:1",
             operation="op",
             key="k",
             request_hash="b" * 64,
             fingerprint_version="v1",
             recovery_policy="retry",
-            now=now,
             lease=timedelta(seconds=60),
             ttl=timedelta(hours=1),
         ),
+        now,
     )
     assert result.claimed
     assert looks["insert"] == 2
@@ -277,7 +279,7 @@ def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
 
     state = _store.RecordState(
         id=1,
-        status=_store.COMPLETED,
+        status=states.COMPLETED,
         lease_token=None,
         lease_expires_at=None,
         expires_at=timezone.now(),

@@ -19,7 +19,7 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency import _store
+from django_idempotency._store import statements
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import ApiClient, needs_drf, new_key
 from tests.testapp.models import Charge
@@ -113,9 +113,9 @@ def test_an_error_inside_a_prepared_statement_is_djangos_error(threshold):
     # DataError, and the connection stays usable.
     from django.db import DataError
 
-    with pytest.raises(DataError), _store._cursor("default") as cursor:
+    with pytest.raises(DataError), statements.cursor("default") as cursor:
         cursor.execute("SELECT %s::int", ["not a number"])
-    with _store._cursor("default") as cursor:
+    with statements.cursor("default") as cursor:
         cursor.execute("SELECT %s::int + 1", [41])
         assert cursor.fetchone() == (42,)
 

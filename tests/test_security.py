@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from django_idempotency import _store, conf, maintenance, signals
+from django_idempotency import conf, maintenance, signals, states
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import RecordFactory, UserFactory
 from tests.helpers import (
@@ -321,7 +321,7 @@ def test_no_key_or_body_reaches_a_log_on_any_path(api, anon_api, secrets):
     for policy in ("retry", "fail", "tests.testapp.views.no_such_policy"):  # the recovery job
         RecordFactory(
             key=secrets.key(),
-            status=_store.IN_PROGRESS,
+            status=states.IN_PROGRESS,
             lease_token=uuid.uuid4(),
             lease_expires_at=timezone.now() - timedelta(seconds=5),
             recovery_policy=policy,

@@ -25,7 +25,7 @@ from django.db import connections
 from django.db.models import Count
 from django.utils import timezone
 
-from django_idempotency import _store, maintenance
+from django_idempotency import maintenance, states
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import FAIL_PATH, LEASE_SECONDS, RETRY_PATH, Caller, postgres_only, settle
 from tests.live import DISCONNECTED, Answer, gunicorn, request
@@ -316,7 +316,7 @@ def test_soak(server):
     assert kinds[FAIL_PATH]
     now = timezone.now()
     # No record left in progress, only unexpired records, and the purge ran beside traffic.
-    assert not IdempotencyRecord.objects.filter(status=_store.IN_PROGRESS).exists()
+    assert not IdempotencyRecord.objects.filter(status=states.IN_PROGRESS).exists()
     assert not IdempotencyRecord.objects.filter(expires_at__lte=now).exists()
     assert sum(r.deleted for r in purger.results) > 0
     assert_effects(soak.all)
@@ -347,7 +347,7 @@ def assert_effects(keys: list[Key]) -> None:
         provider = downstream in ledger
         local = charges.get(key.caller.tenant, 0)
         if key.path == FAIL_PATH:
-            expected = (0, PROVIDER_CALLED[key.crashed_at or ""], _store.FAILED)
+            expected = (0, PROVIDER_CALLED[key.crashed_at or ""], states.FAILED)
             actual = (local, provider, records.get(key.caller.tenant))
         elif key.path == SHORT_TTL_PATH:
             # The TTL ran out between some requests: each fresh run charged locally, the
@@ -356,7 +356,7 @@ def assert_effects(keys: list[Key]) -> None:
             expected = (key.fresh, True, None, key.fresh + key.lost)
             actual = (local, provider, records.get(key.caller.tenant), calls[downstream])
         else:
-            expected = (1, True, _store.COMPLETED)
+            expected = (1, True, states.COMPLETED)
             actual = (local, provider, records.get(key.caller.tenant))
         if actual != expected:
             wrong.append(f"{key.path} {key.crashed_at}: {actual} != {expected}")

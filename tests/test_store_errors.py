@@ -20,6 +20,7 @@ from django.db import OperationalError, connection, connections, transaction
 from django.test import Client, override_settings
 
 from django_idempotency import StoreUnavailable, _store, run_once
+from django_idempotency._store import statements
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import new_key, postgres_only
 from tests.testapp.models import Charge
@@ -139,14 +140,14 @@ def bounced_with_prepared_statements() -> Iterator[str]:
         settings["PORT"] = str(bouncer.port)
         settings["OPTIONS"] = {**settings["OPTIONS"], "prepare_threshold": 0}
         settings["DISABLE_SERVER_SIDE_CURSORS"] = True
-        _store._refused.discard("claims")
+        statements.refused.discard("claims")
         try:
             with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
                 yield "claims"
         finally:
             connections["claims"].close()
             settings["PORT"], settings["OPTIONS"], settings["DISABLE_SERVER_SIDE_CURSORS"] = saved
-            _store._refused.discard("claims")
+            statements.refused.discard("claims")
 
 
 @on_postgresql
@@ -188,7 +189,7 @@ def test_prepared_statements_through_an_old_pgbouncer_stop_and_nothing_is_left_i
     assert not IdempotencyRecord.objects.filter(status=RecordStatus.IN_PROGRESS).exists()
     completed = IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count()
     assert completed == outcomes.count("ran") == Charge.objects.count()
-    assert "claims" in _store._refused
+    assert "claims" in statements.refused
     assert caplog.text.count("refused a prepared statement") == 1
 
 
@@ -199,8 +200,8 @@ def dies_after_the_claim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     fired: list[int] = []
     real = _store.claim
 
-    def claim_then_die(alias: str, request: Any) -> Any:
-        result = real(alias, request)
+    def claim_then_die(op: Any, now: Any) -> Any:
+        result = real(op, now)
         if result.claimed and not fired:
             fired.append(1)
             terminate()

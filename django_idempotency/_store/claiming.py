@@ -1,0 +1,267 @@
+"""The claim: a new key inserted, or the record in its way handed back, and a replaceable
+record (expired, or a stale lease of the same request) taken over.
+
+The database's unique constraint on ``(account, operation, key)`` picks the single winner,
+never a read before a write. Each statement is its own short transaction: a duplicate sees
+the claim at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import uuid
+from datetime import datetime
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+
+from django_idempotency import _retry, states
+from django_idempotency._operation import Operation
+from django_idempotency._store.owner import forget_steps
+from django_idempotency._store.postgres import claim_sql
+from django_idempotency._store.records import ClaimResult, RecordState
+from django_idempotency._store.statements import cursor, prepared_row, returning, table
+from django_idempotency.conf import app_settings
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.states import IN_PROGRESS
+
+__all__ = ["claim", "fetch"]
+
+# How often one claim looks again when the record in its way vanished (was released) or was
+# committed after its statement's snapshot; each look is one statement.
+_LOOKS = 3
+
+
+def claim(op: Operation, now: datetime) -> ClaimResult:
+    """Claim ``op``'s record at ``now``, each statement its own short transaction.
+
+    A new key: one statement inserts it. An existing key: the same statement hands its row
+    back, and nothing is written, unless the record is replaceable (expired, or a stale lease
+    of the same request), which takes one conditional statement more. A record whose outcome
+    cannot be read back is refused by the caller, never replaced within its TTL.
+    """
+    return _retry.retrying(lambda: _claim(op, now))
+
+
+def _claim(op: Operation, now: datetime) -> ClaimResult:
+    for _look in range(_LOOKS):
+        found = _insert_or_existing(op, now)
+        if found is None:
+            found_state = fetch(op)
+            if found_state is None:
+                continue  # released meanwhile: try the insert again
+            found = (found_state, False)
+        state, inserted = found
+        if inserted:
+            return ClaimResult(state=state, claimed=True)
+        if not state.replaceable_by(op, now):
+            return ClaimResult(state=state, claimed=False)
+        token = uuid.uuid4()
+        take_over = _take_over_archiving if app_settings.AUDIT else _take_over
+        current = take_over(op, now, token, state) or fetch(op)
+        if current is not None:
+            claimed = current.lease_token == token
+            if claimed and states.EXPIRED.test(vars(state), now=now):
+                # An expired record replaced by a new operation: an earlier operation's
+                # steps (recovery "resume") are not this one's.
+                forget_steps(op.alias, state.id)
+            return ClaimResult(state=current, claimed=claimed)
+    raise IntegrityError("the idempotency record kept vanishing during one claim")
+
+
+def _inserted(op: Operation, now: datetime, token: uuid.UUID, record_id: int) -> RecordState:
+    """The state of the record a claim has just inserted (nothing read back but its id)."""
+    return RecordState(
+        id=record_id,
+        status=IN_PROGRESS,
+        lease_token=token,
+        lease_expires_at=now + op.lease,
+        expires_at=now + op.ttl,
+        request_hash=op.request_hash,
+        fingerprint_version=op.fingerprint_version,
+        recovery_attempts=0,
+        response_status=None,
+        response_headers=[],
+        response_body=None,
+    )
+
+
+def _insert_or_existing(op: Operation, now: datetime) -> tuple[RecordState, bool] | None:
+    """Insert the claim, or find the record in its way: ``(state, inserted)``.
+
+    ``None`` when the conflicting record was not visible (committed after the statement's
+    snapshot, or released meanwhile).
+    """
+    connection = connections[op.alias]
+    if connection.vendor == "postgresql":
+        # PostgreSQL takes these values as they are (psycopg adapts them): no per-field
+        # preparation, which only the other backends need (strings for SQLite's times).
+        params: dict[str, Any] = {
+            "account": op.account,
+            "operation": op.operation,
+            "key": op.key,
+            "request_hash": op.request_hash,
+            "fingerprint_version": op.fingerprint_version,
+            "recovery_policy": op.recovery_policy,
+            "created_at": now,
+        }
+        sql = claim_sql(
+            op.alias, op.operation, op.fingerprint_version, op.recovery_policy, op.lease, op.ttl
+        )
+        with cursor(op.alias) as statement:
+            statement.execute(sql, params)
+            row = statement.fetchone()
+        if row is None:
+            return None
+        if row[1] is None:  # no status: the row is the claim's own insert
+            token = row[-2]
+            if token.__class__ is not uuid.UUID:
+                token = uuid.UUID(str(token))
+            return _inserted(op, now, token, row[0]), True
+        return RecordState.in_the_way(row), False
+    # Elsewhere: an insert, and the record in its way read when the unique constraint
+    # refused it. In autocommit (the claim's usual place) a refused INSERT leaves nothing to
+    # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
+    # saves three round trips); inside an atomic block a savepoint keeps the block usable.
+    token = uuid.uuid4()
+    row = prepared_row(op.alias, op.new_row(token, now))
+    try:
+        with (
+            (
+                transaction.atomic(using=op.alias)
+                if connection.in_atomic_block
+                else contextlib.nullcontext()
+            ),
+            connection.cursor() as statement,
+        ):
+            statement.execute(_insert_sql(op.alias, tuple(row)), row)
+            record_id = int(statement.lastrowid)
+    except IntegrityError:
+        state = fetch(op)
+        return None if state is None else (state, False)
+    return _inserted(op, now, token, record_id), True
+
+
+@functools.lru_cache(maxsize=8)
+def _insert_sql(alias: str, columns: tuple[str, ...]) -> str:
+    quote = connections[alias].ops.quote_name
+    values = ", ".join(f"%({c})s" for c in columns)
+    names = ", ".join(quote(c) for c in columns)
+    return f"INSERT INTO {table(alias)} ({names}) VALUES ({values})"
+
+
+# -- the takeover of a replaceable record --------------------------------------------------
+
+_TAKEOVER_COLUMNS = (
+    "request_hash",
+    "fingerprint_version",
+    "status",
+    "lease_token",
+    "lease_expires_at",
+    "recovery_policy",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "created_at",
+    "completed_at",
+    "expires_at",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _takeover_sql(alias: str) -> str:
+    """Replace a record, fenced by ``states.REPLACEABLE`` evaluated on the row itself.
+
+    The row is taken only when nobody holds it (``FOR UPDATE SKIP LOCKED``): a holder is a
+    racing takeover, or an owner completing it inside a transaction of its caller's that has
+    not committed yet, and the claim must never wait for either. Matching nothing, the claim
+    reads the record and answers it as it stands (in progress: ``409`` / ``InProgress``).
+    """
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+    assignments = [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS]
+    # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
+    assignments.append(
+        f"{quote('recovery_attempts')} = CASE WHEN {states.EXPIRED.sql(quote)} THEN 0"
+        f" ELSE {quote('recovery_attempts')} + 1 END"
+    )
+    sql = (
+        f"UPDATE {table(alias)} SET {', '.join(assignments)}"
+        f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
+    )
+    if connection.vendor == "postgresql":
+        # MySQL refuses a subquery on the table it updates: _take_over locks there first.
+        sql += (
+            f" AND {quote('id')} IN (SELECT {quote('id')} FROM {table(alias)}"
+            f" WHERE {quote('id')} = %(id)s FOR UPDATE SKIP LOCKED)"
+            f" RETURNING {returning(alias)}"
+        )
+    return sql
+
+
+@functools.lru_cache(maxsize=8)
+def _lock_free_sql(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+    return (
+        f"SELECT {quote('id')} FROM {table(alias)} WHERE {quote('id')} = %s FOR UPDATE SKIP LOCKED"
+    )
+
+
+def _take_over(
+    op: Operation, now: datetime, token: uuid.UUID, state: RecordState
+) -> RecordState | None:
+    """Replace ``state``'s record if it is still replaceable and nobody holds its row.
+
+    Returns the new state where the statement can return it (PostgreSQL), else ``None``:
+    the caller reads the outcome.
+    """
+    connection = connections[op.alias]
+    row = prepared_row(op.alias, op.new_row(token, now))
+    params = {c: row[c] for c in _TAKEOVER_COLUMNS}
+    params.update(
+        id=state.id, now=row["created_at"], hash=op.request_hash, version=op.fingerprint_version
+    )
+    if connection.vendor == "postgresql":
+        with cursor(op.alias) as statement:
+            statement.execute(_takeover_sql(op.alias), params)
+            result = statement.fetchone()
+        return RecordState.from_row(result) if result is not None else None
+    with transaction.atomic(using=op.alias), connection.cursor() as statement:
+        if connection.features.has_select_for_update_skip_locked:
+            statement.execute(_lock_free_sql(op.alias), [state.id])
+            if statement.fetchone() is None:
+                return None  # held by another transaction: left to it
+        statement.execute(_takeover_sql(op.alias), params)
+    return None
+
+
+def _take_over_archiving(
+    op: Operation, now: datetime, token: uuid.UUID, state: RecordState
+) -> RecordState | None:
+    # With the audit trail on, an expired record is copied before it is replaced, in the same
+    # transaction: the copy locks the row first, so of two racing claims one copies it and
+    # replaces it, and the other then finds it no longer replaceable.
+    with transaction.atomic(using=op.alias):
+        IdempotencyRecord.objects.using(op.alias).archive_expired(
+            op.account, op.operation, op.key, now=now
+        )
+        return _take_over(op, now, token, state)
+
+
+# -- reading a record ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _fetch_sql(alias: str) -> str:
+    quote = connections[alias].ops.quote_name
+    identity = " AND ".join(f"{quote(c)} = %s" for c in ("account", "operation", "key"))
+    return f"SELECT {returning(alias)} FROM {table(alias)} WHERE {identity}"
+
+
+def fetch(op: Operation) -> RecordState | None:
+    """The current state of ``op``'s record, or ``None`` when there is none."""
+    with cursor(op.alias) as statement:
+        statement.execute(_fetch_sql(op.alias), [op.account, op.operation, op.key])
+        row = statement.fetchone()
+    return RecordState.from_row(row) if row is not None else None

@@ -1,0 +1,167 @@
+"""The statements of a claim's owner, each fenced by its lease token: the completion (with
+the work, in the caller's transaction), the release, the give-back of a lease, and the
+steps of a resumable operation. A statement whose fence matches no row says so (``False``):
+another attempt owns the record now, and the caller's work must not commit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+from django.db import connections
+from django.db.models import Field
+
+from django_idempotency import crypto
+from django_idempotency._store.statements import (
+    cursor,
+    owned_by,
+    prepared,
+    step_table,
+    table,
+)
+from django_idempotency.models import IdempotencyStep
+from django_idempotency.states import IN_PROGRESS
+
+__all__ = [
+    "complete",
+    "forget_steps",
+    "give_back",
+    "record_step",
+    "recorded_steps",
+    "release",
+]
+
+
+def _owned(alias: str, sql: str, params: list[Any], record_id: int, token: uuid.UUID) -> bool:
+    """Run ``sql``, whose ``WHERE`` is :func:`.statements.owned_by`, with ``params`` and then
+    the record this attempt owns; ``False`` when it matched no row (the lease was lost)."""
+    # psycopg adapts a UUID as it is; the other drivers take the field's own form of it.
+    native = connections[alias].vendor == "postgresql"
+    owner = [record_id, token if native else prepared(alias, "lease_token", token), IN_PROGRESS]
+    with cursor(alias) as statement:
+        statement.execute(sql, [*params, *owner])
+        return int(statement.rowcount) > 0
+
+
+@functools.lru_cache(maxsize=8)
+def _complete_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
+    cleared = ("lease_token", "lease_expires_at")
+    assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
+    if connections[alias].vendor == "postgresql":
+        assignments[2] += "::jsonb"  # the headers come as JSON text
+    return f"UPDATE {table(alias)} SET {', '.join(assignments)} WHERE {owned_by(q)}"
+
+
+def complete(
+    alias: str,
+    record_id: int,
+    token: uuid.UUID,
+    *,
+    status: str,
+    response_status: int,
+    response_headers: list[list[str]],
+    response_body: bytes,
+    now: datetime,
+) -> bool:
+    """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
+    headers, body = crypto.seal_response(response_headers, response_body)
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        # As the JSON field would store it (json.dumps), without its per-call preparation;
+        # psycopg adapts the rest as it is.
+        params: list[Any] = [status, response_status, json.dumps(headers), body, now]
+    else:
+        params = [
+            status,
+            response_status,
+            prepared(alias, "response_headers", headers),
+            prepared(alias, "response_body", body),
+            prepared(alias, "completed_at", now),
+        ]
+    return _owned(alias, _complete_sql(alias), params, record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _release_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return f"DELETE FROM {table(alias)} WHERE {owned_by(q)}"
+
+
+def release(alias: str, record_id: int, token: uuid.UUID) -> bool:
+    """Delete a claim this attempt still owns, so that a retry runs afresh."""
+    return _owned(alias, _release_sql(alias), [], record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _give_back_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return f"UPDATE {table(alias)} SET {q('lease_expires_at')} = %s WHERE {owned_by(q)}"
+
+
+def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bool:
+    """End this attempt's lease at ``now`` without releasing the record.
+
+    For a recovery that could not decide (its callable raised): the record stays in
+    progress with a stale lease, so the next retry, or the recovery job, asks again at once
+    instead of after a whole new lease.
+    """
+    ends = prepared(alias, "lease_expires_at", now)
+    return _owned(alias, _give_back_sql(alias), [ends], record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _record_step_sql(alias: str) -> str:
+    """One statement records a step, fenced by the owner's lease token.
+
+    The row of the record is read ``FOR SHARE``: a takeover (an ``UPDATE`` of that row) waits
+    for the step's transaction, so a step either commits before the takeover, and the new
+    owner reads it, or finds the record no longer its own and records nothing.
+    """
+    connection = connections[alias]
+    q = connection.ops.quote_name
+    columns = ", ".join(q(c) for c in ("record_id", "name", "result", "created_at"))
+    lock = " FOR SHARE" if connection.features.has_select_for_update else ""
+    if lock and connection.vendor == "mysql":
+        lock = " LOCK IN SHARE MODE"
+    return (
+        f"INSERT INTO {step_table(alias)} ({columns})"
+        f" SELECT {q('id')}, %s, %s, %s FROM {table(alias)} WHERE {owned_by(q)}{lock}"
+    )
+
+
+def record_step(
+    alias: str, record_id: int, token: uuid.UUID, name: str, result: str, now: datetime
+) -> bool:
+    """Record a step's result for the record this attempt owns; ``False``: the lease was lost."""
+    created = IdempotencyStep._meta.get_field("created_at")
+    assert isinstance(created, Field)
+    params = [name, result, created.get_db_prep_save(now, connections[alias])]
+    return _owned(alias, _record_step_sql(alias), params, record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _recorded_steps_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return f"SELECT {q('name')}, {q('result')} FROM {step_table(alias)} WHERE {q('record_id')} = %s"
+
+
+def recorded_steps(alias: str, record_id: int) -> dict[str, str]:
+    """The steps recorded for a record so far: ``{name: result as JSON text}``."""
+    with cursor(alias) as statement:
+        statement.execute(_recorded_steps_sql(alias), [record_id])
+        return {str(name): str(result) for name, result in statement.fetchall()}
+
+
+def forget_steps(alias: str, record_id: int) -> None:
+    """Delete the steps of a record that an expired record's replacement starts afresh."""
+    q = connections[alias].ops.quote_name
+    with cursor(alias) as statement:
+        statement.execute(
+            f"DELETE FROM {step_table(alias)} WHERE {q('record_id')} = %s", [record_id]
+        )
