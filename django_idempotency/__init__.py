@@ -16,18 +16,23 @@ __all__ = [
     "IdempotencyContext",
     "IdempotencyError",
     "InProgress",
+    "InvalidKey",
     "KeyReused",
+    "OnceResult",
     "OutcomeUnknown",
     "RecordUnreadable",
     "StoreUnavailable",
+    "context_of",
     "current",
     "run_once",
+    "run_once_result",
     "step",
 ]
 
 if TYPE_CHECKING:
-    from django_idempotency._core import IdempotencyContext, current, step
-    from django_idempotency._once import run_once
+    from django_idempotency._context import IdempotencyContext, context_of, current
+    from django_idempotency._once import OnceResult, run_once, run_once_result
+    from django_idempotency._steps import step
     from django_idempotency.exceptions import (
         IdempotencyError,
         InProgress,
@@ -36,18 +41,23 @@ if TYPE_CHECKING:
         RecordUnreadable,
         StoreUnavailable,
     )
+    from django_idempotency.keys import InvalidKey
 
 _WHERE = {
-    "IdempotencyContext": "_core",
-    "current": "_core",
+    "IdempotencyContext": "_context",
+    "context_of": "_context",
+    "current": "_context",
+    "OnceResult": "_once",
+    "run_once_result": "_once",
     "IdempotencyError": "exceptions",
     "InProgress": "exceptions",
+    "InvalidKey": "keys",
     "KeyReused": "exceptions",
     "OutcomeUnknown": "exceptions",
     "RecordUnreadable": "exceptions",
     "StoreUnavailable": "exceptions",
     "run_once": "_once",
-    "step": "_core",
+    "step": "_steps",
 }
 
 

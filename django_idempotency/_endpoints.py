@@ -33,7 +33,7 @@ from typing import Any
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.urls.resolvers import RegexPattern
 
-from django_idempotency import _http, _validation, conf
+from django_idempotency import _http, _recovery, _validation, conf
 from django_idempotency.conf import app_settings
 
 __all__ = ["Audit", "Endpoint", "audit", "duration"]
@@ -189,7 +189,7 @@ def _endpoint(
         protected=True,
         by=protection.by,
         operation=operation,
-        recovery=_http.recovery_name(options.recovery or app_settings.RECOVERY),
+        recovery=_recovery.recovery_name(options.recovery or app_settings.RECOVERY),
         ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
         key=_key_source(options),
     )

@@ -2,7 +2,8 @@
 
 The decorator, the DRF mixin and the ninja decorator all call :func:`handle`; each adapter
 only says how to call the view and what the operation is called. The claim, the fenced
-execution and the recovery rule are the framework-neutral ones of :mod:`.core`.
+execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
+:mod:`._execution`, :mod:`._recovery`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,24 +22,21 @@ from django import db
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
-from django.utils import timezone
 
-from django_idempotency import _autonomous, _core, _problems, _store, conf, signals
-from django_idempotency._core import (
-    FAIL,
-    RETRY,
-    IdempotencyContext,
-    recovery_name,
-    resolve_recovery,
-    storable_name,
-)
+from django_idempotency import _autonomous, _problems, _recovery, _store, conf, signals
+from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
+from django_idempotency._context import IdempotencyContext, running
+from django_idempotency._execution import run_owned
+from django_idempotency._operation import Operation, storable_name
+from django_idempotency._outcomes import Outcome, refuse_unreadable
+from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
 from django_idempotency.fingerprint import django_request, fingerprint_version
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.states import FAILED, IN_PROGRESS
+from django_idempotency.states import COMPLETED, IN_PROGRESS
 
 logger = logging.getLogger("django_idempotency")
 
@@ -51,20 +48,14 @@ Fingerprint = Callable[[Any], str]
 KeySource = Callable[[Any], str | None]
 
 __all__ = [
-    "FAIL",
     "REPLAYED_HEADER",
-    "RETRY",
-    "IdempotencyContext",
     "Options",
-    "context_of",
     "handle",
     "is_storable",
     "outcome_of",
-    "recovery_name",
     "replay_response",
-    "resolve_recovery",
     "route_operation",
-    "storable_name",
+    "run_to_the_end",
 ]
 
 
@@ -132,15 +123,6 @@ class _Terms:
     recovery_name: str
     lease: timedelta
     ttl: timedelta
-
-
-def context_of(request: Any) -> IdempotencyContext | None:
-    """``request.idempotency``, typed: the context of a protected request, else ``None``.
-
-    Works with a Django ``HttpRequest`` and a DRF ``Request`` alike.
-    """
-    context = getattr(django_request(request), "idempotency", None)
-    return context if isinstance(context, IdempotencyContext) else None
 
 
 def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
@@ -239,7 +221,7 @@ class _Protected:
     __slots__ = ("context", "operation", "recovery", "request")
 
     def __init__(
-        self, request: Any, context: IdempotencyContext, operation: _core.Operation, recovery: Any
+        self, request: Any, context: IdempotencyContext, operation: Operation, recovery: Any
     ) -> None:
         self.request = request
         self.context = context
@@ -248,7 +230,7 @@ class _Protected:
 
     @classmethod
     def of(cls, request: Any, context: IdempotencyContext, terms: _Terms) -> _Protected:
-        operation = _core.Operation(
+        operation = Operation(
             terms.database,
             context.account,
             context.operation,
@@ -279,7 +261,7 @@ class _Protected:
     ) -> HttpResponseBase:
         """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
-            result = _core.claim(self.operation)
+            result = claim(self.operation)
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
@@ -312,42 +294,34 @@ class _Protected:
                 return waited
             # The record moved on: go through the claim once more, without waiting again.
             return self.answer(call_view, allow_wait=False)
-        return self.conflict()
+        return self.conflict(state)
 
     def store_unavailable(self, detail: str) -> HttpResponse:
         return _problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
 
-    def conflict(self) -> HttpResponse:
+    def conflict(self, state: _store.RecordState) -> HttpResponse:
         self.send(signals.request_conflicted)
         return _problems.KEY_IN_USE.response(
             f"A request with key {self.context.key!r} for {self.context.operation} is still "
             "in progress.",
-            retry_after=app_settings.RETRY_AFTER,
+            retry_after=retry_after(state.lease_expires_at),
         )
 
     def wait_for(self, state: _store.RecordState) -> HttpResponseBase | None:
-        """Poll, with short autocommit reads, until the original finishes; never longer than
-        ``IN_PROGRESS_WAIT``, and no lock is held meanwhile. ``None``: the record is gone or
-        its lease went stale."""
-        deadline = time.monotonic() + app_settings.IN_PROGRESS_WAIT.total_seconds()
-        pause = 0.02
-        while (remaining := deadline - time.monotonic()) > 0:
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, 0.25)
-            try:
-                current = _core.fetch(self.operation)
-            except db.Error:
-                logger.exception("idempotency store unavailable while waiting for a record")
-                return self.store_unavailable(
-                    "The request was not run: its original could not be looked up."
-                )
-            if current is None or current.id != state.id:  # gone, or replaced
-                return None
-            if current.status != IN_PROGRESS:
-                return self.done(current)
-            if current.lease_expires_at and current.lease_expires_at <= timezone.now():
-                return None
-        return self.conflict()
+        """Wait (``IN_PROGRESS_WAIT`` at most, see :func:`._claims.wait_for`) for the
+        original to finish. ``None``: the record is gone or its lease went stale."""
+        try:
+            found = wait_for(self.operation, state, app_settings.IN_PROGRESS_WAIT)
+        except db.Error:
+            logger.exception("idempotency store unavailable while waiting for a record")
+            return self.store_unavailable(
+                "The request was not run: its original could not be looked up."
+            )
+        if found is None:
+            return None
+        if found.status != IN_PROGRESS:
+            return self.done(found)
+        return self.conflict(found)
 
     def done(self, state: _store.RecordState) -> HttpResponse:
         """The answer of a completed or failed record: its replay, or a refusal when its
@@ -361,7 +335,7 @@ class _Protected:
         refusal = (
             problem
             if isinstance(problem, RecordUnreadable)
-            else _core.refuse_unreadable(self.context, problem, self.request)
+            else refuse_unreadable(self.context, problem, self.request)
         )
         return _problems.RECORD_UNREADABLE.response(
             str(refusal), retry_after=app_settings.RETRY_AFTER
@@ -396,8 +370,7 @@ class _Owner:
         self.state = result.state
         self.takeover = result.took_over_stale_lease
         assert self.state.lease_token is not None
-        self.token = self.state.lease_token
-        self.alias = protected.operation.alias
+        self.claim = Claim(protected.operation.alias, self.state.id, self.state.lease_token)
         protected.context.record_id = self.state.id
 
     def run(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
@@ -419,68 +392,62 @@ class _Owner:
     def recover(self) -> HttpResponseBase | None:
         """The recovery policy's answer, or ``None`` to run the view."""
         policy = self.protected.recovery
-        name = recovery_name(policy)
         context = self.protected.context
         try:
-            recovered = _core.recover(
+            recovered = _recovery.recover(
+                self.claim,
                 resolve_recovery(policy),
-                load_record=lambda: (
-                    IdempotencyRecord.objects.using(self.alias)
-                    .filter(pk=self.state.id, lease_token=self.token)
-                    .first()
-                ),
-                fail_outcome=lambda: _core.failure_outcome(context.key, context.operation),
+                key=context.key,
+                operation=context.operation,
                 as_outcome=outcome_of,
-                close=lambda outcome: _core.close(self.alias, self.state.id, self.token, outcome),
             )
         except StoreUnavailable:
-            _core.give_back(self.alias, self.state.id, self.token)
+            self.claim.give_back()
             return self.protected.store_unavailable(
                 "The recovery of an earlier attempt could not be recorded; nothing ran."
             )
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.
-            _core.give_back(self.alias, self.state.id, self.token)
+            self.claim.give_back()
             raise
-        if recovered.lease_lost:
-            return self.protected.lease_lost()
-        if recovered.run:
-            # Under "resume" the body runs again to resume after its recorded steps.
-            _recovered(context, name, "resumed" if name == _core.RESUME else "retried")
-            return None
-        if recovered.undecided:
-            # A 5xx (or a transient or unstorable answer) is no outcome to replay forever:
-            # the client gets it, the claim is released, and the next retry runs afresh.
-            _core.release_quietly(self.alias, self.state.id, self.token)
-            _recovered(context, name, "released")
-            undecided: HttpResponseBase = recovered.answer
-            return undecided
-        assert recovered.outcome is not None
-        if recovered.outcome.status == FAILED:
-            _recovered(context, name, "failed")
-            response = _response(recovered.outcome)
-            response[REPLAYED_HEADER] = "true"
-            return response
-        _recovered(context, name, "completed")
-        answer: HttpResponseBase = recovered.answer
-        return rendered(answer)
+        name = recovery_name(policy)
+        match recovered:
+            case _recovery.Lost():
+                return self.protected.lease_lost()
+            case _recovery.Run():
+                # Under "resume" the view runs again to resume after its recorded steps.
+                _recovered(context, name, recovered.name)
+                return None
+            case _recovery.Undecided(answer=answer):
+                # A 5xx (or a transient or unstorable answer) is no outcome to replay
+                # forever: the client gets it, the claim is released, and the next retry
+                # runs afresh.
+                self.claim.release()
+                _recovered(context, name, "released")
+                undecided: HttpResponseBase = answer
+                return undecided
+            case _recovery.Closed(outcome=outcome, answer=answer):
+                _recovered(context, name, recovered.name)
+                if answer is None:  # "fail": the outcome unknown, replayed from now on
+                    response = _response(outcome)
+                    response[REPLAYED_HEADER] = "true"
+                    return response
+                return rendered(answer)
 
     def execute(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
         """The view, its rendering and the completion, in one transaction (under
         ``"resume"``: the view's steps, each in its own, then the completion)."""
         try:
-            with _core.running(self.protected.context):
-                fenced = _core.run_owned(
+            with running(self.protected.context):
+                fenced = run_owned(
                     self.protected.recovery,
-                    self.alias,
-                    self.state.id,
-                    self.token,
+                    self.claim,
                     lambda: rendered(call_view()),
                     outcome_of,
                     fresh=not self.takeover,
                 )
-        except _core.LeaseLost:
+        except LeaseLost:
             return self.protected.lease_lost()
         except RecordUnreadable as refusal:
             # A recorded step (or an operation the view ran) whose outcome cannot be read
@@ -518,7 +485,7 @@ async def run_to_the_end(run: Callable[[], HttpResponseBase]) -> HttpResponseBas
     the attempt is shielded from that cancellation and goes on as a sync view would, so its
     outcome is stored and the client's retry gets it replayed. Were the attempt cancelled
     all the same (a server shutting down), the engine keeps the claim as a killed process
-    would (``_core.CRASHES``): never a silent release, and never a second run that the
+    would (``_claims.CRASHES``): never a silent release, and never a second run that the
     recovery policy did not choose.
     """
     attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=True)())
@@ -544,7 +511,7 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
 
 
 def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:
-    _core.announce_recovery(
+    _recovery.announce(
         context.account, context.operation, context.key, policy, outcome, context.record_id
     )
 
@@ -573,21 +540,21 @@ def stored_headers(response: HttpResponseBase) -> list[list[str]]:
     return [[name, response[name]] for name in app_settings.stored_headers if name in response]
 
 
-def _outcome(response: HttpResponse, status: str) -> _core.Outcome:
-    return _core.Outcome(response.status_code, stored_headers(response), response.content, status)
+def _outcome(response: HttpResponse, status: str) -> Outcome:
+    return Outcome(response.status_code, stored_headers(response), response.content, status)
 
 
-def outcome_of(response: Any) -> _core.Outcome | None:
+def outcome_of(response: Any) -> Outcome | None:
     """What is stored for a response, or ``None`` when it cannot be kept and replayed."""
     if not isinstance(response, HttpResponseBase):
         return None
     response = rendered(response)
     if not isinstance(response, HttpResponse) or not is_storable(response):
         return None
-    return _outcome(response, _core.COMPLETED)
+    return _outcome(response, COMPLETED)
 
 
-def _response(outcome: _core.Outcome) -> HttpResponse:
+def _response(outcome: Outcome) -> HttpResponse:
     return _stored(outcome.body, outcome.response_status, outcome.headers)
 
 

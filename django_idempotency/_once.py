@@ -11,14 +11,22 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency import _autonomous, _core, _validation
+from django_idempotency import _autonomous, _recovery, _validation
+from django_idempotency._claims import Claim, LeaseLost, claim, fetch, retry_after, wait_for
+from django_idempotency._context import IdempotencyContext, running
+from django_idempotency._execution import run_owned
+from django_idempotency._operation import Operation, storable_name
+from django_idempotency._outcomes import Outcome, refuse_unreadable
+from django_idempotency._recovery import recovery_name, resolve_recovery
+from django_idempotency._store import RecordState
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import (
@@ -26,10 +34,9 @@ from django_idempotency.exceptions import (
     KeyReused,
     OutcomeUnknown,
     StoreUnavailable,
-    seconds_left,
 )
 from django_idempotency.keys import validate_key
-from django_idempotency.states import COMPLETED, FAILED
+from django_idempotency.states import COMPLETED, FAILED, IN_PROGRESS
 
 logger = logging.getLogger("django_idempotency")
 
@@ -61,7 +68,7 @@ def fingerprint_of(value: Any) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def stored_result(result: Any) -> _core.Outcome:
+def stored_result(result: Any) -> Outcome:
     """The record's outcome for a return value; ``TypeError`` when it is not JSON."""
     try:
         body = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False).encode()
@@ -70,16 +77,27 @@ def stored_result(result: Any) -> _core.Outcome:
             f"run_once stores the callable's result as JSON, and {type(result).__name__} "
             f"is not JSON ({exc}); nothing was committed"
         ) from exc
-    return _core.Outcome(200, [["Content-Type", "application/json"]], body)
+    return Outcome(200, [["Content-Type", "application/json"]], body)
 
 
-def outcome_of(result: Any) -> _core.Outcome | None:
+def outcome_of(result: Any) -> Outcome | None:
     """What is stored for a result, or ``None`` when it is not JSON (the recovery job's
     test of a recovery callable's answer)."""
-    try:
-        return stored_result(result)
-    except TypeError:
-        return None
+    return _encoded(stored_result, result)
+
+
+def loaded_result(body: bytes) -> Any:
+    """A stored result as ``json.loads`` gives it back (an empty body: ``None``)."""
+    return json.loads(body) if body else None
+
+
+@dataclass(frozen=True)
+class OnceResult(Generic[T]):
+    """What ``run_once_result`` gives back: the callable's result, and whether it was
+    replayed (stored by an earlier call with the key) rather than produced by this call."""
+
+    value: T
+    replayed: bool
 
 
 def run_once(
@@ -133,6 +151,43 @@ def run_once(
         lease=lease,
         recovery=recovery,
         fingerprint=fingerprint,
+    ).value
+
+
+def run_once_result(
+    func: Callable[..., T],
+    /,
+    *args: Any,
+    account: str,
+    operation: str,
+    key: str,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+    recovery: str | Callable[[Any], Any] | None = None,
+    fingerprint: Any = None,
+    **kwargs: Any,
+) -> OnceResult[T]:
+    """``run_once``, telling whether the result was replayed.
+
+    The same arguments, rules and exceptions; the result comes back as
+    ``OnceResult``: ``value`` (what ``run_once`` returns) and ``replayed``
+    (``True`` when a call before this one stored it, so ``func`` did not run now)::
+
+        result = run_once_result(charge, order, account=..., operation=..., key=key)
+        if not result.replayed:
+            notify_customer(result.value)
+    """
+    return call_once(
+        func,
+        args,
+        kwargs,
+        account=account,
+        operation=operation,
+        key=key,
+        ttl=ttl,
+        lease=lease,
+        recovery=recovery,
+        fingerprint=fingerprint,
     )
 
 
@@ -148,9 +203,19 @@ def call_once(
     lease: timedelta | int | None = None,
     recovery: str | Callable[[Any], Any] | None = None,
     fingerprint: Any = None,
-) -> T:
-    """:func:`run_once` with the callable's arguments as a tuple and a dict, so that they
-    may use any name (the Celery adapter passes a task's own arguments through)."""
+    wait: timedelta | None = None,
+    encode: Callable[[Any], Outcome] = stored_result,
+    decode: Callable[[bytes], Any] = loaded_result,
+) -> OnceResult[T]:
+    """:func:`run_once_result` with the callable's arguments as a tuple and a dict, so that
+    they may use any name (the task adapters pass a task's own arguments through).
+
+    For the entry points: ``wait`` lets a duplicate in flight wait (bounded, holding no lock
+    or connection) for the original's outcome rather than raise ``InProgress``; ``encode``
+    turns a result into the stored outcome (``TypeError`` when it cannot), ``decode`` a
+    stored body back into the result (``ValueError``/``TypeError`` when it cannot: the
+    record is unreadable).
+    """
     # The decorator's rules, through the same code: a wrong value raises before anything runs.
     where = f"run_once(operation={operation!r})"
     checked = _validation.view_arguments(
@@ -173,62 +238,77 @@ def call_once(
             f"{where}: fingerprint must be a string or a JSON-able value; "
             f"got {_validation.describe(fingerprint)} ({exc})."
         ) from None
-    op = _core.Operation(
+    op = Operation(
         alias=app_settings.DATABASE,
-        account=_core.storable_name(account),
-        operation=_core.storable_name(operation),
+        account=storable_name(account),
+        operation=storable_name(operation),
         key=validate_key(key),
         request_hash=request_hash,
         fingerprint_version=FINGERPRINT_VERSION,
-        recovery_policy=_core.recovery_name(policy),
+        recovery_policy=recovery_name(policy),
         ttl=ttl,
         lease=lease,
     )
     try:
-        result = _core.claim(op)
+        result = claim(op)
     except db.Error as exc:  # any error of the database's, InterfaceError included
-        logger.warning("idempotency store unavailable during the claim of %s", op.operation)
-        _autonomous.discard_broken(op.alias)  # the next call connects afresh
-        raise StoreUnavailable(
-            f"{op.operation} was not run: its idempotency key could not be recorded ({exc})"
-        ) from exc
+        raise _unavailable(op, exc) from exc
     state = result.state
     if not result.claimed:
-        return cast(T, _duplicate(op, state))
+        if wait and state.status == IN_PROGRESS and state.request_hash == op.request_hash:
+            try:
+                done = wait_for(op, state, wait)
+            except db.Error as exc:
+                raise _unavailable(op, exc) from exc
+            if done is None:  # released, or its lease ran out: claim once more, and no wait
+                return call_once(
+                    func, args, kwargs, account=account, operation=operation, key=key,
+                    ttl=ttl, lease=lease, recovery=recovery, fingerprint=fingerprint,
+                    encode=encode, decode=decode,
+                )  # fmt: skip
+            state = done
+        return OnceResult(_duplicate(op, state, decode), replayed=True)
     assert state.lease_token is not None
-    token = state.lease_token
-    context = _core.IdempotencyContext(
+    owned = Claim(op.alias, state.id, state.lease_token)
+    context = IdempotencyContext(
         key=op.key, operation=op.operation, account=op.account, record_id=state.id
     )
     if result.took_over_stale_lease:
-        recovered = _recover(op, state.id, token, _core.resolve_recovery(policy))
+        recovered = _recover(op, owned, resolve_recovery(policy), encode)
         if recovered is not None:
-            return cast(T, recovered)
+            return OnceResult(recovered, replayed=False)
     try:
-        with _core.running(context):
-            fenced = _core.run_owned(
+        with running(context):
+            fenced = run_owned(
                 policy,
-                op.alias,
-                state.id,
-                token,
+                owned,
                 lambda: func(*args, **kwargs),
-                stored_result,
+                encode,
                 fresh=not result.took_over_stale_lease,
             )
-    except _core.LeaseLost:
+    except LeaseLost:
         try:
-            now_state = _core.fetch(op)
+            now_state = fetch(op)
         except db.Error:  # only the Retry-After is at stake
             now_state = None
         raise LeaseTakenOver(
             f"this attempt of {op.operation} lost its lease to another attempt; "
             "its work was rolled back",
-            retry_after=seconds_left(now_state.lease_expires_at if now_state else None),
+            retry_after=retry_after(now_state.lease_expires_at if now_state else None),
         ) from None
-    return cast(T, fenced.result)
+    return OnceResult(cast(T, fenced.result), replayed=False)
 
 
-def _duplicate(op: _core.Operation, state: Any) -> Any:
+def _unavailable(op: Operation, exc: Exception) -> StoreUnavailable:
+    logger.warning("idempotency store unavailable during the claim of %s", op.operation)
+    _autonomous.discard_broken(op.alias)  # the next call connects afresh
+    return StoreUnavailable(
+        f"{op.operation} was not run: its idempotency key could not be recorded ({exc})"
+    )
+
+
+def _duplicate(op: Operation, state: RecordState, decode: Callable[[bytes], Any]) -> Any:
+    """The stored result of a duplicate; the named exception that refuses it otherwise."""
     if (
         state.fingerprint_version == op.fingerprint_version
         and state.request_hash != op.request_hash
@@ -238,14 +318,14 @@ def _duplicate(op: _core.Operation, state: Any) -> Any:
             "use a new key for a new operation"
         )
     if state.status == COMPLETED:
-        context = _core.IdempotencyContext(op.key, op.operation, op.account, record_id=state.id)
+        context = IdempotencyContext(op.key, op.operation, op.account, record_id=state.id)
         if state.unreadable is not None:
-            raise _core.refuse_unreadable(context, state.unreadable)
+            raise refuse_unreadable(context, state.unreadable)
         try:
-            return json.loads(state.response_body) if state.response_body else None
-        except (ValueError, RecursionError):
-            raise _core.refuse_unreadable(
-                context, Unreadable(None, "the stored result is not JSON")
+            return decode(state.response_body or b"")
+        except (ValueError, TypeError, RecursionError):
+            raise refuse_unreadable(
+                context, Unreadable(None, "the stored result cannot be decoded")
             ) from None
     if state.status == FAILED:
         raise OutcomeUnknown(
@@ -254,48 +334,55 @@ def _duplicate(op: _core.Operation, state: Any) -> Any:
         )
     raise InProgress(
         f"another attempt of {op.operation} with key {op.key!r} is running",
-        retry_after=seconds_left(state.lease_expires_at),
+        retry_after=retry_after(state.lease_expires_at),
     )
 
 
-def _recover(op: _core.Operation, record_id: int, token: Any, policy: Any) -> Any:
-    from django_idempotency.models import IdempotencyRecord
-
+def _recover(op: Operation, owned: Claim, policy: Any, encode: Callable[[Any], Outcome]) -> Any:
+    """The recovery policy's answer to return, or ``None`` to run the callable."""
     try:
-        recovered = _core.recover(
+        recovered = _recovery.recover(
+            owned,
             policy,
-            load_record=lambda: (
-                IdempotencyRecord.objects.using(op.alias)
-                .filter(pk=record_id, lease_token=token)
-                .first()
-            ),
-            fail_outcome=lambda: _core.failure_outcome(op.key, op.operation),
-            as_outcome=stored_result,
-            close=lambda outcome: _core.close(op.alias, record_id, token, outcome),
+            key=op.key,
+            operation=op.operation,
+            as_outcome=encode,  # raises TypeError for an answer it cannot store
         )
     except Exception:  # StoreUnavailable, or a policy that could not decide
-        _core.give_back(op.alias, record_id, token)
+        owned.give_back()
         raise
-    if recovered.lease_lost:
-        raise LeaseTakenOver(
-            f"the recovery of {op.operation} lost its lease to another attempt",
-            retry_after=seconds_left(None),
-        )
-    name = _core.recovery_name(policy)
+    name = recovery_name(policy)
 
     def announce(outcome: str) -> None:
-        _core.announce_recovery(op.account, op.operation, op.key, name, outcome, record_id)
+        _recovery.announce(op.account, op.operation, op.key, name, outcome, owned.record_id)
 
-    if recovered.run:
-        # As the request path says it: the policy ran the callable again, or resumes it.
-        announce("resumed" if policy == _core.RESUME else "retried")
+    match recovered:
+        case _recovery.Lost():
+            raise LeaseTakenOver(
+                f"the recovery of {op.operation} lost its lease to another attempt",
+                retry_after=retry_after(None),
+            )
+        case _recovery.Run():
+            announce(recovered.name)
+            return None
+        case _recovery.Undecided(answer=answer):  # an encoder that answers None
+            owned.give_back()
+            raise TypeError(
+                f"the recovery policy of {op.operation} answered {type(answer).__name__}, "
+                "which cannot be stored; the record is left for the next attempt"
+            )
+        case _recovery.Closed(outcome=outcome, answer=answer):
+            announce(recovered.name)
+            if outcome.status == FAILED:
+                raise OutcomeUnknown(
+                    f"an earlier attempt of {op.operation} with key {op.key!r} stopped "
+                    "midway; whether it took effect is unknown, and it will not be run again"
+                )
+            return answer
+
+
+def _encoded(encode: Callable[[Any], Outcome], answer: Any) -> Outcome | None:
+    try:
+        return encode(answer)
+    except TypeError:
         return None
-    assert recovered.outcome is not None
-    if recovered.outcome.status == FAILED:
-        announce("failed")
-        raise OutcomeUnknown(
-            f"an earlier attempt of {op.operation} with key {op.key!r} stopped midway; "
-            "whether it took effect is unknown, and it will not be run again"
-        )
-    announce("completed")
-    return recovered.answer

@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_idempotency import crypto
-from django_idempotency._core import RESUME
+from django_idempotency._recovery import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,

@@ -41,7 +41,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from django_idempotency import _display, _stats, crypto, maintenance, outbox, states
-from django_idempotency._core import RESUME
+from django_idempotency._recovery import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,

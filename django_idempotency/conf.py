@@ -115,6 +115,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRANSIENT_STATUSES", (409, 429), 17, _validation.client_error_statuses),
     Setting("IN_PROGRESS_WAIT", timedelta(0), 14, _validation.duration_or_zero),
     Setting("RETRY_AFTER", 1, 18, _validation.seconds),
+    Setting("RETRY_AFTER_MAX", 60, 19, _validation.seconds),
     Setting("PURGE_BATCH_SIZE", 1000, 23, _validation.positive_int),
     Setting("PURGE_MAX_BATCHES", None, 22, _validation.optional_positive_int),
     Setting("AUDIT", False, 20, _validation.flag),
@@ -422,8 +423,14 @@ class IdempotencySettings:
 
     @property
     def RETRY_AFTER(self) -> int:
-        """The ``Retry-After`` seconds of a ``409`` or ``503``."""
+        """The ``Retry-After`` seconds of a ``503``."""
         value: int = self._get("RETRY_AFTER")
+        return value
+
+    @property
+    def RETRY_AFTER_MAX(self) -> int:
+        """The most seconds a refused duplicate in flight is told to wait."""
+        value: int = self._get("RETRY_AFTER_MAX")
         return value
 
     @property

@@ -10,7 +10,13 @@ _USABLE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}")
 
 
 class InvalidKey(ValueError):
-    """The header is present but does not hold a usable key; the message says why."""
+    """A key that cannot be used; the message says why (empty, over 255 characters, or a
+    character outside printable ASCII).
+
+    Raised by ``run_once`` (and the task and tool decorators) before anything is claimed or
+    run; over HTTP the same key is answered ``400`` ``idempotency_key_invalid``. Importable
+    as ``django_idempotency.InvalidKey``; a ``ValueError``.
+    """
 
 
 def header_meta_name(header: str) -> str:

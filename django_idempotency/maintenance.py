@@ -16,15 +16,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import transaction
-from django.db.models import F, QuerySet
+from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import _core, _http, _once, _store, crypto, states
+from django_idempotency import _http, _once, _recovery, _store, crypto
+from django_idempotency._claims import Claim
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.states import IN_PROGRESS, stale_lease_q, stale_q
+from django_idempotency.states import stale_lease_q, stale_q
 
 logger = logging.getLogger("django_idempotency")
 
@@ -171,13 +171,13 @@ def recover_stale_leases(
     for row in _stale_rows(stale, limit):
         result.found += 1
         policies[row.policy] += 1
-        if row.policy == _core.RESUME:
+        if row.policy == _recovery.RESUME:
             result.resumable += 1
             continue
         if dry_run:
             continue
         try:
-            outcome = _apply(alias, row, _core.resolve_recovery(row.policy), now)
+            outcome = _apply(alias, row, _recovery.resolve_recovery(row.policy), now)
         except Exception:
             # The record is named by its id: the client's key does not belong in logs.
             logger.exception(
@@ -203,13 +203,15 @@ def release_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     its recorded steps, and its next attempt would run them again. Returns how many were
     released.
     """
-    return _force(queryset.exclude(recovery_policy=_core.RESUME), _http.RETRY)
+    return _force(queryset.exclude(recovery_policy=_recovery.RESUME), _recovery.RETRY)
 
 
 def resumable_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     """How many records of ``queryset`` are resumable (``"resume"``) with a stale lease:
     what `release_stale` leaves alone."""
-    return int(queryset.filter(stale_lease_q(timezone.now()), recovery_policy=_core.RESUME).count())
+    return int(
+        queryset.filter(stale_lease_q(timezone.now()), recovery_policy=_recovery.RESUME).count()
+    )
 
 
 def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
@@ -220,7 +222,7 @@ def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
     its operation must not go on); its recorded steps stay with it until the purge, for
     reconciliation. Returns how many were marked.
     """
-    return _force(queryset, _http.FAIL)
+    return _force(queryset, _recovery.FAIL)
 
 
 def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
@@ -251,54 +253,45 @@ def _stale_rows(stale: QuerySet[IdempotencyRecord], limit: int | None) -> Iterat
         last = rows[-1][0]
 
 
-def _owned(alias: str, row: _Stale) -> QuerySet[IdempotencyRecord]:
-    return IdempotencyRecord.objects.using(alias).filter(
-        pk=row.id, lease_token=row.token, status=IN_PROGRESS
-    )
-
-
-def _apply(alias: str, row: _Stale, policy: _http.Recovery, now: datetime) -> str | None:
+def _apply(alias: str, row: _Stale, policy: _recovery.Policy, now: datetime) -> str | None:
     """Apply one policy; the outcome, or ``None`` when the record changed meanwhile.
 
-    The rule is the request path's (:func:`_core.recover`); only what follows differs: where
-    a retry would run the view, the record is released for the next retry to run afresh.
-    The callable is called outside any transaction: it may ask a provider what happened,
-    and no lock may be held while it waits.
+    The rule is the request path's (:func:`._recovery.recover`); only what follows differs:
+    where a retry would run the view, the record is released for the next retry to run
+    afresh. The callable is called outside any transaction: it may ask a provider what
+    happened, and no lock may be held while it waits.
     """
     if row.token is None:
         return None
-    recovered = _core.recover(
+    stale = Claim(alias, row.id, row.token)
+    recovered = _recovery.recover(
+        stale,
         policy,
-        load_record=lambda: _owned(alias, row).first(),
-        fail_outcome=lambda: _core.failure_outcome(row.key, row.operation),
+        key=row.key,
+        operation=row.operation,
         # A record of run_once stores a result, a request's record a response.
         as_outcome=_once.outcome_of
         if row.fingerprint_version == _once.FINGERPRINT_VERSION
         else _http.outcome_of,
-        close=lambda outcome: _close(alias, row, outcome, now),
+        now=now,
+        counted=True,
     )
-    if recovered.lease_lost:
-        return None
-    if recovered.run:
-        return RELEASED if _store.release(alias, row.id, row.token) else None
-    if recovered.undecided:
-        status = getattr(recovered.answer, "status_code", None)
-        raise _Unstorable(f"recovery answered {status}, which cannot be replayed")
-    assert recovered.outcome is not None
-    return FAILED if recovered.outcome.status == states.FAILED else COMPLETED
+    match recovered:
+        case _recovery.Lost():
+            return None
+        case _recovery.Run():
+            return RELEASED if _store.release(alias, row.id, row.token) else None
+        case _recovery.Undecided(answer=answer):
+            status = getattr(answer, "status_code", None)
+            raise _Unstorable(f"recovery answered {status}, which cannot be replayed")
+        case _recovery.Closed():
+            return recovered.name
 
 
-def _close(alias: str, row: _Stale, outcome: _core.Outcome, now: datetime) -> bool:
-    # The attempt is counted and the outcome stored in one transaction, both fenced.
-    with transaction.atomic(using=alias):
-        return _count_attempt(alias, row) and _core.finish(
-            alias, row.id, row.token, outcome, now=now
-        )
-
-
-def _count_attempt(alias: str, row: _Stale) -> bool:
-    return bool(_owned(alias, row).update(recovery_attempts=F("recovery_attempts") + 1))
+def _count_attempt(alias: str, row: _Stale) -> None:
+    if row.token is not None:
+        _store.count_attempt(alias, row.id, row.token)
 
 
 def _recovered(row: _Stale, policy: str, outcome: str) -> None:
-    _core.announce_recovery(row.account, row.operation, row.key, policy, outcome, row.id)
+    _recovery.announce(row.account, row.operation, row.key, policy, outcome, row.id)

@@ -17,8 +17,8 @@ from celery import current_task, shared_task
 from celery.app.task import Task
 
 from django_idempotency import _validation, maintenance, outbox
-from django_idempotency._core import RETRY
 from django_idempotency._once import LeaseTakenOver, call_once
+from django_idempotency._recovery import RETRY
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
 
 logger = logging.getLogger("django_idempotency")
@@ -127,7 +127,7 @@ def idempotent_task(
                     # redelivery takes its stale lease over and applies the policy
                     # (by default it runs the body again).
                     recovery=checked["recovery"] or RETRY,
-                )
+                ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
                 return None

@@ -36,7 +36,7 @@ from django.db import connection, connections
 from django.test import Client, override_settings
 from django.utils import timezone as django_timezone
 
-from django_idempotency._http import IdempotencyContext
+from django_idempotency._context import IdempotencyContext
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory, UserFactory
 from tests.live import ROOT, Answer, basic_auth, free_port, request, server_env, starting_a_server

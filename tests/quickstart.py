@@ -80,6 +80,14 @@ def commands(program: str) -> list[list[str]]:
     return [s.words for s in steps() if isinstance(s, Command) and s.words[0] == program]
 
 
+def install_lines() -> list[list[str]]:
+    """The README's lines that install from a clone: ``git clone``, then ``pip`` and
+    ``python -m pip`` lines that name the clone by its absolute path (``$HOME/...``)."""
+    lines = [s.words for s in steps() if isinstance(s, Command)]
+    start = next(n for n, words in enumerate(lines) if words[:2] == ["git", "clone"])
+    return [words for words in lines[start:] if words[0] in ("git", "pip", "python")][:4]
+
+
 def extras() -> str:
     """The extras of the README's ``pip install "django-idempotency[...]"`` line."""
     (words,) = [w for w in commands("pip") if w[2].startswith("django-idempotency[")]

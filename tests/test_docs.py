@@ -256,12 +256,14 @@ def extras() -> set[str]:
 
 
 def installable() -> set[str]:
-    """What ``pip install`` may name: the package on PyPI, a clone of the repository, and the
-    wheel that ``python -m build`` writes there, of the version of pyproject.toml."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    wheel = f"./django-idempotency/dist/django_idempotency-{version}-py3-none-any.whl"
-    return {"django-idempotency", "./django-idempotency", wheel}
+    """What ``pip install`` may name: the package (on PyPI, or found in the wheels built into
+    a clone's ``dist/``), and the clone by its absolute path."""
+    return {"django-idempotency", CLONE}
+
+
+REPOSITORY = "https://github.com/django-idempotency/django-idempotency.git"
+#: Where the README's installation clones the repository: a path that holds from any folder.
+CLONE = "$HOME/django-idempotency"
 
 
 def command_options(name: str) -> set[str]:
@@ -311,7 +313,14 @@ def test_shell_blocks_name_real_targets_extras_and_commands() -> None:
             checked += 1
             if words[0] == "make":
                 assert set(words[1:]) <= targets, f"{block.page}:{block.line}: {words}"
+            elif words[:2] == ["git", "clone"]:
+                assert words[2:] == [REPOSITORY, CLONE], words
+            elif words[:5] == ["python", "-m", "pip", "wheel", "--no-deps"]:
+                assert words[5:] == ["--wheel-dir", f"{CLONE}/dist", CLONE], words
             elif words[:2] == ["pip", "install"]:
+                if words[2] == "--find-links":
+                    assert words[3] == f"{CLONE}/dist", words
+                    words = words[:2] + words[4:]
                 (spec,) = words[2:]
                 name, _, rest = spec.partition("[")
                 assert name in installable(), f"{block.page}:{block.line}: {name}"

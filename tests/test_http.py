@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpResponse
 from django.test import override_settings
 from django.utils import timezone
 from freezegun import freeze_time
@@ -480,3 +481,23 @@ def test_keys_and_accounts_are_case_sensitive(anon_api):
         assert "Idempotent-Replayed" not in response
     assert Charge.objects.count() == 3
     assert IdempotencyRecord.objects.count() == 3
+
+
+def test_context_of_is_the_typed_request_idempotency(rf):
+    from django_idempotency import IdempotencyContext, context_of
+    from django_idempotency.decorators import idempotent
+
+    seen: list[IdempotencyContext | None] = []
+
+    @idempotent(account=lambda request: "tenant:1", operation="typed")
+    def view(request):
+        seen.append(context_of(request))
+        return HttpResponse(status=201)
+
+    request = rf.post("/typed/", b"{}", content_type="application/json")
+    request.META["HTTP_IDEMPOTENCY_KEY"] = "typed-1"
+    assert view(request).status_code == 201
+    (context,) = seen
+    assert context is request.idempotency
+    assert (context.key, context.operation, context.account) == ("typed-1", "typed", "tenant:1")
+    assert context_of(rf.post("/typed/")) is None  # not protected

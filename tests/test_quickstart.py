@@ -178,20 +178,47 @@ def database() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def install_from_a_clone(home: Path, python: Path, project: Path) -> None:
+    """The README's lines that install from a clone, run from the project folder with
+    ``$HOME`` at ``home``: the clone is this checkout's files (committed or not), the rest
+    runs as written (``pip`` is the venv's). Installing the clone builds and installs a
+    wheel of it, so a file missing from the wheel fails the quickstart."""
+    (clone, source, build, wheel) = quickstart.install_lines()
+    assert clone[:2] == ["git", "clone"], clone
+    assert clone[-1] == "$HOME/django-idempotency", clone
+    target = home / "django-idempotency"
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (entry.decode() for entry in listed)):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).write_bytes((ROOT / name).read_bytes())
+    env = {**os.environ, "HOME": str(home)}
+    for words in (source, build, wheel):
+        line = [os.path.expandvars(w.replace("$HOME", str(home))) for w in words]
+        if line[0] == "pip":
+            line = [str(python), "-m", "pip", *line[1:]]
+        elif line[:3] == ["python", "-m", "pip"]:
+            line = [str(python), *line[1:]]
+        run(*line, "--quiet", cwd=project, env=env)
+    assert list((target / "dist").glob("django_idempotency-*.whl")), "no wheel was built"
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory, database: str) -> Project:
     """A new project with the wheel and the README's quickstart; ``runserver`` not yet run."""
     tmp = tmp_path_factory.mktemp("quickstart")
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", ROOT)
-    (wheel,) = (tmp / "dist").glob("django_idempotency-*.whl")
     run(sys.executable, "-m", "venv", tmp / "venv")
     python = tmp / "venv" / "bin" / "python"
-    run(python, "-m", "pip", "install", "--quiet", f"{wheel}[{quickstart.extras()}]")
+    path = tmp / "project"
+    path.mkdir()
+    install_from_a_clone(tmp, python, path)
     # Nothing of the test or docs tooling came along.
     run(python, "-c", "import importlib.util as u; assert not u.find_spec('pytest')")
 
-    path = tmp / "project"
-    path.mkdir()
     run(tmp / "venv" / "bin" / "django-admin", "startproject", "mysite", ".", cwd=path)
     settings = path / "mysite" / "settings.py"
     # The test's own line: the quickstart on PostgreSQL, in a database of its own.

@@ -321,3 +321,33 @@ def test_a_recovery_callable_decides_for_a_stale_record():
     }
     assert asked == ["k"]
     assert calls == []
+
+
+def test_run_once_result_tells_a_replay_from_a_first_run():
+    calls: list[int] = []
+    first = django_idempotency.run_once_result(ship, 3, **IDENTITY, key="r-1", calls=calls)
+    again = django_idempotency.run_once_result(ship, 3, **IDENTITY, key="r-1", calls=calls)
+    assert (first.value, first.replayed) == ({"shipped": 3, "note": ""}, False)
+    assert (again.value, again.replayed) == ({"shipped": 3, "note": ""}, True)
+    assert calls == [3]
+    assert Charge.objects.count() == 1
+    # The same rules and exceptions as run_once.
+    with pytest.raises(KeyReused):
+        django_idempotency.run_once_result(
+            ship, 3, **IDENTITY, key="r-1", fingerprint="other", calls=calls
+        )
+    assert calls == [3]
+
+
+def test_run_once_result_after_a_recovery_callable_is_not_a_replay():
+    stale_record("r-2", "tests.test_run_once.decided")
+    once = {**IDENTITY, "key": "r-2", "recovery": decided}
+    result = django_idempotency.run_once_result(ship, 1, **once, calls=[])
+    assert (result.value, result.replayed) == ({"decided": True}, False)
+    assert Charge.objects.count() == 0
+    again = django_idempotency.run_once_result(ship, 1, **once, calls=[])
+    assert (again.value, again.replayed) == ({"decided": True}, True)
+
+
+def decided(record: IdempotencyRecord) -> dict[str, bool]:
+    return {"decided": True}

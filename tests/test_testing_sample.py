@@ -38,7 +38,12 @@ UNPROTECT = {
             "class OrderViewSet(IdempotencyMixin, viewsets.ModelViewSet",
             "class OrderViewSet(viewsets.ModelViewSet",
         ),
-        ('self.request.idempotency.downstream_key("payment")', "None"),
+        (
+            "        context = context_of(self.request)  # request.idempotency, typed\n"
+            "        assert context is not None\n",
+            "",
+        ),
+        ('context.downstream_key("payment")', "None"),
     ],
     "tasks.py": [("@idempotent_task()\n", "")],
 }

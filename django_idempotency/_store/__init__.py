@@ -22,6 +22,7 @@ from __future__ import annotations
 from django_idempotency._store.claiming import claim, fetch
 from django_idempotency._store.owner import (
     complete,
+    count_attempt,
     forget_steps,
     give_back,
     record_step,
@@ -35,6 +36,7 @@ __all__ = [
     "RecordState",
     "claim",
     "complete",
+    "count_attempt",
     "fetch",
     "forget_steps",
     "give_back",

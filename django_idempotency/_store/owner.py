@@ -28,6 +28,7 @@ from django_idempotency.states import IN_PROGRESS
 
 __all__ = [
     "complete",
+    "count_attempt",
     "forget_steps",
     "give_back",
     "record_step",
@@ -113,6 +114,18 @@ def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bo
     """
     ends = prepared(alias, "lease_expires_at", now)
     return _owned(alias, _give_back_sql(alias), [ends], record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _count_attempt_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    counted = f"{q('recovery_attempts')} = {q('recovery_attempts')} + 1"
+    return f"UPDATE {table(alias)} SET {counted} WHERE {owned_by(q)}"
+
+
+def count_attempt(alias: str, record_id: int, token: uuid.UUID) -> bool:
+    """Count one recovery attempt on a record this claim owns; ``False``: the lease was lost."""
+    return _owned(alias, _count_attempt_sql(alias), [], record_id, token)
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,6 +15,7 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from django_idempotency import context_of
 from django_idempotency.decorators import idempotent
 
 
@@ -57,7 +58,8 @@ async def create_charge_async(request: HttpRequest) -> HttpResponse:
 # --8<-- [start:downstream-key]
 @idempotent(operation="charges.create")
 def create_charge(request: HttpRequest) -> HttpResponse:
-    ctx = request.idempotency  # type: ignore[attr-defined]
+    ctx = context_of(request)  # request.idempotency, typed
+    assert ctx is not None  # a protected POST always has one
     assert request.user.is_authenticated
     # The provider first, with a key derived from the client's: a retry after a crash
     # sends the same key, and the provider returns its first result.

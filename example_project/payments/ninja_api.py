@@ -14,6 +14,7 @@ from django.urls import reverse
 from ninja import Field, NinjaAPI, Schema
 from ninja.security import HttpBasicAuth, django_auth
 
+from django_idempotency import context_of
 from django_idempotency.ninja import idempotent
 from example_project.payments import provider
 from example_project.payments.models import Charge
@@ -61,8 +62,10 @@ def create_charge(request: HttpRequest, payload: ChargeIn, response: HttpRespons
     # As in the DRF view: the provider call carries a key derived from the client's key, so
     # a retry after a crash is deduplicated by the provider, and the local row commits with
     # the idempotency record.
+    context = context_of(request)  # request.idempotency, typed
+    assert context is not None
     provider_charge = provider.charge(
-        key=request.idempotency.downstream_key("provider"),  # type: ignore[attr-defined]
+        key=context.downstream_key("provider"),
         amount=payload.amount,
         currency=payload.currency,
         description=payload.description,

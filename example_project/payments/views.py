@@ -11,6 +11,7 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from django_idempotency import context_of
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.outbox import enqueue
@@ -64,8 +65,10 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
         # The provider call comes first and carries a key derived from the client's key: a
         # retry after a crash reaches the provider with the same key and is deduplicated
         # there, while the local row below commits together with the idempotency record.
+        context = context_of(self.request)  # request.idempotency, typed
+        assert context is not None
         provider_charge = provider.charge(
-            key=self.request.idempotency.downstream_key("provider"),  # type: ignore[attr-defined]
+            key=context.downstream_key("provider"),
             amount=data["amount"],
             currency=data["currency"],
             description=data.get("description", ""),

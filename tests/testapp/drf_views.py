@@ -8,6 +8,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from django_idempotency import context_of
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
 from tests.testapp import provider
@@ -67,7 +68,9 @@ class CustomOperationAPIView(IdempotencyMixin, APIView):
         Charge.objects.create(account="custom", amount=1, currency="EUR")
         if request.data.get("fail"):
             raise serializers.ValidationError({"fail": "asked to fail after writing"})
-        return Response({"ok": True, "op": request.idempotency.operation}, status=201)
+        context = context_of(request)  # typed: no attr-defined ignore
+        assert context is not None
+        return Response({"ok": True, "op": context.operation}, status=201)
 
     def put(self, request: Request) -> Response:
         Charge.objects.create(account="custom-put", amount=1, currency="EUR")

@@ -8,6 +8,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from rest_framework import serializers, viewsets
 
+from django_idempotency import context_of
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.outbox import enqueue
 from example_project.docs_examples.shop import payments
@@ -34,11 +35,13 @@ class OrderViewSet(IdempotencyMixin, viewsets.ModelViewSet[Order]):
 
     def perform_create(self, serializer: Any) -> None:
         data = serializer.validated_data
+        context = context_of(self.request)  # request.idempotency, typed
+        assert context is not None
         payment = payments.charge(
             data["amount"],
             data["currency"],
             # The same key on every retry of this order: the gateway pays once.
-            idempotency_key=self.request.idempotency.downstream_key("payment"),  # type: ignore[attr-defined]
+            idempotency_key=context.downstream_key("payment"),
         )
         with transaction.atomic():  # the order and its confirmation commit together
             order = serializer.save(customer=self.request.user, payment=payment)

@@ -1,0 +1,159 @@
+"""The owner's execution: the operation's code and its completion, fenced by the lease.
+
+:func:`run_owned` is what every entry point calls once it holds a claim: one transaction for
+the body and the completion (:func:`run_fenced`), or, under the recovery policy
+``"resume"``, the body's steps each in its own and then the completion
+(:func:`run_resumable`). What happens to the claim when the body fails is decided here,
+once: released (a retry runs afresh), given back (the policy decides at once), or kept (a
+crash, a lost lease).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from django import db
+from django.db import transaction
+
+from django_idempotency import _store
+from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
+from django_idempotency._outcomes import Outcome
+from django_idempotency._recovery import RESUME, RETRY
+from django_idempotency._steps import outside_steps, recording
+from django_idempotency.exceptions import StoreUnavailable
+
+__all__ = ["Fenced", "run_fenced", "run_owned", "run_resumable"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Fenced(Generic[T]):
+    """What a fenced execution gave: the body's result, and whether its outcome was stored
+    (otherwise its work was rolled back and the claim released, or given back)."""
+
+    result: T
+    stored: bool
+
+
+class _RolledBack(Exception):
+    def __init__(self, result: Any, outcome: Outcome | None) -> None:
+        self.result = result
+        self.outcome = outcome
+
+
+def run_owned(
+    policy: Any,
+    claim: Claim,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+    fresh: bool = False,
+) -> Fenced[T]:
+    """The owner's execution for ``policy``: resumable steps under ``"resume"``, else one
+    fenced transaction. ``fresh``: the claim is new, not a takeover."""
+    if policy == RESUME:
+        return run_resumable(claim, body, judge, fresh)
+    return run_fenced(claim, body, judge, keep_on_store_failure=policy != RETRY)
+
+
+def run_fenced(
+    claim: Claim,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+    keep_on_store_failure: bool = False,
+) -> Fenced[T]:
+    """Run ``body`` and complete the record in one transaction.
+
+    ``judge(result)`` says what to store, or ``None``: then the body's work is rolled back and
+    the claim released, so a retry runs afresh. When the body raises, the same happens and
+    the exception propagates. When the body marked its own transaction for rollback, its
+    outcome (if storable) is stored after the rollback: it is still the deterministic answer
+    of this request. Raises ``LeaseLost`` when another attempt owns the record now.
+
+    When the completion (or its commit) fails after the body ran, the work rolls back and
+    ``StoreUnavailable`` is raised; the claim is released, or, with
+    ``keep_on_store_failure`` (every policy but ``"retry"``: the body's external calls may
+    have happened), its lease is given back, so the policy decides as after a crash.
+    """
+    alias = claim.alias
+    completing = False
+    try:
+        with outside_steps():
+            try:
+                with transaction.atomic(using=alias):
+                    result = body()
+                    completing = True
+                    outcome = judge(result)
+                    if outcome is None or transaction.get_rollback(using=alias):
+                        raise _RolledBack(result, outcome)
+                    claim.complete(outcome)
+            except _RolledBack as rolled_back:
+                if rolled_back.outcome is None:
+                    claim.release()
+                    return Fenced(rolled_back.result, stored=False)
+                claim.complete(rolled_back.outcome)
+                return Fenced(rolled_back.result, stored=True)
+        return Fenced(result, stored=True)
+    except KEEP_CLAIM:
+        # A crash (or a cancellation) leaves the claim as a killed process would: held until
+        # its lease runs out, then recovered by its policy. Never a silent release.
+        raise
+    except (db.Error, StoreUnavailable) as exc:
+        failed = completing  # the completion or its commit: the store's, not the body's
+        if failed and keep_on_store_failure:
+            claim.give_back()
+        else:
+            claim.release()
+        if failed and not isinstance(exc, StoreUnavailable):
+            raise store_failed(exc) from exc
+        raise
+    except BaseException:
+        claim.release()
+        raise
+
+
+def run_resumable(
+    claim: Claim,
+    body: Callable[[], T],
+    judge: Callable[[T], Outcome | None],
+    fresh: bool = False,
+) -> Fenced[T]:
+    """Run ``body`` as a resumable operation (``"resume"``): outside one transaction, its
+    ``step()`` calls each committing with its recorded result; then store the outcome.
+
+    The steps recorded by earlier attempts are read once, here (when that read fails:
+    ``StoreUnavailable``, and a ``fresh`` claim, which has no steps, is released; a taken
+    over one keeps its steps and gives its lease back). When the body raises (or ``judge``
+    has nothing to store: a 5xx), the recorded steps are kept and the lease is given back at
+    once, so the next attempt resumes at once. ``LeaseLost`` when another attempt owns the
+    record now: at a step, or at the completion.
+    """
+    try:
+        recorded = _store.recorded_steps(claim.alias, claim.record_id)
+    except db.Error as exc:
+        claim.release() if fresh else claim.give_back()
+        raise store_failed(exc) from exc
+    try:
+        with recording(claim, recorded):
+            result = body()
+            outcome = judge(result)
+    except KEEP_CLAIM:
+        raise
+    except BaseException:
+        claim.give_back()
+        raise
+    if outcome is None:
+        claim.give_back()
+        return Fenced(result, stored=False)
+    try:
+        with transaction.atomic(using=claim.alias):
+            claim.complete(outcome)
+    except db.Error as exc:  # the commit
+        claim.give_back()
+        raise store_failed(exc) from exc
+    except StoreUnavailable:
+        claim.give_back()
+        raise
+    return Fenced(result, stored=True)

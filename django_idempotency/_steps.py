@@ -1,0 +1,158 @@
+"""Steps: the parts of a resumable operation (recovery policy ``"resume"``) that run once.
+
+:func:`step` records each step's result with the step's own work, fenced by the lease
+token; a later attempt of the operation gets the recorded result back without running the
+step again. :func:`recording` makes an attempt's steps (read once, when it starts) the ones
+that :func:`step` finds.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django import db
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import transaction
+from django.utils import timezone
+
+from django_idempotency import _store
+from django_idempotency._claims import Claim, LeaseLost, store_failed
+from django_idempotency._context import IdempotencyContext, current
+from django_idempotency._outcomes import refuse_unreadable
+from django_idempotency.crypto import Unreadable
+
+__all__ = ["outside_steps", "recording", "step"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Steps:
+    """The running attempt of a resumable operation: its claim and what is recorded."""
+
+    claim: Claim
+    recorded: dict[str, str]
+    used: set[str] = field(default_factory=set)
+    running: bool = False
+
+
+_steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar(
+    "django_idempotency_steps", default=None
+)
+
+
+@contextmanager
+def recording(claim: Claim, recorded: dict[str, str]) -> Iterator[None]:
+    """While the body runs, :func:`step` records for ``claim``, whose earlier attempts
+    recorded ``recorded``."""
+    reset = _steps.set(_Steps(claim, recorded))
+    try:
+        yield
+    finally:
+        _steps.reset(reset)
+
+
+@contextmanager
+def outside_steps() -> Iterator[None]:
+    """While the body runs, :func:`step` belongs to no operation (an operation run inside a
+    resumable one has steps of its own, or none)."""
+    reset = _steps.set(None)
+    try:
+        yield
+    finally:
+        _steps.reset(reset)
+
+
+_MAX_STEP_NAME = 255
+
+
+def _storable_step_name(name: Any) -> bool:
+    """Whether every supported database stores ``name`` and tells it from every other."""
+    if not isinstance(name, str) or not name or len(name) > _MAX_STEP_NAME:
+        return False
+    if "\x00" in name or name != name.strip():
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _step_json(name: str, result: Any) -> str:
+    try:
+        return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"step {name!r} returned {type(result).__name__}, which cannot be recorded as JSON "
+            f"({exc}); nothing was recorded and its work was rolled back"
+        ) from exc
+
+
+def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``func(*args, **kwargs)`` once per resumable operation, as its step ``name``.
+
+    Inside an operation under the ``"resume"`` recovery policy: ``func`` runs inside
+    ``transaction.atomic()`` on the idempotency database, together with the record of
+    ``(name, result)``, fenced by the lease token. A step recorded by an earlier attempt of
+    the operation returns its recorded result without calling ``func``. Either way the
+    value returned is what ``json.loads`` gives back for the result, so a body behaves the
+    same on every attempt.
+
+    Raises ``RuntimeError`` outside such an operation (and for a step inside a step),
+    ``ValueError`` for a name used twice in one attempt (names are unique within an
+    operation: ``f"ship:{line.id}"``), ``TypeError`` for a result that is not JSON (nothing
+    is recorded, the step's work rolls back). When the attempt lost its lease, the step's
+    work rolls back and the attempt ends (``409`` for a view, ``InProgress`` for
+    ``run_once``).
+    """
+    steps = _steps.get()
+    if steps is None:
+        raise RuntimeError(
+            'step() runs only inside an operation under the "resume" recovery policy '
+            '(@idempotent(recovery="resume"), run_once(..., recovery="resume"), ...)'
+        )
+    if not _storable_step_name(name):
+        raise ValueError(
+            f"a step name is a non-empty string of at most {_MAX_STEP_NAME} characters, "
+            "without NUL, lone surrogates or whitespace at either end (MariaDB compares "
+            f"names without trailing spaces); got {name!r}"
+        )
+    if steps.running:
+        raise RuntimeError(f"step {name!r} was called inside another step: steps do not nest")
+    if name in steps.used:
+        raise ValueError(
+            f"step name {name!r} is used twice in one attempt; names are unique within an "
+            'operation (e.g. f"ship:{line.id}")'
+        )
+    steps.used.add(name)
+    recorded = steps.recorded.get(name)
+    if recorded is None:
+        steps.running = True
+        try:
+            owner = steps.claim
+            with transaction.atomic(using=owner.alias):
+                recorded = _step_json(name, func(*args, **kwargs))
+                try:
+                    kept = _store.record_step(
+                        owner.alias, owner.record_id, owner.token, name, recorded, timezone.now()
+                    )
+                except db.Error as exc:
+                    raise store_failed(exc) from exc
+                if not kept:
+                    raise LeaseLost
+        finally:
+            steps.running = False
+        steps.recorded[name] = recorded
+    try:
+        return json.loads(recorded)
+    except (ValueError, RecursionError):
+        context = current() or IdempotencyContext("", "", "", record_id=steps.claim.record_id)
+        raise refuse_unreadable(
+            context, Unreadable(None, f"the recorded result of step {name!r} is not JSON")
+        ) from None
