@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import _http, _problems, sources
+from django_idempotency import _http, _options, _problems, sources
 from django_idempotency.conf import app_settings
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -68,7 +68,7 @@ def problem_schema(code_ref: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def key_header(options: _http.Options) -> str | None:
+def key_header(options: _options.Options) -> str | None:
     """The header a protected operation takes its key from: the ``HEADER`` setting's, the
     one of a ``sources.header(...)``, or ``None`` when the key is elsewhere (a webhook's
     JSON body, a form field, a function of the view's): then no key header is documented."""
@@ -143,7 +143,7 @@ def _is_replayable(code: str) -> bool:
 
 
 def document_operation(
-    operation: dict[str, Any], options: _http.Options, problem_ref: dict[str, Any]
+    operation: dict[str, Any], options: _options.Options, problem_ref: dict[str, Any]
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``.
 

@@ -40,7 +40,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.urls import get_resolver, get_urlconf
 
-from django_idempotency import _endpoints, _http
+from django_idempotency import _endpoints, _http, _options
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -126,7 +126,7 @@ def _mark(callback: Callable[..., Any]) -> int:
 
 
 def _every_method_reaches_the_engine(
-    callback: Callable[..., Any], table: dict[str, _http.Options]
+    callback: Callable[..., Any], table: dict[str, _options.Options]
 ) -> bool:
     """Whether every method the view serves (``OPTIONS`` aside) goes through an adapter of
     this package, which runs the unprotected ones in the request's transaction itself."""
@@ -136,7 +136,7 @@ def _every_method_reaches_the_engine(
     return served is not None and served - {"OPTIONS"} <= set(table)
 
 
-def _protects(table: dict[str, _http.Options]) -> Callable[[str], bool]:
+def _protects(table: dict[str, _options.Options]) -> Callable[[str], bool]:
     def protects(method: str) -> bool:
         options = table.get(method) or table.get(_endpoints.EVERY_METHOD)
         return options is not None and options.protects(method)

@@ -33,7 +33,7 @@ from typing import Any
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.urls.resolvers import RegexPattern
 
-from django_idempotency import _http, _recovery, _validation, conf
+from django_idempotency import _options, _recovery, _validation, conf
 from django_idempotency.conf import app_settings
 
 __all__ = ["Audit", "Endpoint", "audit", "duration"]
@@ -103,7 +103,7 @@ class Audit:
 @dataclass(frozen=True)
 class _Protection:
     by: str
-    options: _http.Options
+    options: _options.Options
     #: The operation when the options name none: ``{method}`` stands for the method.
     operation: str
 
@@ -352,7 +352,7 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
     found = getattr(operation, "idempotency_options", None)
     protection = (
         _Protection("ninja", found, operation.operation_id or _ROUTE_OPERATION)
-        if isinstance(found, _http.Options)
+        if isinstance(found, _options.Options)
         else None
     )
     name = _validation.name_of(operation.view_func)
@@ -365,7 +365,7 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
 EVERY_METHOD = "*"
 
 
-def protected_methods(callback: Callable[..., Any]) -> dict[str, _http.Options]:
+def protected_methods(callback: Callable[..., Any]) -> dict[str, _options.Options]:
     """The methods a pattern's view handles through an adapter of this package, each with
     the options that protect it (``EVERY_METHOD`` for a decorated function view): what
     ``ATOMIC_REQUESTS`` must leave to the engine (:mod:`django_idempotency._atomic_requests`).
@@ -379,10 +379,10 @@ def protected_methods(callback: Callable[..., Any]) -> dict[str, _http.Options]:
         return _handlers(cls, callback)
     path_view = _ninja_path_view(callback)
     if path_view is not None:
-        table: dict[str, _http.Options] = {}
+        table: dict[str, _options.Options] = {}
         for operation in path_view.operations:
             found = getattr(operation, "idempotency_options", None)
-            if isinstance(found, _http.Options):
+            if isinstance(found, _options.Options):
                 table.update(dict.fromkeys((m.upper() for m in operation.methods), found))
         return table
     view_class = getattr(callback, "view_class", None)
@@ -406,8 +406,8 @@ def served_methods(callback: Callable[..., Any]) -> set[str] | None:
     return None
 
 
-def _handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, _http.Options]:
-    table: dict[str, _http.Options] = {}
+def _handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, _options.Options]:
+    table: dict[str, _options.Options] = {}
     for method in _class_methods(view_class):
         found = _options_of(getattr(view_class, method.lower())) or _marker(callback)
         if found is not None:
@@ -425,9 +425,9 @@ def callbacks(urlconf: str | None = None) -> Iterator[Callable[..., Any]]:
 # -- finding the decorator's options ---------------------------------------------------------
 
 
-def _marker(func: Any) -> _http.Options | None:
+def _marker(func: Any) -> _options.Options | None:
     found = getattr(func, "__dict__", {}).get("idempotency_options")
-    return found if isinstance(found, _http.Options) else None
+    return found if isinstance(found, _options.Options) else None
 
 
 def _closure(func: Any) -> list[Any]:
@@ -442,7 +442,7 @@ def _closure(func: Any) -> list[Any]:
     return values
 
 
-def _options_of(func: Any, depth: int = 8, closures: bool = True) -> _http.Options | None:
+def _options_of(func: Any, depth: int = 8, closures: bool = True) -> _options.Options | None:
     """The options ``@idempotent`` left on ``func`` or on a function it wraps (found through
     ``__wrapped__``, and through closures unless ``closures`` is false)."""
     todo, seen = [func], set()
@@ -487,7 +487,7 @@ def _required_methods(func: Any) -> list[str] | None:
 # -- how it reads ----------------------------------------------------------------------------
 
 
-def _key_source(options: _http.Options) -> str:
+def _key_source(options: _options.Options) -> str:
     source = options.key
     if source is None:
         text = f"{app_settings.HEADER} header"

@@ -13,8 +13,6 @@ import contextvars
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -28,12 +26,13 @@ from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wai
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
 from django_idempotency._operation import Operation, storable_name
+from django_idempotency._options import Options, Terms
 from django_idempotency._outcomes import Outcome, refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
-from django_idempotency.fingerprint import django_request, fingerprint_version
+from django_idempotency.fingerprint import django_request
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import COMPLETED, IN_PROGRESS
@@ -42,14 +41,8 @@ logger = logging.getLogger("django_idempotency")
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 
-Recovery = str | Callable[[IdempotencyRecord], HttpResponseBase | None]
-Resolver = Callable[[Any], str | None]
-Fingerprint = Callable[[Any], str]
-KeySource = Callable[[Any], str | None]
-
 __all__ = [
     "REPLAYED_HEADER",
-    "Options",
     "handle",
     "is_storable",
     "outcome_of",
@@ -57,72 +50,6 @@ __all__ = [
     "route_operation",
     "run_to_the_end",
 ]
-
-
-@dataclass(frozen=True)
-class Options:
-    """Per-view choices; ``None`` means "use the ``IDEMPOTENCY`` setting"."""
-
-    operation: str | None = None
-    required: bool | None = None
-    ttl: timedelta | int | None = None
-    lease: timedelta | int | None = None
-    recovery: Recovery | None = None
-    account: Resolver | str | None = None
-    fingerprint: Fingerprint | str | None = None
-    methods: tuple[str, ...] | None = None
-    #: Where the key comes from: a callable ``request -> str | None`` (or its dotted path);
-    #: ``None``: the ``HEADER`` setting's header.
-    key: KeySource | str | None = None
-    #: The terms worked out under one loading of the settings: ``(settings, terms)``.
-    _terms: tuple[dict[str, Any], _Terms] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-
-    def terms(self) -> _Terms:
-        """These options with the settings filled in, worked out again only when the
-        settings change (``setting_changed``); read on every request."""
-        settings = app_settings.loaded()
-        cached = self._terms
-        if cached is not None and cached[0] is settings:
-            return cached[1]
-        fingerprint = conf.resolve_callable(self.fingerprint or app_settings.FINGERPRINT)
-        recovery = self.recovery or app_settings.RECOVERY
-        terms = _Terms(
-            methods=(
-                frozenset(m.upper() for m in self.methods) if self.methods else app_settings.METHODS
-            ),
-            database=app_settings.DATABASE,
-            account=conf.resolve_callable(self.account or app_settings.ACCOUNT_RESOLVER),
-            fingerprint=fingerprint,
-            fingerprint_version=fingerprint_version(fingerprint),
-            recovery=recovery,
-            recovery_name=recovery if recovery.__class__ is str else recovery_name(recovery),
-            lease=conf.as_timedelta(self.lease) if self.lease is not None else app_settings.LEASE,
-            ttl=conf.as_timedelta(self.ttl) if self.ttl is not None else app_settings.TTL,
-        )
-        object.__setattr__(self, "_terms", (settings, terms))
-        return terms
-
-    def protects(self, method: str | None) -> bool:
-        """Whether requests with ``method`` need (or may carry) a key."""
-        allowed = self.terms().methods
-        return method in allowed or (method or "").upper() in allowed
-
-
-@dataclass(frozen=True, slots=True)
-class _Terms:
-    """An :class:`Options` with the settings filled in and its callables imported."""
-
-    methods: frozenset[str]
-    database: str
-    account: Resolver
-    fingerprint: Fingerprint
-    fingerprint_version: str
-    recovery: Recovery
-    recovery_name: str
-    lease: timedelta
-    ttl: timedelta
 
 
 def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
@@ -229,7 +156,7 @@ class _Protected:
         self.recovery = recovery
 
     @classmethod
-    def of(cls, request: Any, context: IdempotencyContext, terms: _Terms) -> _Protected:
+    def of(cls, request: Any, context: IdempotencyContext, terms: Terms) -> _Protected:
         operation = Operation(
             terms.database,
             context.account,

@@ -19,7 +19,7 @@ from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency import _autonomous, _recovery, _validation
+from django_idempotency import _autonomous, _options, _recovery, _validation
 from django_idempotency._claims import Claim, LeaseLost, claim, fetch, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
@@ -218,15 +218,17 @@ def call_once(
     """
     # The decorator's rules, through the same code: a wrong value raises before anything runs.
     where = f"run_once(operation={operation!r})"
-    checked = _validation.view_arguments(
-        where, operation=operation, ttl=ttl, lease=lease, recovery=recovery
+    checked = _options.validated(
+        where,
+        {"operation": operation, "ttl": ttl, "lease": lease, "recovery": recovery},
+        accepted=("operation", "ttl", "lease", "recovery"),
     )
     if not isinstance(account, str) or not account:
         raise ImproperlyConfigured(
             f"{where}: account must be a non-empty string naming who the key belongs to, "
             f"such as 'consumer:shipping'; got {_validation.describe(account)}."
         )
-    if operation is None:  # view_arguments reads None as "the default": there is none here
+    if operation is None:  # validated() reads None as "the default": there is none here
         raise ImproperlyConfigured(f"{where}: operation must be a non-empty string; got None.")
     policy = checked["recovery"] if recovery is not None else app_settings.RECOVERY
     ttl = checked["ttl"] if ttl is not None else app_settings.TTL

@@ -5,7 +5,7 @@ raises :class:`Invalid` saying what was expected. They never coerce a wrong type
 not a list of one method, ``1`` is not ``True``, ``None`` is not "the default". The system
 checks (:mod:`django_idempotency.checks`), the settings object
 (:data:`django_idempotency.conf.app_settings`) and every adapter's per-view arguments
-(:func:`view_arguments`) use these same functions, so the rules cannot drift apart.
+(:func:`._options.validated`) use these same functions, so the rules cannot drift apart.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 RETRY = "retry"
@@ -288,19 +287,6 @@ def operation(value: Any) -> str:
 
 # -- per-view arguments --------------------------------------------------------------------
 
-# What each per-view argument admits; ``None`` always means "the setting decides".
-_VIEW_RULES: dict[str, Callable[[Any], Any]] = {
-    "operation": operation,
-    "required": flag,
-    "ttl": duration,
-    "lease": duration,
-    "recovery": recovery,
-    "account": callable_ref,
-    "fingerprint": callable_ref,
-    "methods": lambda value: tuple(sorted(methods(value))),
-    "key": callable_ref,
-}
-
 
 def name_of(obj: Any) -> str:
     """A function's or a class's dotted name, for error messages."""
@@ -312,29 +298,3 @@ def caller(depth: int = 2) -> str:
     """Where a decorator was applied, for its error messages: ``module line N``."""
     frame = sys._getframe(depth)
     return f"{frame.f_globals.get('__name__', '?')} line {frame.f_lineno}"
-
-
-def view_arguments(where: str, prefix: str = "", **arguments: Any) -> dict[str, Any]:
-    """The per-view arguments of an adapter, validated; ``None`` values are kept as ``None``.
-
-    ``where`` names the view for the message (``"@idempotent on app.views.create"``) and
-    ``prefix`` is how the adapter spells the arguments (``"idempotency_"`` for the mixin's
-    attributes). Raises ``ImproperlyConfigured`` naming the view, the argument and what it
-    expected. A ``ttl`` given with a ``lease`` must be longer than it.
-    """
-    cleaned: dict[str, Any] = {}
-    for name, value in arguments.items():
-        if value is None:
-            cleaned[name] = None
-            continue
-        try:
-            cleaned[name] = _VIEW_RULES[name](value)
-        except Invalid as exc:
-            raise ImproperlyConfigured(f"{where}: {prefix}{name} {exc}.") from None
-    ttl, lease = cleaned.get("ttl"), cleaned.get("lease")
-    if ttl is not None and lease is not None and ttl <= lease:
-        raise ImproperlyConfigured(
-            f"{where}: {prefix}ttl ({ttl}) must be longer than {prefix}lease ({lease}), or a "
-            "record could expire while its first attempt still runs."
-        )
-    return cleaned

@@ -7,15 +7,20 @@ import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 from django.views import View
 
-from django_idempotency import _http, _validation, sources
+from django_idempotency import _http, _options, _validation
+from django_idempotency._options import ViewOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ViewOptions", "idempotent"]
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -56,49 +61,31 @@ def _refuse_unprotectable(view: Any) -> None:
 
 
 @overload
-def idempotent(view: ViewFunc) -> ViewFunc: ...
+def idempotent(view: ViewFunc, /) -> ViewFunc: ...
 
 
 @overload
 def idempotent(
-    view: None = None,
-    *,
-    operation: str | None = None,
-    required: bool | None = None,
-    ttl: timedelta | int | None = None,
-    lease: timedelta | int | None = None,
-    recovery: _http.Recovery | None = None,
-    account: _http.Resolver | str | None = None,
-    fingerprint: _http.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
-    key: _http.KeySource | str | None = None,
+    view: None = None, /, **options: Unpack[ViewOptions]
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
 def idempotent(
-    view: ViewFunc | None = None,
-    *,
-    operation: str | None = None,
-    required: bool | None = None,
-    ttl: timedelta | int | None = None,
-    lease: timedelta | int | None = None,
-    recovery: _http.Recovery | None = None,
-    account: _http.Resolver | str | None = None,
-    fingerprint: _http.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | set[str] | frozenset[str] | None = None,
-    key: _http.KeySource | str | None = None,
+    view: ViewFunc | None = None, /, **options: Unpack[ViewOptions]
 ) -> ViewFunc | Callable[[ViewFunc], ViewFunc]:
     """Make a view's protected methods (``POST`` and ``PATCH`` by default) idempotent.
 
-    Use it bare (``@idempotent``) or with arguments; every argument left out falls back to
-    the ``IDEMPOTENCY`` setting. A wrong argument (``methods="POST"``, ``ttl=0``, a dotted
-    path that does not import) raises ``ImproperlyConfigured`` here, naming the view and the
-    argument. With DRF, put ``@api_view([...])`` above it, so the claim
-    follows DRF's authentication, permission and throttle checks.
+    Use it bare (``@idempotent``) or with the options of ``ViewOptions`` (``operation``,
+    ``required``, ``ttl``, ``lease``, ``recovery``, ``account``, ``fingerprint``,
+    ``methods``, ``key``); every option left out falls back to the ``IDEMPOTENCY`` setting.
+    A wrong or unknown option (``methods="POST"``, ``ttl=0``, a dotted path that does not
+    import, ``lease_seconds=5``) raises ``ImproperlyConfigured`` here, naming the view and
+    the option. With DRF, put ``@api_view([...])`` above it, so the claim follows DRF's
+    authentication, permission and throttle checks.
 
     ``key`` says where the key comes from when it is not the ``HEADER`` setting's header: a
     callable ``request -> str | None``, its dotted path, or a helper of
-    :mod:`django_idempotency.sources` (``sources.json("id")``).
+    ``django_idempotency.sources`` (``sources.json("id")``).
     """
     if view is not None and not callable(view):
         raise ImproperlyConfigured(
@@ -113,20 +100,7 @@ def idempotent(
         else f"@idempotent(...) at {_validation.caller()}"
     )
     # Validated now, when the view is decorated: a wrong value never reaches a request.
-    options = _http.Options(
-        **_validation.view_arguments(
-            where,
-            operation=operation,
-            required=required,
-            ttl=ttl,
-            lease=lease,
-            recovery=recovery,
-            account=account,
-            fingerprint=fingerprint,
-            methods=methods,
-        ),
-        key=sources.key_source(key, "@idempotent(key=...)"),
-    )
+    chosen = _options.Options.of(where, options)
 
     def decorate(func: ViewFunc) -> ViewFunc:
         _refuse_unprotectable(func)
@@ -150,9 +124,7 @@ def idempotent(
                     response: HttpResponseBase = view(request, *args, **kwargs)
                     return response
 
-            return _http.handle(
-                request, call, options, lambda: _http.route_operation(request, func)
-            )
+            return _http.handle(request, call, chosen, lambda: _http.route_operation(request, func))
 
         wrapper: Callable[..., Any]
         if inspect.iscoroutinefunction(func):
@@ -181,14 +153,14 @@ def idempotent(
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
         wrapper.__dict__["_non_atomic_requests"] = _http.IdempotencyDatabase(existing)
         # How manage.py idempotency_audit knows the view is protected, and with what options.
-        wrapper.__dict__["idempotency_options"] = options
+        wrapper.__dict__["idempotency_options"] = chosen
         if _has_spectacular() and "schema" not in wrapper.__dict__:
             # DRF's @api_view copies the function's `schema` onto the view class it makes:
             # drf-spectacular then documents the key header and the problem answers. (A
             # schema the view already has, e.g. DRF's @schema(None), is left as it is.)
             from django_idempotency.openapi import IdempotentViewSchema
 
-            wrapper.__dict__["schema"] = IdempotentViewSchema(options)
+            wrapper.__dict__["schema"] = IdempotentViewSchema(chosen)
         return wrapper  # type: ignore[return-value]
 
     if view is not None:

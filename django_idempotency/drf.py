@@ -17,7 +17,7 @@ from django.views import View
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import _http, _validation, conf, sources
+from django_idempotency import _http, _options, _validation, conf, sources
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
@@ -59,6 +59,11 @@ def _viewset_operation(view: APIView) -> str | None:
     return None
 
 
+# The options the mixin spells as ``idempotency_*`` attributes; the account, the fingerprint
+# and the key are its get_idempotency_* methods (the key also its idempotency_key).
+_MIXIN_OPTIONS = ("operation", "required", "ttl", "lease", "recovery", "methods")
+
+
 class IdempotencyMixin:
     """Put it first in a DRF view's bases to make its protected methods idempotent.
 
@@ -78,7 +83,7 @@ class IdempotencyMixin:
     #: How long a claim is owned before a retry may take it over; ``None``: ``LEASE``.
     idempotency_lease: timedelta | int | None = None
     #: ``"retry"``, ``"fail"`` or a callable ``recover(record)``; ``None``: ``RECOVERY``.
-    idempotency_recovery: _http.Recovery | None = None
+    idempotency_recovery: _options.Recovery | None = None
     #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
     idempotency_operation: str | None = None
     #: Where the key comes from: a callable called with the request alone (a
@@ -162,23 +167,31 @@ class IdempotencyMixin:
             source = source.__func__
         elif isinstance(source, classmethod):
             source = self.idempotency_key  # bound to the class, as asked
-        return sources.key_source(source, f"{type(self).__name__}.idempotency_key")
+        checked = _options.validated(
+            f"IdempotencyMixin on {_validation.name_of(type(self))}",
+            {"key": source},
+            accepted=("key",),
+            prefix="idempotency_",
+            rules=_options.VIEW_RULES,
+        )
+        found: Callable[[Any], str | None] | str | None = checked["key"]
+        return found
 
     def get_idempotency_operation(self, request: Request) -> str:
         """The operation name used when ``idempotency_operation`` is not set."""
         assert isinstance(self, APIView)
         return _viewset_operation(self) or _http.route_operation(request, type(self))
 
-    def _idempotency_options(self) -> _http.Options:
+    def _idempotency_options(self) -> _options.Options:
         # Read twice per request (dispatch, then initial): worked out once per view instance,
         # which DRF makes per request, from what is validated once per class.
-        options: _http.Options | None = self.__dict__.get("_idempotency_validated")
+        options: _options.Options | None = self.__dict__.get("_idempotency_validated")
         if options is None:
             options = self._validated_options()
             self.__dict__["_idempotency_validated"] = options
         return options
 
-    def _validated_options(self) -> _http.Options:
+    def _validated_options(self) -> _options.Options:
         cls = type(self)
         # What the attributes hold, read as the view reads them (an instance's own values
         # first: as_view(idempotency_ttl=...)); the recovery from the class, where a
@@ -198,15 +211,18 @@ class IdempotencyMixin:
         cached = _VALIDATED.get(cls)
         if cached is None or not all(map(operator.is_, cached[0], raw)):
             operation, required, ttl, lease, recovery, methods, key = raw
-            arguments = _validation.view_arguments(
+            arguments = _options.validated(
                 f"IdempotencyMixin on {_validation.name_of(cls)}",
+                {
+                    "operation": operation,
+                    "required": required,
+                    "ttl": ttl,
+                    "lease": lease,
+                    "recovery": recovery,
+                    "methods": methods,
+                },
+                accepted=_MIXIN_OPTIONS,
                 prefix="idempotency_",
-                operation=operation,
-                required=required,
-                ttl=ttl,
-                lease=lease,
-                recovery=recovery,
-                methods=methods,
             )
             overridden = cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
             source = None if overridden else self._validated_key_source(key)
@@ -217,7 +233,7 @@ class IdempotencyMixin:
                 or overridden
             )
             # Without an overridden hook, nothing depends on the instance: one Options serves.
-            whole = None if hooks else _http.Options(**arguments, key=source)
+            whole = None if hooks else _options.Options(**arguments, key=source)
             cached = (raw, arguments, source, whole)
             _VALIDATED[cls] = cached
         _, arguments, source, whole = cached
@@ -241,7 +257,7 @@ class IdempotencyMixin:
             if cls.get_idempotency_key is not IdempotencyMixin.get_idempotency_key
             else source
         )
-        return _http.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
+        return _options.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         options = self._idempotency_options()

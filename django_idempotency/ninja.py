@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import http.client
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
-from typing import Any, ClassVar, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
@@ -33,8 +32,11 @@ from django.http.response import HttpResponseBase
 from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
-from django_idempotency import _apidocs, _http, _validation, conf, sources
+from django_idempotency import _apidocs, _http, _options, _validation, conf
 from django_idempotency.conf import app_settings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["auth_account", "idempotent"]
 
@@ -67,43 +69,23 @@ def auth_account(request: HttpRequest) -> str | None:
 
 
 @overload
-def idempotent(func: OperationFunc) -> OperationFunc: ...
+def idempotent(func: OperationFunc, /) -> OperationFunc: ...
 
 
 @overload
 def idempotent(
-    func: None = None,
-    *,
-    operation: str | None = None,
-    required: bool | None = None,
-    ttl: timedelta | int | None = None,
-    lease: timedelta | int | None = None,
-    recovery: _http.Recovery | None = None,
-    account: _http.Resolver | str | None = None,
-    fingerprint: _http.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
-    key: _http.KeySource | str | None = None,
+    func: None = None, /, **options: Unpack[_options.ViewOptions]
 ) -> Callable[[OperationFunc], OperationFunc]: ...
 
 
 def idempotent(
-    func: OperationFunc | None = None,
-    *,
-    operation: str | None = None,
-    required: bool | None = None,
-    ttl: timedelta | int | None = None,
-    lease: timedelta | int | None = None,
-    recovery: _http.Recovery | None = None,
-    account: _http.Resolver | str | None = None,
-    fingerprint: _http.Fingerprint | str | None = None,
-    methods: tuple[str, ...] | list[str] | None = None,
-    key: _http.KeySource | str | None = None,
+    func: OperationFunc | None = None, /, **options: Unpack[_options.ViewOptions]
 ) -> OperationFunc | Callable[[OperationFunc], OperationFunc]:
     """Make a ninja operation's protected methods (``POST`` and ``PATCH`` by default)
     idempotent.
 
     Put it beneath ``@api.post(...)`` / ``@router.post(...)`` (or any ninja operation
-    decorator), on a ``def`` or an ``async def`` function; use it bare or with the arguments
+    decorator), on a ``def`` or an ``async def`` function; use it bare or with the options
     of ``django_idempotency.decorators.idempotent``, every one left out falling back to
     the ``IDEMPOTENCY`` setting. ``key`` is a callable ``request -> str | None`` (or its
     dotted path) that gives the key instead of the header. The default operation name is the
@@ -111,31 +93,24 @@ def idempotent(
     (``POST api/charges``), as for Django views; the default account is
     ``auth_account``.
     """
-    # Validated now, when the operation is decorated: a wrong value never reaches a request.
-    arguments = _validation.view_arguments(
-        (
-            f"ninja @idempotent on {_validation.name_of(func)}"
-            if func is not None
-            else f"ninja @idempotent(...) at {_validation.caller()}"
-        ),
-        operation=operation,
-        required=required,
-        ttl=ttl,
-        lease=lease,
-        recovery=recovery,
-        account=account if account is not None else auth_account,
-        fingerprint=fingerprint,
-        methods=methods,
+    where = (
+        f"ninja @idempotent on {_validation.name_of(func)}"
+        if func is not None
+        else f"ninja @idempotent(...) at {_validation.caller()}"
     )
-    options = _http.Options(**arguments, key=sources.key_source(key, "ninja @idempotent(key=...)"))
+    # Validated now, when the operation is decorated: a wrong value never reaches a request.
+    given: dict[str, Any] = dict(options)
+    if given.get("account") is None:
+        given["account"] = auth_account
+    chosen = _options.Options.of(where, given)
 
     def decorate(func: OperationFunc) -> OperationFunc:
         built = getattr(func, "_ninja_operation", None)
         if isinstance(built, Operation):
             # Above the route decorator: ninja has built the operation already.
-            _protect(built, options)
+            _protect(built, chosen)
         else:
-            contribute_operation_callback(func, partial(_protect, options=options))
+            contribute_operation_callback(func, partial(_protect, options=chosen))
         return func
 
     if func is not None:
@@ -143,7 +118,7 @@ def idempotent(
     return decorate
 
 
-def _protect(operation: Operation, options: _http.Options) -> None:
+def _protect(operation: Operation, options: _options.Options) -> None:
     if isinstance(operation, _Protected):
         raise ImproperlyConfigured(
             f"{_name(operation)} is decorated with @idempotent twice; keep one."
@@ -180,7 +155,7 @@ def _name(operation: Operation) -> str:
 class _Protected(Operation):
     """What protected operations add to ninja's ``Operation``; mixed in front of its class."""
 
-    idempotency_options: ClassVar[_http.Options]
+    idempotency_options: ClassVar[_options.Options]
     _own_openapi_extra: dict[str, Any] | None
 
     @property

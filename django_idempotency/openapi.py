@@ -28,7 +28,7 @@ from rest_framework.schemas.inspectors import DefaultSchema, ViewInspector
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from django_idempotency import _apidocs, _http
+from django_idempotency import _apidocs, _options
 from django_idempotency._apidocs import (
     CODE_COMPONENT,
     KEY_PATTERN,
@@ -50,7 +50,7 @@ __all__ = [
 
 
 def document_operation(
-    operation: dict[str, Any], options: _http.Options, registry: ComponentRegistry
+    operation: dict[str, Any], options: _options.Options, registry: ComponentRegistry
 ) -> None:
     """Add the key header, the problem answers and the replay header to ``operation``, the
     problem schema as a component of the schema being generated."""
@@ -71,7 +71,7 @@ def _schema_component(
     return ref
 
 
-def view_options(view: Any) -> _http.Options | None:
+def view_options(view: Any) -> _options.Options | None:
     """The idempotency options of a view instance, ``None`` if it is not protected at all."""
     if isinstance(view, IdempotencyMixin):
         return view._idempotency_options()
@@ -160,7 +160,7 @@ class IdempotentViewSchema(DefaultSchema):
     DRF's own schema generation and custom schema classes keep working.
     """
 
-    def __init__(self, options: _http.Options) -> None:
+    def __init__(self, options: _options.Options) -> None:
         super().__init__()
         self.options = options
 

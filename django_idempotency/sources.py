@@ -39,7 +39,6 @@ __all__ = [
     "form",
     "header",
     "json",
-    "key_source",
 ]
 
 KeySource = Callable[[Any], "str | None"]
@@ -190,17 +189,3 @@ def fixed(value: str) -> Fixed:
     """A resolver that always answers ``value``: use it as ``account=`` for a sender without
     users, so the sender is the account (``"webhook:stripe"``)."""
     return Fixed(value)
-
-
-def key_source(value: object, where: str) -> KeySource | str | None:
-    """``value`` if it can say where a key comes from (``None`` for the header, a callable or
-    a dotted path), else ``ImproperlyConfigured``: a wrong ``key`` never turns protection
-    off and is never read as something else."""
-    if value is None or callable(value):
-        return value
-    if isinstance(value, str) and "." in value.strip("."):
-        return value
-    raise ImproperlyConfigured(
-        f"{where} must be a callable request -> str | None, a dotted path to one or a "
-        f"django_idempotency.sources helper, not {value!r}"
-    )

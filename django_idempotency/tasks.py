@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 from celery import current_task, shared_task
 from celery.app.task import Task
 
-from django_idempotency import _validation, maintenance, outbox
+from django_idempotency import _options, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency._recovery import RETRY
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
@@ -94,12 +94,10 @@ def idempotent_task(
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
     ``ImproperlyConfigured`` here, when the task is decorated.
     """
-    checked = _validation.view_arguments(
+    checked = _options.validated(
         f"@idempotent_task(...) at {_validation.caller()}",
-        key=key,
-        ttl=ttl,
-        lease=lease,
-        recovery=recovery,
+        {"key": key, "ttl": ttl, "lease": lease, "recovery": recovery},
+        accepted=_options.TaskOptions.__optional_keys__,
     )
     delivery_key: DeliveryKey | None = checked["key"]
     ttl, lease = checked["ttl"], checked["lease"]

@@ -9,8 +9,13 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 
-from django_idempotency import _validation
+from django_idempotency import _options
 from django_idempotency.decorators import idempotent
+
+try:
+    from django_idempotency.ninja import idempotent as ninja_idempotent
+except ImportError:  # the core tox env: no django-ninja
+    ninja_idempotent = None  # type: ignore[assignment]
 from tests.helpers import ApiClient, needs_drf, new_key
 from tests.testapp.models import Charge
 
@@ -86,21 +91,43 @@ def test_a_ttl_not_longer_than_the_lease_is_refused():
 
 
 def test_good_arguments_are_kept_in_their_typed_form():
-    cleaned = _validation.view_arguments(
-        "here", methods=["post", "put"], ttl=60, lease=1.5, recovery="fail", required=None
+    cleaned = _options.validated(
+        "here",
+        {"methods": ["post", "put"], "ttl": 60, "lease": 1.5, "recovery": "fail", "required": None},
     )
     assert cleaned == {
         "methods": ("POST", "PUT"),
         "ttl": timedelta(seconds=60),
         "lease": timedelta(seconds=1.5),
         "recovery": "fail",
-        "required": None,
+        **dict.fromkeys(("required", "operation", "account", "fingerprint", "key")),
     }
 
 
 def test_a_dotted_recovery_path_stays_a_path():
     path = "tests.testapp.views.recover_by_asking_provider"
-    assert _validation.view_arguments("here", recovery=path) == {"recovery": path}
+    assert _options.validated("here", {"recovery": path})["recovery"] == path
+
+
+@pytest.mark.parametrize(
+    ("given", "near"),
+    [({"lease_seconds": 5}, None), ({"methdos": ["POST"]}, "methods"), ({"tll": 5}, "ttl")],
+)
+def test_an_unknown_option_is_refused_with_the_nearest_name(given, near):
+    with pytest.raises(ImproperlyConfigured, match="unknown option") as refused:
+        idempotent(**given)
+    if near:
+        assert f"did you mean {near}?" in str(refused.value)
+    if ninja_idempotent is not None:
+        with pytest.raises(ImproperlyConfigured, match="unknown option"):
+            ninja_idempotent(**given)
+
+
+def test_ninja_takes_methods_as_a_set_too():
+    if ninja_idempotent is None:
+        pytest.skip("django-ninja is not installed")
+    options = ninja_idempotent(methods={"post", "put"})
+    assert callable(options)
 
 
 # -- the mixin, on the view's first call ---------------------------------------------------
