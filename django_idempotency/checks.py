@@ -1,6 +1,6 @@
 """System checks for the ``IDEMPOTENCY`` setting (ids ``django_idempotency.E0xx``/``W0xx``).
 
-Every entry has an Error id of its own (listed in :data:`django_idempotency.conf.SETTINGS`),
+Every entry has an Error id of its own (every id is listed in :mod:`._check_ids`),
 checked by the same rules the settings object applies at run time. The check never raises:
 a value that cannot be validated is reported as an Error of its entry.
 """
@@ -13,15 +13,15 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_idempotency import conf
+from django_idempotency import _check_ids, conf
 
 
-def _warning(n: int, msg: str, hint: str) -> Warning:
-    return Warning(msg, hint=hint, id=f"{conf.CHECK_PREFIX}W{n:03d}")
+def _warning(name: str, msg: str, hint: str) -> Warning:
+    return Warning(msg, hint=hint, id=_check_ids.warning(name))
 
 
-def _error(n: int, msg: str, hint: str) -> Error:
-    return Error(msg, hint=hint, id=conf.check_id(n))
+def _error(name: str, msg: str, hint: str) -> Error:
+    return Error(msg, hint=hint, id=_check_ids.error(name))
 
 
 @register(Tags.compatibility)
@@ -55,7 +55,7 @@ def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
             waits.append(f"its connect_timeout ({connect} s)")
     if waits:
         yield _warning(
-            11,
+            "CLAIM_CONNECT_MAY_WAIT",
             f"IDEMPOTENCY['CLAIM_DATABASE'] ({alias!r}) may wait longer than CLAIM_TIMEOUT "
             f"({timeout}) for a connection: {'; '.join(waits)}.",
             hint=(
@@ -79,7 +79,7 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
         return []
     return [
         _error(
-            37,
+            "OUTBOX_SENDER_WITHOUT_CELERY",
             "IDEMPOTENCY['OUTBOX_SENDER'] is the Celery sender (the default), but Celery is "
             "not installed: relay_outbox cannot send the outbox's messages.",
             hint=(
@@ -112,7 +112,7 @@ def check_sealed_outcomes(
         return []
     return [
         _error(
-            26,
+            "SEALED_WITH_A_MISSING_KEY",
             f"{count} stored outcome{'s are' if count != 1 else ' is'} on {alias!r} sealed "
             f"with the key {kid}, which IDEMPOTENCY['ENCRYPTION_KEYS'] does not hold: "
             "their retries are refused (503 idempotency_record_unreadable, RecordUnreadable) "
@@ -137,12 +137,16 @@ def _check_database(alias: str) -> Iterable[CheckMessage]:
     )
     if not settings.DATABASE_ROUTERS:
         if alias != "default":
-            yield _warning(2, f"IDEMPOTENCY['DATABASE'] is {alias!r}, not 'default'.", hint=hint)
+            yield _warning(
+                "DATABASE_NOT_DEFAULT",
+                f"IDEMPOTENCY['DATABASE'] is {alias!r}, not 'default'.",
+                hint=hint,
+            )
         return
     write_alias = _routed_write_alias()
     if write_alias is not None and alias != write_alias:
         yield _warning(
-            10,
+            "DATABASE_NOT_ROUTED",
             f"IDEMPOTENCY['DATABASE'] is {alias!r}, but DATABASE_ROUTERS send the project's "
             f"writes to {write_alias!r}.",
             hint=hint,

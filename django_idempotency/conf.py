@@ -27,7 +27,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_idempotency import _validation
+from django_idempotency import _check_ids, _validation
 from django_idempotency._validation import Invalid
 
 # Never stored, never replayed: they describe one hop or one moment, or carry credentials.
@@ -49,13 +49,6 @@ NEVER_STORED_HEADERS = frozenset(
     }
 )
 ALWAYS_STORED_HEADERS = ("Content-Type", "Location")
-
-CHECK_PREFIX = "django_idempotency."
-
-
-def check_id(number: int) -> str:
-    """The full id of Error ``number``: ``django_idempotency.E006``."""
-    return f"{CHECK_PREFIX}E{number:03d}"
 
 
 def _replay_headers(value: Any) -> tuple[str, ...]:
@@ -80,51 +73,50 @@ def _optional_database(value: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Setting:
-    """One entry of ``IDEMPOTENCY``: its default, its rule and the id of its check."""
+    """One entry of ``IDEMPOTENCY``: its default and its rule (its check is named after it
+    in :mod:`._check_ids`)."""
 
     name: str
     default: Any
-    check: int
     parse: Callable[[Any], Any]
 
     @property
     def id(self) -> str:
         """The id of the system check that reports a wrong value of this entry."""
-        return check_id(self.check)
+        return _check_ids.error(self.name)
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("HEADER", "Idempotency-Key", 5, _validation.header_name),
-    Setting("REQUIRED", True, 12, _validation.flag),
-    Setting("TTL", timedelta(hours=24), 3, _validation.duration),
-    Setting("LEASE", timedelta(seconds=60), 13, _validation.duration),
-    Setting("METHODS", ("POST", "PATCH"), 6, _validation.methods),
+    Setting("HEADER", "Idempotency-Key", _validation.header_name),
+    Setting("REQUIRED", True, _validation.flag),
+    Setting("TTL", timedelta(hours=24), _validation.duration),
+    Setting("LEASE", timedelta(seconds=60), _validation.duration),
+    Setting("METHODS", ("POST", "PATCH"), _validation.methods),
     Setting(
-        "ACCOUNT_RESOLVER", "django_idempotency.accounts.user_account", 8, _validation.callable_ref
+        "ACCOUNT_RESOLVER", "django_idempotency.accounts.user_account", _validation.callable_ref
     ),
     Setting(
         "FINGERPRINT",
         "django_idempotency.fingerprint.default_fingerprint",
-        15,
         _validation.callable_ref,
     ),
-    Setting("RECOVERY", _validation.RETRY, 16, _validation.recovery),
-    Setting("DATABASE", "default", 7, _database),
-    Setting("REPLAY_HEADERS", (), 9, _replay_headers),
-    Setting("MAX_RESPONSE_BYTES", 1024 * 1024, 10, _validation.optional_positive_int),
-    Setting("TRANSIENT_STATUSES", (409, 429), 17, _validation.client_error_statuses),
-    Setting("IN_PROGRESS_WAIT", timedelta(0), 14, _validation.duration_or_zero),
-    Setting("RETRY_AFTER", 1, 18, _validation.seconds),
-    Setting("RETRY_AFTER_MAX", 60, 19, _validation.seconds),
-    Setting("PURGE_BATCH_SIZE", 1000, 23, _validation.positive_int),
-    Setting("PURGE_MAX_BATCHES", None, 22, _validation.optional_positive_int),
-    Setting("AUDIT", False, 20, _validation.flag),
-    Setting("AUDIT_RETENTION", timedelta(days=90), 21, _validation.duration),
+    Setting("RECOVERY", _validation.RETRY, _validation.recovery),
+    Setting("DATABASE", "default", _database),
+    Setting("REPLAY_HEADERS", (), _replay_headers),
+    Setting("MAX_RESPONSE_BYTES", 1024 * 1024, _validation.optional_positive_int),
+    Setting("TRANSIENT_STATUSES", (409, 429), _validation.client_error_statuses),
+    Setting("IN_PROGRESS_WAIT", timedelta(0), _validation.duration_or_zero),
+    Setting("RETRY_AFTER", 1, _validation.seconds),
+    Setting("RETRY_AFTER_MAX", 60, _validation.seconds),
+    Setting("PURGE_BATCH_SIZE", 1000, _validation.positive_int),
+    Setting("PURGE_MAX_BATCHES", None, _validation.optional_positive_int),
+    Setting("AUDIT", False, _validation.flag),
+    Setting("AUDIT_RETENTION", timedelta(days=90), _validation.duration),
     # Stored responses sealed at rest (django_idempotency.crypto); E025 below.
-    Setting("ENCRYPTION_KEYS", (), 24, _validation.fernet_keys),
+    Setting("ENCRYPTION_KEYS", (), _validation.fernet_keys),
     # Where a claim made inside a caller's transaction commits (django_idempotency._autonomous).
-    Setting("CLAIM_DATABASE", None, 38, _optional_database),
-    Setting("CLAIM_TIMEOUT", timedelta(seconds=5), 39, _validation.duration),
+    Setting("CLAIM_DATABASE", None, _optional_database),
+    Setting("CLAIM_TIMEOUT", timedelta(seconds=5), _validation.duration),
 )
 
 # -- the transactional outbox (django_idempotency.outbox), ids E030-E039 ------------------------
@@ -152,26 +144,18 @@ def _outbox_sender(value: Any) -> str | Callable[..., Any]:
 
 
 OUTBOX_SETTINGS: tuple[Setting, ...] = (
-    Setting("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER, 30, _outbox_sender),
-    Setting("OUTBOX_MAX_ATTEMPTS", 20, 31, _validation.positive_int),
-    Setting("OUTBOX_RETENTION", timedelta(days=7), 32, _validation.duration),
-    Setting("OUTBOX_BATCH_SIZE", 100, 33, _validation.positive_int),
-    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), 34, _validation.duration),
-    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), 35, _validation.duration),
-    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), 36, _validation.duration),
+    Setting("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER, _outbox_sender),
+    Setting("OUTBOX_MAX_ATTEMPTS", 20, _validation.positive_int),
+    Setting("OUTBOX_RETENTION", timedelta(days=7), _validation.duration),
+    Setting("OUTBOX_BATCH_SIZE", 100, _validation.positive_int),
+    Setting("OUTBOX_BACKOFF", timedelta(seconds=1), _validation.duration),
+    Setting("OUTBOX_BACKOFF_MAX", timedelta(minutes=5), _validation.duration),
+    Setting("OUTBOX_POLL_INTERVAL", timedelta(seconds=1), _validation.duration),
 )
 OUTBOX_DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in OUTBOX_SETTINGS}
 SETTINGS += OUTBOX_SETTINGS
 BY_NAME = {setting.name: setting for setting in SETTINGS}
 DEFAULTS: dict[str, Any] = {setting.name: setting.default for setting in SETTINGS}
-
-# The ids that are about the setting as a whole, or about two entries together.
-NOT_A_DICT = 1
-UNKNOWN_KEY = 2
-TTL_NOT_LONGER_THAN_LEASE = 4
-WAIT_NOT_SHORTER_THAN_LEASE = 11
-# ENCRYPTION_KEYS is set, and the `cryptography` package (the `crypto` extra) cannot be imported.
-CRYPTOGRAPHY_MISSING = 25
 
 
 @dataclass(frozen=True)
@@ -192,7 +176,7 @@ def _relations(values: Mapping[str, Any]) -> list[Problem]:
     if ttl is not None and lease is not None and ttl <= lease:
         problems.append(
             Problem(
-                check_id(TTL_NOT_LONGER_THAN_LEASE),
+                _check_ids.error("TTL_NOT_LONGER_THAN_LEASE"),
                 f"IDEMPOTENCY['TTL'] ({ttl}) must be longer than IDEMPOTENCY['LEASE'] ({lease}).",
                 "A record must outlive its lease, or a live claim could expire under its owner.",
             )
@@ -221,7 +205,7 @@ def _relations(values: Mapping[str, Any]) -> list[Problem]:
     if wait is not None and lease is not None and wait >= lease:
         problems.append(
             Problem(
-                check_id(WAIT_NOT_SHORTER_THAN_LEASE),
+                _check_ids.error("WAIT_NOT_SHORTER_THAN_LEASE"),
                 f"IDEMPOTENCY['IN_PROGRESS_WAIT'] ({wait}) must be shorter than "
                 f"IDEMPOTENCY['LEASE'] ({lease}).",
             )
@@ -237,7 +221,7 @@ def _cryptography_problems(values: Mapping[str, Any]) -> list[Problem]:
     except ImportError as exc:
         return [
             Problem(
-                check_id(CRYPTOGRAPHY_MISSING),
+                _check_ids.error("CRYPTOGRAPHY_MISSING"),
                 "IDEMPOTENCY['ENCRYPTION_KEYS'] is set, but the cryptography package cannot be "
                 f"imported ({exc}).",
                 'Install the crypto extra: pip install "django-idempotency[crypto]".',
@@ -257,10 +241,10 @@ def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
         raw = getattr(settings, "IDEMPOTENCY", {})
     if not isinstance(raw, Mapping):
         message = f"The IDEMPOTENCY setting must be a dict; got {_validation.describe(raw)}."
-        return {}, [Problem(check_id(NOT_A_DICT), message)]
+        return {}, [Problem(_check_ids.error("NOT_A_DICT"), message)]
     problems = [
         Problem(
-            check_id(UNKNOWN_KEY),
+            _check_ids.error("UNKNOWN_KEY"),
             f"IDEMPOTENCY has an unknown key {name!r}.",
             f"Check its spelling; the known keys are {', '.join(DEFAULTS)}.",
         )
@@ -285,12 +269,71 @@ def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
 
 
 class IdempotencySettings:
-    """The validated ``IDEMPOTENCY`` setting: one typed property per entry.
+    """The validated ``IDEMPOTENCY`` setting: one typed attribute per entry of :data:`SETTINGS`.
 
     The first read validates every entry; a wrong one makes every read raise
-    ``ImproperlyConfigured`` (see the module's docstring). Thread-safe; cleared by
-    ``setting_changed``.
+    ``ImproperlyConfigured`` (see the module's docstring). A value read once is kept as a
+    plain attribute until ``setting_changed`` reports a change (as DRF's ``api_settings``
+    does): the hot path reads an instance attribute. Thread-safe.
     """
+
+    #: The request header that carries the key.
+    HEADER: str
+    #: Whether a protected method without a key is refused with ``400``.
+    REQUIRED: bool
+    #: How long a record deduplicates retries, from its claim.
+    TTL: timedelta
+    #: How long a claim is owned before a retry may take it over.
+    LEASE: timedelta
+    #: The protected methods, upper-case.
+    METHODS: frozenset[str]
+    #: ``request -> str | None``: the caller's server-side identity (imported).
+    ACCOUNT_RESOLVER: Callable[[Any], str | None]
+    #: ``request -> str``: the hash a retry is compared by (imported).
+    FINGERPRINT: Callable[[Any], str]
+    #: ``"retry"``, ``"fail"``, a callable, or a dotted path known to import one.
+    RECOVERY: str | Callable[..., Any]
+    #: The alias of the database that holds the records.
+    DATABASE: str
+    #: The extra response headers to store and replay, as configured.
+    REPLAY_HEADERS: tuple[str, ...]
+    #: The largest body kept for replay; ``None``: no limit.
+    MAX_RESPONSE_BYTES: int | None
+    #: 4xx statuses that are not stored: the view's work is rolled back.
+    TRANSIENT_STATUSES: frozenset[int]
+    #: How long an in-flight duplicate may wait for the original's outcome.
+    IN_PROGRESS_WAIT: timedelta
+    #: The ``Retry-After`` seconds of a ``503``.
+    RETRY_AFTER: int
+    #: The most seconds a refused duplicate in flight is told to wait.
+    RETRY_AFTER_MAX: int
+    #: Rows per purge batch, and records per page of the recovery job.
+    PURGE_BATCH_SIZE: int
+    #: The most batches one purge run takes per table; ``None``: until done.
+    PURGE_MAX_BATCHES: int | None
+    #: Whether records are copied to the audit trail before they leave the window.
+    AUDIT: bool
+    #: How long an audit record is kept after it was archived.
+    AUDIT_RETENTION: timedelta
+    #: Fernet keys that seal stored responses: the first seals, any opens; empty: off.
+    ENCRYPTION_KEYS: tuple[str, ...]
+    #: The alias a claim made inside a caller's transaction commits on; ``None``: a
+    #: connection of the claim's own to the ``DATABASE`` database, outside any pool.
+    CLAIM_DATABASE: str | None
+    #: How long such a claim may wait for its connection and its statements.
+    CLAIM_TIMEOUT: timedelta
+    #: Failed sends after which a message is ``dead``.
+    OUTBOX_MAX_ATTEMPTS: int
+    #: How long a sent message is kept before the purge deletes it.
+    OUTBOX_RETENTION: timedelta
+    #: Messages the relay takes (and locks) per batch.
+    OUTBOX_BATCH_SIZE: int
+    #: The wait after a message's first failed send; it doubles with every failure.
+    OUTBOX_BACKOFF: timedelta
+    #: The longest wait between two sends of one message.
+    OUTBOX_BACKOFF_MAX: timedelta
+    #: How often a waiting relay looks for due messages.
+    OUTBOX_POLL_INTERVAL: timedelta
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -304,6 +347,19 @@ class IdempotencySettings:
             self._generation += 1
             self._values = None
             self._error = None
+            for name in BY_NAME:
+                self.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str) -> Any:
+        # Called for an entry not read since the last change (and for any unknown name).
+        if name not in BY_NAME:
+            raise AttributeError(f"IDEMPOTENCY has no entry {name!r}")
+        generation = self._generation
+        value = self.loaded()[name]
+        with self._lock:
+            if generation == self._generation:  # no change since: keep it
+                self.__dict__[name] = value
+        return value
 
     def _load(self) -> dict[str, Any]:
         with self._lock:
@@ -330,194 +386,16 @@ class IdempotencySettings:
             raise ImproperlyConfigured(error)
         return values if values is not None else self._load()
 
-    def _get(self, name: str) -> Any:
-        values, error = self._values, self._error
-        if error is not None:
-            raise ImproperlyConfigured(error)
-        if values is None:
-            values = self._load()
-        return values[name]
-
-    @property
-    def HEADER(self) -> str:
-        """The request header that carries the key."""
-        value: str = self._get("HEADER")
-        return value
-
-    @property
-    def REQUIRED(self) -> bool:
-        """Whether a protected method without a key is refused with ``400``."""
-        value: bool = self._get("REQUIRED")
-        return value
-
-    @property
-    def TTL(self) -> timedelta:
-        """How long a record deduplicates retries, from its claim."""
-        value: timedelta = self._get("TTL")
-        return value
-
-    @property
-    def LEASE(self) -> timedelta:
-        """How long a claim is owned before a retry may take it over."""
-        value: timedelta = self._get("LEASE")
-        return value
-
-    @property
-    def METHODS(self) -> frozenset[str]:
-        """The protected methods, upper-case."""
-        value: frozenset[str] = self._get("METHODS")
-        return value
-
-    @property
-    def ACCOUNT_RESOLVER(self) -> Callable[[Any], str | None]:
-        """``request -> str | None``: the caller's server-side identity (imported)."""
-        value: Callable[[Any], str | None] = self._get("ACCOUNT_RESOLVER")
-        return value
-
-    @property
-    def FINGERPRINT(self) -> Callable[[Any], str]:
-        """``request -> str``: the hash a retry is compared by (imported)."""
-        value: Callable[[Any], str] = self._get("FINGERPRINT")
-        return value
-
-    @property
-    def RECOVERY(self) -> str | Callable[..., Any]:
-        """``"retry"``, ``"fail"``, a callable, or a dotted path known to import one."""
-        value: str | Callable[..., Any] = self._get("RECOVERY")
-        return value
-
-    @property
-    def DATABASE(self) -> str:
-        """The alias of the database that holds the records."""
-        value: str = self._get("DATABASE")
-        return value
-
-    @property
-    def REPLAY_HEADERS(self) -> tuple[str, ...]:
-        """The extra response headers to store and replay, as configured."""
-        value: tuple[str, ...] = self._get("REPLAY_HEADERS")
-        return value
-
     @property
     def stored_headers(self) -> tuple[str, ...]:
         """Every response header a record keeps: ``Content-Type``, ``Location``, the extras."""
         return _stored_headers(self.REPLAY_HEADERS)
 
     @property
-    def MAX_RESPONSE_BYTES(self) -> int | None:
-        """The largest body kept for replay; ``None``: no limit."""
-        value: int | None = self._get("MAX_RESPONSE_BYTES")
-        return value
-
-    @property
-    def TRANSIENT_STATUSES(self) -> frozenset[int]:
-        """4xx statuses that are not stored: the view's work is rolled back."""
-        value: frozenset[int] = self._get("TRANSIENT_STATUSES")
-        return value
-
-    @property
-    def IN_PROGRESS_WAIT(self) -> timedelta:
-        """How long an in-flight duplicate may wait for the original's outcome."""
-        value: timedelta = self._get("IN_PROGRESS_WAIT")
-        return value
-
-    @property
-    def RETRY_AFTER(self) -> int:
-        """The ``Retry-After`` seconds of a ``503``."""
-        value: int = self._get("RETRY_AFTER")
-        return value
-
-    @property
-    def RETRY_AFTER_MAX(self) -> int:
-        """The most seconds a refused duplicate in flight is told to wait."""
-        value: int = self._get("RETRY_AFTER_MAX")
-        return value
-
-    @property
-    def PURGE_BATCH_SIZE(self) -> int:
-        """Rows per purge batch, and records per page of the recovery job."""
-        value: int = self._get("PURGE_BATCH_SIZE")
-        return value
-
-    @property
-    def PURGE_MAX_BATCHES(self) -> int | None:
-        """The most batches one purge run takes per table; ``None``: until done."""
-        value: int | None = self._get("PURGE_MAX_BATCHES")
-        return value
-
-    @property
-    def AUDIT(self) -> bool:
-        """Whether records are copied to the audit trail before they leave the window."""
-        value: bool = self._get("AUDIT")
-        return value
-
-    @property
-    def AUDIT_RETENTION(self) -> timedelta:
-        """How long an audit record is kept after it was archived."""
-        value: timedelta = self._get("AUDIT_RETENTION")
-        return value
-
-    @property
-    def ENCRYPTION_KEYS(self) -> tuple[str, ...]:
-        """Fernet keys that seal stored responses: the first seals, any opens; empty: off."""
-        value: tuple[str, ...] = self._get("ENCRYPTION_KEYS")
-        return value
-
-    @property
-    def CLAIM_DATABASE(self) -> str | None:
-        """The alias a claim made inside a caller's transaction commits on; ``None``: a
-        connection of the claim's own to the ``DATABASE`` database, outside any pool."""
-        value: str | None = self._get("CLAIM_DATABASE")
-        return value
-
-    @property
-    def CLAIM_TIMEOUT(self) -> timedelta:
-        """How long such a claim may wait for its connection and its statements."""
-        value: timedelta = self._get("CLAIM_TIMEOUT")
-        return value
-
-    @property
     def OUTBOX_SENDER(self) -> Callable[..., Any]:
         """The callable that sends one outbox message (imported; ``ImportError`` when the
         default sender's Celery is not installed)."""
-        sender = self._get("OUTBOX_SENDER")
-        return resolve_callable(sender)
-
-    @property
-    def OUTBOX_MAX_ATTEMPTS(self) -> int:
-        """Failed sends after which a message is ``dead``."""
-        value: int = self._get("OUTBOX_MAX_ATTEMPTS")
-        return value
-
-    @property
-    def OUTBOX_RETENTION(self) -> timedelta:
-        """How long a sent message is kept before the purge deletes it."""
-        value: timedelta = self._get("OUTBOX_RETENTION")
-        return value
-
-    @property
-    def OUTBOX_BATCH_SIZE(self) -> int:
-        """Messages the relay takes (and locks) per batch."""
-        value: int = self._get("OUTBOX_BATCH_SIZE")
-        return value
-
-    @property
-    def OUTBOX_BACKOFF(self) -> timedelta:
-        """The wait after a message's first failed send; it doubles with every failure."""
-        value: timedelta = self._get("OUTBOX_BACKOFF")
-        return value
-
-    @property
-    def OUTBOX_BACKOFF_MAX(self) -> timedelta:
-        """The longest wait between two sends of one message."""
-        value: timedelta = self._get("OUTBOX_BACKOFF_MAX")
-        return value
-
-    @property
-    def OUTBOX_POLL_INTERVAL(self) -> timedelta:
-        """How often a waiting relay looks for due messages."""
-        value: timedelta = self._get("OUTBOX_POLL_INTERVAL")
-        return value
+        return resolve_callable(self.loaded()["OUTBOX_SENDER"])
 
 
 @functools.lru_cache(maxsize=8)

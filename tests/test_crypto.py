@@ -17,7 +17,7 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import _store, conf, crypto, maintenance, run_once
+from django_idempotency import _check_ids, _store, crypto, maintenance, run_once
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
@@ -122,7 +122,7 @@ def test_keys_without_cryptography_are_e025_and_nothing_runs(api, monkeypatch):
     monkeypatch.setitem(sys.modules, "cryptography.fernet", None)
     with keys(NEW):
         found = check_settings()
-        assert [m.id for m in found] == [conf.check_id(conf.CRYPTOGRAPHY_MISSING)]
+        assert [m.id for m in found] == [_check_ids.error("CRYPTOGRAPHY_MISSING")]
         assert "django-idempotency[crypto]" in (found[0].hint or "")
         response = None
         with pytest.raises(Exception, match="E025"):

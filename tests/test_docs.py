@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command, get_commands, load_command_class
 
-from django_idempotency import conf, states
+from django_idempotency import _check_ids, conf, states
 from tests import docs_code, quickstart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -443,44 +443,28 @@ def test_every_setting_is_documented_with_its_type_and_default() -> None:
         assert "default" in first, f"{name}: no default in {first!r}"
 
 
-def check_ids() -> set[str]:
-    """Every id the package's checks can emit, and every id its tests exercise."""
-    ids: set[str] = set()
-    for path in PACKAGE.glob("*.py"):
-        source = path.read_text()
-        ids |= set(re.findall(r"django_idempotency\.[EW]\d{3}", source))
-        for node in ast.walk(ast.parse(source)):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id.lstrip("_") in {"error", "warning"}
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, int)
-            ):
-                letter = "E" if node.func.id.lstrip("_") == "error" else "W"
-                ids.add(f"django_idempotency.{letter}{node.args[0].value:03d}")
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id == "check_id"
-                and node.args
-                and isinstance(node.args[0], ast.Name)
-                and isinstance(getattr(conf, node.args[0].id, None), int)
-            ):
-                ids.add(conf.check_id(getattr(conf, node.args[0].id)))
-    # One id per setting, from the settings' own table.
-    ids |= {conf.BY_NAME[name].id for name in conf.DEFAULTS}
-    for path in (ROOT / "tests").glob("test_*.py"):
-        if path.name != "test_docs.py":
-            ids |= set(re.findall(r"django_idempotency\.[EW]\d{3}", path.read_text()))
-    return ids
+def check_ids() -> list[str]:
+    """Every id the package's checks can emit, in order: the table of ``_check_ids``."""
+    errors = [_check_ids.error(name) for name in _check_ids.ERRORS]
+    return errors + [_check_ids.warning(name) for name in _check_ids.WARNINGS]
+
+
+def test_every_check_is_raised_somewhere_by_its_name() -> None:
+    # A name of the table is emitted by the code (a setting's Error by its entry of
+    # conf.SETTINGS), so the table holds no id that nothing raises.
+    source = "\n".join(path.read_text() for path in PACKAGE.glob("*.py"))
+    for name in [*_check_ids.ERRORS, *_check_ids.WARNINGS]:
+        assert name in conf.BY_NAME or f'"{name}"' in source, name
 
 
 def test_every_check_id_is_documented_and_every_documented_id_exists() -> None:
     page = (DOCS / "checks.md").read_text()
-    documented = set(re.findall(r"`(django_idempotency\.[EW]\d{3})`", page))
-    assert documented == check_ids()
+    table = re.findall(r"^\| `(django_idempotency\.[EW]\d{3})` \|", page, re.M)
+    assert table == check_ids()  # every id, once, in the order of _check_ids
+    mentioned = set(re.findall(r"django_idempotency\.[EW]\d{3}", page))
+    for path in (ROOT / "tests").glob("test_*.py"):
+        mentioned |= set(re.findall(r"django_idempotency\.[EW]\d{3}", path.read_text()))
+    assert mentioned <= set(table), mentioned - set(table)
 
 
 def private_names() -> set[str]:

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from django_idempotency import checks, conf
+from django_idempotency import _check_ids, conf
 from django_idempotency.checks import check_settings
 from django_idempotency.conf import IdempotencySettings, app_settings
 from django_idempotency.models import IdempotencyRecord
@@ -89,23 +89,20 @@ def test_the_table_covers_every_setting():
     assert set(BAD_VALUES) == set(conf.DEFAULTS)
 
 
-# The Error numbers: one per setting, then those about the setting as a whole or two entries.
-ERROR_NUMBERS = [setting.check for setting in conf.SETTINGS] + [
-    conf.NOT_A_DICT,
-    conf.UNKNOWN_KEY,
-    conf.TTL_NOT_LONGER_THAN_LEASE,
-    conf.WAIT_NOT_SHORTER_THAN_LEASE,
-    conf.CRYPTOGRAPHY_MISSING,
-]
+# The Error numbers, from the one table of them.
+ERROR_NUMBERS = list(_check_ids.ERRORS.values())
 
 
-def test_two_settings_never_share_an_id_and_e040_to_e049_stay_free():
+def test_the_ids_are_unique_in_order_and_e040_to_e049_stay_free():
     # E037 is the outbox's default sender without Celery (checks.py), no setting's own id;
     # E038 and E039 the claim connection's.
-    assert len(set(ERROR_NUMBERS)) == len(ERROR_NUMBERS)
-    outbox = {setting.check for setting in conf.OUTBOX_SETTINGS}
+    assert ERROR_NUMBERS == sorted(set(ERROR_NUMBERS))
+    warnings = list(_check_ids.WARNINGS.values())
+    assert warnings == sorted(set(warnings))
+    assert set(conf.BY_NAME) <= set(_check_ids.ERRORS)  # every setting has its own
+    outbox = {_check_ids.ERRORS[setting.name] for setting in conf.OUTBOX_SETTINGS}
     assert outbox == set(range(30, 37))
-    assert {n for n in ERROR_NUMBERS if 30 <= n <= 49} == outbox | {38, 39}
+    assert {n for n in ERROR_NUMBERS if 30 <= n <= 49} == outbox | {37, 38, 39}
 
 
 @pytest.mark.parametrize(("name", "value"), CASES)
@@ -320,21 +317,6 @@ def test_the_settings_page_gives_each_setting_its_real_default_and_check(name):
     assert f"`{name}`" in row[1]
 
 
-@needs_docs
-def test_the_checks_table_lists_exactly_the_ids_there_are():
-    checks_table = CHECKS_PAGE.read_text()
-    listed = re.findall(r"^\| `django_idempotency\.([EW]\d{3})` \|", checks_table, re.M)
-    # The warnings are the _warning(<n>, ...) calls of the checks module, and the Errors that
-    # are no setting's its _error(<n>, ...) calls.
-    source = Path(checks.__file__).read_text()
-    warnings = re.findall(r"_warning\(\s*(\d+),", source)
-    errors = re.findall(r"_error\(\s*(\d+),", source)
-    assert errors  # the scan sees them
-    expected = [f"E{n:03d}" for n in ERROR_NUMBERS] + [f"E{int(n):03d}" for n in errors]
-    expected += [f"W{int(n):03d}" for n in warnings]
-    assert sorted(listed) == sorted(expected)
-
-
 _ANY = st.recursive(
     st.none()
     | st.booleans()
@@ -369,8 +351,8 @@ def test_the_check_never_raises_and_agrees_with_the_run_time(name, value):
     # nothing; and the run time refuses exactly when the check reports.
     assert set(found) <= {
         expected_id(name),
-        conf.check_id(conf.TTL_NOT_LONGER_THAN_LEASE),
-        conf.check_id(conf.WAIT_NOT_SHORTER_THAN_LEASE),
+        _check_ids.error("TTL_NOT_LONGER_THAN_LEASE"),
+        _check_ids.error("WAIT_NOT_SHORTER_THAN_LEASE"),
         expected_id("OUTBOX_BACKOFF_MAX"),
     }
     assert bool(refused) == bool(found)
