@@ -29,23 +29,32 @@ reached through a per-request URLconf (``request.urlconf``), which are not found
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import connections, transaction
+from django.http.response import HttpResponseBase
 from django.urls import get_resolver, get_urlconf
 
-from django_idempotency import _endpoints, _http, _options
+from django_idempotency import _options, _protection
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
 
-__all__ = ["mark_protected_views", "request_finished", "request_started"]
+__all__ = [
+    "IdempotencyDatabase",
+    "mark_protected_views",
+    "request_finished",
+    "request_method",
+    "request_started",
+    "with_atomic_requests",
+]
 
 _lock = threading.Lock()
 _marked: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -68,7 +77,7 @@ def request_started(
     # Under ASGI this runs in a task of its own (Signal.asend): the value does not reach the
     # request, which finds None there, as it should.
     method = (environ or {}).get("REQUEST_METHOD") or (scope or {}).get("method")
-    _http.request_method.set(method.upper() if isinstance(method, str) else None)
+    request_method.set(method.upper() if isinstance(method, str) else None)
     resolver = get_resolver(get_urlconf())
     if resolver not in _marked:
         mark_protected_views(resolver)
@@ -77,8 +86,8 @@ def request_started(
 def request_finished(sender: Any = None, **kwargs: Any) -> None:
     """``request_finished`` receiver: forget the method, so that no later request of the
     thread (or of a context copied from it) reads it."""
-    if _http.request_method.get() is not None:
-        _http.request_method.set(None)
+    if request_method.get() is not None:
+        request_method.set(None)
 
 
 def mark_protected_views(resolver: Any) -> int:
@@ -90,7 +99,7 @@ def mark_protected_views(resolver: Any) -> int:
             return 0
         marked = 0
         try:
-            for callback in _endpoints.callbacks(resolver.urlconf_name):
+            for callback in _protection.callbacks(resolver.urlconf_name):
                 marked += _mark(callback)
         except Exception:
             # The URLconf does not import, or a view cannot be inspected: Django reports
@@ -108,16 +117,16 @@ def mark_protected_views(resolver: Any) -> int:
 
 def _mark(callback: Callable[..., Any]) -> int:
     existing: set[str] = getattr(callback, "_non_atomic_requests", set())
-    if isinstance(existing, _http.IdempotencyDatabase):
+    if isinstance(existing, IdempotencyDatabase):
         return 0  # marked when it was made
-    table = _endpoints.protected_methods(callback)
+    table = _protection.protected_methods(callback)
     if not table:
         return 0
     unknown = inspect.iscoroutinefunction(callback) or _every_method_reaches_the_engine(
         callback, table
     )
     try:
-        callback._non_atomic_requests = _http.IdempotencyDatabase(  # type: ignore[attr-defined]
+        callback._non_atomic_requests = IdempotencyDatabase(  # type: ignore[attr-defined]
             existing, _protects(table), unknown
         )
     except AttributeError:  # a bound method (older django-ninja): left as it is
@@ -130,15 +139,71 @@ def _every_method_reaches_the_engine(
 ) -> bool:
     """Whether every method the view serves (``OPTIONS`` aside) goes through an adapter of
     this package, which runs the unprotected ones in the request's transaction itself."""
-    if _endpoints.EVERY_METHOD in table:
+    if _protection.EVERY_METHOD in table:
         return True
-    served = _endpoints.served_methods(callback)
+    served = _protection.served_methods(callback)
     return served is not None and served - {"OPTIONS"} <= set(table)
 
 
 def _protects(table: dict[str, _options.Options]) -> Callable[[str], bool]:
     def protects(method: str) -> bool:
-        options = table.get(method) or table.get(_endpoints.EVERY_METHOD)
+        options = table.get(method) or table.get(_protection.EVERY_METHOD)
         return options is not None and options.protects(method)
 
     return protects
+
+
+def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+    """Run an unprotected request in the transaction ``ATOMIC_REQUESTS`` asked for.
+
+    Protected views are exempted from ``ATOMIC_REQUESTS`` so that the claim commits on its
+    own; requests that turn out not to be protected get the project's transaction back.
+    """
+    if connections[alias].settings_dict.get("ATOMIC_REQUESTS"):
+        with transaction.atomic(using=alias):
+            return call()
+    return call()
+
+
+#: The method of the request being handled, set when it starts (where ``ATOMIC_REQUESTS`` is
+#: on for the idempotency database): what :class:`IdempotencyDatabase` asks of a view that
+#: protects some of its methods only.
+request_method: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "django_idempotency_request_method", default=None
+)
+
+
+class IdempotencyDatabase(set[str]):
+    """A view's ``_non_atomic_requests``: holds the idempotency database alias for the
+    requests the view protects, so that Django leaves them out of ``ATOMIC_REQUESTS`` (the
+    claim must commit before the view runs, and the engine runs the view in a transaction
+    of its own); other requests keep the request's transaction as Django gives it.
+
+    ``protects``: whether the view protects a method (``None``: every method reaches the
+    engine, which runs the unprotected ones in the transaction ``ATOMIC_REQUESTS`` asked
+    for). ``unknown``: the answer when the request's method is not known (under ASGI,
+    where a receiver of ``request_started`` cannot pass it on): leave the view out when
+    every method reaches the engine or the view is ``async def`` (Django runs no async view
+    in that transaction). Read at request time rather than at import, so
+    ``override_settings`` of ``DATABASE`` works.
+    """
+
+    def __init__(
+        self,
+        existing: Iterable[str] = (),
+        protects: Callable[[str], bool] | None = None,
+        unknown: bool = True,
+    ) -> None:
+        super().__init__(existing)
+        self.protects = protects
+        self.unknown = unknown
+
+    def __contains__(self, alias: object) -> bool:
+        if super().__contains__(alias):
+            return True
+        if alias != app_settings.DATABASE:
+            return False
+        if self.protects is None:
+            return True
+        method = request_method.get()
+        return self.unknown if method is None else self.protects(method)

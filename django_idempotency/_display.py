@@ -14,8 +14,9 @@ that Python cannot decode does not stop the page from loading.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from django.db import models
 from django.db.models import F, Func, IntegerField
@@ -23,11 +24,13 @@ from django.db.models.functions import Cast, Substr
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
+from django.utils.timesince import timesince
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _storable
-from django_idempotency.models import IdempotencyStep
+from django_idempotency import _storable, crypto, states
+from django_idempotency.conf import app_settings
+from django_idempotency.models import IdempotencyRecord, IdempotencyStep
 
 # Stored bodies can reach MAX_RESPONSE_BYTES (1 MiB by default); a page shows at most this
 # much of one, and at most this many characters of any text (indented JSON included).
@@ -304,3 +307,99 @@ def render_steps(alias: str, record_id: int, show_results: bool) -> SafeString:
     if not notes:
         return table
     return format_html("{}<p><em>{}</em></p>", table, " ".join(notes))
+
+
+def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
+    """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
+    if record.status != states.IN_PROGRESS or record.lease_expires_at is None:
+        return "-"
+    now = now or timezone.now()
+    if record.lease_expires_at > now:
+        return str(
+            _("live, %(left)s left") % {"left": timesince(now, record.lease_expires_at, depth=1)}
+        )
+    return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
+
+
+def stored_response(record: IdempotencyRecord) -> tuple[Any, bytes | None] | crypto.Unreadable:
+    """The record's stored headers (decoded JSON: anything, pairs when intact) and body,
+    opened when sealed, or the :class:`~django_idempotency.crypto.Unreadable` that says why
+    they cannot be. Read undecoded from the database (``stored_columns``), so no
+    stored value stops the page; kept on the record: one page shows it in several fields."""
+    cached = getattr(record, "_stored_response", None)
+    if cached is None:
+        stored = stored_columns(record, *RESPONSE_COLUMNS)
+        headers, _problem = read_json(stored["response_headers"])
+        body = stored["response_body"]
+        try:
+            cached = crypto.open_response(headers, body)
+        except crypto.Unreadable as exc:  # a string is sealed, or damaged: as the claim sees it
+            cached = exc
+        record._stored_response = cached  # type: ignore[attr-defined]
+    return cast("tuple[Any, bytes | None] | crypto.Unreadable", cached)
+
+
+def encryption_state(record: IdempotencyRecord) -> str:
+    """How the record's response is stored: in the clear, or sealed with which key."""
+    if record.response_status is None:
+        return "-"
+    stored = stored_columns(record, *RESPONSE_COLUMNS)
+    headers, _problem = read_json(stored["response_headers"])
+    kid = crypto.sealed_with(headers)
+    if kid is None:
+        return str(_("not encrypted"))
+    keys = app_settings.ENCRYPTION_KEYS
+    ids = [crypto.key_id(key) for key in keys]
+    if kid in ids[:1]:
+        where = _("the first of ENCRYPTION_KEYS")
+    elif kid in ids:
+        where = _("in ENCRYPTION_KEYS, not the first: rotate_idempotency_encryption reseals it")
+    else:
+        where = _("not in ENCRYPTION_KEYS: it cannot be read")
+    return str(_("sealed with key %(key)s (%(where)s)") % {"key": kid or "?", "where": where})
+
+
+def with_response(
+    record: IdempotencyRecord, show: Callable[[Any, bytes | None], SafeString]
+) -> SafeString:
+    opened = stored_response(record)
+    if isinstance(opened, crypto.Unreadable):
+        return unreadable_html(opened)
+    return show(*opened)
+
+
+def headers_html(record: IdempotencyRecord) -> SafeString:
+    text = stored_columns(record, *RESPONSE_COLUMNS)["response_headers"]
+    stored, _problem = read_json(text)
+    if not crypto.sealed_with(stored):  # in the clear, or no sealed value at all: as stored
+        return render_headers(text)
+    opened = stored_response(record)
+    if isinstance(opened, crypto.Unreadable):
+        return unreadable_html(opened)
+    return render_headers(json.dumps(opened[0]))  # as they were answered
+
+
+def summary_html(headers: Any, body: bytes | None) -> SafeString:
+    if body is None:
+        return format_html("<em>{}</em>", _("no response stored"))
+    return format_html(
+        "{} · {}<br><em>{}</em>",
+        ngettext("%(size)d byte", "%(size)d bytes", len(body)) % {"size": len(body)},
+        content_type(headers) or _("no content type"),
+        _("The body and headers are shown to users with the view_response_body permission."),
+    )
+
+
+def unreadable_html(exc: crypto.Unreadable) -> SafeString:
+    return format_html(
+        "<em>{}</em>",
+        _(
+            "Cannot be read (%(why)s). Its retries are refused (503, RecordUnreadable) "
+            "until a key that opens it is configured again; it leaves at its expiry."
+        )
+        % {"why": exc},
+    )
+
+
+# Read only on the detail page, in one query, undecoded.
+RESPONSE_COLUMNS = ("response_headers", "response_body")

@@ -21,27 +21,30 @@ browser, not an API that clients retry) and django-ninja's schema and docs pages
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.urls.resolvers import RegexPattern
 
 from django_idempotency import _options, _recovery, _validation, conf
+from django_idempotency._protection import (
+    class_methods,
+    in_order,
+    is_drf_view,
+    marker,
+    ninja_path_view,
+    options_of,
+    required_methods,
+)
 from django_idempotency.conf import app_settings
 
 __all__ = ["Audit", "Endpoint", "audit", "duration"]
 
 #: Methods listed whether or not the project's settings protect them.
 UNSAFE = ("POST", "PATCH")
-_ORDER = ("POST", "PUT", "PATCH", "DELETE")
-_REQUIRE_METHODS = str(Path("django", "views", "decorators", "http.py"))
 
 
 @dataclass(frozen=True)
@@ -203,41 +206,31 @@ def _wanted(method: str, protection: _Protection | None) -> bool:
     return protection is not None and protection.options.protects(method)
 
 
-def _in_order(methods: Sequence[str]) -> list[str]:
-    unique = {m.upper() for m in methods}
-    return sorted(unique, key=lambda m: (_ORDER.index(m) if m in _ORDER else len(_ORDER), m))
-
-
 Row = tuple[str, str, "_Protection | None"]
 
 
 def _methods(walk: _Walk, callback: Callable[..., Any]) -> list[Row]:
     """``(method, view name, protection)`` for each listed method of a pattern's view."""
     cls = getattr(callback, "cls", None)
-    if cls is not None and _is_drf_view(cls):
+    if cls is not None and is_drf_view(cls):
         return _drf_rows(callback, cls)
-    path_view = _ninja_path_view(callback)
+    path_view = ninja_path_view(callback)
     if path_view is not None:
         return _ninja_rows(walk, path_view)
     view_class = getattr(callback, "view_class", None)
     if isinstance(view_class, type):
         return _class_rows(callback, view_class)
-    found = _options_of(callback)
+    found = options_of(callback)
     protection = _Protection("decorator", found, _ROUTE_OPERATION) if found else None
-    accepted = _required_methods(callback)
+    accepted = required_methods(callback)
     if accepted is None:  # every method: the ones that could get a row
         accepted = [*UNSAFE, *app_settings.METHODS, *(found.methods or () if found else ())]
     name = _validation.name_of(callback)
-    return [(m, name, protection) for m in _in_order(accepted) if _wanted(m, protection)]
+    return [(m, name, protection) for m in in_order(accepted) if _wanted(m, protection)]
 
 
 #: The default operation of a view that is not a viewset: the method and the route.
 _ROUTE_OPERATION = "{method} {route}"
-
-
-def _class_methods(view_class: type) -> list[str]:
-    names = getattr(view_class, "http_method_names", ())
-    return _in_order([m for m in names if hasattr(view_class, m)])
 
 
 def _class_name(view_class: type) -> str:
@@ -249,8 +242,8 @@ def _class_rows(callback: Callable[..., Any], view_class: type) -> list[Row]:
     """A Django class-based view: ``method_decorator(idempotent)`` on ``dispatch`` (copied
     onto the view function by ``as_view``) or on the method itself."""
     rows: list[Row] = []
-    for method in _class_methods(view_class):
-        found = _options_of(getattr(view_class, method.lower())) or _marker(callback)
+    for method in class_methods(view_class):
+        found = options_of(getattr(view_class, method.lower())) or marker(callback)
         protection = _Protection("decorator", found, _ROUTE_OPERATION) if found else None
         if _wanted(method, protection):
             rows.append((method, _class_name(view_class), protection))
@@ -258,14 +251,6 @@ def _class_rows(callback: Callable[..., Any], view_class: type) -> list[Row]:
 
 
 # -- DRF -----------------------------------------------------------------------------------
-
-
-def _is_drf_view(cls: Any) -> bool:
-    if importlib.util.find_spec("rest_framework") is None:
-        return False
-    from rest_framework.views import APIView
-
-    return isinstance(cls, type) and issubclass(cls, APIView)
 
 
 def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
@@ -276,9 +261,9 @@ def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
     allowed = {m.upper() for m in getattr(cls, "http_method_names", ())}
     actions: dict[str, str] | None = getattr(callback, "actions", None)
     methods = (
-        _in_order([m for m in actions if m.upper() in allowed])
+        in_order([m for m in actions if m.upper() in allowed])
         if actions is not None
-        else _class_methods(cls)
+        else class_methods(cls)
     )
     rows: list[Row] = []
     for method in methods:
@@ -288,8 +273,8 @@ def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
             protection = _mixin_protection(cls, initkwargs, action)
         else:
             handler = getattr(cls, method.lower(), None)
-            found = _options_of(handler) if handler is not None else None
-            found = found or _marker(callback)
+            found = options_of(handler) if handler is not None else None
+            found = found or marker(callback)
             by = (
                 "@api_view"
                 if getattr(handler, "__module__", "") == "rest_framework.decorators"
@@ -321,23 +306,12 @@ def _mixin_protection(cls: Any, initkwargs: dict[str, Any], action: str | None) 
 # -- django-ninja ----------------------------------------------------------------------------
 
 
-def _ninja_path_view(callback: Callable[..., Any]) -> Any:
-    """The ninja ``PathView`` a pattern's view belongs to, else ``None``."""
-    if importlib.util.find_spec("ninja") is None:
-        return None
-    from ninja.operation import PathView
-
-    # ninja's view is a method of the path view, or a function that closes over it.
-    candidates = [getattr(callback, "__self__", None), *_closure(callback)]
-    return next((c for c in candidates if isinstance(c, PathView)), None)
-
-
 def _is_ninja_page(callback: Any) -> bool:
     """ninja's own views (its OpenAPI schema, its docs, its root): ``functools.partial``s of
     its functions, bound to the API."""
     func = getattr(callback, "func", callback)
     return str(getattr(func, "__module__", "")).split(".")[0] == "ninja" and (
-        _ninja_path_view(callback) is None
+        ninja_path_view(callback) is None
     )
 
 
@@ -356,132 +330,13 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
         else None
     )
     name = _validation.name_of(operation.view_func)
-    return [(m, name, protection) for m in _in_order(operation.methods) if _wanted(m, protection)]
+    return [(m, name, protection) for m in in_order(operation.methods) if _wanted(m, protection)]
 
 
 # -- what ATOMIC_REQUESTS must leave out -----------------------------------------------------
 
-#: In :func:`protected_methods`: every method of a function view reaches its decorator.
-EVERY_METHOD = "*"
-
-
-def protected_methods(callback: Callable[..., Any]) -> dict[str, _options.Options]:
-    """The methods a pattern's view handles through an adapter of this package, each with
-    the options that protect it (``EVERY_METHOD`` for a decorated function view): what
-    ``ATOMIC_REQUESTS`` must leave to the engine (:mod:`django_idempotency._atomic_requests`).
-    Empty when the view protects none."""
-    cls = getattr(callback, "cls", None)
-    if cls is not None and _is_drf_view(cls):
-        from django_idempotency.drf import IdempotencyMixin
-
-        if issubclass(cls, IdempotencyMixin):
-            return {}  # its dispatch carries the mark already, into as_view()'s function
-        return _handlers(cls, callback)
-    path_view = _ninja_path_view(callback)
-    if path_view is not None:
-        table: dict[str, _options.Options] = {}
-        for operation in path_view.operations:
-            found = getattr(operation, "idempotency_options", None)
-            if isinstance(found, _options.Options):
-                table.update(dict.fromkeys((m.upper() for m in operation.methods), found))
-        return table
-    view_class = getattr(callback, "view_class", None)
-    if isinstance(view_class, type):
-        return _handlers(view_class, callback)
-    # Only through decorators that say what they wrap (functools.wraps): a function that
-    # merely calls a protected view from inside is no protected view itself.
-    found = _options_of(callback, closures=False)
-    return {EVERY_METHOD: found} if found is not None else {}
-
-
-def served_methods(callback: Callable[..., Any]) -> set[str] | None:
-    """Every method a pattern's view has a handler for (``None``: any method, a function
-    view)."""
-    path_view = _ninja_path_view(callback)
-    if path_view is not None:
-        return {m.upper() for operation in path_view.operations for m in operation.methods}
-    view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
-    if isinstance(view_class, type):
-        return set(_class_methods(view_class))
-    return None
-
-
-def _handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, _options.Options]:
-    table: dict[str, _options.Options] = {}
-    for method in _class_methods(view_class):
-        found = _options_of(getattr(view_class, method.lower())) or _marker(callback)
-        if found is not None:
-            table[method] = found
-    return table
-
-
-def callbacks(urlconf: str | None = None) -> Iterator[Callable[..., Any]]:
-    """Every pattern's view of ``urlconf`` (default: ``ROOT_URLCONF``), the admin's left out."""
-    walk = _Walk(exclude=())
-    for pattern, _levels, _names in _patterns(get_resolver(urlconf), (), (), walk):
-        yield pattern.callback
-
 
 # -- finding the decorator's options ---------------------------------------------------------
-
-
-def _marker(func: Any) -> _options.Options | None:
-    found = getattr(func, "__dict__", {}).get("idempotency_options")
-    return found if isinstance(found, _options.Options) else None
-
-
-def _closure(func: Any) -> list[Any]:
-    func = getattr(func, "__func__", func)
-    cells = getattr(func, "__closure__", None) or ()
-    values = []
-    for cell in cells:
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    return values
-
-
-def _options_of(func: Any, depth: int = 8, closures: bool = True) -> _options.Options | None:
-    """The options ``@idempotent`` left on ``func`` or on a function it wraps (found through
-    ``__wrapped__``, and through closures unless ``closures`` is false)."""
-    todo, seen = [func], set()
-    while todo and depth:
-        depth -= 1
-        following = []
-        for current in todo:
-            if id(current) in seen:
-                continue
-            seen.add(id(current))
-            found = _marker(current)
-            if found is not None:
-                return found
-            wrapped = getattr(current, "__wrapped__", None)
-            following += [wrapped] if wrapped is not None else []
-            following += [
-                c
-                for c in (_closure(current) if closures else ())
-                if isinstance(c, (types.FunctionType, types.MethodType))
-            ]
-        todo = following
-    return None
-
-
-def _required_methods(func: Any) -> list[str] | None:
-    """The methods Django's ``require_http_methods`` lets through to ``func``, or ``None``
-    when nothing restricts them."""
-    allowed: set[str] | None = None
-    current, depth = func, 8
-    while current is not None and depth:
-        depth -= 1
-        code = getattr(current, "__code__", None)
-        if code is not None and code.co_filename.endswith(_REQUIRE_METHODS):
-            methods = inspect.getclosurevars(current).nonlocals.get("request_method_list")
-            if methods is not None:
-                upper = {str(m).upper() for m in methods}
-                allowed = upper if allowed is None else allowed & upper
-        current = getattr(current, "__wrapped__", None)
-    return None if allowed is None else sorted(allowed)
 
 
 # -- how it reads ----------------------------------------------------------------------------

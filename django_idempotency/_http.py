@@ -9,59 +9,48 @@ execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django import db
-from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
 from django_idempotency import _autonomous, _problems, _recovery, _store, conf, signals
+from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
 from django_idempotency._operation import Operation, storable_name
 from django_idempotency._options import Options, Terms
-from django_idempotency._outcomes import Outcome, refuse_unreadable
+from django_idempotency._outcomes import refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
+from django_idempotency._responses import (
+    REPLAYED_HEADER,
+    outcome_of,
+    rendered,
+    replay_response,
+    response_of,
+)
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
 from django_idempotency.fingerprint import django_request
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.states import COMPLETED, IN_PROGRESS
+from django_idempotency.states import IN_PROGRESS
 
 logger = logging.getLogger("django_idempotency")
 
-REPLAYED_HEADER = "Idempotent-Replayed"
 
 __all__ = [
-    "REPLAYED_HEADER",
     "handle",
-    "is_storable",
-    "outcome_of",
-    "replay_response",
     "route_operation",
     "run_to_the_end",
 ]
-
-
-def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
-    """Run an unprotected request in the transaction ``ATOMIC_REQUESTS`` asked for.
-
-    Protected views are exempted from ``ATOMIC_REQUESTS`` so that the claim commits on its
-    own; requests that turn out not to be protected get the project's transaction back.
-    """
-    if connections[alias].settings_dict.get("ATOMIC_REQUESTS"):
-        with transaction.atomic(using=alias):
-            return call()
-    return call()
 
 
 def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpResponse | None:
@@ -357,7 +346,7 @@ class _Owner:
             case _recovery.Closed(outcome=outcome, answer=answer):
                 _recovered(context, name, recovered.name)
                 if answer is None:  # "fail": the outcome unknown, replayed from now on
-                    response = _response(outcome)
+                    response = response_of(outcome)
                     response[REPLAYED_HEADER] = "true"
                     return response
                 return rendered(answer)
@@ -443,75 +432,6 @@ def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:
     )
 
 
-def rendered(response: HttpResponseBase) -> HttpResponseBase:
-    """The response, rendered if it is a template or DRF response not rendered yet."""
-    render = getattr(response, "render", None)
-    if callable(render) and not getattr(response, "is_rendered", True):
-        render()
-    return response
-
-
-def is_storable(response: HttpResponseBase) -> bool:
-    """Whether a response is a deterministic outcome that can be kept and replayed."""
-    status = response.status_code
-    if status >= 500 or status in app_settings.TRANSIENT_STATUSES:
-        return False
-    if not isinstance(response, HttpResponse):  # streaming and file responses
-        return False
-    limit = app_settings.MAX_RESPONSE_BYTES
-    return limit is None or len(response.content) <= limit
-
-
-def stored_headers(response: HttpResponseBase) -> list[list[str]]:
-    """The headers kept with a response: ``Content-Type``, ``Location`` and the allow-list."""
-    return [[name, response[name]] for name in app_settings.stored_headers if name in response]
-
-
-def _outcome(response: HttpResponse, status: str) -> Outcome:
-    return Outcome(response.status_code, stored_headers(response), response.content, status)
-
-
-def outcome_of(response: Any) -> Outcome | None:
-    """What is stored for a response, or ``None`` when it cannot be kept and replayed."""
-    if not isinstance(response, HttpResponseBase):
-        return None
-    response = rendered(response)
-    if not isinstance(response, HttpResponse) or not is_storable(response):
-        return None
-    return _outcome(response, COMPLETED)
-
-
-def _response(outcome: Outcome) -> HttpResponse:
-    return _stored(outcome.body, outcome.response_status, outcome.headers)
-
-
-def _stored(body: bytes, status: int, headers: list[list[str]]) -> HttpResponse:
-    """A response with exactly the stored headers, in their order and spelling.
-
-    A stored ``Content-Type`` (the usual first one) is given to the constructor: no default
-    of the response's own to remove (nor the charset setting it reads). Otherwise the
-    default is removed and every stored header set.
-    """
-    if headers and headers[0][0] == "Content-Type":
-        response = HttpResponse(body, status=status, content_type=headers[0][1])
-        rest = headers[1:]
-    else:
-        response = HttpResponse(body, status=status)
-        del response["Content-Type"]
-        rest = headers
-    for name, value in rest:
-        response[name] = value
-    return response
-
-
-def replay_response(state: _store.RecordState) -> HttpResponse:
-    """The stored outcome as a response: same status, same body bytes, same stored headers."""
-    assert state.response_status is not None
-    response = _stored(state.response_body or b"", state.response_status, state.response_headers)
-    response[REPLAYED_HEADER] = "true"
-    return response
-
-
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     """The default operation: the method and the URL pattern's route, e.g. ``POST orders/``.
 
@@ -525,47 +445,3 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
         else (f"{fallback.__module__}.{fallback.__qualname__}")
     )
     return f"{inner.method} {where}"
-
-
-#: The method of the request being handled, set when it starts (where ``ATOMIC_REQUESTS`` is
-#: on for the idempotency database): what :class:`IdempotencyDatabase` asks of a view that
-#: protects some of its methods only.
-request_method: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "django_idempotency_request_method", default=None
-)
-
-
-class IdempotencyDatabase(set[str]):
-    """A view's ``_non_atomic_requests``: holds the idempotency database alias for the
-    requests the view protects, so that Django leaves them out of ``ATOMIC_REQUESTS`` (the
-    claim must commit before the view runs, and the engine runs the view in a transaction
-    of its own); other requests keep the request's transaction as Django gives it.
-
-    ``protects``: whether the view protects a method (``None``: every method reaches the
-    engine, which runs the unprotected ones in the transaction ``ATOMIC_REQUESTS`` asked
-    for). ``unknown``: the answer when the request's method is not known (under ASGI,
-    where a receiver of ``request_started`` cannot pass it on): leave the view out when
-    every method reaches the engine or the view is ``async def`` (Django runs no async view
-    in that transaction). Read at request time rather than at import, so
-    ``override_settings`` of ``DATABASE`` works.
-    """
-
-    def __init__(
-        self,
-        existing: Iterable[str] = (),
-        protects: Callable[[str], bool] | None = None,
-        unknown: bool = True,
-    ) -> None:
-        super().__init__(existing)
-        self.protects = protects
-        self.unknown = unknown
-
-    def __contains__(self, alias: object) -> bool:
-        if super().__contains__(alias):
-            return True
-        if alias != app_settings.DATABASE:
-            return False
-        if self.protects is None:
-            return True
-        method = request_method.get()
-        return self.unknown if method is None else self.protects(method)

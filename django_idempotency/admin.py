@@ -25,205 +25,35 @@ arguments hold: they are read as stored and shown through :mod:`django_idempoten
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
-from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _display, _stats, crypto, maintenance, outbox, states
+from django_idempotency import _display, maintenance, outbox
+from django_idempotency._admin_filters import (
+    ExpiredFilter,
+    LeaseFilter,
+    OperationFilter,
+    ReadableFilter,
+    TaskFilter,
+    records_of,
+)
 from django_idempotency._recovery import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
-    OutboxStatus,
-    RecordStatus,
-    expired_q,
 )
 
 #: Who may see stored response bodies and headers (they can carry personal data).
 VIEW_BODY_PERMISSION = "django_idempotency.view_response_body"
-
-
-def _qs(queryset: Any) -> QuerySet[IdempotencyRecord]:
-    # The stubs type a filtered QuerySet[Any] as Any; this names what it is.
-    return cast("QuerySet[IdempotencyRecord]", queryset)
-
-
-class OperationFilter(admin.SimpleListFilter):
-    """Filter by operation; the choices are read through an index, bounded in number."""
-
-    title = _("operation")
-    parameter_name = "operation"
-    # The choices are computed on every changelist view; past this many the list is cut
-    # (a name can still be filtered on through the URL or the search box).
-    max_choices = 100
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = _stats.operations(limit=self.max_choices)
-        current = self.value()
-        if current and current not in names:
-            names.append(current)
-        return [(name, name) for name in names]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
-        value = self.value()
-        return _qs(queryset.filter(operation=value)) if value else None
-
-
-class ExpiredFilter(admin.SimpleListFilter):
-    """What the purge would delete now: past ``expires_at`` and not held by a live lease."""
-
-    title = _("expired")
-    parameter_name = "expired"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
-        return [("yes", _("Expired, not yet purged")), ("no", _("Not expired"))]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
-        if self.value() == "yes":
-            return _qs(queryset.filter(expired_q(timezone.now())))
-        if self.value() == "no":
-            return _qs(queryset.exclude(expired_q(timezone.now())))
-        return None
-
-
-class LeaseFilter(admin.SimpleListFilter):
-    """In-progress records whose lease is still running, or has run out (stale)."""
-
-    title = _("lease")
-    parameter_name = "lease"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
-        return [("live", _("Live lease")), ("stale", _("Stale lease"))]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
-        now = timezone.now()
-        in_progress = queryset.filter(status=RecordStatus.IN_PROGRESS)
-        if self.value() == "live":
-            return _qs(in_progress.filter(lease_expires_at__gt=now))
-        if self.value() == "stale":
-            return _qs(in_progress.filter(lease_expires_at__lte=now))
-        return None
-
-
-class ReadableFilter(admin.SimpleListFilter):
-    """Completed and failed records whose stored outcome no key of ``ENCRYPTION_KEYS`` opens:
-    their retries are refused until the key that sealed them is configured again. (A token
-    damaged under a configured key is found only when read: its page says so.)"""
-
-    title = _("outcome readable")
-    parameter_name = "readable"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
-        return [("no", _("No: sealed with a key not in ENCRYPTION_KEYS"))]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
-        if self.value() == "no":
-            return _qs(crypto.unopenable(queryset.exclude(status=RecordStatus.IN_PROGRESS)))
-        return None
-
-
-def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
-    """``live``/``stale`` with how long, for an in-progress record; ``-`` once it is done."""
-    if record.status != states.IN_PROGRESS or record.lease_expires_at is None:
-        return "-"
-    now = now or timezone.now()
-    if record.lease_expires_at > now:
-        return str(
-            _("live, %(left)s left") % {"left": timesince(now, record.lease_expires_at, depth=1)}
-        )
-    return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
-
-
-def stored_response(record: IdempotencyRecord) -> tuple[Any, bytes | None] | crypto.Unreadable:
-    """The record's stored headers (decoded JSON: anything, pairs when intact) and body,
-    opened when sealed, or the :class:`~django_idempotency.crypto.Unreadable` that says why
-    they cannot be. Read undecoded from the database (``_display.stored_columns``), so no
-    stored value stops the page; kept on the record: one page shows it in several fields."""
-    cached = getattr(record, "_stored_response", None)
-    if cached is None:
-        stored = _display.stored_columns(record, *_RESPONSE_COLUMNS)
-        headers, _problem = _display.read_json(stored["response_headers"])
-        body = stored["response_body"]
-        try:
-            cached = crypto.open_response(headers, body)
-        except crypto.Unreadable as exc:  # a string is sealed, or damaged: as the claim sees it
-            cached = exc
-        record._stored_response = cached  # type: ignore[attr-defined]
-    return cast("tuple[Any, bytes | None] | crypto.Unreadable", cached)
-
-
-def encryption_state(record: IdempotencyRecord) -> str:
-    """How the record's response is stored: in the clear, or sealed with which key."""
-    if record.response_status is None:
-        return "-"
-    stored = _display.stored_columns(record, *_RESPONSE_COLUMNS)
-    headers, _problem = _display.read_json(stored["response_headers"])
-    kid = crypto.sealed_with(headers)
-    if kid is None:
-        return str(_("not encrypted"))
-    keys = app_settings.ENCRYPTION_KEYS
-    ids = [crypto.key_id(key) for key in keys]
-    if kid in ids[:1]:
-        where = _("the first of ENCRYPTION_KEYS")
-    elif kid in ids:
-        where = _("in ENCRYPTION_KEYS, not the first: rotate_idempotency_encryption reseals it")
-    else:
-        where = _("not in ENCRYPTION_KEYS: it cannot be read")
-    return str(_("sealed with key %(key)s (%(where)s)") % {"key": kid or "?", "where": where})
-
-
-def _with_response(
-    record: IdempotencyRecord, show: Callable[[Any, bytes | None], SafeString]
-) -> SafeString:
-    opened = stored_response(record)
-    if isinstance(opened, crypto.Unreadable):
-        return _unreadable(opened)
-    return show(*opened)
-
-
-def _headers_html(record: IdempotencyRecord) -> SafeString:
-    text = _display.stored_columns(record, *_RESPONSE_COLUMNS)["response_headers"]
-    stored, _problem = _display.read_json(text)
-    if not crypto.sealed_with(stored):  # in the clear, or no sealed value at all: as stored
-        return _display.render_headers(text)
-    opened = stored_response(record)
-    if isinstance(opened, crypto.Unreadable):
-        return _unreadable(opened)
-    return _display.render_headers(json.dumps(opened[0]))  # as they were answered
-
-
-def _summary_html(headers: Any, body: bytes | None) -> SafeString:
-    if body is None:
-        return format_html("<em>{}</em>", _("no response stored"))
-    return format_html(
-        "{} · {}<br><em>{}</em>",
-        ngettext("%(size)d byte", "%(size)d bytes", len(body)) % {"size": len(body)},
-        _display.content_type(headers) or _("no content type"),
-        _("The body and headers are shown to users with the view_response_body permission."),
-    )
-
-
-def _unreadable(exc: crypto.Unreadable) -> SafeString:
-    return format_html(
-        "<em>{}</em>",
-        _(
-            "Cannot be read (%(why)s). Its retries are refused (503, RecordUnreadable) "
-            "until a key that opens it is configured again; it leaves at its expiry."
-        )
-        % {"why": exc},
-    )
 
 
 class ReadOnlyAdminMixin:
@@ -252,9 +82,6 @@ class ReadOnlyAdminMixin:
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
-
-# Read only on the detail page, in one query, undecoded.
-_RESPONSE_COLUMNS = ("response_headers", "response_body")
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[IdempotencyRecord]
@@ -369,8 +196,11 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.
         # Bodies can be a megabyte each, and headers anything another program wrote: only the
         # detail page reads them, undecoded (_display.stored_columns).
-        return _qs(
-            super().get_queryset(request).using(app_settings.DATABASE).defer(*_RESPONSE_COLUMNS)
+        return records_of(
+            super()
+            .get_queryset(request)
+            .using(app_settings.DATABASE)
+            .defer(*_display.RESPONSE_COLUMNS)
         )
 
     def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
@@ -411,27 +241,29 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     @admin.display(description=_("lease"))
     def lease(self, record: IdempotencyRecord) -> str:
         """Live or stale, for in-progress records."""
-        return lease_state(record)
+        return _display.lease_state(record)
 
     @admin.display(description=_("encryption"))
     def encryption(self, record: IdempotencyRecord) -> str:
         """Whether the stored response is sealed, and with which key (by its id)."""
-        return encryption_state(record)
+        return _display.encryption_state(record)
 
     @admin.display(description=_("response headers"))
     def response_headers_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored headers, one per line (or as stored, when they are not pairs)."""
-        return _headers_html(record)
+        return _display.headers_html(record)
 
     @admin.display(description=_("response body"))
     def response_body_pretty(self, record: IdempotencyRecord) -> SafeString:
         """The stored body: indented JSON, escaped text, or a size for binary data."""
-        return _with_response(record, lambda headers, body: _display.render_body(body, headers))
+        return _display.with_response(
+            record, lambda headers, body: _display.render_body(body, headers)
+        )
 
     @admin.display(description=_("response body"))
     def response_summary(self, record: IdempotencyRecord) -> SafeString:
         """The body's size and content type, for users who may not see the body."""
-        return _with_response(record, _summary_html)
+        return _display.with_response(record, _display.summary_html)
 
     @admin.display(description=_("recorded steps"))
     def steps_pretty(self, record: IdempotencyRecord) -> SafeString:
@@ -526,30 +358,6 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
                 _("The others were not in progress with a stale lease, and were left alone.")
             )
         self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)
-
-
-class TaskFilter(admin.SimpleListFilter):
-    """Filter by task. The choices are the tasks of pending and dead messages (what an
-    operator looks for, few and found through the status index), plus the chosen one; any
-    task can be filtered on through the URL."""
-
-    title = _("task")
-    parameter_name = "task"
-    max_choices = 100
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        waiting = OutboxMessage.objects.using(app_settings.DATABASE).filter(
-            status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD]
-        )
-        names = sorted(set(waiting.values_list("task", flat=True)[: self.max_choices * 10]))
-        names = names[: self.max_choices]
-        current = self.value()
-        if current and current not in names:
-            names.append(current)
-        return [(name, name) for name in names]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
-        return queryset.filter(task=self.value()) if self.value() else queryset
 
 
 _ARGUMENT_COLUMNS = ("args", "kwargs")

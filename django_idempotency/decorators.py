@@ -14,7 +14,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 from django.views import View
 
-from django_idempotency import _http, _options, _validation
+from django_idempotency import _atomic_requests, _http, _options, _validation
 from django_idempotency._options import ViewOptions
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def idempotent(
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
         existing: set[str] = getattr(func, "_non_atomic_requests", set())
-        wrapper.__dict__["_non_atomic_requests"] = _http.IdempotencyDatabase(existing)
+        wrapper.__dict__["_non_atomic_requests"] = _atomic_requests.IdempotencyDatabase(existing)
         # How manage.py idempotency_audit knows the view is protected, and with what options.
         wrapper.__dict__["idempotency_options"] = chosen
         if _has_spectacular() and "schema" not in wrapper.__dict__:

@@ -17,7 +17,7 @@ from django.views import View
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency import _http, _options, _validation, conf, sources
+from django_idempotency import _atomic_requests, _http, _options, _validation, conf, sources
 from django_idempotency.conf import app_settings
 
 _MISSING = object()
@@ -122,8 +122,8 @@ class IdempotencyMixin:
         transaction back to the methods it does not protect."""
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
         existing: set[str] = getattr(view, "_non_atomic_requests", set())
-        if not isinstance(existing, _http.IdempotencyDatabase):
-            view._non_atomic_requests = _http.IdempotencyDatabase(existing)
+        if not isinstance(existing, _atomic_requests.IdempotencyDatabase):
+            view._non_atomic_requests = _atomic_requests.IdempotencyDatabase(existing)
         return view
 
     def get_idempotency_account(self, request: Request) -> str | None:
@@ -265,13 +265,13 @@ class IdempotencyMixin:
         if options.protects(request.method):
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
-        return _http.with_atomic_requests(
+        return _atomic_requests.with_atomic_requests(
             app_settings.DATABASE, lambda: dispatch(request, *args, **kwargs)
         )
 
     # Copied onto the view function by as_view(): Django then leaves it out of
     # ATOMIC_REQUESTS, so the claim can commit before the view's own transaction.
-    dispatch._non_atomic_requests = _http.IdempotencyDatabase()  # type: ignore[attr-defined]
+    dispatch._non_atomic_requests = _atomic_requests.IdempotencyDatabase()  # type: ignore[attr-defined]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]

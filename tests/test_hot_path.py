@@ -14,7 +14,7 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import _store, states
+from django_idempotency import _responses, _store, states
 from django_idempotency._operation import Operation
 from django_idempotency._store import claiming
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
@@ -275,7 +275,6 @@ def test_a_retry_claim_commits_before_the_view_runs_and_is_seen_at_once(api):
     ids=["first", "second", "lower-case", "twice", "none", "no headers"],
 )
 def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
-    from django_idempotency import _http
 
     state = _store.RecordState(
         id=1,
@@ -290,7 +289,7 @@ def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
         response_headers=stored,
         response_body=b"{}",
     )
-    response = _http.replay_response(state)
+    response = _responses.replay_response(state)
     expected: dict[str, tuple[str, str]] = {}
     for name, value in stored:  # the last of a name wins, as when they were set one by one
         expected[name.lower()] = (name, value)

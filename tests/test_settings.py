@@ -96,7 +96,7 @@ ERROR_NUMBERS = list(_check_ids.ERRORS.values())
 def test_the_ids_are_unique_in_order_and_e040_to_e049_stay_free():
     # E037 is the outbox's default sender without Celery (checks.py), no setting's own id;
     # E038 and E039 the claim connection's.
-    assert ERROR_NUMBERS == sorted(set(ERROR_NUMBERS))
+    assert sorted(set(ERROR_NUMBERS)) == ERROR_NUMBERS
     warnings = list(_check_ids.WARNINGS.values())
     assert warnings == sorted(set(warnings))
     assert set(conf.BY_NAME) <= set(_check_ids.ERRORS)  # every setting has its own

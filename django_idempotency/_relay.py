@@ -1,0 +1,454 @@
+"""The outbox's relay: due messages taken in batches and handed to the sender.
+
+The relay takes due messages with ``SELECT ... FOR UPDATE SKIP LOCKED``, so several relays
+share the work without waiting on each other, sends each one with the sender
+(``OUTBOX_SENDER``), and records every outcome in the batch's transaction. A relay killed
+after a send and before that transaction commits sends the message again: the message id
+is the task id, so a consumer under ``@idempotent_task()`` runs once. Its public face is
+:mod:`django_idempotency.outbox` (``relay``, ``drain``, ``relay_batch``, the exceptions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
+from django.db.models import QuerySet, TextField
+from django.db.models.functions import Cast
+from django.utils import timezone
+
+from django_idempotency import _storable, _wakeup, signals
+from django_idempotency._wakeup import Stop
+from django_idempotency.conf import app_settings
+from django_idempotency.models import OutboxMessage, OutboxStatus
+
+logger = logging.getLogger("django_idempotency")
+
+# The longest stored error text of a failed send.
+MAX_ERROR_CHARS = 2000
+
+
+# After an unexpected error a long-running relay pauses this long before it tries again,
+# doubling after each further error in a row, up to the longest pause (seconds).
+ERROR_PAUSE_SECONDS = 1.0
+
+
+ERROR_PAUSE_MAX_SECONDS = 30.0
+
+
+# Stored arguments nested deeper than this are not handed to a sender: only another program
+# can have written them (enqueue allows _storable.MAX_DEPTH levels), and a sender's own
+# serializer would exhaust Python's recursion limit on them.
+MAX_READ_DEPTH = 500
+
+
+Sender = Callable[[OutboxMessage], object]
+
+
+class Undeliverable(Exception):
+    """Raised by a sender for a message that can never be sent: it becomes ``dead`` at once.
+
+    Any other exception is a failed attempt, retried after a backoff.
+    """
+
+
+class UnknownTask(Undeliverable):
+    """The message names a task that the sender does not know."""
+
+
+class Unreadable(Undeliverable):
+    """The message's stored arguments cannot be read back: it is ``dead`` at once, unsent.
+
+    Only a program other than ``enqueue()`` can have written them.
+    """
+
+
+@dataclass
+class RelayResult:
+    """What one relay run did: messages sent, failed (to be retried) and dead, and the
+    unexpected errors a long-running relay survived."""
+
+    sent: int = 0
+    failed: int = 0
+    dead: int = 0
+    batches: int = 0
+    # Messages the batches took; a batch that takes fewer than its size ends a drain.
+    taken: int = 0
+    errors: int = 0
+
+    def add(self, other: RelayResult) -> None:
+        """Add another run's figures to this one."""
+        self.sent += other.sent
+        self.failed += other.failed
+        self.dead += other.dead
+        self.batches += other.batches
+        self.taken += other.taken
+        self.errors += other.errors
+
+
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def backoff(attempts: int) -> timedelta:
+    """The wait before the next send of a message that failed ``attempts`` times.
+
+    ``OUTBOX_BACKOFF`` after the first failure, doubling after each further one, never more
+    than ``OUTBOX_BACKOFF_MAX``. Capped before it is multiplied, in whole microseconds, so
+    no setting and no number of attempts overflows.
+    """
+    first = app_settings.OUTBOX_BACKOFF // _MICROSECOND
+    longest = app_settings.OUTBOX_BACKOFF_MAX // _MICROSECOND
+    doublings = max(attempts - 1, 0)
+    # first is at least one microsecond: past this many doublings it exceeds any ceiling,
+    # and below it the shift stays a small number.
+    if doublings >= longest.bit_length() or first << doublings >= longest:
+        return timedelta(microseconds=longest)
+    return timedelta(microseconds=first << doublings)
+
+
+def relay_batch(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    sender: Sender | None = None,
+    now: datetime | None = None,
+) -> RelayResult:
+    """Send one batch of due messages and record the outcomes, in one transaction.
+
+    The batch is locked with ``FOR UPDATE SKIP LOCKED`` (messages another relay holds are
+    skipped). Without row locks (SQLite) a no-op write first takes the database's write
+    lock, so two relays still never hold the same message. A sender's own queries on this
+    connection run in a savepoint, so whatever a sender raises (even after a failed query)
+    is recorded on its message and the rest of the batch is sent. Sends ``outbox_relayed``.
+    """
+    alias, send = using or app_settings.DATABASE, sender or configured_sender()
+    result = _relay_batch(alias, _batch_size(batch_size), send, now or timezone.now())
+    _relayed(result)
+    return result
+
+
+def _batch_size(batch_size: int | None) -> int:
+    size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
+    if size <= 0:
+        raise ValueError("batch_size must be positive")
+    return size
+
+
+def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
+    result = RelayResult(batches=1)
+    with transaction.atomic(using=alias):
+        taken = _take(alias, now, size)
+        result.taken = len(taken)
+        sent: list[uuid.UUID] = []
+        for message, unreadable in taken:
+            error = unreadable or _send(alias, send, message)
+            if error is None:
+                sent.append(message.id)
+                logger.info("sent outbox message %s (%s)", message.id, message.task)
+                continue
+            dead = _record_failure(alias, message, error, now)
+            result.dead += dead
+            result.failed += not dead
+        if sent:
+            OutboxMessage.objects.using(alias).filter(pk__in=sent).update(
+                status=OutboxStatus.SENT, sent_at=timezone.now()
+            )
+        result.sent = len(sent)
+    return result
+
+
+def _relayed(result: RelayResult) -> None:
+    if result.taken:
+        signals.outbox_relayed.send(
+            sender=OutboxMessage, sent=result.sent, failed=result.failed, dead=result.dead
+        )
+
+
+def _send(alias: str, send: Sender, message: OutboxMessage) -> Exception | None:
+    """Send one message; the exception it raised, or ``None`` once it was handed over."""
+    queries = _SenderQueries(alias)
+    try:
+        with connections[alias].execute_wrapper(queries):
+            send(message)
+        queries.release()
+    except Exception as exc:  # a failed send is recorded, never raised
+        queries.roll_back()
+        return exc
+    return None
+
+
+class _SenderQueries:
+    """A savepoint taken just before a sender's first query on the relay's connection.
+
+    PostgreSQL aborts a transaction at its first failed statement: a sender whose own query
+    failed on this connection would leave the batch unable to record anything. Rolling back
+    to this savepoint undoes only that send's database work. A sender that runs no query
+    here (the Celery sender) costs no statement.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.savepoint: str | None = None
+        self.opening = False
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        if self.savepoint is None and not self.opening:
+            self.opening = True  # the SAVEPOINT statement passes through here too
+            try:
+                self.savepoint = _savepoint(using=self.alias)
+            finally:
+                self.opening = False
+        return execute(sql, params, many, context)
+
+    def release(self) -> None:
+        # Raises when the sender left the transaction aborted (it caught its own error).
+        if self.savepoint is not None:
+            transaction.savepoint_commit(self.savepoint, using=self.alias)
+
+    def roll_back(self) -> None:
+        if self.savepoint is not None:
+            transaction.savepoint_rollback(self.savepoint, using=self.alias)
+            # As an inner atomic block would: the batch's transaction is usable again.
+            transaction.set_rollback(False, using=self.alias)
+
+
+def configured_sender() -> Sender:
+    """``OUTBOX_SENDER``, imported; ``ImproperlyConfigured`` when it cannot be."""
+    try:
+        return app_settings.OUTBOX_SENDER
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported ({exc}); the default sender "
+            "needs Celery: pip install 'django-idempotency[celery]'"
+        ) from exc
+
+
+def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unreadable | None]]:
+    """The batch, locked, each message with why its stored arguments cannot be read, if so.
+
+    The arguments are read as text and decoded here, not by the model field: one row that
+    another program wrote (JSON nested deeper than Python decodes, a number of 5,000 digits)
+    must not make the whole batch, and every batch after it, fail to load.
+    """
+    rows = (
+        _due(alias, now)
+        .defer("args", "kwargs")
+        .annotate(
+            stored_args=Cast("args", output_field=TextField()),
+            stored_kwargs=Cast("kwargs", output_field=TextField()),
+        )[:size]
+    )
+    taken: list[tuple[OutboxMessage, Unreadable | None]] = []
+    for message in rows:
+        stored = vars(message)
+        try:
+            message.args = _stored_arguments(stored.pop("stored_args"), "args", list)
+            message.kwargs = _stored_arguments(stored.pop("stored_kwargs"), "kwargs", dict)
+        except Unreadable as exc:
+            taken.append((message, exc))
+        else:
+            taken.append((message, None))
+    return taken
+
+
+def _stored_arguments(text: str | None, column: str, kind: type[Any]) -> Any:
+    what = "a JSON list" if kind is list else "a JSON object"
+    try:
+        value = _storable.read_json(text if text is not None else "null")
+    except ValueError as exc:
+        raise Unreadable(f"the stored {column} cannot be decoded: {exc}") from None
+    if not isinstance(value, kind):
+        raise Unreadable(f"the stored {column} are not {what}")
+    # Each level takes two characters at least: short texts need no walk.
+    deep = len(text or "") > 2 * MAX_READ_DEPTH and _storable.nested_deeper_than(
+        value, MAX_READ_DEPTH
+    )
+    if deep:
+        raise Unreadable(f"the stored {column} are nested more than {MAX_READ_DEPTH} levels deep")
+    return value
+
+
+def _due(alias: str, now: datetime) -> QuerySet[OutboxMessage]:
+    connection = connections[alias]
+    due = (
+        OutboxMessage.objects.using(alias)
+        .filter(status=OutboxStatus.PENDING, available_at__lte=now)
+        .order_by("available_at")
+    )
+    features = connection.features
+    if features.has_select_for_update_skip_locked:
+        return due.select_for_update(skip_locked=True)
+    if features.has_select_for_update:
+        return due.select_for_update()
+    # SQLite: a write statement takes the database's write lock for the rest of the
+    # transaction, even when it changes no row; a second relay waits here until the first
+    # has recorded its batch, and then reads what is still pending.
+    table = connection.ops.quote_name(OutboxMessage._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET attempts = attempts WHERE 1 = 0")
+    return due
+
+
+def error_text(exc: BaseException) -> str:
+    """``"ExceptionClass: message"``, fit for any text column, at most ``MAX_ERROR_CHARS``.
+
+    NUL characters and lone surrogates are escaped; an exception whose ``str()`` raises is
+    named by its class.
+    """
+    name = type(exc).__name__
+    try:
+        text = f"{name}: {exc}"
+    except Exception:
+        text = f"{name} (its text could not be read)"
+    return _storable.storable_text(text)[:MAX_ERROR_CHARS]
+
+
+def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: datetime) -> bool:
+    """Count a failed send; True when the message is now dead."""
+    attempts = message.attempts + 1
+    dead = isinstance(exc, Undeliverable) or attempts >= app_settings.OUTBOX_MAX_ATTEMPTS
+    error = error_text(exc)
+    fields: dict[str, Any] = {"attempts": attempts, "last_error": error}
+    if dead:
+        fields["status"] = OutboxStatus.DEAD
+        logger.error(
+            "outbox message %s (%s) is dead after %s attempts: %s",
+            message.id,
+            message.task,
+            attempts,
+            error,
+        )
+    else:
+        fields["available_at"] = now + backoff(attempts)
+        logger.warning(
+            "sending outbox message %s (%s) failed (attempt %s): %s",
+            message.id,
+            message.task,
+            attempts,
+            error,
+        )
+    OutboxMessage.objects.using(alias).filter(pk=message.pk).update(**fields)
+    return dead
+
+
+def drain(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    sender: Sender | None = None,
+    stop: Stop | None = None,
+) -> RelayResult:
+    """Send what is due now, batch after batch, until a batch comes back short.
+
+    Messages that fail are due again only after their backoff, so a drain always ends.
+    ``stop()`` is asked between batches.
+    """
+    total = RelayResult()
+    _drain(total, using or app_settings.DATABASE, batch_size, sender or configured_sender(), stop)
+    return total
+
+
+def _drain(
+    total: RelayResult, alias: str, batch_size: int | None, send: Sender, stop: Stop | None
+) -> None:
+    # Each batch's figures are added as soon as it committed, before its signal is sent:
+    # whatever is raised after that, the caller's total keeps them.
+    size = _batch_size(batch_size)
+    while stop is None or not stop():
+        batch = _relay_batch(alias, size, send, timezone.now())
+        total.add(batch)
+        _relayed(batch)
+        if batch.taken < size:
+            break
+
+
+def relay(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    once: bool = False,
+    stop: Stop | None = None,
+    listen: bool = True,
+    poll_interval: float | None = None,
+    sender: Sender | None = None,
+) -> RelayResult:
+    """The relay behind ``relay_outbox`` and the Celery task: drain, then wait, until stopped.
+
+    ``once``: drain what is due and return. Otherwise drain, then wait for a ``NOTIFY``
+    (PostgreSQL, ``listen``) or for ``poll_interval`` seconds (``OUTBOX_POLL_INTERVAL``),
+    whichever comes first, and drain again, until ``stop()`` answers true; the batch in hand
+    is always finished first. A failed send never raises: it is counted and recorded. Any
+    other error (the database, a signal receiver, anything) is counted (``errors``, the
+    ``outbox_relay_failed`` signal); a long-running relay logs it, pauses (1 s, doubling
+    while errors follow each other, at most 30 s) and goes on, while with ``once`` it
+    raises. The batch in hand when it happened rolled back: its messages are sent later.
+    """
+    alias = using or app_settings.DATABASE
+    send = sender or configured_sender()
+    if once:
+        total = RelayResult()
+        try:
+            _drain(total, alias, batch_size, send, stop)
+        except Exception as exc:
+            _failed(exc)
+            raise
+        return total
+    should_stop: Stop = stop or (lambda: False)
+    interval = (
+        poll_interval
+        if poll_interval is not None
+        else app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
+    )
+    total = RelayResult()
+    in_a_row = 0
+    with _wakeup.listener(alias, listen) as wait:
+        while not should_stop():
+            try:
+                # A long-running relay has no request cycle to recycle its connection: after
+                # an error or past CONN_MAX_AGE it is closed here and opened afresh.
+                connections[alias].close_if_unusable_or_obsolete()
+                _drain(total, alias, batch_size, send, should_stop)
+                wait(interval, should_stop)
+            except Exception as exc:
+                in_a_row += 1
+                total.errors += 1
+                logger.exception(
+                    "the outbox relay hit an unexpected error (%s in a row); the batch in "
+                    "hand rolled back and its messages are sent later",
+                    in_a_row,
+                )
+                _failed(exc)
+                with contextlib.suppress(Exception):
+                    connections[alias].close()
+                _wakeup.sleep(_error_pause(in_a_row), should_stop)
+            else:
+                in_a_row = 0
+    return total
+
+
+def _error_pause(in_a_row: int) -> float:
+    doublings = min(in_a_row - 1, 8)  # 2**8 s is past the longest pause already
+    pause: float = ERROR_PAUSE_SECONDS * 2**doublings
+    return min(pause, ERROR_PAUSE_MAX_SECONDS)
+
+
+def _failed(exc: Exception) -> None:
+    # Sent robustly: a receiver that raises here must not end the relay it reports on.
+    for _receiver, response in signals.outbox_relay_failed.send_robust(
+        sender=OutboxMessage, error=exc
+    ):
+        if isinstance(response, Exception):
+            logger.warning("a receiver of outbox_relay_failed raised: %s", error_text(response))
+
+
+# Django 6.1 names it savepoint_create (savepoint() is deprecated there).
+_savepoint: Callable[..., str] = getattr(transaction, "savepoint_create", transaction.savepoint)
