@@ -1,0 +1,826 @@
+"""``django_idempotency.mcp.idempotent_tool``: agents' tool calls run once, with their effects
+counted.
+
+Every test talks to an ``MCPServer`` through the SDK's own client, in-process (``Client(server)``),
+so what it sees is what an agent sees: tool results, their ``structuredContent``, ``isError`` and
+``_meta``. Each behaviour is checked for a ``def`` tool and an ``async def`` tool alike. The
+effects counted are rows of ``tests.testapp`` (``Charge`` for local writes, ``ProviderCall`` for
+what reached "the outside", written through a connection of its own) and ``RUNS``, every entry
+into a tool body.
+
+A sync tool runs on one of the SDK's worker threads, so on a database connection of its own: the
+tests use a transactional database (``transaction=True``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+
+import anyio
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+from mcp import Client
+from mcp.server.auth.middleware.auth_context import auth_context_var
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
+
+from django_idempotency import current, step
+from django_idempotency.mcp import idempotent_tool
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from django_idempotency.testing import crash, expire_lease, record_for
+from tests.helpers import in_thread, new_key, postgres_only
+from tests.testapp.models import Charge, ProviderCall
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+WAIT = 30  # seconds: the bound on every wait in this module
+ACCOUNT = "agent:tests"
+KEY_DESCRIPTION = "the same value on every retry of this action"
+
+#: Every entry into a tool body, by tag: what ran, whatever it committed.
+RUNS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runs() -> Iterator[None]:
+    RUNS.clear()
+    yield
+    RUNS.clear()
+
+
+@pytest.fixture(params=["sync", "async"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+# -- the tools ---------------------------------------------------------------------------------
+
+
+def refund_effect(order_id: int, amount: int) -> dict[str, Any]:
+    """What the refund tools do: a local row, and a call that reached the provider."""
+    RUNS.append(f"refund:{order_id}")
+    charge = Charge.objects.create(account="refund", amount=amount, currency="EUR")
+    ProviderCall.objects.using("provider").create(key=f"refund:{order_id}:{charge.pk}")
+    return {"refund": charge.pk, "order": order_id, "amount": amount}
+
+
+Body = Callable[[int, int], Any]
+
+
+def shop(
+    kind: str,
+    body: Body = refund_effect,
+    *,
+    hold: Callable[[], None] | None = None,
+    key_argument: bool = True,
+    annotations: ToolAnnotations | None = None,
+    **options: Any,
+) -> MCPServer:
+    """A server with one protected tool, ``refund``: ``def`` or ``async def`` (``kind``), with an
+    ``idempotency_key`` argument or taking its key from ``_meta`` (``key_argument``). ``body``
+    does the work (database writes included); ``hold`` (blocking) runs before it, off the event
+    loop for an async tool. ``options`` go to ``idempotent_tool``; the account defaults to
+    ``ACCOUNT``."""
+    options.setdefault("account", ACCOUNT)
+    server = MCPServer("shop")
+    register = server.tool(annotations=annotations)
+    protect = idempotent_tool(**options)
+
+    if kind == "sync" and key_argument:
+
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            """Refund ``amount`` of an order."""
+            if hold is not None:
+                hold()
+            return body(order_id, amount)  # type: ignore[no-any-return]
+
+        register(protect(refund))
+    elif kind == "sync":
+
+        def refund(order_id: int, amount: int) -> dict[str, Any]:  # type: ignore[misc]
+            """Refund ``amount`` of an order."""
+            if hold is not None:
+                hold()
+            return body(order_id, amount)  # type: ignore[no-any-return]
+
+        register(protect(refund))
+    elif key_argument:
+
+        async def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:  # type: ignore[misc]
+            """Refund ``amount`` of an order."""
+            if hold is not None:
+                await anyio.to_thread.run_sync(hold)
+            return await sync_to_async(body)(order_id, amount)  # type: ignore[no-any-return]
+
+        register(protect(refund))
+    else:
+
+        async def refund(order_id: int, amount: int) -> dict[str, Any]:  # type: ignore[misc]
+            """Refund ``amount`` of an order."""
+            if hold is not None:
+                await anyio.to_thread.run_sync(hold)
+            return await sync_to_async(body)(order_id, amount)  # type: ignore[no-any-return]
+
+        register(protect(refund))
+    return server
+
+
+def call(
+    server: MCPServer,
+    arguments: dict[str, Any],
+    *,
+    meta: dict[str, Any] | None = None,
+    token: AccessToken | None = None,
+    name: str = "refund",
+) -> CallToolResult:
+    """One tool call through the SDK's client, in a connection of its own, as an agent's retry
+    would be. ``token``: the access token the call is authenticated with."""
+
+    async def go() -> CallToolResult:
+        with anyio.fail_after(WAIT):
+            async with Client(server) as client:
+                return await client.call_tool(name, arguments, meta=meta)  # type: ignore[arg-type]
+
+    if token is None:
+        return anyio.run(go)
+    # Set before the client connects: the in-process server's tasks start in this context,
+    # as they start under the SDK's bearer middleware over HTTP.
+    user = AuthenticatedUser(token)
+    reset = auth_context_var.set(user)
+    try:
+        return anyio.run(go)
+    finally:
+        auth_context_var.reset(reset)
+
+
+def args(key: str | None, order_id: int = 1, amount: int = 5) -> dict[str, Any]:
+    arguments: dict[str, Any] = {"order_id": order_id, "amount": amount}
+    if key is not None:
+        arguments["idempotency_key"] = key
+    return arguments
+
+
+def refused(result: CallToolResult, code: str) -> dict[str, Any]:
+    """The result is the refusal ``code``: an error result whose structured content says why."""
+    assert result.is_error is True, result
+    assert result.structured_content is not None, result
+    body = dict(result.structured_content)
+    assert body["code"] == code, result
+    assert isinstance(body["detail"], str), result
+    assert body["detail"], result
+    return body
+
+
+def replayed(first: CallToolResult, again: CallToolResult) -> None:
+    """``again`` is ``first`` replayed: the same content, structured content and isError, and
+    ``_meta`` says it is a replay. ``first`` is not marked a replay."""
+    assert again.content == first.content
+    assert again.structured_content == first.structured_content
+    assert again.is_error == first.is_error
+    assert again.meta is not None
+    assert again.meta.get("idempotentReplayed") is True, again.meta
+    assert not (first.meta or {}).get("idempotentReplayed"), first.meta
+
+
+def ran_once(result: CallToolResult) -> None:
+    assert result.is_error is not True, result
+    assert not (result.meta or {}).get("idempotentReplayed"), result.meta
+
+
+def effects() -> tuple[int, int, int]:
+    """(bodies entered, local rows committed, calls that reached the provider)."""
+    return len(RUNS), Charge.objects.count(), ProviderCall.objects.using("provider").count()
+
+
+# -- the first call and its retries ------------------------------------------------------------
+
+
+def test_the_first_call_runs_and_a_retry_gets_the_same_result_marked_replayed(kind):
+    server = shop(kind)
+    key = new_key()
+    first = call(server, args(key))
+    ran_once(first)
+    assert first.structured_content is not None
+    assert first.structured_content["order"] == 1
+    again = call(server, args(key))
+    replayed(first, again)
+    third = call(server, args(key))
+    replayed(first, third)
+    assert effects() == (1, 1, 1)
+    record = record_for(key)
+    assert record.status == RecordStatus.COMPLETED
+    assert (record.account, record.operation) == (ACCOUNT, "tool:refund")
+
+
+def test_the_key_comes_from_meta_when_the_tool_has_no_key_argument(kind):
+    server = shop(kind, key_argument=False)
+    key = new_key()
+    first = call(server, args(None), meta={"idempotencyKey": key})
+    ran_once(first)
+    replayed(first, call(server, args(None), meta={"idempotencyKey": key}))
+    assert effects() == (1, 1, 1)
+    ran_once(call(server, args(None), meta={"idempotencyKey": new_key()}))
+    assert effects() == (2, 2, 2)
+
+
+def test_the_key_argument_wins_over_meta(kind):
+    server = shop(kind)
+    key = new_key()
+    first = call(server, args(key), meta={"idempotencyKey": new_key()})
+    ran_once(first)
+    replayed(first, call(server, args(key), meta={"idempotencyKey": new_key()}))
+    assert effects() == (1, 1, 1)
+
+
+def test_another_key_is_another_action(kind):
+    server = shop(kind)
+    ran_once(call(server, args(new_key())))
+    ran_once(call(server, args(new_key())))
+    assert effects() == (2, 2, 2)
+
+
+def test_arguments_in_another_order_are_the_same_call(kind):
+    server = shop(kind)
+    key = new_key()
+    first = call(server, {"order_id": 3, "amount": 7, "idempotency_key": key})
+    again = call(server, {"idempotency_key": key, "amount": 7, "order_id": 3})
+    replayed(first, again)
+    assert effects() == (1, 1, 1)
+
+
+def test_an_error_result_the_tool_returned_is_stored_and_replayed(kind):
+    def declined(order_id: int, amount: int) -> CallToolResult:
+        refund_effect(order_id, amount)
+        return CallToolResult(
+            content=[TextContent(type="text", text="declined: over the limit")],
+            structured_content={"declined": True},
+            is_error=True,
+        )
+
+    server = shop(kind, declined)
+    key = new_key()
+    first = call(server, args(key))
+    assert first.is_error is True
+    assert first.content == [TextContent(type="text", text="declined: over the limit")]
+    again = call(server, args(key))
+    replayed(first, again)
+    assert effects() == (1, 1, 1)
+
+
+# -- refusals: nothing runs --------------------------------------------------------------------
+
+
+def test_a_call_without_a_key_is_refused_and_nothing_runs(kind):
+    server = shop(kind, key_argument=False)
+    refused(call(server, args(None)), "idempotency_key_missing")
+    refused(call(server, args(None), meta={"other": "x"}), "idempotency_key_missing")
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_a_tool_with_a_key_argument_called_without_it_runs_nothing(kind):
+    server = shop(kind)
+    result = call(server, args(None))
+    assert result.is_error is True, result
+    if result.structured_content is not None:  # refused by the wrapper, not the schema's check
+        assert result.structured_content["code"] == "idempotency_key_missing"
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["x" * 256, "two words", "line\nbreak", "nul\x00byte", "caf\u00e9"],
+    ids=["too-long", "space", "newline", "nul", "non-ascii"],
+)
+def test_an_invalid_key_argument_is_refused_and_nothing_runs(kind, key):
+    server = shop(kind)
+    refused(call(server, args(key)), "idempotency_key_invalid")
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.parametrize("key", ["x" * 256, "two words", 42, {"k": "v"}, ["k"]], ids=str)
+def test_an_invalid_meta_key_is_refused_and_nothing_runs(kind, key):
+    server = shop(kind, key_argument=False)
+    refused(call(server, args(None), meta={"idempotencyKey": key}), "idempotency_key_invalid")
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_a_key_reused_with_other_arguments_is_refused(kind):
+    server = shop(kind)
+    key = new_key()
+    first = call(server, args(key, amount=5))
+    ran_once(first)
+    refused(call(server, args(key, amount=500)), "idempotency_key_reused")
+    refused(call(server, args(key, order_id=2, amount=5)), "idempotency_key_reused")
+    assert effects() == (1, 1, 1)
+    replayed(first, call(server, args(key, amount=5)))  # the original is still there
+
+
+def test_a_meta_key_reused_with_other_arguments_is_refused(kind):
+    server = shop(kind, key_argument=False)
+    key = new_key()
+    ran_once(call(server, args(None, amount=5), meta={"idempotencyKey": key}))
+    refused(
+        call(server, args(None, amount=6), meta={"idempotencyKey": key}),
+        "idempotency_key_reused",
+    )
+    assert effects() == (1, 1, 1)
+
+
+def crashing(order_id: int, amount: int) -> Any:
+    """The work is done, the provider reached, then the process dies before the answer."""
+    refund_effect(order_id, amount)
+    crash()
+
+
+def test_a_call_while_another_attempt_holds_the_lease_is_refused_in_use(kind):
+    server = shop(kind, crashing, lease=timedelta(seconds=60))
+    key = new_key()
+    assert call(server, args(key)).is_error is True  # died: its claim stays, its lease runs
+    assert effects() == (1, 0, 1)  # the local write rolled back; the provider was reached
+    body = refused(call(server, args(key)), "idempotency_key_in_use")
+    assert isinstance(body["retry_after"], int)
+    assert not isinstance(body["retry_after"], bool)
+    assert 1 <= body["retry_after"] <= 60
+    assert effects() == (1, 0, 1)
+    # The lease runs out: under the default "retry" the next call runs it again.
+    expire_lease(key)
+    again = shop(kind)
+    first = call(again, args(key))
+    ran_once(first)
+    assert effects() == (2, 1, 2)
+    replayed(first, call(again, args(key)))
+    assert effects() == (2, 1, 2)
+
+
+def test_wait_is_bounded_when_the_original_never_answers(kind):
+    server = shop(kind, crashing, lease=timedelta(seconds=60))
+    key = new_key()
+    call(server, args(key))
+    waiting = shop(kind, lease=timedelta(seconds=60), wait=timedelta(seconds=1))
+    started = time.monotonic()
+    refused(call(waiting, args(key)), "idempotency_key_in_use")
+    waited = time.monotonic() - started
+    assert 0.8 <= waited < 10, waited
+    assert effects() == (1, 0, 1)
+
+
+def test_a_record_closed_by_the_fail_policy_is_refused_as_outcome_unknown(kind):
+    server = shop(kind, crashing, recovery="fail")
+    key = new_key()
+    call(server, args(key))
+    expire_lease(key)
+    retry = shop(kind, recovery="fail")
+    for _ in range(2):
+        refused(call(retry, args(key)), "idempotency_outcome_unknown")
+    assert effects() == (1, 0, 1)  # the provider was reached once; never again
+    assert record_for(key).status == RecordStatus.FAILED
+
+
+def test_an_unreadable_stored_outcome_is_refused_and_nothing_runs(kind):
+    fernet = pytest.importorskip("cryptography.fernet")
+    sealing, other = fernet.Fernet.generate_key().decode(), fernet.Fernet.generate_key().decode()
+    server = shop(kind)
+    key = new_key()
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [sealing]}):
+        first = call(server, args(key))
+    ran_once(first)
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other]}):
+        refused(call(server, args(key)), "idempotency_record_unreadable")
+        refused(call(server, args(key)), "idempotency_record_unreadable")
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": []}):
+        refused(call(server, args(key)), "idempotency_record_unreadable")
+    assert effects() == (1, 1, 1)
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other, sealing]}):
+        replayed(first, call(server, args(key)))
+    assert effects() == (1, 1, 1)
+
+
+def test_an_unreachable_store_is_refused_and_nothing_runs(kind, unreachable_store):
+    server = shop(kind)
+    refused(call(server, args(new_key())), "idempotency_store_unavailable")
+    assert len(RUNS) == 0
+
+
+# -- the account -------------------------------------------------------------------------------
+
+
+def tenant(context: Context) -> str:
+    """An account callable: the tenant the host put in the call's ``_meta``."""
+    assert isinstance(context, Context)
+    meta = dict(context.request_context.meta or {})
+    return f"tenant:{meta['tenant']}"
+
+
+def test_an_account_callable_gets_the_context_and_separates_accounts(kind):
+    server = shop(kind, key_argument=False, account=tenant)
+    key = new_key()
+    first = call(server, args(None), meta={"idempotencyKey": key, "tenant": "a"})
+    ran_once(first)
+    ran_once(call(server, args(None), meta={"idempotencyKey": key, "tenant": "b"}))
+    assert effects() == (2, 2, 2)
+    replayed(first, call(server, args(None), meta={"idempotencyKey": key, "tenant": "a"}))
+    assert effects() == (2, 2, 2)
+    assert set(IdempotencyRecord.objects.values_list("account", flat=True)) == {
+        "tenant:a",
+        "tenant:b",
+    }
+
+
+@pytest.mark.parametrize("answer", ["", None], ids=["empty", "none"])
+def test_an_account_callable_without_an_answer_refuses(kind, answer):
+    server = shop(kind, account=lambda context: answer)
+    result = call(server, args(new_key()))
+    assert result.is_error is True, result
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def token(client_id: str, subject: str | None = None, issuer: str | None = None) -> AccessToken:
+    return AccessToken(
+        token=new_key(),
+        client_id=client_id,
+        scopes=[],
+        subject=subject,
+        claims={"iss": issuer} if issuer is not None else None,
+    )
+
+
+def test_the_default_account_is_the_access_tokens_principal(kind):
+    server = shop(kind, account=None)
+    key = new_key()
+    alice = token("agent-app", subject="alice", issuer="https://id.example.com")
+    bob = token("agent-app", subject="bob", issuer="https://id.example.com")
+    first = call(server, args(key), token=alice)
+    ran_once(first)
+    ran_once(call(server, args(key), token=bob))  # the same key, another principal
+    assert effects() == (2, 2, 2)
+    # A new token of the same principal (same issuer and subject) replays.
+    again = call(server, args(key), token=token("other-app", "alice", "https://id.example.com"))
+    replayed(first, again)
+    assert effects() == (2, 2, 2)
+    accounts = list(IdempotencyRecord.objects.values_list("account", flat=True))
+    assert len(set(accounts)) == 2
+    assert any("alice" in account for account in accounts)
+
+
+def test_the_same_subject_of_another_issuer_is_another_account(kind):
+    server = shop(kind, account=None)
+    key = new_key()
+    ran_once(call(server, args(key), token=token("app", "alice", "https://a.example.com")))
+    ran_once(call(server, args(key), token=token("app", "alice", "https://b.example.com")))
+    assert effects() == (2, 2, 2)
+
+
+def test_a_token_without_a_subject_is_its_client_ids_and_cannot_pose_as_a_subject(kind):
+    server = shop(kind, account=None)
+    key = new_key()
+    first = call(server, args(key), token=token("alice"))
+    ran_once(first)
+    replayed(first, call(server, args(key), token=token("alice")))
+    # A client whose id spells a user's subject never gets that user's outcome, nor gives its.
+    ran_once(call(server, args(key), token=token("someone", subject="alice")))
+    assert effects() == (2, 2, 2)
+
+
+def test_without_an_account_the_call_is_refused_and_nothing_runs(kind):
+    server = shop(kind, account=None)
+    result = call(server, args(new_key()))  # no access token: nobody authenticated
+    assert result.is_error is True, result
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+# -- exceptions, rollback, operation, current() ------------------------------------------------
+
+
+def test_an_exception_rolls_the_tools_writes_back_and_releases_the_claim(kind):
+    def fails(order_id: int, amount: int) -> Any:
+        RUNS.append("fails")
+        Charge.objects.create(account="refund", amount=amount, currency="EUR")
+        raise LookupError("the provider said no")
+
+    server = shop(kind, fails)
+    key = new_key()
+    result = call(server, args(key))
+    assert result.is_error is True
+    assert not (result.meta or {}).get("idempotentReplayed")
+    assert Charge.objects.count() == 0  # rolled back with the claim
+    assert not IdempotencyRecord.objects.filter(key=key).exists()  # released
+    again = call(server, args(key))  # the next call runs again
+    assert again.is_error is True
+    assert RUNS == ["fails", "fails"]
+    fixed = shop(kind)
+    ran_once(call(fixed, args(key)))
+    assert effects() == (3, 1, 1)
+
+
+def test_the_tools_writes_commit_with_its_record(kind):
+    server = shop(kind)
+    key = new_key()
+    ran_once(call(server, args(key)))
+    record = record_for(key)
+    assert record.status == RecordStatus.COMPLETED
+    assert Charge.objects.count() == 1
+
+
+def test_current_names_the_running_tool_call_and_operation_can_be_set(kind):
+    seen: list[tuple[str, str, str, str, bool]] = []
+
+    def look(order_id: int, amount: int) -> dict[str, Any]:
+        context = current()
+        assert context is not None
+        seen.append(
+            (
+                context.key,
+                context.operation,
+                context.account,
+                context.downstream_key("psp"),
+                context.replayed,
+            )
+        )
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    ran_once(call(shop(kind, look), args(key)))
+    ran_once(call(shop(kind, look, operation="refunds.create"), args(key)))
+    assert [(k, op, account) for k, op, account, _, _ in seen] == [
+        (key, "tool:refund", ACCOUNT),
+        (key, "refunds.create", ACCOUNT),
+    ]
+    assert seen[0][3] != seen[1][3]  # another operation, another downstream key
+    assert not seen[0][4]
+    assert effects() == (2, 2, 2)
+
+
+def test_required_false_runs_a_call_without_a_key_unprotected_and_protects_one_with_it(kind):
+    server = shop(kind, key_argument=False, required=False)
+    ran_once(call(server, args(None)))
+    ran_once(call(server, args(None)))
+    assert effects() == (2, 2, 2)
+    assert not IdempotencyRecord.objects.exists()
+    key = new_key()
+    first = call(server, args(None), meta={"idempotencyKey": key})
+    replayed(first, call(server, args(None), meta={"idempotencyKey": key}))
+    assert effects() == (3, 3, 3)
+    refused(
+        call(server, args(None), meta={"idempotencyKey": "two words"}), "idempotency_key_invalid"
+    )
+    assert effects() == (3, 3, 3)
+
+
+# -- steps under recovery="resume" -------------------------------------------------------------
+
+CRASH_AFTER_MAIL = threading.Event()
+
+
+def in_steps(order_id: int, amount: int) -> dict[str, Any]:
+    """A refund and its mail, each a step; the process may die after the mail."""
+    RUNS.append("body")
+    context = current()
+    assert context is not None
+    refund = step("refund", refund_effect, order_id, amount)
+    mail = step("mail", mail_effect, context.downstream_key("mail"))
+    if CRASH_AFTER_MAIL.is_set():
+        crash()
+    return {"refund": refund["refund"], "mail": mail}
+
+
+def mail_effect(key: str) -> int:
+    return ProviderCall.objects.using("provider").create(key=f"mail:{key}").pk
+
+
+def test_steps_resume_after_a_crash_and_no_effect_repeats(kind):
+    server = shop(kind, in_steps, recovery="resume", lease=timedelta(seconds=60))
+    key = new_key()
+    CRASH_AFTER_MAIL.set()
+    try:
+        assert call(server, args(key)).is_error is True
+    finally:
+        CRASH_AFTER_MAIL.clear()
+    # Both steps are recorded: a refund row committed with its step, and one mail.
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.using("provider").filter(key__startswith="mail:").count() == 1
+    refused(call(server, args(key)), "idempotency_key_in_use")  # its lease still runs
+    expire_lease(key)
+    first = call(server, args(key))
+    ran_once(first)
+    replayed(first, call(server, args(key)))
+    assert RUNS.count("body") == 2
+    assert RUNS.count("refund:1") == 1  # the refund step was not run again
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.using("provider").count() == 2  # one refund, one mail
+    assert first.structured_content is not None
+    assert first.structured_content["refund"] == Charge.objects.get().pk
+
+
+def test_a_step_that_raises_keeps_the_recorded_steps_and_the_next_call_resumes(kind):
+    failures = [LookupError("mail server down")]
+
+    def flaky_mail(key: str) -> int:
+        if failures:
+            raise failures.pop()
+        return mail_effect(key)
+
+    def body(order_id: int, amount: int) -> dict[str, Any]:
+        context = current()
+        assert context is not None
+        refund = step("refund", refund_effect, order_id, amount)
+        step("mail", flaky_mail, context.downstream_key("mail"))
+        return {"refund": refund["refund"]}
+
+    server = shop(kind, body, recovery="resume")
+    key = new_key()
+    assert call(server, args(key)).is_error is True
+    assert effects() == (1, 1, 1)
+    ran_once(call(server, args(key)))  # resumes at once: the lease was given back
+    assert effects() == (1, 1, 2)
+
+
+# -- the schema and the listing ----------------------------------------------------------------
+
+
+def list_tools(server: MCPServer) -> list[Any]:
+    async def go() -> list[Any]:
+        with anyio.fail_after(WAIT):
+            async with Client(server) as client:
+                return list((await client.list_tools()).tools)
+
+    return anyio.run(go)
+
+
+def test_the_schema_keeps_the_parameters_and_describes_the_key(kind):
+    (tool,) = list_tools(shop(kind, annotations=ToolAnnotations(idempotent_hint=True)))
+    schema = tool.input_schema
+    assert set(schema["properties"]) == {"order_id", "amount", "idempotency_key"}
+    assert schema["properties"]["order_id"]["type"] == "integer"
+    assert {"order_id", "amount"} <= set(schema.get("required", []))
+    description = schema["properties"]["idempotency_key"].get("description", "")
+    assert KEY_DESCRIPTION in description, schema
+    assert tool.name == "refund"
+    assert tool.description
+    assert "Refund" in tool.description
+    assert tool.annotations is not None
+    assert tool.annotations.idempotent_hint is True
+
+
+def test_a_tool_keyed_by_meta_lists_only_its_own_parameters(kind):
+    (tool,) = list_tools(shop(kind, key_argument=False))
+    assert set(tool.input_schema["properties"]) == {"order_id", "amount"}
+
+
+def test_a_tool_taking_the_context_still_gets_it(kind):
+    server = MCPServer("shop")
+    if kind == "sync":
+
+        @server.tool()
+        @idempotent_tool(account=ACCOUNT)
+        def note(text: str, idempotency_key: str, ctx: Context) -> str:
+            assert isinstance(ctx, Context)
+            RUNS.append(text)
+            return f"noted {text}"
+
+    else:
+
+        @server.tool()
+        @idempotent_tool(account=ACCOUNT)
+        async def note(text: str, idempotency_key: str, ctx: Context) -> str:  # type: ignore[misc]
+            assert isinstance(ctx, Context)
+            RUNS.append(text)
+            return f"noted {text}"
+
+    (tool,) = list_tools(server)
+    assert set(tool.input_schema["properties"]) == {"text", "idempotency_key"}
+    key = new_key()
+    first = call(server, {"text": "hi", "idempotency_key": key}, name="note")
+    ran_once(first)
+    assert first.content == [TextContent(type="text", text="noted hi")]
+    replayed(first, call(server, {"text": "hi", "idempotency_key": key}, name="note"))
+    assert RUNS == ["hi"]
+
+
+def test_arguments_are_checked_before_the_decorator_is_used():
+    with pytest.raises((TypeError, ValueError)):
+        idempotent_tool(recovery="Fail")
+    with pytest.raises((TypeError, ValueError)):
+        idempotent_tool(ttl=timedelta(0))
+    with pytest.raises((TypeError, ValueError)):
+        idempotent_tool(lease=True)  # type: ignore[arg-type]
+
+
+# -- concurrency: PostgreSQL -------------------------------------------------------------------
+
+
+def held_original(kind: str, **options: Any) -> tuple[MCPServer, threading.Event, threading.Event]:
+    """A server whose tool blocks after it started until ``leave`` is set."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        assert leave.wait(WAIT)
+
+    return shop(kind, hold=hold, lease=timedelta(seconds=60), **options), entered, leave
+
+
+@postgres_only
+def test_a_duplicate_in_flight_is_refused_at_once_and_the_original_completes(kind):
+    server, entered, leave = held_original(kind)
+    key = new_key()
+    results: list[CallToolResult] = []
+    original = threading.Thread(target=in_thread(lambda: results.append(call(server, args(key)))))
+    original.start()
+    try:
+        assert entered.wait(WAIT)
+        started = time.monotonic()
+        body = refused(call(shop(kind), args(key)), "idempotency_key_in_use")
+        assert time.monotonic() - started < 10  # not a wait on the original's locks
+        assert body["retry_after"] >= 1
+    finally:
+        leave.set()
+        original.join(WAIT)
+    assert not original.is_alive()
+    (first,) = results
+    ran_once(first)
+    replayed(first, call(shop(kind), args(key)))
+    assert effects() == (1, 1, 1)
+
+
+@postgres_only
+def test_wait_lets_a_duplicate_in_flight_get_the_originals_outcome(kind):
+    server, entered, leave = held_original(kind)
+    key = new_key()
+    results: dict[str, CallToolResult] = {}
+
+    def duplicate() -> None:
+        results["duplicate"] = call(shop(kind, wait=timedelta(seconds=WAIT)), args(key))
+
+    original = threading.Thread(
+        target=in_thread(lambda: results.__setitem__("original", call(server, args(key))))
+    )
+    original.start()
+    waiting = threading.Thread(target=in_thread(duplicate))
+    try:
+        assert entered.wait(WAIT)
+        waiting.start()
+        time.sleep(1)  # the duplicate is waiting now
+        assert waiting.is_alive()
+    finally:
+        leave.set()
+        original.join(WAIT)
+        if waiting.ident is not None:
+            waiting.join(WAIT)
+    assert not original.is_alive()
+    assert not waiting.is_alive()
+    ran_once(results["original"])
+    replayed(results["original"], results["duplicate"])
+    assert effects() == (1, 1, 1)
+
+
+@postgres_only
+def test_a_storm_of_identical_calls_runs_once(kind):
+    server, entered, leave = held_original(kind)
+    key = new_key()
+    results: list[CallToolResult] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        result = call(server, args(key))
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=in_thread(one)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert entered.wait(WAIT)
+        time.sleep(1)
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(results) == 8
+    (first,) = [
+        r for r in results if not r.is_error and not (r.meta or {}).get("idempotentReplayed")
+    ]
+    for result in results:
+        if result is first:
+            continue
+        if result.is_error:
+            refused(result, "idempotency_key_in_use")
+        else:
+            replayed(first, result)  # arrived after the original had completed
+    assert effects() == (1, 1, 1)
