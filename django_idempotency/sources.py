@@ -6,7 +6,11 @@ GitHub in ``X-GitHub-Delivery``, Standard Webhooks in ``webhook-id``, Shopify in
 a callable ``request -> str | None`` for ``@idempotent(key=...)`` or the mixin's
 ``idempotency_key``::
 
-    @idempotent(key=sources.json("id"), account=sources.fixed("webhook:stripe"))
+    @idempotent(
+        key=sources.json("id"),
+        account=sources.fixed("webhook:stripe"),
+        fingerprint=sources.same_delivery,
+    )
     def stripe_webhook(request): ...
 
 A source answers ``None`` when the request carries no id (treated like a missing header:
@@ -14,7 +18,9 @@ A source answers ``None`` when the request carries no id (treated like a missing
 what it found cannot be a key (``400`` with code ``idempotency_key_invalid``). The engine
 validates every key a source gives like a header key: 1 to 255 printable ASCII characters.
 
-Each source takes a Django ``HttpRequest`` or a DRF ``Request``.
+Each source takes a Django ``HttpRequest`` or a DRF ``Request``. Beside the sources,
+``same_delivery`` is the fingerprint of a webhook (``fingerprint=sources.same_delivery``):
+every delivery of one event id is the same request.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = [
     "form",
     "header",
     "json",
+    "same_delivery",
 ]
 
 KeySource = Callable[[Any], "str | None"]
@@ -189,3 +196,23 @@ def fixed(value: str) -> Fixed:
     """A resolver that always answers ``value``: use it as ``account=`` for a sender without
     users, so the sender is the account (``"webhook:stripe"``)."""
     return Fixed(value)
+
+
+def same_delivery(request: Any) -> str:
+    """A fingerprint for webhooks: every delivery with one sender's id is the same request.
+
+    Use it as ``fingerprint=sources.same_delivery`` beside a key taken from the delivery
+    (``key=sources.json("id")``, ``sources.header("webhook-id")``) and a verified signature.
+    The signature proves who sent the delivery and the sender keeps the id of one event
+    across its retries, while bookkeeping in the body (Stripe's ``pending_webhooks``, for
+    one) may change between them: the default fingerprint, a hash of the body, would answer
+    such a redelivery ``422`` and the sender would keep retrying. This one answers the same
+    constant for every request, so a redelivery is always replayed.
+
+    Only for a key the sender chose and signed: with a key a client chooses, the same key
+    with another body must stay a ``422``.
+    """
+    return "sender-id"
+
+
+same_delivery.fingerprint_version = "sender-id"  # type: ignore[attr-defined]

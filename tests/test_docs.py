@@ -216,11 +216,11 @@ def test_the_readme_webhook_line_replays_a_stripe_redelivery(db: Any) -> None:
     from django_idempotency import sources
     from django_idempotency.decorators import idempotent
     from example_project.recipes.models import WebhookEvent
-    from example_project.recipes.webhooks import same_delivery
 
     (line,) = re.findall(r"^- \*\*Webhooks\*\*: `(@idempotent\(.*\))`$", README(), re.M)
-    names = {"idempotent": idempotent, "sources": sources, "same_delivery": same_delivery}
-    decorate = eval(line[1:], names)  # the decorator expression, as the README writes it
+    # The decorator expression, as the README writes it, with the two imports it names.
+    names = {"idempotent": idempotent, "sources": sources, "__builtins__": {}}
+    decorate = eval(line[1:], names)
 
     @decorate
     def webhook(request: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.http import QueryDict
+from django.http import JsonResponse, QueryDict
 from django.test import Client, RequestFactory
 
 from django_idempotency import fingerprint, sources
@@ -156,6 +156,39 @@ def test_fixed_source() -> None:
 def test_sources_refuse_wrong_arguments(make: Any, argument: Any) -> None:
     with pytest.raises(ImproperlyConfigured):
         make(argument)
+
+
+def test_same_delivery_is_public_and_one_fingerprint_for_every_delivery() -> None:
+    assert "same_delivery" in sources.__all__
+    factory = RequestFactory()
+    first = factory.post("/", {"id": "evt_1", "pending_webhooks": 2}, "application/json")
+    again = factory.post("/", {"id": "evt_1", "pending_webhooks": 1}, "application/json")
+    assert sources.same_delivery(first) == sources.same_delivery(again)
+    assert fingerprint.default_fingerprint(first) != fingerprint.default_fingerprint(again)
+    # The value and version stored with the example project's records before it moved here.
+    assert sources.same_delivery(first) == "sender-id"
+    assert fingerprint.fingerprint_version(sources.same_delivery) == "sender-id"
+
+
+def test_a_redelivery_with_other_bookkeeping_is_replayed_with_same_delivery() -> None:
+    @idempotent(
+        key=sources.json("id"),
+        account=sources.fixed("webhook:test"),
+        fingerprint=sources.same_delivery,
+    )
+    def webhook(request: Any) -> Any:
+        Charge.objects.create(account="same-delivery", amount=1, currency="EUR")
+        return JsonResponse({"received": json.loads(request.body)["id"]})
+
+    def deliver(pending: int) -> Any:
+        body = json.dumps({"id": "evt_same", "pending_webhooks": pending})
+        return webhook(RequestFactory().post("/", body, content_type="application/json"))
+
+    first, again = deliver(2), deliver(1)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert runs("same-delivery") == 1
 
 
 @pytest.mark.parametrize("key", [42, "nodots", "", b"a.b", ["a.b"]])

@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 from django_idempotency import sources
 from django_idempotency.decorators import idempotent
 from example_project.recipes.models import WebhookEvent
-from example_project.recipes.webhooks import same_delivery, verify_before_claim
+from example_project.recipes.webhooks import verify_before_claim
 
 
 def github_signature(secret: str, body: bytes) -> str:
@@ -44,7 +44,7 @@ def github_signature_error(request: HttpRequest) -> str | None:
     operation="webhooks.github",
     key=sources.header("X-GitHub-Delivery"),
     account=sources.fixed("webhook:github"),
-    fingerprint=same_delivery,
+    fingerprint=sources.same_delivery,
     ttl=timedelta(days=7),
 )
 def github_webhook(request: HttpRequest) -> HttpResponse:

@@ -18,7 +18,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from django_idempotency import sources
 from django_idempotency.decorators import idempotent
 from example_project.recipes.models import WebhookEvent
-from example_project.recipes.webhooks import same_delivery, verify_before_claim
+from example_project.recipes.webhooks import verify_before_claim
 
 
 def standard_signature_error(request: HttpRequest) -> str | None:
@@ -40,7 +40,7 @@ def standard_signature_error(request: HttpRequest) -> str | None:
     operation="webhooks.standard",
     key=sources.header("webhook-id"),
     account=sources.fixed("webhook:standard"),
-    fingerprint=same_delivery,
+    fingerprint=sources.same_delivery,
     ttl=timedelta(days=7),
 )
 def standard_webhook(request: HttpRequest) -> HttpResponse:

@@ -19,7 +19,7 @@ from django.views.decorators.http import require_POST
 from django_idempotency import sources
 from django_idempotency.decorators import idempotent
 from example_project.recipes.models import WebhookEvent
-from example_project.recipes.webhooks import same_delivery, verify_before_claim
+from example_project.recipes.webhooks import verify_before_claim
 
 
 def stripe_signature_error(request: HttpRequest) -> str | None:
@@ -43,7 +43,7 @@ def stripe_signature_error(request: HttpRequest) -> str | None:
     operation="webhooks.stripe",
     key=sources.json("id"),
     account=sources.fixed("webhook:stripe"),
-    fingerprint=same_delivery,
+    fingerprint=sources.same_delivery,
     ttl=timedelta(days=4),  # longer than Stripe's three days of retries
 )
 def stripe_webhook(request: HttpRequest) -> HttpResponse:

@@ -1,5 +1,6 @@
-"""What the webhook recipes share: the signature check before the claim, the answer to a
-delivery whose signature does not verify, and the fingerprint of a delivery."""
+"""What the webhook recipes share: the signature check before the claim and the answer to a
+delivery whose signature does not verify. Their fingerprint is the package's
+``sources.same_delivery``."""
 
 from __future__ import annotations
 
@@ -48,17 +49,3 @@ def verify_before_claim(
         return verified
 
     return decorate
-
-
-def same_delivery(request: Any) -> str:
-    """Every delivery with one sender's id is the same request.
-
-    The signature proves who sent it, and a sender keeps the id of one event across its
-    retries, while bookkeeping in the body (Stripe's ``pending_webhooks``, for one) may
-    change between them: a body fingerprint would answer such a redelivery ``422`` and the
-    sender would keep retrying.
-    """
-    return "sender-id"
-
-
-same_delivery.fingerprint_version = "sender-id"  # type: ignore[attr-defined]
