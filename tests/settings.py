@@ -144,6 +144,31 @@ else:
             "example_project.docs_examples.shop",
         ]
 
+# -- Django's Tasks framework (tests/test_tasks_backend.py, tests/test_tasks_worker.py) -------
+# Django 6's django.tasks, or the django-tasks backport on Django 5.2 (which, unlike Django,
+# is an app: its checks and the receiver that resets the backends under override_settings).
+# Enqueued tasks go through the outbox; the relay hands them to the database backend "worker",
+# whose `manage.py db_worker --backend worker` runs them. Absent both, nothing is configured.
+HAS_DJANGO_TASKS = importlib.util.find_spec("django_tasks_db") is not None and (
+    importlib.util.find_spec("django.tasks") is not None
+    or importlib.util.find_spec("django_tasks") is not None
+)
+if HAS_DJANGO_TASKS:
+    if importlib.util.find_spec("django.tasks") is None:
+        INSTALLED_APPS.append("django_tasks")
+    INSTALLED_APPS.append("django_tasks_db")
+    TASKS = {
+        "default": {
+            "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+            "OPTIONS": {"DELIVER_TO": "worker"},
+        },
+        "worker": {
+            "BACKEND": "django_tasks_db.DatabaseBackend",
+            "QUEUES": ["default", "emails"],
+        },
+    }
+# -- end of Django's Tasks framework ----------------------------------------------------------
+
 # django-ninja is optional too: its operations are served under /ninja/ where it is installed.
 HAS_NINJA = importlib.util.find_spec("ninja") is not None
 

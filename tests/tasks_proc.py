@@ -1,0 +1,66 @@
+"""A relay process for tests/test_tasks_worker.py whose hand-overs are counted.
+
+    python -m tests.tasks_proc relay [relay_outbox arguments...]
+
+It runs ``relay_outbox`` with the tests' settings (no ``OUTBOX_SENDER``: messages of Django's
+Tasks framework go to the ``worker`` backend). Every hand-over to the database backend (its
+``task_enqueued`` signal) is counted as a ``ProviderCall`` row ``handed:<tag>:<pid>``, written
+through the ``provider`` connection (autocommit), so it outlives the relay's transaction and
+the relay itself. With ``TASKS_RELAY_DIE=1`` the relay is killed (SIGKILL) right after its
+first hand-over: after handing the message over and before marking it sent.
+
+With ``OUTBOX_GO_FILE`` set, it waits (30 s at most) for that file before it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import django
+
+
+def handed(tag: object) -> str:
+    return f"handed:{tag}:"
+
+
+def count_hand_overs(die: bool) -> None:
+    from django_tasks_db.backend import DatabaseBackend
+    from django_tasks_db.compat import task_enqueued
+
+    from tests.testapp.models import ProviderCall
+
+    def counted(sender: type[Any], task_result: Any, **kwargs: object) -> None:
+        if not issubclass(sender, DatabaseBackend):
+            return
+        tag = task_result.args[0] if task_result.args else "?"
+        ProviderCall.objects.using("provider").create(key=f"{handed(tag)}{os.getpid()}")
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    task_enqueued.connect(counted, weak=False)
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    from django.core.management import call_command
+
+    command, *arguments = sys.argv[1:]
+    if command != "relay":
+        raise SystemExit(f"unknown command {command!r}")
+    count_hand_overs(die=os.environ.get("TASKS_RELAY_DIE") == "1")
+    go = os.environ.get("OUTBOX_GO_FILE")
+    if go:
+        deadline = time.monotonic() + 30
+        while not Path(go).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    call_command("relay_outbox", *arguments)
+
+
+if __name__ == "__main__":
+    main()

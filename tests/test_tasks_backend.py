@@ -1,0 +1,389 @@
+"""Django's Tasks framework through the outbox, in-process: enqueue, relay, deliver, run.
+
+Black-box, against DESIGN.md's "Django's Tasks framework" and "Transactional outbox": the
+tasks of ``tests.testapp.tasks_framework`` are enqueued with ``task.enqueue()`` on the default
+backend of tests/settings.py (``OutboxBackend``, delivering to the database backend
+``worker``), the relay runs in this process with its default settings (no ``OUTBOX_SENDER``),
+and django-tasks-db's own ``Worker`` (the loop of ``manage.py db_worker``) runs what was
+delivered. Effects are counted; tests/test_tasks_worker.py does the same with real processes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+pytest.importorskip("django_tasks_db", reason="django-tasks-db is an optional test dependency")
+
+from django.db import transaction
+from django.db.transaction import TransactionManagementError
+from django.test import override_settings
+from django.utils import timezone
+from django_tasks_db.management.commands.db_worker import Worker
+from django_tasks_db.models import DBTaskResult
+
+from django_idempotency import outbox
+from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
+from tests.live import ROOT
+from tests.testapp.models import ProviderCall
+from tests.testapp.tasks_framework import (
+    InvalidTask,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    effects,
+    record_effect,
+    record_plain,
+    record_with_context,
+    starts,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+MODULE = "tests.testapp.tasks_framework"
+
+
+def relay() -> outbox.RelayResult:
+    """One relay run, as ``relay_outbox --once`` does, with the default settings."""
+    return outbox.relay(once=True)
+
+
+def work() -> None:
+    """django-tasks-db's worker, in this process, until no delivered task is ready."""
+    Worker(
+        queue_names=["*"],
+        interval=0,
+        batch=True,
+        backend_name="worker",
+        startup_delay=False,
+        max_tasks=None,
+        worker_id="in-process",
+        excluded_queue_names=[],
+    ).run()
+
+
+def delivered(tag: str) -> list[DBTaskResult[Any, Any]]:
+    """The database backend's rows that carry ``tag`` as the task's first argument."""
+    return [row for row in DBTaskResult.objects.all() if row.args_kwargs["args"][:1] == [tag]]
+
+
+def pending_again(message_id: str) -> None:
+    """As the admin's requeue would: the message is due again (a second delivery)."""
+    OutboxMessage.objects.filter(pk=message_id).update(
+        status=OutboxStatus.PENDING, available_at=timezone.now()
+    )
+
+
+# -- enqueue commits or rolls back with the caller's work ------------------------------------
+
+
+def enqueue_then_fail(tag: str) -> None:
+    """Enqueue in a transaction that then rolls back."""
+    with transaction.atomic():
+        record_effect.enqueue(tag)
+        raise ZeroDivisionError
+
+
+def test_an_enqueue_in_a_transaction_that_rolls_back_writes_and_runs_nothing():
+    with pytest.raises(ZeroDivisionError):
+        enqueue_then_fail("rolled-back")
+    assert not OutboxMessage.objects.exists()
+    assert relay().sent == 0
+    work()
+    assert not DBTaskResult.objects.exists()
+    assert (starts("rolled-back"), effects("rolled-back")) == (0, 0)
+
+
+def test_a_committed_enqueue_writes_one_message_and_its_result_id_is_the_message_id():
+    with transaction.atomic():
+        result = record_effect.enqueue("committed", hold=0.0)
+    message = OutboxMessage.objects.get()
+    assert result.id == str(message.id)
+    uuid.UUID(result.id)
+    assert message.status == OutboxStatus.PENDING
+    assert message.task == f"{MODULE}.record_effect" == record_effect.module_path
+    assert (message.args, message.kwargs) == (["committed"], {"hold": 0.0})
+    assert result.status == TaskResultStatus.READY
+    assert result.task.func is record_effect.func
+    assert (result.args, result.kwargs) == (["committed"], {"hold": 0.0})
+    assert result.backend == "default"
+    assert (result.errors, result.worker_ids, result.finished_at) == ([], [], None)
+    # Nothing runs before the relay.
+    work()
+    assert (starts("committed"), DBTaskResult.objects.count()) == (0, 0)
+
+
+def test_an_enqueue_outside_a_transaction_raises_and_writes_nothing():
+    with pytest.raises(TransactionManagementError):
+        record_effect.enqueue("autocommit")
+    assert not OutboxMessage.objects.exists()
+
+
+def test_arguments_json_cannot_hold_are_refused_and_the_transaction_goes_on():
+    with transaction.atomic():
+        with pytest.raises(TypeError):
+            record_effect.enqueue(object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            record_effect.enqueue("nul\x00")
+        ProviderCall.objects.create(key="after-the-refusals")
+    assert not OutboxMessage.objects.exists()
+    assert ProviderCall.objects.filter(key="after-the-refusals").count() == 1
+
+
+# -- delivered, run once -------------------------------------------------------------------------
+
+
+def test_a_committed_task_is_delivered_to_the_worker_backend_and_runs_once():
+    with transaction.atomic():
+        result = record_effect.enqueue("once")
+    assert (relay().sent, relay().sent) == (1, 0)
+    assert OutboxMessage.objects.get().status == OutboxStatus.SENT
+    (row,) = delivered("once")
+    assert row.backend_name == "worker"
+    assert row.task_path == f"{MODULE}.record_effect"
+    assert row.args_kwargs["args"] == ["once"]
+    # The message's identity travels with it, in the task's keyword arguments.
+    assert result.id in json.dumps(row.args_kwargs["kwargs"])
+    work()
+    row.refresh_from_db()
+    assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
+    assert row.return_value["tag"] == "once"
+    assert (starts("once"), effects("once")) == (1, 1)
+
+
+def test_a_message_delivered_twice_runs_its_body_once():
+    with transaction.atomic():
+        result = record_effect.enqueue("twice")
+    relay()
+    work()
+    pending_again(result.id)
+    assert relay().sent == 1
+    work()
+    rows = delivered("twice")
+    assert len(rows) == 2
+    assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
+        row.traceback for row in rows
+    ]
+    # The second delivery was answered with the first one's stored result.
+    assert rows[0].return_value == rows[1].return_value
+    assert (starts("twice"), effects("twice")) == (1, 1)
+    assert IdempotencyRecord.objects.filter(account="task", key=result.id).count() == 1
+
+
+def test_a_task_that_takes_its_context_runs_once_per_message():
+    with transaction.atomic():
+        result = record_with_context.enqueue("context")
+    relay()
+    work()
+    pending_again(result.id)
+    relay()
+    work()
+    rows = delivered("context")
+    assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
+        row.traceback for row in rows
+    ]
+    assert rows[0].return_value["attempt"] == 1
+    assert (starts("context"), effects("context")) == (1, 1)
+
+
+def test_a_task_not_under_idempotent_task_runs_once_per_delivery_with_its_own_arguments():
+    with transaction.atomic():
+        result = record_plain.enqueue("plain")
+    relay()
+    work()
+    pending_again(result.id)
+    relay()
+    work()
+    rows = delivered("plain")
+    assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
+        row.traceback for row in rows
+    ]
+    # No reserved argument is added for a task that would not strip it.
+    assert [row.args_kwargs for row in rows] == [{"args": ["plain"], "kwargs": {}}] * 2
+    # At least once: delivered twice, it ran twice.
+    assert (starts("plain"), effects("plain")) == (2, 2)
+
+
+def test_a_plain_call_of_the_function_is_not_a_delivery():
+    record_effect.call("called")
+    record_effect.call("called")
+    assert effects("called") == 2
+    assert not IdempotencyRecord.objects.filter(account="task").exists()
+
+
+def test_the_signature_stays_as_written():
+    assert str(inspect.signature(record_effect.func)) == (
+        "(tag: 'str', hold: 'float' = 0.0) -> 'dict[str, Any]'"
+    )
+    assert str(inspect.signature(record_with_context.func)) == (
+        "(context: 'TaskContext', tag: 'str') -> 'dict[str, Any]'"
+    )
+    assert record_effect.name == "record_effect"
+    assert record_effect.func.__doc__ is not None
+    assert "once per outbox message" in record_effect.func.__doc__
+
+
+# -- what travels with the message -----------------------------------------------------------
+
+
+def test_priority_and_queue_name_travel_to_the_worker_backend():
+    with transaction.atomic():
+        record_effect.using(priority=7, queue_name="emails").enqueue("options")
+    relay()
+    (row,) = delivered("options")
+    assert (row.priority, row.queue_name, row.backend_name) == (7, "emails", "worker")
+    work()
+    assert effects("options") == 1
+
+
+def test_run_after_travels_and_nothing_runs_before_it():
+    run_after = timezone.now() + timedelta(seconds=3)
+    with transaction.atomic():
+        record_effect.using(run_after=run_after).enqueue("later")
+    relay()
+    work()
+    assert starts("later") == 0
+    # Handed over at once (the worker backend defers it) or kept until then (the relay does).
+    rows = delivered("later")
+    assert [row.run_after for row in rows] in ([], [run_after])
+    time.sleep(max(0.0, (run_after - timezone.now()).total_seconds()) + 0.2)
+    relay()
+    work()
+    (row,) = delivered("later")
+    assert row.run_after == run_after
+    assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
+    assert (starts("later"), effects("later")) == (1, 1)
+
+
+def test_the_backend_can_do_what_the_worker_backend_can():
+    from django_tasks_db.compat import task_backends
+
+    outbox_backend, target = task_backends["default"], task_backends["worker"]
+    for capability in ("supports_defer", "supports_priority", "supports_async_task"):
+        assert getattr(outbox_backend, capability) == getattr(target, capability), capability
+    # The worker backend's queues are the ones it accepts.
+    with transaction.atomic():
+        record_effect.using(queue_name="emails").enqueue("a-known-queue")
+    with pytest.raises(InvalidTask), transaction.atomic():
+        record_effect.using(queue_name="no-such-queue").enqueue("an-unknown-queue")
+    assert OutboxMessage.objects.count() == 1
+
+
+NO_FRILLS = {
+    "default": {
+        "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+        "OPTIONS": {"DELIVER_TO": "plain"},
+    },
+    "plain": {"BACKEND": "tests.testapp.tasks_framework.NoFrillsBackend"},
+}
+
+
+@override_settings(TASKS=NO_FRILLS)
+def test_what_the_worker_backend_cannot_do_is_refused_before_anything_is_written():
+    from django_tasks_db.compat import task_backends
+
+    backend = task_backends["default"]
+    assert (backend.supports_defer, backend.supports_priority) == (False, False)
+    in_an_hour = timezone.now() + timedelta(hours=1)
+    with transaction.atomic():
+        with pytest.raises(InvalidTask):
+            record_effect.using(run_after=in_an_hour).enqueue("deferred")
+        with pytest.raises(InvalidTask):
+            record_effect.using(priority=5).enqueue("prioritised")
+        record_effect.enqueue("allowed")
+    assert list(OutboxMessage.objects.values_list("args", flat=True)) == [["allowed"]]
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+def test_get_result_answers_for_a_message_not_yet_delivered():
+    with transaction.atomic():
+        result = record_effect.enqueue("result")
+    fetched = record_effect.get_result(result.id)
+    assert fetched.id == result.id
+    assert fetched.status == TaskResultStatus.READY
+    assert (fetched.args, fetched.kwargs) == (["result"], {})
+    result.refresh()
+    assert result.status == TaskResultStatus.READY
+    with pytest.raises(TaskResultDoesNotExist):
+        record_effect.get_result(str(uuid.uuid4()))
+
+
+# -- no Celery -----------------------------------------------------------------------------------
+
+WITHOUT_CELERY = textwrap.dedent(
+    """
+    import importlib.abc, os, sys
+
+    class NoCelery(importlib.abc.MetaPathFinder):
+        tried = []
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("celery", "kombu"):
+                self.tried.append(name)
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    finder = NoCelery()
+    sys.meta_path.insert(0, finder)
+    # What an uninstalled package looks like to importlib.util.find_spec: nothing.
+    sys.modules["celery"] = None
+    sys.modules["kombu"] = None
+    # The example project loads its Celery app: left out, as the tox env `core` leaves it.
+    sys.modules["example_project"] = None
+
+    import django
+    from django.core.management import call_command
+    from django.db import transaction
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+
+    import django_idempotency.tasks
+    from django_idempotency import outbox
+    from django_tasks_db.management.commands.db_worker import Worker
+    from tests.testapp.tasks_framework import effects, record_effect
+
+    with transaction.atomic():
+        result = record_effect.enqueue("no-celery")
+    first = outbox.relay(once=True)
+    Worker(queue_names=["*"], interval=0, batch=True, backend_name="worker",
+           startup_delay=False, max_tasks=None, worker_id="w", excluded_queue_names=[]).run()
+    from django_idempotency.models import OutboxMessage
+    OutboxMessage.objects.update(status="pending")
+    second = outbox.relay(once=True)
+    Worker(queue_names=["*"], interval=0, batch=True, backend_name="worker",
+           startup_delay=False, max_tasks=None, worker_id="w", excluded_queue_names=[]).run()
+    loaded = sorted(n for n in sys.modules if n.split(".")[0] == "celery" and sys.modules[n])
+    print(first.sent, second.sent, effects("no-celery"), loaded)
+    """
+)
+
+
+def test_it_works_without_celery():
+    env = {
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "TEST_DB": "sqlite",
+        "SQLITE_NAME": ":memory:",
+        "PYTHONPATH": str(ROOT),
+        "PATH": "/usr/bin:/bin",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_CELERY],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "1 1 1 []", done.stdout + done.stderr

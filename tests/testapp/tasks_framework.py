@@ -1,0 +1,109 @@
+"""Tasks of Django's Tasks framework for tests/test_tasks_backend.py and tests/test_tasks_worker.py.
+
+``task`` is ``django.tasks.task`` on Django 6, the django-tasks backport's otherwise; the
+default backend of tests/settings.py is the outbox, which hands them to the database backend
+``worker``. Their runs are counted as ``ProviderCall`` rows, as the Celery tasks' are:
+
+- ``effect:<tag>`` on the default connection, inside the body (under ``@idempotent_task()``
+  it commits with the idempotency record): one per run that *completed*;
+- ``start:<tag>:<pid>`` through the ``provider`` connection (autocommit), which survives a
+  killed worker: one per run that *started*. On SQLite, whose test database is one
+  in-memory connection, it is written on the default connection instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections
+
+from django_idempotency.tasks import idempotent_task
+from tests.testapp.models import ProviderCall
+
+if TYPE_CHECKING or importlib.util.find_spec("django.tasks") is None:
+    from django_tasks import TaskContext, TaskResultStatus, task
+    from django_tasks.backends.dummy import DummyBackend
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask
+    from django_tasks.exceptions import TaskResultDoesNotExist
+else:  # Django 6
+    from django.tasks import TaskContext, TaskResultStatus, task
+    from django.tasks.backends.dummy import DummyBackend
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+
+__all__ = [
+    "LEASE_SECONDS",
+    "InvalidTask",
+    "NoFrillsBackend",
+    "TaskResultDoesNotExist",
+    "TaskResultStatus",
+    "effects",
+    "record_effect",
+    "record_plain",
+    "record_with_context",
+    "starts",
+]
+
+
+class NoFrillsBackend(DummyBackend):
+    """A backend that cannot defer a task, order by priority or run a coroutine."""
+
+    supports_defer = False
+    supports_priority = False
+    supports_async_task = False
+
+
+# Short, so that a delivery after a killed worker takes the dead run's lease over soon.
+LEASE_SECONDS = 2
+
+
+def _counting_alias() -> str:
+    return "default" if connections["default"].vendor == "sqlite" else "provider"
+
+
+def starts(tag: str) -> int:
+    """Runs of a body with ``tag`` that started (a killed worker's run included)."""
+    return ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count()
+
+
+def effects(tag: str) -> int:
+    """Runs of a body with ``tag`` that committed their effect."""
+    return ProviderCall.objects.filter(key=f"effect:{tag}").count()
+
+
+def _body(tag: str, hold: float) -> dict[str, Any]:
+    first = (
+        not ProviderCall.objects.using(_counting_alias())
+        .filter(key__startswith=f"start:{tag}:")
+        .exists()
+    )
+    ProviderCall.objects.using(_counting_alias()).create(key=f"start:{tag}:{os.getpid()}")
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    if first and hold:
+        # Only the first run lingers, after its effect: the tests kill its worker meanwhile.
+        time.sleep(hold)
+    return {"tag": tag, "pid": os.getpid()}
+
+
+@task()
+@idempotent_task(lease=LEASE_SECONDS)
+def record_effect(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Runs its body once per outbox message, however often it is delivered."""
+    return _body(tag, hold)
+
+
+@task()
+def record_plain(tag: str) -> dict[str, Any]:
+    """Not deduplicated: runs as often as it is delivered (at least once)."""
+    return _body(tag, 0.0)
+
+
+@task(takes_context=True)
+@idempotent_task(lease=LEASE_SECONDS)
+def record_with_context(context: TaskContext, tag: str) -> dict[str, Any]:
+    """Deduplicated, and handed the task's context first, as ``takes_context`` asks."""
+    result = _body(tag, 0.0)
+    result["attempt"] = context.attempt
+    return result
