@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django import db
@@ -42,6 +42,8 @@ from django_idempotency.fingerprint import django_request
 from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import IN_PROGRESS
+
+T = TypeVar("T")
 
 logger = logging.getLogger("django_idempotency")
 
@@ -391,9 +393,9 @@ class _Owner:
         return response
 
 
-async def run_to_the_end(run: Callable[[], HttpResponseBase]) -> HttpResponseBase:
-    """Run the (synchronous) engine for an ``async def`` view, to its end whatever happens to
-    its caller.
+async def run_to_the_end(run: Callable[[], T], *, thread_sensitive: bool = True) -> T:
+    """Run the (synchronous) engine for an ``async def`` view or tool, to its end whatever
+    happens to its caller.
 
     The engine runs in the request's thread-sensitive thread: the claim, the view's
     transaction and the completion share one connection, and the async view runs back on
@@ -404,13 +406,13 @@ async def run_to_the_end(run: Callable[[], HttpResponseBase]) -> HttpResponseBas
     would (``_claims.CRASHES``): never a silent release, and never a second run that the
     recovery policy did not choose.
     """
-    attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=True)())
+    attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=thread_sensitive)())
     try:
         return await asyncio.shield(attempt)
     except asyncio.CancelledError:
         if not attempt.done():
             logger.info(
-                "the client of a protected async request went away; the attempt goes on to "
+                "the client of a protected async call went away; the attempt goes on to "
                 "its end and its outcome is stored"
             )
             attempt.add_done_callback(_ended_unseen)
@@ -421,7 +423,7 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
     # Nobody awaits a shielded attempt whose caller was cancelled: say how it ended.
     if not attempt.cancelled() and attempt.exception() is not None:
         logger.error(
-            "a protected async request whose client went away failed",
+            "a protected async call whose client went away failed",
             exc_info=attempt.exception(),
         )
 

@@ -38,6 +38,7 @@ __all__ = [
     "Resolver",
     "TaskOptions",
     "Terms",
+    "ToolOptions",
     "ViewOptions",
     "validated",
 ]
@@ -84,6 +85,23 @@ class TaskOptions(TypedDict, total=False):
     ttl: timedelta | int | None
     lease: timedelta | int | None
     recovery: Recovery | None
+
+
+class ToolOptions(TypedDict, total=False):
+    """The options of an MCP tool under ``@idempotent_tool()``."""
+
+    #: The caller's account: a string, or ``Context -> str | None``; default: the MCP
+    #: principal of the access token.
+    account: str | Callable[[Any], str | None] | None
+    #: The operation's name; default ``tool:<name>``.
+    operation: str | None
+    ttl: timedelta | int | None
+    lease: timedelta | int | None
+    recovery: Recovery | None
+    #: How long a duplicate in flight waits for the original's outcome (default: not at all).
+    wait: timedelta | int | None
+    #: Whether a call without a key is refused (default ``True``).
+    required: bool | None
 
 
 #: What each option admits. ``None`` is always "the setting decides".
