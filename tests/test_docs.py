@@ -180,15 +180,19 @@ def test_the_quickstarts_import_only_django_drf_and_the_package() -> None:
 
 def test_the_quickstart_names_nothing_it_does_not_import_or_define() -> None:
     """Every name a block uses is imported or defined by it, or, for a block added at the end
-    of a file, by what that file had before (startproject's settings define INSTALLED_APPS)."""
+    of a file, a variable that file had before (startproject's settings define
+    INSTALLED_APPS): a block imports every module it names itself, so that it reads, and
+    pastes, without the blocks before it."""
     import builtins
 
     # What startproject's settings.py defines, for the blocks added at its end.
     known: dict[str, set[str]] = {"mysite/settings.py": {"INSTALLED_APPS"}}
     for paste in quickstart.pastes():
         tree = ast.parse(paste.code)
-        defined = known[paste.path] if paste.append else set()
-        known[paste.path] = defined
+        # What an earlier block of the file assigned carries over; what it imported does not.
+        assigned = known[paste.path] if paste.append else set()
+        known[paste.path] = assigned
+        defined = set(assigned)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
@@ -196,6 +200,7 @@ def test_the_quickstart_names_nothing_it_does_not_import_or_define() -> None:
                 defined.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 defined.add(node.id)
+                assigned.add(node.id)
             elif isinstance(node, ast.arg):
                 defined.add(node.arg)
         used = {
