@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,27 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 60,
     },
 }
+
+# Django's Tasks framework (docs/tasks.md): with EXAMPLE_TASKS_RECEIPTS=1 the charges endpoint
+# also enqueues its receipt with `task.enqueue()`. The default backend is the outbox; the relay
+# hands the message to the database backend "worker", which `manage.py db_worker --backend
+# worker` runs (on Django 5.2 through the django-tasks backport). Left out when not installed.
+HAS_DJANGO_TASKS = importlib.util.find_spec("django_tasks_db") is not None and (
+    importlib.util.find_spec("django.tasks") is not None
+    or importlib.util.find_spec("django_tasks") is not None
+)
+if HAS_DJANGO_TASKS:
+    if importlib.util.find_spec("django.tasks") is None:
+        INSTALLED_APPS.append("django_tasks")
+    INSTALLED_APPS.append("django_tasks_db")
+    TASKS = {
+        "default": {
+            "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+            "OPTIONS": {"DELIVER_TO": "worker"},
+        },
+        "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    }
+EXAMPLE_TASKS_RECEIPTS = HAS_DJANGO_TASKS and os.environ.get("EXAMPLE_TASKS_RECEIPTS") == "1"
 
 # The webhook recipes' signing secrets (example_project/recipes/), one per sender. Real ones
 # come from the sender's dashboard and never from the code.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import status, viewsets
@@ -80,6 +81,12 @@ class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
         # when the charge committed, and the relay (manage.py relay_outbox) sends it.
         enqueue(send_receipt, charge.pk)
         # --8<-- [end:charge-viewset]
+        if getattr(settings, "EXAMPLE_TASKS_RECEIPTS", False):
+            # The same receipt through Django's Tasks framework (docs/tasks.md): an outbox
+            # message too, handed to `manage.py db_worker --backend worker` by the relay.
+            from example_project.payments.receipts import mail_receipt
+
+            mail_receipt.enqueue(charge.pk)
 
 
 @extend_schema(request=RefundSerializer, responses={201: RefundSerializer, 400: INVALID})

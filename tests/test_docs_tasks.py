@@ -1,0 +1,84 @@
+"""The code of docs/tasks.md runs as shown: example_project/docs_examples/tasks_framework.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("django_tasks_db", reason="django-tasks-db is an optional test dependency")
+
+from django.conf import settings
+from django.core import mail
+from django.db import transaction
+from django.utils import timezone
+from django_tasks_db.management.commands.db_worker import Worker
+from django_tasks_db.models import DBTaskResult
+
+from django_idempotency import outbox
+from django_idempotency.models import OutboxMessage, OutboxStatus
+from example_project.docs_examples import tasks_framework as shown
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+def work() -> None:
+    Worker(
+        queue_names=["*"],
+        interval=0,
+        batch=True,
+        backend_name="worker",
+        startup_delay=False,
+        max_tasks=None,
+        worker_id="docs",
+        excluded_queue_names=[],
+    ).run()
+
+
+def test_the_settings_shown_are_the_tests_settings() -> None:
+    configured: dict[str, dict[str, Any]] = settings.TASKS
+    assert shown.TASKS["default"] == configured["default"]
+    assert shown.TASKS["worker"]["BACKEND"] == configured["worker"]["BACKEND"]
+    assert set(shown.INSTALLED_APPS[-2:]) <= set(settings.INSTALLED_APPS)
+    assert "django_tasks_db" in settings.INSTALLED_APPS
+
+
+def test_a_sign_up_mails_its_welcome_once_however_often_it_is_delivered() -> None:
+    def failed_sign_up() -> Any:
+        with transaction.atomic():
+            shown.sign_up("ghost", "ghost@example.com")
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        failed_sign_up()
+    user, message_id = shown.sign_up("ada", "ada@example.com")
+    assert str(OutboxMessage.objects.get().id) == message_id
+    for _ in range(2):  # delivered twice
+        outbox.relay(once=True)
+        work()
+        OutboxMessage.objects.update(status=OutboxStatus.PENDING, available_at=timezone.now())
+    assert DBTaskResult.objects.count() == 2
+    assert [m.to for m in mail.outbox] == [[user.email]]
+    assert {row.return_value for row in DBTaskResult.objects.all()} == {"ada@example.com"}
+
+
+def test_the_example_projects_receipt_goes_through_django_tasks_once() -> None:
+    pytest.importorskip("rest_framework", reason="the example project needs DRF")
+    from django.contrib.auth.models import User
+
+    from example_project.payments.models import Charge
+    from example_project.payments.receipts import mail_receipt
+
+    user = User.objects.create_user("grace", "grace@example.com")
+    with transaction.atomic():
+        charge = Charge.objects.create(
+            user=user, amount=1000, currency="EUR", provider_charge_id="ch_1"
+        )
+        result = mail_receipt.enqueue(charge.pk)
+    assert str(OutboxMessage.objects.get().id) == result.id
+    for _ in range(2):  # delivered twice
+        outbox.relay(once=True)
+        work()
+        OutboxMessage.objects.update(status=OutboxStatus.PENDING, available_at=timezone.now())
+    assert [m.to for m in mail.outbox] == [["grace@example.com"]]
+    assert "1000 EUR" in mail.outbox[0].subject
