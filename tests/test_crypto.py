@@ -87,16 +87,25 @@ def test_keys_are_read_as_a_tuple_of_text_and_bytes_keys_are_taken():
 
 
 def test_the_settings_shown_read_the_keys_from_the_environment(monkeypatch):
+    """The page's block, run as settings.py runs it: IDEMPOTENCY with the keys of the
+    environment, which the package reads; none set, none used."""
     # tox runs a copy of tests/ without the example project beside it.
-    shown = pytest.importorskip("example_project.docs_examples.settings_examples")
+    pytest.importorskip("example_project.docs_examples.settings_encryption")
+    from tests import docs_code
+
+    shown = docs_code.section("example_project/docs_examples/settings_encryption.py", "encryption")
+
+    def keys_read() -> tuple[str, ...]:
+        namespace: dict[str, Any] = {}
+        exec(shown, namespace)  # what pasting the block into settings.py does
+        with override_settings(IDEMPOTENCY=namespace["IDEMPOTENCY"]):
+            assert check_settings() == []
+            return app_settings.ENCRYPTION_KEYS
 
     monkeypatch.setenv("IDEMPOTENCY_ENCRYPTION_KEYS", f"{NEW},{OLD}")
-    assert shown.encryption_keys() == [NEW, OLD]
-    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": shown.encryption_keys()}):
-        assert check_settings() == []
-        assert app_settings.ENCRYPTION_KEYS == (NEW, OLD)
+    assert keys_read() == (NEW, OLD)
     monkeypatch.delenv("IDEMPOTENCY_ENCRYPTION_KEYS")
-    assert shown.encryption_keys() == []
+    assert keys_read() == ()
 
 
 @pytest.mark.parametrize(
