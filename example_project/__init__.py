@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# --8<-- [start:celery-app]
 from example_project.celery import app as celery_app
 
 __all__ = ("celery_app",)
+# --8<-- [end:celery-app]

@@ -176,24 +176,9 @@ CORS_EXPOSE_HEADERS = ["Idempotent-Replayed", "Retry-After", "Location"]
 # Celery: receipts are sent by a task, through the outbox: the view writes the message with
 # the charge and `manage.py relay_outbox` sends it. By default the task runs eagerly, in the
 # relay's process, so the demo needs no broker and no worker; EXAMPLE_CELERY_EAGER=0 sends it
-# to the broker for `celery -A example_project worker`.
+# to the broker for `celery -A example_project worker`. The beat schedule is in celery.py.
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_TASK_ALWAYS_EAGER = os.environ.get("EXAMPLE_CELERY_EAGER", "1") == "1"
-CELERY_BEAT_SCHEDULE = {
-    "purge-expired-idempotency-records": {
-        "task": "django_idempotency.purge_expired",
-        "schedule": 60 * 60,
-    },
-    "recover-stale-idempotency-leases": {
-        "task": "django_idempotency.recover_stale_leases",
-        "schedule": 60,
-    },
-    # A floor under `relay_outbox` (or instead of it): drain what is due once a minute.
-    "relay-outbox": {
-        "task": "django_idempotency.relay_outbox",
-        "schedule": 60,
-    },
-}
 
 # Django's Tasks framework (docs/tasks.md): with EXAMPLE_TASKS_RECEIPTS=1 the charges endpoint
 # also enqueues its receipt with `task.enqueue()`. The default backend is the outbox; the relay

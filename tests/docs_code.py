@@ -30,6 +30,9 @@ TESTED_SOURCES = (
     "example_project/docs_examples/",
     "example_project/payments/",
     "example_project/client.py",
+    # The example project's Celery app, and the lines of its __init__.py that load it.
+    "example_project/celery.py",
+    "example_project/__init__.py",
     "example_project/recipes/",
     # The endpoint audit's reports, which tests/test_audit.py compares with its output.
     "tests/audit/",

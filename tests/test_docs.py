@@ -650,13 +650,34 @@ def test_the_settings_shown_are_valid() -> None:
     finally:
         logger.handlers[:], logger.level = saved[0], saved[1]
 
-    pytest.importorskip("celery")
-    from django_idempotency import tasks
-
-    names = {tasks.purge_expired.name, tasks.recover_stale_leases.name, tasks.relay_outbox.name}
-    assert {entry["task"] for entry in shown.CELERY_BEAT_SCHEDULE.values()} == names
     assert {"Idempotent-Replayed", "Retry-After"} <= set(shown.CORS_EXPOSE_HEADERS)
     assert "idempotency-key" in shown.CORS_ALLOW_HEADERS
+
+
+def test_the_celery_app_shown_finds_and_schedules_the_package_tasks(settings: Any) -> None:
+    """The Celery page's celery.py, run as a project runs it: its configuration comes from
+    Django's settings (CELERY_...), and its beat schedule names each of the package's tasks,
+    with arguments the task takes."""
+    pytest.importorskip("celery")
+    import inspect
+
+    from django_idempotency import tasks
+    from example_project import celery, celery_app
+
+    assert celery_app is celery.app  # the __init__.py shown loads it with Django
+    settings.CELERY_TASK_DEFAULT_QUEUE = "from-django-settings"
+    shown: dict[str, Any] = {}
+    exec(docs_code.section("example_project/celery.py", "celery-app"), shown)
+    app = shown["app"]
+    assert app.conf.task_default_queue == "from-django-settings"
+    package = [tasks.purge_expired, tasks.recover_stale_leases, tasks.relay_outbox]
+    assert {task.name for task in package} <= set(app.tasks)
+    schedule = app.conf.beat_schedule
+    assert {entry["task"] for entry in schedule.values()} == {task.name for task in package}
+    for entry in schedule.values():
+        task = app.tasks[entry["task"]]
+        inspect.signature(task.run).bind(*entry.get("args", ()), **entry.get("kwargs", {}))
+        assert entry["schedule"] > 0
 
 
 # --- curl lines, against the example project ---------------------------------------------------

@@ -23,37 +23,6 @@ IDEMPOTENCY = {
 }
 # --8<-- [end:idempotency]
 
-# --8<-- [start:encryption]
-import os
-
-
-def encryption_keys() -> list[str]:
-    """Fernet keys from the environment, e.g. IDEMPOTENCY_ENCRYPTION_KEYS="<new>,<old>":
-    the first seals every response stored from now on, each one opens what it sealed."""
-    return [key for key in os.environ.get("IDEMPOTENCY_ENCRYPTION_KEYS", "").split(",") if key]
-
-
-ENCRYPTED = {"ENCRYPTION_KEYS": encryption_keys()}
-# --8<-- [end:encryption]
-
-# --8<-- [start:beat]
-CELERY_BEAT_SCHEDULE = {
-    "purge-idempotency-records": {
-        "task": "django_idempotency.purge_expired",
-        "schedule": 3600.0,  # every hour
-        "kwargs": {"max_batches": 500},  # optional: bound one run
-    },
-    "recover-stale-idempotency-leases": {
-        "task": "django_idempotency.recover_stale_leases",
-        "schedule": 60.0,  # every minute
-    },
-    "relay-outbox": {
-        "task": "django_idempotency.relay_outbox",
-        "schedule": 60.0,  # a floor under the relay_outbox process
-    },
-}
-# --8<-- [end:beat]
-
 # --8<-- [start:logging]
 LOGGING = {
     "version": 1,
