@@ -43,17 +43,31 @@ def workflow(name: str) -> dict[Any, Any]:
 # --- the version and the changelog --------------------------------------------------------------
 
 
-def test_the_version_has_a_dated_changelog_section_under_an_empty_unreleased() -> None:
-    version = project()["version"]
-    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+def version() -> str:
+    """The version, written once: ``django_idempotency.__version__``."""
+    import django_idempotency
+
+    return django_idempotency.__version__
+
+
+def test_the_version_is_written_once_in_the_package() -> None:
+    """pyproject.toml has no version of its own: setuptools reads the package's."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"]
+    assert pyproject["project"]["dynamic"] == ["version"]
+    dynamic = pyproject["tool"]["setuptools"]["dynamic"]
+    assert dynamic == {"version": {"attr": "django_idempotency.__version__"}}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version()), version()
+
+
+def test_the_version_has_a_dated_changelog_section_under_unreleased() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text()
     headings = re.findall(r"^## (.+)$", changelog, re.M)
     assert headings[0] == "[Unreleased]"
-    assert re.fullmatch(rf"\[{re.escape(version)}\] - \d{{4}}-\d{{2}}-\d{{2}}", headings[1])
-    unreleased = changelog.split("## [Unreleased]\n", 1)[1].split("\n## ", 1)[0]
-    assert not unreleased.strip(), "the Unreleased section waits for the next changes"
+    assert re.fullmatch(rf"\[{re.escape(version())}\] - \d{{4}}-\d{{2}}-\d{{2}}", headings[1])
     # Keep a Changelog's links: each version heading is a link.
-    assert f"[{version}]: " in changelog
+    assert f"[{version()}]: " in changelog
     assert "[Unreleased]: " in changelog
 
 
@@ -66,8 +80,7 @@ def test_the_release_workflow_checks_the_changelog_as_this_test_does() -> None:
     ]
     pattern = re.search(r'grep -Eq "(.+?)" CHANGELOG\.md', step["run"])
     assert pattern
-    version = project()["version"]
-    regex = pattern.group(1).replace("$version", re.escape(version))
+    regex = pattern.group(1).replace("$version", re.escape(version()))
     assert re.search(regex, (ROOT / "CHANGELOG.md").read_text(), re.M)
 
 
@@ -173,6 +186,7 @@ def test_the_release_workflow_publishes_a_tag_with_trusted_publishing() -> None:
     assert "python -m build" in build
     assert "twine check --strict dist/*" in build
     assert '"$GITHUB_REF_NAME" != "v$version"' in build
+    assert "print(django_idempotency.__version__)" in build  # the version's one place
     publish = jobs["publish"]
     assert set(publish["needs"]) == {"tests", "build"}
     assert publish["permissions"] == {"id-token": "write"}
