@@ -40,8 +40,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 from django_idempotency import current, step
-from django_idempotency.mcp import idempotent_tool
 from django_idempotency.exceptions import SimulatedCrash
+from django_idempotency.mcp import idempotent_tool
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import crash, expire_lease, record_for
 from tests.helpers import in_thread, new_key, postgres_only
