@@ -223,3 +223,16 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "loggers": {"django_idempotency": {"handlers": ["console"], "level": "INFO"}},
 }
+
+# The MCP server for agents (example_project/mcp_tools.py, at /mcp under example_project.asgi).
+# Bearer tokens -> usernames: a demo's static tokens (EXAMPLE_MCP_TOKENS="token=user,..."); a
+# real server verifies its authorization server's tokens instead.
+MCP_TOKENS = dict(
+    pair.split("=", 1)
+    for pair in os.environ.get("EXAMPLE_MCP_TOKENS", "demo-agent-token=demo").split(",")
+    if "=" in pair
+)
+MCP_ISSUER = os.environ.get("EXAMPLE_MCP_ISSUER", "http://127.0.0.1:8000")
+MCP_RESOURCE_URL = os.environ.get("EXAMPLE_MCP_RESOURCE_URL", "http://127.0.0.1:8000/mcp")
+# Seconds: how long a tool call's claim is held; a retry after a crash waits that long.
+MCP_TOOL_LEASE = float(os.environ.get("EXAMPLE_MCP_LEASE", "5"))
