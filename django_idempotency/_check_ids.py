@@ -48,6 +48,7 @@ ERRORS: dict[str, int] = {
     "OUTBOX_SENDER_WITHOUT_CELERY": 37,
     "CLAIM_DATABASE": 38,
     "CLAIM_TIMEOUT": 39,
+    "TASKS_DELIVER_TO": 50,  # the Tasks backend's OPTIONS, reported by the Tasks framework
 }
 
 WARNINGS: dict[str, int] = {

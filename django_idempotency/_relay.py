@@ -11,6 +11,7 @@ is the task id, so a consumer under ``@idempotent_task()`` runs once. Its public
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from django.utils import timezone
 
 from django_idempotency import _storable, _wakeup, signals
 from django_idempotency._wakeup import Stop
-from django_idempotency.conf import app_settings
+from django_idempotency.conf import app_settings, tasks_through_outbox
 from django_idempotency.models import OutboxMessage, OutboxStatus
 
 logger = logging.getLogger("django_idempotency")
@@ -222,14 +223,48 @@ class _SenderQueries:
 
 
 def configured_sender() -> Sender:
-    """``OUTBOX_SENDER``, imported; ``ImproperlyConfigured`` when it cannot be."""
+    """The relay's sender: a message of Django's Tasks framework goes to its Tasks backend
+    (:func:`deliver_task`), any other to ``OUTBOX_SENDER``, imported here;
+    ``ImproperlyConfigured`` when it cannot be (unless the outbox serves only the Tasks
+    framework: then such a message fails to send, recorded with why)."""
     try:
-        return app_settings.OUTBOX_SENDER
+        send: Sender = app_settings.OUTBOX_SENDER
     except ImportError as exc:
-        raise ImproperlyConfigured(
+        problem = ImproperlyConfigured(
             f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported ({exc}); the default sender "
             "needs Celery: pip install 'django-idempotency[celery]'"
-        ) from exc
+        )
+        if not tasks_through_outbox():
+            raise problem from exc
+        send = functools.partial(_unsendable, problem)
+    return functools.partial(_routed, send)
+
+
+def _routed(send: Sender, message: OutboxMessage) -> None:
+    if message.delivery:
+        deliver_task(message)
+    else:
+        send(message)
+
+
+def _unsendable(problem: Exception, message: OutboxMessage) -> None:
+    raise problem
+
+
+def deliver_task(message: OutboxMessage) -> None:
+    """Hand a message of Django's Tasks framework to the backend it was enqueued on
+    (``tasks_backend.OutboxBackend.deliver``), which passes it on to its ``DELIVER_TO``."""
+    from django_idempotency._tasks_compat import task_backends
+
+    alias = message.delivery.get("backend")
+    try:
+        backend = task_backends[alias]
+    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
+        raise UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
+    deliver = getattr(backend, "deliver", None)
+    if not callable(deliver):
+        raise UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
+    deliver(message)
 
 
 def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unreadable | None]]:

@@ -67,7 +67,9 @@ def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
 
 @register(Tags.compatibility)
 def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
-    """The outbox's sender can be imported: the default one needs Celery (E037).
+    """The outbox's sender can be imported: the default one needs Celery (E037), unless
+    the outbox serves Django's Tasks framework (``tasks_backend.OutboxBackend``), whose
+    messages the relay hands to a Tasks backend.
 
     Not a wrong value of the setting, so requests are not refused over it, and a project
     that never calls ``enqueue()`` may silence it (``SILENCED_SYSTEM_CHECKS``).
@@ -76,6 +78,8 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
     if not isinstance(raw, Mapping):  # E001, reported by check_settings
         return []
     if not conf.sender_lacks_celery(raw.get("OUTBOX_SENDER", conf.DEFAULT_OUTBOX_SENDER)):
+        return []
+    if conf.tasks_through_outbox():  # the relay hands those messages to a Tasks backend
         return []
     return [
         _error(

@@ -124,6 +124,20 @@ SETTINGS: tuple[Setting, ...] = (
 DEFAULT_OUTBOX_SENDER = "django_idempotency.celery_sender.send"
 
 
+#: The Tasks backend of the outbox, as ``TASKS`` names it.
+TASKS_OUTBOX_BACKEND = "django_idempotency.tasks_backend.OutboxBackend"
+
+
+def tasks_through_outbox() -> bool:
+    """Whether a ``TASKS`` backend is the outbox's: its messages go to another Tasks
+    backend, so that the relay needs no ``OUTBOX_SENDER`` (nor Celery) for them."""
+    backends = getattr(settings, "TASKS", None)
+    return isinstance(backends, Mapping) and any(
+        isinstance(params, Mapping) and params.get("BACKEND") == TASKS_OUTBOX_BACKEND
+        for params in backends.values()
+    )
+
+
 def sender_lacks_celery(value: Any) -> bool:
     """Whether ``value`` is the default sender, Celery's, and Celery is not installed."""
     if value != DEFAULT_OUTBOX_SENDER:

@@ -352,6 +352,14 @@ class OutboxMessage(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
+    delivery = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text=_(
+            "For a task of Django's Tasks framework: the backend it was enqueued on, its "
+            "priority, queue and run_after, and the result of its last hand-over."
+        ),
+    )
 
     class Meta:
         verbose_name = _("outbox message")

@@ -65,6 +65,7 @@ __all__ = [
     "relay_batch",
     "requeue",
     "task_name",
+    "write",
 ]
 
 
@@ -98,7 +99,17 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     ``NOTIFY`` in the same transaction wakes the relays when it commits. Returns the
     message id, which is also the task id the relay sends it with.
     """
-    name = task_name(task)
+    return write(task_name(task), args, kwargs).id
+
+
+def write(
+    name: str,
+    args: tuple[Any, ...] | list[Any],
+    kwargs: dict[str, Any],
+    delivery: dict[str, Any] | None = None,
+) -> OutboxMessage:
+    """The message behind :func:`enqueue` and the Tasks backend's ``enqueue``, written in
+    the current transaction of the idempotency database, with the same refusals."""
     alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:
@@ -111,10 +122,15 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     named = _storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
     now = timezone.now()
     message = OutboxMessage.objects.using(alias).create(
-        task=name, args=positional, kwargs=named, available_at=now, created_at=now
+        task=name,
+        args=positional,
+        kwargs=named,
+        available_at=now,
+        created_at=now,
+        delivery=delivery or {},
     )
     notify(alias)
-    return message.id
+    return message
 
 
 def notify(alias: str) -> None:

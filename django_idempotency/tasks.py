@@ -1,24 +1,27 @@
-"""Celery: the periodic maintenance tasks, the outbox relay and deduplicated task consumers.
+"""Task consumers run once per delivery, and Celery's periodic maintenance tasks.
 
-The only module of the app that imports Celery (an optional dependency). It never imports
-a project's Celery app: ``shared_task`` binds to whichever app the project configures.
+``@idempotent_task()`` serves Celery tasks and tasks of Django's Tasks framework delivered
+through the outbox (``tasks_backend.OutboxBackend``); it imports and works without Celery.
+The Celery tasks (``purge_expired``, ``recover_stale_leases``, ``relay_outbox``) exist when
+Celery is installed; without it, reading one raises ``ImportError`` saying so. The module
+never imports a project's Celery app: ``shared_task`` binds to whichever app the project
+configures.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, TypeVar, cast
-
-from celery import current_task, shared_task
-from celery.app.task import Task
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django_idempotency import _options, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency._recovery import RETRY
+from django_idempotency.conf import app_settings
 from django_idempotency.exceptions import InProgress, OutcomeUnknown
 
 logger = logging.getLogger("django_idempotency")
@@ -30,27 +33,49 @@ DeliveryKey = Callable[..., object]
 # request's account is ever "task", so the two can never collide.
 TASK_ACCOUNT = "task"
 TASK_FINGERPRINT_VERSION = "task-v1"
+#: The keyword argument that carries an outbox message's id to a task of Django's Tasks
+#: framework under ``@idempotent_task()``; the decorator takes it away before the body.
+MESSAGE_ARGUMENT = "_outbox_message_id"
+# Waiting out another delivery's lease: a moment more than the lease itself.
+_LEASE_MARGIN = timedelta(seconds=1)
 
+CELERY = importlib.util.find_spec("celery") is not None
+_MARK = "idempotent_task"
+_CELERY_TASKS = ("purge_expired", "recover_stale_leases", "relay_outbox")
 
-@shared_task(name="django_idempotency.purge_expired")
-def purge_expired(
-    batch_size: int | None = None, max_batches: int | None = None, using: str | None = None
-) -> dict[str, Any]:
-    """Celery beat task: :func:`django_idempotency.maintenance.purge_expired`."""
-    result = maintenance.purge_expired(using=using, batch_size=batch_size, max_batches=max_batches)
-    return asdict(result)
+if TYPE_CHECKING or CELERY:
+    from celery import current_task, shared_task
+    from celery.app.task import Task
 
+    @shared_task(name="django_idempotency.purge_expired")
+    def purge_expired(
+        batch_size: int | None = None, max_batches: int | None = None, using: str | None = None
+    ) -> dict[str, Any]:
+        """Celery beat task: :func:`django_idempotency.maintenance.purge_expired`."""
+        result = maintenance.purge_expired(
+            using=using, batch_size=batch_size, max_batches=max_batches
+        )
+        return asdict(result)
 
-@shared_task(name="django_idempotency.recover_stale_leases")
-def recover_stale_leases(limit: int | None = None, using: str | None = None) -> dict[str, Any]:
-    """Celery beat task: :func:`django_idempotency.maintenance.recover_stale_leases`."""
-    return asdict(maintenance.recover_stale_leases(using=using, limit=limit))
+    @shared_task(name="django_idempotency.recover_stale_leases")
+    def recover_stale_leases(limit: int | None = None, using: str | None = None) -> dict[str, Any]:
+        """Celery beat task: :func:`django_idempotency.maintenance.recover_stale_leases`."""
+        return asdict(maintenance.recover_stale_leases(using=using, limit=limit))
 
+    @shared_task(name="django_idempotency.relay_outbox")
+    def relay_outbox(batch_size: int | None = None, using: str | None = None) -> dict[str, Any]:
+        """Celery beat task: drain the outbox once (:func:`django_idempotency.outbox.relay`)."""
+        return asdict(outbox.relay(using=using, batch_size=batch_size, once=True))
 
-@shared_task(name="django_idempotency.relay_outbox")
-def relay_outbox(batch_size: int | None = None, using: str | None = None) -> dict[str, Any]:
-    """Celery beat task: drain the outbox once (:func:`django_idempotency.outbox.relay`)."""
-    return asdict(outbox.relay(using=using, batch_size=batch_size, once=True))
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name in _CELERY_TASKS:
+            raise ImportError(
+                f"django_idempotency.tasks.{name} is a Celery task, and Celery is not "
+                "installed: pip install 'django-idempotency[celery]'"
+            )
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DeliveryInProgress(Exception):
@@ -68,10 +93,16 @@ def idempotent_task(
     lease: timedelta | int | None = None,
     recovery: str | Callable[[Any], Any] | None = None,
 ) -> Callable[[F], F]:
-    """Run a Celery task's body at most once per delivery key, however often it is delivered.
+    """Run a task's body at most once per delivery key, however often it is delivered.
 
-    Put it directly beneath ``@shared_task`` (or ``@app.task``), with parentheses. The key is
-    the task id by default, or ``key(*args, **kwargs)``. A thin adapter over
+    Put it directly beneath ``@shared_task`` (or ``@app.task``) of Celery, or beneath
+    ``@task`` of Django's Tasks framework, with parentheses. The key is the Celery task id,
+    or the outbox message's id for a task enqueued on ``tasks_backend.OutboxBackend`` (the
+    relay passes it as the keyword argument ``MESSAGE_ARGUMENT``, taken away before the
+    body runs, so the task's own signature stays as written), or ``key(*args, **kwargs)``.
+    A delivery of a Django task that meets another delivery's live lease waits for its
+    outcome, at most the lease (Django's Tasks framework has no retry to come back with).
+    A thin adapter over
     ``django_idempotency.run_once``: the record lives in the idempotency table under
     account ``"task"`` and operation ``"task:<task name>"``, for ``ttl`` (default ``TTL``).
 
@@ -105,8 +136,15 @@ def idempotent_task(
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            task = current_task if current_task else None
-            delivery = delivery_key(*args, **kwargs) if delivery_key is not None else _task_id(task)
+            message = kwargs.pop(MESSAGE_ARGUMENT, None)
+            task = None if message is not None or not CELERY else (current_task or None)
+            delivery = (
+                delivery_key(*args, **kwargs)
+                if delivery_key is not None
+                else message
+                if message is not None
+                else _task_id(task)
+            )
             if delivery is None:
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return func(*args, **kwargs)
@@ -125,6 +163,10 @@ def idempotent_task(
                     # redelivery takes its stale lease over and applies the policy
                     # (by default it runs the body again).
                     recovery=checked["recovery"] or RETRY,
+                    # Django's Tasks framework has no retry to come back with: a delivery
+                    # that meets another's live lease waits for its outcome, or for the
+                    # lease to run out and then takes it over.
+                    wait=None if message is None else _waited_out(checked["lease"]),
                 ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -135,9 +177,20 @@ def idempotent_task(
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
 
+        wrapper.__dict__[_MARK] = True
         return cast(F, wrapper)
 
     return decorate
+
+
+def _waited_out(lease: timedelta | None) -> timedelta:
+    return (lease or app_settings.LEASE) + _LEASE_MARGIN
+
+
+def is_idempotent_task(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` is under ``@idempotent_task()``: the relay then hands it the
+    message's id (``MESSAGE_ARGUMENT``)."""
+    return bool(getattr(func, _MARK, False))
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

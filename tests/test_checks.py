@@ -230,14 +230,18 @@ def no_celery(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "celery", None)
 
 
-def sender_ids(**idempotency):
-    with override_settings(IDEMPOTENCY=idempotency):
+# Tasks that never go through the outbox: its relay would need OUTBOX_SENDER for every message.
+WORKER_ONLY = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
+
+
+def sender_ids(tasks=WORKER_ONLY, **idempotency):
+    with override_settings(IDEMPOTENCY=idempotency, TASKS=tasks):
         return [message.id for message in check_outbox_sender()]
 
 
 @pytest.mark.usefixtures("no_celery")
 def test_e037_the_default_sender_without_celery():
-    with override_settings(IDEMPOTENCY={}):
+    with override_settings(IDEMPOTENCY={}, TASKS=WORKER_ONLY):
         (message,) = check_outbox_sender()
     assert message.id == "django_idempotency.E037"
     assert "Celery is not installed" in message.msg
@@ -252,6 +256,21 @@ def test_e037_the_default_sender_without_celery():
     assert ids() == []
 
 
+@pytest.mark.usefixtures("no_celery")
+def test_e037_not_when_the_outbox_serves_django_tasks():
+    # A project on Django's Tasks framework alone: the relay hands its messages to a Tasks
+    # backend and needs neither Celery nor an OUTBOX_SENDER.
+    through_outbox = {
+        "default": {
+            "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+            "OPTIONS": {"DELIVER_TO": "worker"},
+        },
+        "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    }
+    assert sender_ids(tasks=through_outbox) == []
+    assert sender_ids(tasks=WORKER_ONLY) == ["django_idempotency.E037"]
+
+
 def test_e037_not_with_celery_installed():
     pytest.importorskip("celery")
     assert sender_ids() == []
@@ -259,10 +278,12 @@ def test_e037_not_with_celery_installed():
 
 @pytest.mark.usefixtures("no_celery")
 def test_e037_stops_the_check_command_unless_silenced():
-    errors = override_settings(IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=[])
+    errors = override_settings(IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=[], TASKS=WORKER_ONLY)
     with errors, pytest.raises(SystemCheckError, match="E037"):
         call_command("check", stdout=StringIO(), stderr=StringIO())
-    silenced = override_settings(IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=["django_idempotency.E037"])
+    silenced = override_settings(
+        IDEMPOTENCY={}, SILENCED_SYSTEM_CHECKS=["django_idempotency.E037"], TASKS=WORKER_ONLY
+    )
     with silenced:
         call_command("check", stdout=StringIO())
 
@@ -287,3 +308,36 @@ def test_w011_a_claim_database_that_may_wait_longer_than_claim_timeout(settings,
         monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": {"timeout": 30}})
         (pool,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
         assert "pool's timeout (30 s)" in pool.msg
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({}, "must name the backend"),
+        ({"DELIVER_TO": "missing"}, "is unusable"),
+        ({"DELIVER_TO": "default"}, "another outbox backend"),
+    ],
+)
+def test_e050_the_tasks_backend_delivers_to_a_backend_that_runs_tasks(options, said):
+    pytest.importorskip("django_tasks_db")
+    from django_idempotency._tasks_compat import InvalidTask, task_backends
+
+    tasks = {
+        "default": {
+            "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+            "OPTIONS": options,
+        },
+        "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    }
+    with override_settings(TASKS=tasks):
+        backend = task_backends["default"]
+        (message,) = backend.check()
+        assert message.id == "django_idempotency.E050"
+        assert said in message.msg
+        # Nothing can be enqueued on it either: the refusal names the same problem.
+        with pytest.raises(InvalidTask, match=said):
+            backend.target  # noqa: B018
+    with override_settings(
+        TASKS={**tasks, "default": {**tasks["default"], "OPTIONS": {"DELIVER_TO": "worker"}}}
+    ):
+        assert list(task_backends["default"].check()) == []

@@ -1,0 +1,260 @@
+"""Django's Tasks framework through the outbox: an enqueue that commits with the
+transaction, delivered to a real backend by the relay.
+
+::
+
+    TASKS = {
+        "default": {
+            "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+            "OPTIONS": {"DELIVER_TO": "worker"},
+        },
+        "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},  # any real backend
+    }
+
+``task.enqueue(...)`` inside ``transaction.atomic`` writes an outbox message (the task's
+``module_path``, its arguments, and in ``delivery`` this backend's alias, the priority,
+the queue and ``run_after``) that commits or rolls back with the caller's work. The relay
+(``relay_outbox``, or the beat task) hands each message to the ``DELIVER_TO`` backend with
+``task.using(backend=..., priority=..., queue_name=..., run_after=...).enqueue(...)``: at
+least once, never before the commit, never lost after it. Under ``@idempotent_task()`` the
+message's id reaches the task function as a keyword argument that the decorator takes
+away, so its body runs once per message however often it is delivered.
+
+Works with ``django.tasks`` (Django 6.0+) and with the ``django-tasks`` backport on
+Django 5.2 (the ``tasks`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from datetime import datetime
+from typing import Any
+
+from django.core import checks
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.module_loading import import_string
+
+from django_idempotency import conf, outbox
+from django_idempotency._check_ids import error
+from django_idempotency._tasks_compat import (
+    BaseTaskBackend,
+    InvalidTask,
+    Task,
+    TaskError,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task_backends,
+)
+from django_idempotency.conf import app_settings
+from django_idempotency.models import OutboxMessage, OutboxStatus
+from django_idempotency.tasks import MESSAGE_ARGUMENT, is_idempotent_task
+
+__all__ = ["BACKEND_PATH", "DELIVER_TO", "OutboxBackend"]
+
+#: The dotted path of the backend, as ``TASKS`` names it.
+BACKEND_PATH = conf.TASKS_OUTBOX_BACKEND
+#: The option naming the backend the relay hands each message to.
+DELIVER_TO = "DELIVER_TO"
+
+
+class OutboxBackend(BaseTaskBackend):
+    """A ``TASKS`` backend that writes each enqueued task to the transactional outbox.
+
+    Its capabilities (``supports_defer``, ``supports_priority``, ``supports_async_task``,
+    ``supports_get_result``) and its queues are those of the ``DELIVER_TO`` backend, and a
+    task that backend cannot run is refused with ``InvalidTask`` at enqueue, as Django's
+    backends refuse. ``enqueue`` outside ``transaction.atomic`` on the idempotency
+    database raises ``TransactionManagementError``; arguments that cannot be stored as
+    JSON raise ``TypeError``. The ``TaskResult`` has the message's id; until the message
+    is handed over it is ``READY`` (``FAILED`` once the message is dead), and after that
+    it follows the result of the ``DELIVER_TO`` backend where that backend keeps results.
+    """
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.deliver_to: Any = self.options.get(DELIVER_TO)
+
+    # -- the target ------------------------------------------------------------------------
+
+    @property
+    def target(self) -> BaseTaskBackend:
+        """The backend the relay hands messages to; ``InvalidTask`` when it is unusable."""
+        problem = self._target_problem()
+        if problem is not None:
+            raise InvalidTask(problem)
+        return task_backends[self.deliver_to]
+
+    def _target_problem(self) -> str | None:
+        if not isinstance(self.deliver_to, str) or not self.deliver_to:
+            return (
+                f"TASKS[{self.alias!r}]['OPTIONS']['DELIVER_TO'] must name the backend that "
+                f"the outbox relay hands its tasks to; got {self.deliver_to!r}"
+            )
+        try:
+            target = task_backends[self.deliver_to]
+        except Exception as exc:  # InvalidTaskBackend(Error): not in TASKS, or no import
+            return f"TASKS[{self.alias!r}]['OPTIONS']['DELIVER_TO'] is unusable: {exc}"
+        if isinstance(target, OutboxBackend):
+            return (
+                f"TASKS[{self.alias!r}]['OPTIONS']['DELIVER_TO'] names {self.deliver_to!r}, "
+                "another outbox backend: it must name a backend that runs tasks"
+            )
+        return None
+
+    @property
+    def supports_defer(self) -> bool:  # type: ignore[override]
+        return bool(self.target.supports_defer)
+
+    @property
+    def supports_priority(self) -> bool:  # type: ignore[override]
+        return bool(self.target.supports_priority)
+
+    @property
+    def supports_async_task(self) -> bool:  # type: ignore[override]
+        return bool(self.target.supports_async_task)
+
+    @property
+    def supports_get_result(self) -> bool:  # type: ignore[override]
+        return True  # the message's state at least; the target's result once delivered
+
+    def validate_task(self, task: Task[Any, Any]) -> None:
+        """What the ``DELIVER_TO`` backend would refuse, refused now."""
+        self.target.validate_task(task)
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        problem = self._target_problem()
+        if problem is None:
+            return []
+        return [
+            checks.Error(
+                problem,
+                hint=(
+                    "Add a TASKS entry for a backend that runs tasks (a database or broker "
+                    "backend) and name it in OPTIONS['DELIVER_TO']."
+                ),
+                id=error("TASKS_DELIVER_TO"),
+            )
+        ]
+
+    # -- enqueue ---------------------------------------------------------------------------
+
+    def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any, Any]:
+        """Write the task as an outbox message in the caller's transaction."""
+        self.validate_task(task)
+        delivery: dict[str, Any] = {
+            "backend": self.alias,
+            "priority": task.priority,
+            "queue_name": task.queue_name,
+        }
+        if task.run_after is not None:
+            delivery["run_after"] = task.run_after.isoformat()
+        message = outbox.write(task.module_path, list(args), dict(kwargs), delivery)
+        return self._result(task, message)
+
+    # -- results ---------------------------------------------------------------------------
+
+    def get_result(self, result_id: str) -> TaskResult[Any, Any]:
+        """The result of a message: its own state until it was handed over, then the
+        ``DELIVER_TO`` backend's result (where that backend keeps results), under the
+        message's id. ``TaskResultDoesNotExist`` for an id that is no message."""
+        try:
+            message = (
+                OutboxMessage.objects.using(app_settings.DATABASE)
+                .filter(pk=uuid.UUID(str(result_id)))
+                .first()
+            )
+        except ValueError:
+            message = None
+        if message is None:
+            raise TaskResultDoesNotExist(result_id)
+        task = self._task_of(message)
+        handed_over = message.delivery.get("result_id")
+        if handed_over and message.status == OutboxStatus.SENT and self.target.supports_get_result:
+            try:
+                delivered = self.target.get_result(handed_over)
+            except TaskResultDoesNotExist:  # pruned by the target: the message's own state
+                pass
+            else:
+                return self._as_ours(delivered, task, message)
+        return self._result(task, message)
+
+    def _task_of(self, message: OutboxMessage) -> Task[Any, Any]:
+        task = import_string(message.task)
+        if not isinstance(task, Task):
+            raise TaskResultDoesNotExist(f"{message.task} is no task of Django's Tasks framework")
+        return task.using(
+            priority=message.delivery.get("priority", task.priority),
+            queue_name=message.delivery.get("queue_name", task.queue_name),
+            backend=self.alias,
+        )
+
+    def _result(self, task: Task[Any, Any], message: OutboxMessage) -> TaskResult[Any, Any]:
+        dead = message.status == OutboxStatus.DEAD
+        errors = (
+            [TaskError(exception_class_path=_UNDELIVERED, traceback=message.last_error)]
+            if dead
+            else []
+        )
+        return TaskResult(
+            task=task,
+            id=str(message.id),
+            status=TaskResultStatus.FAILED if dead else TaskResultStatus.READY,
+            enqueued_at=message.created_at,
+            started_at=None,
+            finished_at=None,
+            last_attempted_at=None,
+            args=list(message.args),
+            kwargs=dict(message.kwargs),
+            backend=self.alias,
+            errors=errors,
+            worker_ids=[],
+        )
+
+    def _as_ours(
+        self, delivered: TaskResult[Any, Any], task: Task[Any, Any], message: OutboxMessage
+    ) -> TaskResult[Any, Any]:
+        kwargs = {k: v for k, v in delivered.kwargs.items() if k != MESSAGE_ARGUMENT}
+        ours = dataclasses.replace(
+            delivered, task=task, id=str(message.id), backend=self.alias, kwargs=kwargs
+        )
+        # The return value is no field of the constructor: carried over as it was set.
+        if "_return_value" in vars(delivered):
+            object.__setattr__(ours, "_return_value", vars(delivered)["_return_value"])
+        return ours
+
+    # -- the relay's side ------------------------------------------------------------------
+
+    def deliver(self, message: OutboxMessage) -> None:
+        """Hand one message to the ``DELIVER_TO`` backend (called by the relay, inside its
+        batch's transaction); raises when the hand-over failed, so the relay records it."""
+        task = import_string(message.task)
+        if not isinstance(task, Task):
+            raise outbox.UnknownTask(f"{message.task} is no task of Django's Tasks framework")
+        delivery = message.delivery
+        run_after = delivery.get("run_after")
+        handed = task.using(
+            backend=self.target.alias,
+            priority=delivery.get("priority", task.priority),
+            queue_name=delivery.get("queue_name", task.queue_name),
+            run_after=_moment(run_after) if run_after else None,
+        )
+        kwargs = dict(message.kwargs)
+        if is_idempotent_task(task.func):
+            kwargs[MESSAGE_ARGUMENT] = str(message.id)
+        result = handed.enqueue(*message.args, **kwargs)
+        OutboxMessage.objects.using(app_settings.DATABASE).filter(pk=message.pk).update(
+            delivery={**delivery, "result_id": str(result.id)}
+        )
+
+
+_UNDELIVERED = "django_idempotency.outbox.Undeliverable"
+
+
+def _moment(text: str) -> datetime:
+    moment = parse_datetime(text)
+    if moment is None:
+        raise outbox.Unreadable(f"the stored run_after is no moment: {text!r}")
+    return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
