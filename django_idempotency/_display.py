@@ -321,6 +321,24 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
 
 
+def cut(value: str) -> SafeString:
+    """A changelist cell's text that the stylesheet may cut short to fit its column, shown
+    whole in its title (on hover, and to a screen reader)."""
+    return format_html('<span class="idempotency-cut" title="{}">{}</span>', value, value)
+
+
+def record_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
+    """The status in one cell: with the response's status once done, with the lease's state
+    while in progress (``completed, 201``; ``in progress, live, 40 seconds left``)."""
+    status = str(record.get_status_display())
+    if record.status == states.IN_PROGRESS:
+        lease = lease_state(record, now)
+        return status if lease == "-" else f"{status}, {lease}"
+    if record.response_status is None:
+        return status
+    return f"{status}, {record.response_status}"
+
+
 def stored_response(record: IdempotencyRecord) -> tuple[Any, bytes | None] | crypto.Unreadable:
     """The record's stored headers (decoded JSON: anything, pairs when intact) and body,
     opened when sealed, or the :class:`~django_idempotency.crypto.Unreadable` that says why

@@ -15,6 +15,7 @@ from typing import Any
 import django.contrib.admin
 import pytest
 
+import django_idempotency
 from django_idempotency.models import RecordStatus
 from tests.factories import RecordFactory, UserFactory
 
@@ -29,6 +30,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ADMIN_STATIC = Path(django.contrib.admin.__file__).parent / "static"
+PACKAGE_STATIC = Path(django_idempotency.__file__).parent / "static"
 # The docs' admin page shows these screenshots. They are taken on every run; with
 # DOCS_SCREENSHOTS=1 (`make docs-screenshots`) they replace the docs' images, otherwise they
 # go to the test's temporary directory, so a test run leaves the checkout as it was.
@@ -67,13 +69,15 @@ def browser() -> Iterator[Any]:
 
 
 def serve_admin_static(route: Any) -> None:
-    """The test settings have no staticfiles app: the browser gets the admin's CSS from disk."""
+    """The test settings have no staticfiles app: the browser gets the admin's CSS, and the
+    package's, from disk."""
     relative = route.request.url.split("/static/", 1)[1].split("?")[0]
-    path = (ADMIN_STATIC / relative).resolve()
-    if ADMIN_STATIC.resolve() in path.parents and path.is_file():
-        route.fulfill(path=str(path))
-    else:
-        route.fulfill(status=404)
+    for root in (ADMIN_STATIC, PACKAGE_STATIC):
+        path = (root / relative).resolve()
+        if root.resolve() in path.parents and path.is_file():
+            route.fulfill(path=str(path))
+            return
+    route.fulfill(status=404)
 
 
 @pytest.fixture
@@ -165,3 +169,63 @@ def test_the_example_projects_admin_in_a_browser(example, browser, tmp_path):
     shot = screenshot_path(tmp_path, "example-record.png")
     page.screenshot(path=shot, full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+# --- the changelist at a laptop's width -----------------------------------------------------
+
+
+@pytest.fixture
+def long_records() -> dict[str, Any]:
+    """Records with the longest values of everyday use: UUID keys, accounts of a resolver of
+    the project's own, dotted operation names and the default's method-and-route names."""
+    admin = UserFactory(username="ops", is_staff=True, is_superuser=True)
+    for n in range(5):
+        RecordFactory(
+            key=f"7f3c2a9e-1b4d-4c8e-9f10-2a6b8c0d4e{n:02d}",
+            account=f"tenant:acme-industries-europe/user:{123456789 + n}",
+            operation="POST api/v1/organisations/<int:org_id>/subscriptions/renewals/",
+        )
+    RecordFactory(
+        key="in-progress-" + "x" * 60,
+        account="webhook:stripe",
+        operation="webhooks.stripe.invoice.payment_succeeded",
+        status=RecordStatus.IN_PROGRESS,
+        response_status=None,
+    )
+    return {"admin": admin}
+
+
+def test_the_changelist_fits_a_1280_pixel_window(long_records, live_server, browser, tmp_path):
+    """At 1280 px the records list needs no horizontal scrolling: long values are cut short
+    in their cells, and shown whole in the cell's title."""
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.set_default_timeout(15_000)
+    page.route("**/static/**", serve_admin_static)
+    changelist = "/admin/django_idempotency/idempotencyrecord/"
+    page.goto(f"{live_server.url}/admin/login/?next={changelist}")
+    page.fill("#id_username", long_records["admin"].username)
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{changelist}")
+    assert page.locator("#result_list tbody tr").count() == 6
+    page.screenshot(path=tmp_path / "changelist-1280.png", full_page=True)
+
+    widths = page.evaluate(
+        """() => ({
+            page: document.documentElement.scrollWidth,
+            window: document.documentElement.clientWidth,
+            table: document.querySelector('#result_list').getBoundingClientRect().right,
+            results: document.querySelector('.results').clientWidth,
+            resultsScroll: document.querySelector('.results').scrollWidth,
+        })"""
+    )
+    assert widths["page"] <= widths["window"] <= 1280, widths
+    assert widths["resultsScroll"] <= widths["results"], widths
+    # Cut short, but whole in the title: the key, account and operation of the oldest row.
+    row = page.locator("#result_list tbody tr").last
+    titles = row.locator("[title]").evaluate_all("cells => cells.map(c => c.title)")
+    assert titles == [
+        "7f3c2a9e-1b4d-4c8e-9f10-2a6b8c0d4e00",
+        "tenant:acme-industries-europe/user:123456789",
+        "POST api/v1/organisations/<int:org_id>/subscriptions/renewals/",
+    ]
