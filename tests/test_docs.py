@@ -509,6 +509,21 @@ def test_the_readme_keeps_the_two_commands_at_the_top() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 400
 
 
+def test_the_readme_lists_the_demos_options_with_the_makefiles_defaults() -> None:
+    """The table under the README's two commands: every variable of the example project's
+    targets, each with the default the Makefile gives it."""
+    makefile = (ROOT / "Makefile").read_text()
+    defaults = dict(re.findall(r"^(STORM_PORT|DEMO_ADDR|EXAMPLE_\w+) \?= (\S+)$", makefile, re.M))
+    top = README().split("\n## ", 1)[0]
+    table = dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", top, re.M))
+    assert set(table) == {"DEMO_ADDR", "STORM_PORT", "EXAMPLE_DB"}
+    for name, default in table.items():
+        assert defaults[name] == default, name
+    assert f"`EXAMPLE_PGDATABASE`, default `{defaults['EXAMPLE_PGDATABASE']}`" in top
+    # The two commands still open the README, and say where the demo serves.
+    assert f"then the server on {defaults['DEMO_ADDR']}" in top
+
+
 # --- the Grafana dashboard ---------------------------------------------------------------------
 
 
