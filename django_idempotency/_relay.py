@@ -15,7 +15,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from django_idempotency import _storable, _wakeup, signals
 from django_idempotency._wakeup import Stop
-from django_idempotency.conf import app_settings, tasks_through_outbox
+from django_idempotency.conf import app_settings, only_tasks_through_outbox
 from django_idempotency.models import OutboxMessage, OutboxStatus
 
 logger = logging.getLogger("django_idempotency")
@@ -51,6 +51,8 @@ MAX_READ_DEPTH = 500
 
 
 Sender = Callable[[OutboxMessage], object]
+#: ``report(id, task, outcome, error)``: one line per message, once its batch committed.
+Report = Callable[[uuid.UUID, str, str, str], object]
 
 
 class Undeliverable(Exception):
@@ -83,6 +85,9 @@ class RelayResult:
     # Messages the batches took; a batch that takes fewer than its size ends a drain.
     taken: int = 0
     errors: int = 0
+    # One batch's messages, each as (id, task, "sent" | "failed" | "dead", error text), for
+    # a ``report`` callback once the batch committed; never added up across batches.
+    outcomes: list[tuple[uuid.UUID, str, str, str]] = field(default_factory=list, repr=False)
 
     def add(self, other: RelayResult) -> None:
         """Add another run's figures to this one."""
@@ -153,10 +158,13 @@ def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayRes
             if error is None:
                 sent.append(message.id)
                 logger.info("sent outbox message %s (%s)", message.id, message.task)
+                result.outcomes.append((message.id, message.task, "sent", ""))
                 continue
             dead = _record_failure(alias, message, error, now)
             result.dead += dead
             result.failed += not dead
+            outcome = "dead" if dead else "failed"
+            result.outcomes.append((message.id, message.task, outcome, error_text(error)))
         if sent:
             OutboxMessage.objects.using(alias).filter(pk__in=sent).update(
                 status=OutboxStatus.SENT, sent_at=timezone.now()
@@ -225,8 +233,9 @@ class _SenderQueries:
 def configured_sender() -> Sender:
     """The relay's sender: a message of Django's Tasks framework goes to its Tasks backend
     (:func:`deliver_task`), any other to ``OUTBOX_SENDER``, imported here;
-    ``ImproperlyConfigured`` when it cannot be (unless the outbox serves only the Tasks
-    framework: then such a message fails to send, recorded with why)."""
+    ``ImproperlyConfigured`` when it cannot be, unless it is the default sender without
+    Celery in a project whose outbox serves Django's Tasks framework: then such a message
+    fails to send, recorded with why."""
     try:
         send: Sender = app_settings.OUTBOX_SENDER
     except ImportError as exc:
@@ -234,7 +243,7 @@ def configured_sender() -> Sender:
             f"IDEMPOTENCY['OUTBOX_SENDER'] cannot be imported ({exc}); the default sender "
             "needs Celery: pip install 'django-idempotency[celery]'"
         )
-        if not tasks_through_outbox():
+        if not only_tasks_through_outbox():
             raise problem from exc
         send = functools.partial(_unsendable, problem)
     return functools.partial(_routed, send)
@@ -381,6 +390,7 @@ def drain(
     batch_size: int | None = None,
     sender: Sender | None = None,
     stop: Stop | None = None,
+    report: Report | None = None,
 ) -> RelayResult:
     """Send what is due now, batch after batch, until a batch comes back short.
 
@@ -388,12 +398,18 @@ def drain(
     ``stop()`` is asked between batches.
     """
     total = RelayResult()
-    _drain(total, using or app_settings.DATABASE, batch_size, sender or configured_sender(), stop)
+    alias = using or app_settings.DATABASE
+    _drain(total, alias, batch_size, sender or configured_sender(), stop, report)
     return total
 
 
 def _drain(
-    total: RelayResult, alias: str, batch_size: int | None, send: Sender, stop: Stop | None
+    total: RelayResult,
+    alias: str,
+    batch_size: int | None,
+    send: Sender,
+    stop: Stop | None,
+    report: Report | None = None,
 ) -> None:
     # Each batch's figures are added as soon as it committed, before its signal is sent:
     # whatever is raised after that, the caller's total keeps them.
@@ -401,6 +417,9 @@ def _drain(
     while stop is None or not stop():
         batch = _relay_batch(alias, size, send, timezone.now())
         total.add(batch)
+        if report is not None:
+            for outcome in batch.outcomes:
+                report(*outcome)
         _relayed(batch)
         if batch.taken < size:
             break
@@ -415,6 +434,7 @@ def relay(
     listen: bool = True,
     poll_interval: float | None = None,
     sender: Sender | None = None,
+    report: Report | None = None,
 ) -> RelayResult:
     """The relay behind ``relay_outbox`` and the Celery task: drain, then wait, until stopped.
 
@@ -426,13 +446,15 @@ def relay(
     ``outbox_relay_failed`` signal); a long-running relay logs it, pauses (1 s, doubling
     while errors follow each other, at most 30 s) and goes on, while with ``once`` it
     raises. The batch in hand when it happened rolled back: its messages are sent later.
+    ``report(id, task, outcome, error)`` is called for each message of a batch once the
+    batch committed (``outcome``: ``"sent"``, ``"failed"`` or ``"dead"``).
     """
     alias = using or app_settings.DATABASE
     send = sender or configured_sender()
     if once:
         total = RelayResult()
         try:
-            _drain(total, alias, batch_size, send, stop)
+            _drain(total, alias, batch_size, send, stop, report)
         except Exception as exc:
             _failed(exc)
             raise
@@ -451,7 +473,7 @@ def relay(
                 # A long-running relay has no request cycle to recycle its connection: after
                 # an error or past CONN_MAX_AGE it is closed here and opened afresh.
                 connections[alias].close_if_unusable_or_obsolete()
-                _drain(total, alias, batch_size, send, should_stop)
+                _drain(total, alias, batch_size, send, should_stop, report)
                 wait(interval, should_stop)
             except Exception as exc:
                 in_a_row += 1

@@ -138,6 +138,15 @@ def tasks_through_outbox() -> bool:
     )
 
 
+def only_tasks_through_outbox() -> bool:
+    """Whether the relay may go without ``OUTBOX_SENDER``: it is the default, Celery's,
+    Celery is not installed, and a ``TASKS`` backend is the outbox's (a project on Django's
+    Tasks framework alone)."""
+    raw = getattr(settings, "IDEMPOTENCY", {})
+    value = raw.get("OUTBOX_SENDER", DEFAULT_OUTBOX_SENDER) if isinstance(raw, Mapping) else None
+    return sender_lacks_celery(value) and tasks_through_outbox()
+
+
 def sender_lacks_celery(value: Any) -> bool:
     """Whether ``value`` is the default sender, Celery's, and Celery is not installed."""
     if value != DEFAULT_OUTBOX_SENDER:

@@ -29,6 +29,7 @@ from django_idempotency import _storable
 from django_idempotency._relay import (
     MAX_ERROR_CHARS,
     RelayResult,
+    Report,
     Sender,
     Undeliverable,
     UnknownTask,
@@ -49,6 +50,7 @@ logger = logging.getLogger("django_idempotency")
 __all__ = [
     "MAX_ERROR_CHARS",
     "RelayResult",
+    "Report",
     "Sender",
     "Undeliverable",
     "UnknownTask",

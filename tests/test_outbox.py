@@ -314,6 +314,25 @@ def test_relay_outbox_once_prints_sent_failed_and_dead_and_succeeds():
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 2
 
 
+@uses_record
+def test_relay_outbox_prints_a_line_per_message_at_verbosity_2():
+    sent, failed, dead = enqueued("tests.a"), enqueued(BROKEN), enqueued(UNDELIVERABLE)
+    out = StringIO()
+    call_command("relay_outbox", "--once", "--batch-size", "2", "-v", "2", stdout=out)
+    lines = out.getvalue().strip().splitlines()
+    assert lines[-1] == "Sent 1 outbox messages; 1 failed (to be retried), 1 dead."
+    by_id = {line.split()[1]: line for line in lines[:-1]}
+    assert len(lines) == 4
+    assert by_id[str(sent)] == f"sent {sent} tests.a"
+    assert by_id[str(failed)].startswith(f"failed {failed} {BROKEN}: ")
+    assert by_id[str(dead)].startswith(f"dead {dead} {UNDELIVERABLE}: ")
+    # At the default verbosity, the summary alone.
+    enqueued("tests.b")
+    out = StringIO()
+    call_command("relay_outbox", "--once", stdout=out)
+    assert out.getvalue().strip() == "Sent 1 outbox messages; 0 failed (to be retried), 0 dead."
+
+
 @postgres_only  # the sender writes through "default" while the batch holds SQLite's lock
 @uses_record
 def test_relay_outbox_database_option():

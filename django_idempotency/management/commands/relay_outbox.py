@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -70,6 +71,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if alias not in settings.DATABASES:
             raise CommandError(f"Unknown database {alias!r}.")
+        # -v 2: a line per message, once its batch committed.
+        report = self.report if int(options["verbosity"]) >= 2 else None
         with stop_on_signals() as stopping:
             result = run_job(
                 "relay",
@@ -79,9 +82,19 @@ class Command(BaseCommand):
                 once=options["once"],
                 stop=stopping.is_set,
                 sender=sender,
+                report=report,
             )
         if int(options["verbosity"]) >= 1:
             self.stdout.write(self.summary(result))
+
+    def report(self, message_id: uuid.UUID, task: str, outcome: str, error: str) -> None:
+        """One message's line: ``sent <id> <task>``, or ``failed``/``dead`` with the error."""
+        line = f"{outcome} {message_id} {task}"
+        if error:
+            line += f": {error}"
+        style = self.style.SUCCESS if outcome == "sent" else self.style.WARNING
+        self.stdout.write(style(line))
+        self.stdout.flush()
 
     @staticmethod
     def summary(result: outbox.RelayResult) -> str:
