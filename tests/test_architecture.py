@@ -1,0 +1,110 @@
+"""docs/architecture.md tells the truth: its module map is the package's modules, and the
+hand-offs it counts on one protected request are those a trace of that request sees."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.http import HttpResponse, JsonResponse
+from django.test import RequestFactory
+
+import django_idempotency
+from django_idempotency.decorators import idempotent
+from tests.factories import UserFactory
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "architecture.md"
+PACKAGE = Path(django_idempotency.__file__).parent
+
+pytestmark = pytest.mark.skipif(not PAGE.is_file(), reason="the docs are not here")
+
+
+def modules() -> set[str]:
+    """Every module of the package with code of its own (not its migrations)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE.parent).with_suffix("")
+        if "migrations" in relative.parts or not path.read_text().strip():
+            continue
+        found.add(".".join(relative.parts).removesuffix(".__init__"))
+    return found
+
+
+def test_the_module_map_is_the_packages_modules() -> None:
+    text = PAGE.read_text()
+    mapped = set(re.findall(r"^\| `(django_idempotency[\w.]*)` \|", text, re.M))
+    assert mapped == modules()
+    # Public and private as their names say: the private ones under their own headings.
+    private = text.split("### Private modules", 1)[1]
+    public = text.split("### Public modules", 1)[1].split("### Private modules", 1)[0]
+    for name in mapped:
+        is_private = any(part.startswith("_") for part in name.split(".")[1:])
+        assert f"| `{name}` |" in (private if is_private else public), name
+
+
+def handoffs(call: Callable[[], Any]) -> list[tuple[str, str]]:
+    """The calls from a function of one module of the package to a function of another
+    while ``call`` runs, reads of the settings (``conf``) left out."""
+    seen: list[tuple[str, str]] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        callee = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "")
+        if (
+            callee != caller
+            and callee.startswith("django_idempotency")
+            and caller.startswith("django_idempotency")
+            and callee != "django_idempotency.conf"
+        ):
+            seen.append((caller, f"{callee}.{frame.f_code.co_name}"))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@idempotent
+def create_order(request: Any) -> HttpResponse:
+    return JsonResponse({"order": 1}, status=201)
+
+
+def test_the_handoffs_counted_on_the_page_are_those_of_a_traced_request(db: Any) -> None:
+    shown = {
+        database: (int(first), int(replay))
+        for database, first, replay in re.findall(
+            r"^\| (PostgreSQL|SQLite) \| (\d+) \| (\d+) \|$", PAGE.read_text(), re.M
+        )
+    }
+    database = {"postgresql": "PostgreSQL", "sqlite": "SQLite"}.get(connection.vendor)
+    if database is None:
+        pytest.skip(f"the page counts on PostgreSQL and SQLite, not {connection.vendor}")
+    user: Any = UserFactory()
+
+    def post(key: str) -> HttpResponse:
+        request = RequestFactory().post(
+            "/orders/", "{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY=key
+        )
+        request.user = user
+        response: HttpResponse = create_order(request)
+        return response
+
+    post("warm-up")  # the statements' text, built once per database
+    post("warm-up")
+    answers: list[HttpResponse] = []
+    first = handoffs(lambda: answers.append(post("counted")))
+    replay = handoffs(lambda: answers.append(post("counted")))
+    assert [a.get("Idempotent-Replayed") for a in answers] == [None, "true"]
+    assert ("django_idempotency._http", "django_idempotency._execution.run_owned") in first
+    assert all(not callee.startswith("django_idempotency._execution") for _, callee in replay)
+    assert (len(first), len(replay)) == shown[database], (first, replay)
