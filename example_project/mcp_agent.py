@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +111,20 @@ class LosingProxy:
 # -- the agent's side ----------------------------------------------------------------------------
 
 
-def client(url: str, token: str) -> Any:
-    """The SDK's client over streamable HTTP to the example's ``/mcp``, with a bearer token."""
+@contextlib.asynccontextmanager
+async def client(url: str, token: str) -> AsyncIterator[Any]:
+    """The SDK's client over streamable HTTP to the example's ``/mcp``, with a bearer token;
+    its HTTP client closed at the end."""
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=WAIT)
-    return Client(streamable_http_client(f"{url}/mcp", http_client=http))
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=WAIT) as http,
+        Client(streamable_http_client(f"{url}/mcp", http_client=http)) as session,
+    ):
+        yield session
 
 
 def call_tool(url: str, token: str, name: str, arguments: dict[str, Any]) -> Any:
@@ -168,8 +174,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def uvicorn_server(env: dict[str, str], port: int | None = None) -> Iterator[str]:
-    """``example_project.asgi`` under uvicorn on ``port`` (a free one by default), in a
+def uvicorn_server(
+    env: dict[str, str], port: int | None = None, app: str = "example_project.asgi:application"
+) -> Iterator[str]:
+    """``app`` (the example's ASGI app) under uvicorn on ``port`` (a free one by default), in a
     process group of its own; its URL once it answers. Stopped at the end if still alive."""
     import httpx2
 
@@ -179,7 +187,7 @@ def uvicorn_server(env: dict[str, str], port: int | None = None) -> Iterator[str
             sys.executable,
             "-m",
             "uvicorn",
-            "example_project.asgi:application",
+            app,
             "--host",
             "127.0.0.1",
             "--port",
