@@ -173,11 +173,11 @@ def call(
         auth_context_var.reset(reset)
 
 
-def died(server: MCPServer, arguments: dict[str, Any]) -> None:
+def died(server: MCPServer, arguments: dict[str, Any], **options: Any) -> None:
     """A call whose process dies inside the tool (``crash()``): no answer reaches the agent, the
     claim stays held under its lease, as after a SIGKILL."""
     try:
-        call(server, arguments)
+        call(server, arguments, **options)
     except SimulatedCrash:
         return
     except BaseExceptionGroup as group:
@@ -850,3 +850,89 @@ def test_a_storm_of_identical_calls_runs_once(kind):
         else:
             replayed(first, result)  # arrived after the original had completed
     assert effects() == (1, 1, 1)
+
+
+# -- the documentation's tools (example_project/docs_examples/agent_tools.py) --------------------
+
+
+@pytest.fixture
+def docs_tools() -> Iterator[Any]:
+    pytest.importorskip(
+        "example_project.docs_examples", reason="the example project is not here (tox: wheel)"
+    )
+    from example_project.docs_examples import agent_tools
+
+    agent_tools.provider.__init__()  # type: ignore[misc]
+    yield agent_tools
+    agent_tools.provider.__init__()  # type: ignore[misc]
+
+
+def test_the_docs_refund_tool_refunds_once_per_key_and_is_listed_safe_to_retry(docs_tools):
+    provider = docs_tools.provider
+    alice = token("agent-app", subject="alice", issuer="https://id.example.com")
+    key = new_key()
+    arguments = {"order_id": 7, "amount": 250, "idempotency_key": key}
+    first = call(docs_tools.shop, arguments, token=alice, name="refund")
+    ran_once(first)
+    replayed(first, call(docs_tools.shop, arguments, token=alice, name="refund"))
+    assert len(provider.calls) == 1
+    refused(
+        call(docs_tools.shop, {**arguments, "amount": 1}, token=alice, name="refund"),
+        "idempotency_key_reused",
+    )
+    result = call(docs_tools.shop, arguments, name="refund")  # no token: no account
+    assert result.is_error is True
+    assert len(provider.calls) == 1
+    tools = {tool.name: tool for tool in list_tools(docs_tools.shop)}
+    assert set(tools) == {"refund", "send_invoice", "cancel_order"}
+    for tool in tools.values():
+        assert tool.annotations.idempotent_hint is True
+    key_schema = tools["refund"].input_schema["properties"]["idempotency_key"]
+    assert KEY_DESCRIPTION in key_schema["description"].lower()
+    assert "idempotency_key" not in tools["send_invoice"].input_schema["properties"]
+
+
+def test_the_docs_invoice_tool_is_keyed_by_the_host_and_shared_by_an_organisation(docs_tools):
+    provider = docs_tools.provider
+    key = new_key()
+    meta = {"idempotencyKey": key}
+    ada = token("app", subject="ada", issuer="https://id.example.com")
+    ada.claims = {"iss": "https://id.example.com", "org": "acme"}
+    bob = token("app", subject="bob", issuer="https://id.example.com")
+    bob.claims = {"iss": "https://id.example.com", "org": "acme"}
+    eve = token("app", subject="eve", issuer="https://id.example.com")
+    eve.claims = {"iss": "https://id.example.com", "org": "initech"}
+    first = call(docs_tools.shop, {"invoice_id": 3}, meta=meta, token=ada, name="send_invoice")
+    ran_once(first)
+    # Another agent of the same organisation retries with the host's key: the same invoice.
+    replayed(
+        first, call(docs_tools.shop, {"invoice_id": 3}, meta=meta, token=bob, name="send_invoice")
+    )
+    assert provider.mails == [3]
+    ran_once(call(docs_tools.shop, {"invoice_id": 3}, meta=meta, token=eve, name="send_invoice"))
+    assert provider.mails == [3, 3]
+    nobody = token("app", subject="mallory")  # no organisation
+    refusal = call(docs_tools.shop, {"invoice_id": 3}, meta=meta, token=nobody, name="send_invoice")
+    assert refusal.is_error is True
+    refused(
+        call(docs_tools.shop, {"invoice_id": 3}, token=ada, name="send_invoice"),
+        "idempotency_key_missing",
+    )
+    assert provider.mails == [3, 3]
+
+
+def test_the_docs_cancel_tool_resumes_after_a_crash_without_a_second_refund(
+    docs_tools, monkeypatch
+):
+    provider = docs_tools.provider
+    alice = token("agent-app", subject="alice", issuer="https://id.example.com")
+    arguments = {"order_id": 9, "idempotency_key": new_key()}
+    with monkeypatch.context() as patched:
+        patched.setattr(provider, "mail", lambda order_id: crash())  # dies before the mail
+        died(docs_tools.shop, arguments, token=alice, name="cancel_order")
+    assert (len(provider.calls), provider.mails) == (1, [])
+    expire_lease(arguments["idempotency_key"])
+    first = call(docs_tools.shop, arguments, token=alice, name="cancel_order")
+    ran_once(first)
+    replayed(first, call(docs_tools.shop, arguments, token=alice, name="cancel_order"))
+    assert (len(provider.calls), provider.mails) == (1, [9])  # the refund step was not run again
