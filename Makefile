@@ -242,8 +242,8 @@ ifeq ($(EXAMPLE_DB),postgres)
 		"SELECT 1 FROM pg_database WHERE datname = '$(EXAMPLE_PGDATABASE)'" | grep -q 1 \
 		|| createdb -h 127.0.0.1 -U postgres $(EXAMPLE_PGDATABASE)
 endif
-	$(DEMO_BIN)/python manage.py makemigrations --check --dry-run
-	$(DEMO_BIN)/python manage.py migrate
+	$(DEMO_BIN)/python manage.py makemigrations --check --dry-run -v 0
+	$(DEMO_BIN)/python manage.py migrate -v 0
 	$(DEMO_BIN)/python manage.py ensure_demo_user --username demo --password demo
 
 # A threaded development server in the background, the storm against it, then a Stripe

@@ -110,7 +110,7 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     input schema; a ``def`` tool and an ``async def`` tool are both served.
 
     - ``account``: a string, or ``Context -> str | None``; by default the access token's
-      principal (:func:`principal_account`). No account: the call is refused.
+      principal (``principal_account``). No account: the call is refused.
     - ``operation``: default ``tool:<function name>``.
     - ``ttl``, ``lease``, ``recovery``: as for ``run_once`` (the settings by default).
     - ``wait``: how long a duplicate of a call in flight waits for its outcome (bounded,

@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('django_idempotency', '0008_resumable_index'),
+        ("django_idempotency", "0008_resumable_index"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='outboxmessage',
-            name='delivery',
-            field=models.JSONField(blank=True, default=dict, help_text="For a task of Django's Tasks framework: the backend it was enqueued on, its priority, queue and run_after, and the result of its last hand-over."),
+            model_name="outboxmessage",
+            name="delivery",
+            field=models.JSONField(
+                blank=True,
+                default=dict,
+                help_text="For a task of Django's Tasks framework: the backend it was enqueued on, its priority, queue and run_after, and the result of its last hand-over.",
+            ),
         ),
     ]
