@@ -25,6 +25,9 @@ DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
 # the retry storm runs against, and where `make demo` serves in the end.
 EXAMPLE_DB ?= sqlite
 export EXAMPLE_DB
+# The example's charges also enqueue their receipt through Django's Tasks framework.
+EXAMPLE_TASKS_RECEIPTS ?= 1
+export EXAMPLE_TASKS_RECEIPTS
 EXAMPLE_PGDATABASE ?= django_idempotency_example
 STORM_PORT ?= 8765
 DEMO_ADDR ?= 127.0.0.1:8000
@@ -258,10 +261,14 @@ storm: example-db
 		--user demo --password demo; \
 	$(DEMO_BIN)/python -m example_project.demo_webhook --url http://127.0.0.1:$(STORM_PORT); \
 	$(DEMO_BIN)/python -m example_project.demo_steps --url http://127.0.0.1:$(STORM_PORT)
-	@echo "==> The storm's receipt, sent from the outbox by the relay:"
+	@echo "==> The storm's receipts, sent from the outbox by the relay (Celery's, and Django's Tasks framework's):"
 	@out=$$($(DEMO_BIN)/python manage.py relay_outbox --once); echo "$$out"; \
 	[[ "$$(tail -n 1 <<< "$$out")" =~ ^Sent\ [1-9][0-9]*\ .*\ 0\ failed.*\ 0\ dead\.$$ ]] \
 		|| { echo "the relay did not send the storm's receipt" >&2; exit 1; }
+	@echo "==> The database worker of Django's Tasks framework runs the receipts handed to it:"
+	$(DEMO_BIN)/python manage.py db_worker --backend worker --batch --no-reload --no-startup-delay -v 0
+	@echo "==> An agent's tool call: a refund over MCP whose answer is lost, retried with its key:"
+	$(DEMO_BIN)/python -m example_project.mcp_agent
 
 demo: storm
 	@key=$$($(DEMO_BIN)/python -c 'import uuid; print(uuid.uuid4())'); \
@@ -278,11 +285,17 @@ demo: storm
 	echo; \
 	echo "  $(DEMO_BIN)/python -m example_project.demo_webhook --url http://$(DEMO_ADDR)"; \
 	echo; \
-	echo "The outbox relay runs beside the server: each receipt it sends is printed here."; \
+	echo "An agent's refund over MCP, its answer lost and retried with its key (its own uvicorn):"; \
+	echo; \
+	echo "  $(DEMO_BIN)/python -m example_project.mcp_agent"; \
+	echo; \
+	echo "The outbox relay and the Tasks framework's database worker run beside the server."; \
 	echo
 	@$(DEMO_BIN)/python manage.py relay_outbox & \
 	relay=$$!; \
-	trap 'kill $$relay 2>/dev/null || true' EXIT; \
+	$(DEMO_BIN)/python manage.py db_worker --backend worker --no-reload & \
+	worker=$$!; \
+	trap 'kill $$relay $$worker 2>/dev/null || true' EXIT; \
 	$(DEMO_BIN)/python manage.py runserver $(DEMO_ADDR)
 
 clean:

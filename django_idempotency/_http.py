@@ -439,7 +439,7 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
 
     Without a resolved route (a view called directly) the view's dotted name stands in.
     """
-    inner = django_request(request)
+    inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
     match = inner.resolver_match
     where = (
         match.route

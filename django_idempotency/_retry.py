@@ -61,7 +61,14 @@ def retrying(func: Callable[[], T]) -> T:
         try:
             return func()
         except OperationalError as exc:
-            if not is_retryable(exc) or attempt == ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+            pause_or_raise(exc, attempt)
     raise AssertionError("unreachable")
+
+
+def pause_or_raise(exc: OperationalError, attempt: int) -> None:
+    """After the failure ``exc`` of attempt ``attempt`` (from 0): raise it when it cannot be
+    retried or was the last attempt, else sleep a few jittered milliseconds. The loop of
+    :func:`retrying`, for a hot path that keeps its loop to itself."""
+    if not is_retryable(exc) or attempt == ATTEMPTS - 1:
+        raise exc
+    time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))

@@ -124,7 +124,9 @@ def idempotent(
                     response: HttpResponseBase = view(request, *args, **kwargs)
                     return response
 
-            return _http.handle(request, call, chosen, lambda: _http.route_operation(request, func))
+            return _http.handle(
+                request, call, chosen, functools.partial(_http.route_operation, request, func)
+            )
 
         wrapper: Callable[..., Any]
         if inspect.iscoroutinefunction(func):

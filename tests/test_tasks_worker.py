@@ -64,7 +64,9 @@ def db_worker(worker_id: str) -> Iterator[subprocess.Popen[str]]:
     starting_a_server("a db_worker")
     process = subprocess.Popen(
         [
-            *(sys.executable, "manage.py", "db_worker", "--backend", "worker"),
+            # django-admin on the tests' settings (server_env): no manage.py where the
+            # tests run from a copy (tox).
+            *(sys.executable, "-m", "django", "db_worker", "--backend", "worker"),
             *("--queue-name", "*", "--interval", "0.05", "--no-startup-delay", "--no-reload"),
             *("--worker-id", worker_id, "-v", "0"),
         ],

@@ -14,7 +14,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, OperationalError, connections, transaction
 
 from django_idempotency import _retry, states
 from django_idempotency._operation import Operation
@@ -41,7 +41,13 @@ def claim(op: Operation, now: datetime) -> ClaimResult:
     of the same request), which takes one conditional statement more. A record whose outcome
     cannot be read back is refused by the caller, never replaced within its TTL.
     """
-    return _retry.retrying(lambda: _claim(op, now))
+    # retrying()'s loop, kept here: the claim is on every request's path.
+    for attempt in range(_retry.ATTEMPTS):
+        try:
+            return _claim(op, now)
+        except OperationalError as exc:
+            _retry.pause_or_raise(exc, attempt)
+    raise AssertionError("unreachable")
 
 
 def _claim(op: Operation, now: datetime) -> ClaimResult:

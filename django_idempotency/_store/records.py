@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any
@@ -188,11 +188,13 @@ class ClaimResult:
 
     state: RecordState
     claimed: bool
+    #: A claim that replaced an in-progress record whose lease had run out.
+    took_over_stale_lease: bool = field(init=False)
 
-    @property
-    def took_over_stale_lease(self) -> bool:
-        """A claim that replaced an in-progress record whose lease had run out."""
-        return self.claimed and self.state.recovery_attempts > 0
+    def __post_init__(self) -> None:
+        # Computed once, here: the engine reads it on every claim.
+        stale = self.claimed and self.state.recovery_attempts > 0
+        object.__setattr__(self, "took_over_stale_lease", stale)
 
 
 def from_epoch(seconds: float) -> datetime:
