@@ -7,6 +7,7 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.conf import settings as django_settings
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.db import connection, connections
@@ -319,7 +320,8 @@ def test_w011_a_claim_database_that_may_wait_longer_than_claim_timeout(settings,
     ],
 )
 def test_e050_the_tasks_backend_delivers_to_a_backend_that_runs_tasks(options, said):
-    pytest.importorskip("django_tasks_db")
+    if not django_settings.HAS_DJANGO_TASKS:
+        pytest.skip("Django's Tasks framework with django-tasks-db is not installed")
     from django_idempotency._tasks_compat import InvalidTask, task_backends
 
     tasks = {

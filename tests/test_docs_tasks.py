@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any, cast
 
 import pytest
-
-pytest.importorskip("django_tasks_db", reason="django-tasks-db is an optional test dependency")
-
 from django.conf import settings
+
+if not settings.HAS_DJANGO_TASKS:  # tests/settings.py: django-tasks-db and a Tasks framework
+    pytest.skip(
+        "Django's Tasks framework (Django 6, or the django-tasks backport) with django-tasks-db "
+        "is not installed",
+        allow_module_level=True,
+    )
+
 from django.core import mail
 from django.db import transaction
 from django.utils import timezone

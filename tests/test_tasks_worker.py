@@ -25,8 +25,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
-pytest.importorskip("django_tasks_db", reason="django-tasks-db is an optional test dependency")
+if not settings.HAS_DJANGO_TASKS:  # tests/settings.py: django-tasks-db and a Tasks framework
+    pytest.skip(
+        "Django's Tasks framework (Django 6, or the django-tasks backport) with django-tasks-db "
+        "is not installed",
+        allow_module_level=True,
+    )
 
 from django.db import transaction
 from django.utils import timezone
