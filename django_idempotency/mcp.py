@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import typing
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,8 +38,9 @@ from typing import Annotated, Any, TypeVar, cast
 
 from asgiref.sync import async_to_sync
 from django import db
+from django.core.exceptions import ImproperlyConfigured
 from mcp.server.auth.middleware.auth_context import get_access_token
-from mcp.server.mcpserver import Context
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.utilities.context_injection import find_context_parameter
 from mcp.server.mcpserver.utilities.func_metadata import func_metadata
 from mcp_types import CallToolResult, TextContent
@@ -120,8 +122,9 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
 
     A wrong option raises ``ImproperlyConfigured`` here, when the tool is decorated.
     """
+    where = _validation.caller()
     checked = _options.validated(
-        f"@idempotent_tool(...) at {_validation.caller()}",
+        f"@idempotent_tool(...) at {where}",
         options,
         accepted=ToolOptions.__optional_keys__,
         rules={**_options.RULES, "account": _account_option},
@@ -129,7 +132,16 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     wait: timedelta | None = checked["wait"]
     required = checked["required"] is not False
 
+    where = _validation.caller()
+
     def decorate(func: F) -> F:
+        _refuse_registered(func, where)
+        if _CONTEXT_ARGUMENT in inspect.signature(func).parameters:
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where}: {func.__name__} has an argument named "
+                f"{_CONTEXT_ARGUMENT!r}, the name the adapter passes the call's Context by; "
+                "rename it"
+            )
         adapter = _Adapter(func, checked["account"], checked, wait, required)
         return cast(F, adapter.wrapper())
 
@@ -223,13 +235,12 @@ class _Adapter:
                 _problems.ACCOUNT_MISSING,
                 f"{self.operation} needs an authenticated caller to scope its key",
             )
-        fingerprint = to_jsonable_python(
+        fingerprint = _canonical(
             {
                 name: value
                 for name, value in arguments.items()
                 if name not in (KEY_ARGUMENT, self.context_argument)
-            },
-            fallback=repr,
+            }
         )
         try:
             once = call_once(
@@ -297,6 +308,29 @@ class _Adapter:
         return stored_result(result.model_dump(mode="json", by_alias=True, exclude_none=True))
 
 
+def _refuse_registered(func: Callable[..., Any], where: str) -> None:
+    """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has the
+    bare function already. Refused where a server in sight shows it: one of the decorating
+    module's, or of the scope the decorator is applied in."""
+    module = inspect.getmodule(func)
+    frame = inspect.currentframe()
+    applying = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    seen = list(vars(module).values()) if module is not None else []
+    if applying is not None:
+        seen += list(applying.f_locals.values())
+    del frame, applying
+    for value in seen:
+        if not isinstance(value, MCPServer):
+            continue
+        # The SDK keeps a server's tools in its tool manager (no public list is synchronous).
+        tools = getattr(getattr(value, "_tool_manager", None), "list_tools", None)
+        if callable(tools) and any(tool.fn is func for tool in tools()):
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where} is above @{value.name}.tool(), which registered "
+                f"{func.__name__} unprotected: put @idempotent_tool beneath @server.tool()"
+            )
+
+
 def _account_option(value: Any) -> str | Callable[[Any], str | None]:
     if callable(value) or (isinstance(value, str) and value):
         return value  # type: ignore[no-any-return]
@@ -323,6 +357,29 @@ def _signature(func: Callable[..., Any], add_context: bool) -> inspect.Signature
     return signature.replace(
         parameters=parameters, return_annotation=hints.get("return", signature.return_annotation)
     )
+
+
+def _canonical(value: Any) -> Any:
+    """The arguments as the fingerprint reads them: the same call gives the same JSON in
+    every process. A set's items in the order of their canonical JSON (its own order
+    follows the process's hash seed), a whole float as the integer it equals (an agent
+    may send ``1`` or ``1.0`` for the same amount), a float no JSON holds (``inf``,
+    ``nan``) as its name."""
+    if isinstance(value, (set, frozenset)):
+        items = [_canonical(item) for item in value]
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    if isinstance(value, dict):
+        return {str(key): _canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return f"float:{value}"
+        return int(value) if value.is_integer() else value
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    # Models, dataclasses, dates, UUIDs, enums...: their JSON form, then the same rules.
+    return _canonical(to_jsonable_python(value, fallback=repr))
 
 
 def _described(annotation: Any) -> bool:

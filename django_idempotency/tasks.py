@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from asgiref.sync import async_to_sync, sync_to_async
 
 from django_idempotency import _options, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
@@ -134,8 +137,7 @@ def idempotent_task(
     ttl, lease = checked["ttl"], checked["lease"]
 
     def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
             task = None if message is not None or not CELERY else (current_task or None)
             delivery = (
@@ -147,11 +149,11 @@ def idempotent_task(
             )
             if delivery is None:
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
-                return func(*args, **kwargs)
+                return body(*args, **kwargs)
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             try:
                 return call_once(
-                    func,
+                    body,
                     args,
                     kwargs,
                     account=TASK_ACCOUNT,
@@ -177,6 +179,24 @@ def idempotent_task(
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
 
+        if inspect.iscoroutinefunction(func):
+            # The engine is synchronous: the coroutine runs on an event loop from the
+            # engine's thread, its ORM calls back in that thread, inside the record's
+            # transaction (as for an async view).
+            body = async_to_sync(func)
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return await sync_to_async(deliver, thread_sensitive=False)(body, args, kwargs)
+
+            wrapper: Callable[..., Any] = async_wrapper
+        else:
+
+            @functools.wraps(func)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return deliver(func, args, kwargs)
+
+            wrapper = sync_wrapper
         wrapper.__dict__[_MARK] = True
         return cast(F, wrapper)
 

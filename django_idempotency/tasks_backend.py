@@ -182,9 +182,16 @@ class OutboxBackend(BaseTaskBackend):
         return self._result(task, message)
 
     def _task_of(self, message: OutboxMessage) -> Task[Any, Any]:
-        task = import_string(message.task)
+        if message.delivery.get("backend") != self.alias:  # enqueue()'s, or another's
+            raise TaskResultDoesNotExist(f"{message.id} is no task result of {self.alias!r}")
+        try:
+            task = import_string(message.task)
+        except ImportError:
+            task = None
         if not isinstance(task, Task):
-            raise TaskResultDoesNotExist(f"{message.task} is no task of Django's Tasks framework")
+            raise TaskResultDoesNotExist(
+                f"{message.task} is no task of Django's Tasks framework (any longer)"
+            )
         return task.using(
             priority=message.delivery.get("priority", task.priority),
             queue_name=message.delivery.get("queue_name", task.queue_name),
@@ -220,9 +227,8 @@ class OutboxBackend(BaseTaskBackend):
         ours = dataclasses.replace(
             delivered, task=task, id=str(message.id), backend=self.alias, kwargs=kwargs
         )
-        # The return value is no field of the constructor: carried over as it was set.
-        if "_return_value" in vars(delivered):
-            object.__setattr__(ours, "_return_value", vars(delivered)["_return_value"])
+        # The return value is no field of the constructor (a slot): carried over as set.
+        object.__setattr__(ours, "_return_value", getattr(delivered, "_return_value", None))
         return ours
 
     # -- the relay's side ------------------------------------------------------------------

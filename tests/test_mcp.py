@@ -45,6 +45,7 @@ from django_idempotency.mcp import idempotent_tool
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import crash, expire_lease, record_for
 from tests.helpers import in_thread, new_key, postgres_only
+from tests.live import ROOT
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -936,3 +937,91 @@ def test_the_docs_cancel_tool_resumes_after_a_crash_without_a_second_refund(
     ran_once(first)
     replayed(first, call(docs_tools.shop, arguments, token=alice, name="cancel_order"))
     assert (len(provider.calls), provider.mails) == (1, [9])  # the refund step was not run again
+
+
+# -- found by a hostile review ------------------------------------------------------------------
+
+
+def test_the_decorator_above_server_tool_is_refused_when_it_is_applied():
+    # The server registered the bare function: two calls with one key would run twice.
+    server = MCPServer("shop")
+    with pytest.raises(ImproperlyConfigured, match=r"beneath @server\.tool"):
+
+        @idempotent_tool(account="tenant:a")
+        @server.tool()
+        def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
+            raise AssertionError("never called")
+
+    assert Charge.objects.count() == 0
+
+
+def test_an_argument_named_as_the_adapters_context_is_refused():
+    def tool(n: int, idempotency_context: str, idempotency_key: str) -> dict[str, int]:
+        return {"n": n}
+
+    with pytest.raises(ImproperlyConfigured, match="idempotency_context"):
+        idempotent_tool(account="tenant:a")(tool)
+
+
+SET_FINGERPRINT = (
+    "import django, json; django.setup(); from django_idempotency.mcp import _canonical; "
+    "print(json.dumps(_canonical({'tags': {'alpha', 'beta', 'gamma', 'delta', 'eps', 'zeta'}})))"
+)
+
+
+def test_a_set_argument_fingerprints_alike_in_every_process():
+    # A set's own order follows the hash seed: a retry reaching another server process
+    # must not be refused as a reused key.
+    import os
+    import subprocess
+
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", SET_FINGERPRINT],
+            env={
+                **os.environ,
+                "PYTHONHASHSEED": str(seed),
+                "DJANGO_SETTINGS_MODULE": "tests.settings",
+                "PYTHONPATH": str(ROOT),
+            },
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
+    assert seen == {'{"tags": ["alpha", "beta", "delta", "eps", "gamma", "zeta"]}\n'}
+
+
+def test_a_whole_float_and_its_integer_are_the_same_call():
+    runs: list[float] = []
+    server = MCPServer("shop")
+
+    @server.tool()
+    @idempotent_tool(account="tenant:a")
+    def pay(amount: int | float, idempotency_key: str) -> dict[str, bool]:
+        runs.append(amount)
+        return {"ok": True}
+
+    key = new_key()
+    first = call(server, {"amount": 1, "idempotency_key": key}, name="pay")
+    again = call(server, {"amount": 1.0, "idempotency_key": key}, name="pay")
+    replayed(first, again)
+    assert runs == [1]
+
+
+def test_an_infinite_float_runs_once_and_is_replayed():
+    runs: list[float] = []
+    server = MCPServer("shop")
+
+    @server.tool()
+    @idempotent_tool(account="tenant:a")
+    def pay(amount: float, idempotency_key: str) -> dict[str, bool]:
+        runs.append(amount)
+        return {"ok": True}
+
+    key = new_key()
+    first = call(server, {"amount": "inf", "idempotency_key": key}, name="pay")
+    again = call(server, {"amount": "inf", "idempotency_key": key}, name="pay")
+    replayed(first, again)
+    assert runs == [float("inf")]

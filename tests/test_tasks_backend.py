@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -46,6 +47,7 @@ from tests.testapp.tasks_framework import (
     TaskResultDoesNotExist,
     TaskResultStatus,
     effects,
+    record_async,
     record_effect,
     record_plain,
     record_with_context,
@@ -393,3 +395,55 @@ def test_it_works_without_celery():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "1 1 1 []", done.stdout + done.stderr
+
+
+# -- found by a hostile review ------------------------------------------------------------------
+
+
+def test_an_async_task_under_idempotent_task_runs_its_body_once_per_message():
+    with transaction.atomic():
+        result = record_async.enqueue("async-1")
+    relay()
+    work()
+    pending_again(result.id)
+    relay()
+    work()
+    rows = list(DBTaskResult.objects.all())
+    assert len(rows) == 2  # delivered twice
+    assert effects("async-1") == 1
+    assert {row.status for row in rows} == {TaskResultStatus.SUCCESSFUL}
+
+
+def test_get_result_after_delivery_carries_the_return_value_and_refresh_follows_it():
+    with transaction.atomic():
+        result = record_effect.enqueue("rv")
+    result.refresh()
+    before = result.status
+    relay()
+    work()
+    result.refresh()
+    assert (before, result.status) == (TaskResultStatus.READY, TaskResultStatus.SUCCESSFUL)
+    assert result.return_value == {"tag": "rv", "pid": os.getpid()}  # work() runs in-process
+    assert record_effect.get_result(result.id).return_value == result.return_value
+    assert effects("rv") == 1
+
+
+def test_get_result_of_a_message_that_is_no_task_result_of_this_backend():
+    with transaction.atomic():
+        gone = outbox.write(
+            "tests.no_such_module.gone_task",
+            ["x"],
+            {},
+            {"backend": "default", "priority": 0, "queue_name": "default"},
+        )
+        celery_message = outbox.write("proj.celery_tasks.send_mail", ["x"], {}, None)
+    backend = record_effect.get_backend()
+    for message in (gone, celery_message):
+        with pytest.raises(TaskResultDoesNotExist):
+            backend.get_result(str(message.id))
+    # The task that no longer imports does not hold the relay back.
+    with transaction.atomic():
+        record_effect.enqueue("after-gone")
+    relay()
+    work()
+    assert effects("after-gone") == 1

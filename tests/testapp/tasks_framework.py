@@ -18,6 +18,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_idempotency.tasks import idempotent_task
@@ -40,6 +41,7 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultStatus",
     "effects",
+    "record_async",
     "record_effect",
     "record_plain",
     "record_with_context",
@@ -92,6 +94,14 @@ def _body(tag: str, hold: float) -> dict[str, Any]:
 def record_effect(tag: str, hold: float = 0.0) -> dict[str, Any]:
     """Runs its body once per outbox message, however often it is delivered."""
     return _body(tag, hold)
+
+
+@task()
+@idempotent_task(lease=LEASE_SECONDS)
+async def record_async(tag: str) -> dict[str, Any]:
+    """An ``async def`` task, deduplicated: its ORM calls come back to the engine's thread."""
+    await sync_to_async(ProviderCall.objects.create)(key=f"effect:{tag}")
+    return {"tag": tag}
 
 
 @task()
