@@ -13,6 +13,9 @@ if not settings.HAS_DJANGO_TASKS:  # tests/settings.py: django-tasks-db and a Ta
         "is not installed",
         allow_module_level=True,
     )
+pytest.importorskip(
+    "example_project", reason="the example project is not here (tox tests the wheel)"
+)
 
 from django.core import mail
 from django.db import transaction
