@@ -211,7 +211,15 @@ class _Adapter:
         return tool
 
     def call(self, body: Callable[..., Any], arguments: dict[str, Any]) -> CallToolResult:
-        """One call of the tool: through the engine, or refused."""
+        """One call of the tool: through the engine, or refused; then, as Django does at the
+        end of a request, the connections this worker thread opened are closed where
+        ``CONN_MAX_AGE`` says so (the SDK runs tools in threads that outlive the call)."""
+        try:
+            return self._call(body, arguments)
+        finally:
+            _close_unused_connections()
+
+    def _call(self, body: Callable[..., Any], arguments: dict[str, Any]) -> CallToolResult:
         context = arguments.get(self.context_argument)
         if self.own_context is None:
             arguments = {n: v for n, v in arguments.items() if n != _CONTEXT_ARGUMENT}
@@ -272,8 +280,6 @@ class _Adapter:
             return _refusal(_problems.RECORD_UNREADABLE, str(exc))
         except StoreUnavailable as exc:
             return _refusal(_problems.STORE_UNAVAILABLE, str(exc))
-        finally:
-            _close_unused_connections()
         if not once.replayed:
             return once.value
         meta = dict(once.value.meta or {})
@@ -419,8 +425,6 @@ def _refusal(
 
 
 def _close_unused_connections() -> None:
-    # As Django does at the end of a request: a tool call runs in a worker thread of the
-    # MCP server, whose connections would otherwise stay open for the thread's life.
     for connection in db.connections.all(initialized_only=True):
         if not connection.in_atomic_block:
             connection.close_if_unusable_or_obsolete()
