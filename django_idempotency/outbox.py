@@ -29,17 +29,19 @@ from django_idempotency import _storable
 from django_idempotency._relay import (
     MAX_ERROR_CHARS,
     RelayResult,
+    backoff,
+    drain,
+    error_text,
+    relay,
+    relay_batch,
+)
+from django_idempotency._senders import (
     Report,
     Sender,
     Undeliverable,
     UnknownTask,
     Unreadable,
-    backoff,
     configured_sender,
-    drain,
-    error_text,
-    relay,
-    relay_batch,
 )
 from django_idempotency._wakeup import CHANNEL
 from django_idempotency.conf import app_settings
