@@ -31,7 +31,9 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = [Error(p.message, hint=p.hint, id=p.id) for p in problems]
     if "DATABASE" in values:
         messages += _check_database(values["DATABASE"])
-    if values.get("CLAIM_DATABASE") and "CLAIM_TIMEOUT" in values:
+    claims = values.get("CLAIM_DATABASE")
+    if claims and claims != values.get("DATABASE") and "CLAIM_TIMEOUT" in values:
+        # (CLAIM_DATABASE naming DATABASE itself is E038's, not a connection to bound.)
         messages += _check_claim_database(values["CLAIM_DATABASE"], values["CLAIM_TIMEOUT"])
     return messages
 
