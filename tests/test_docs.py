@@ -516,7 +516,7 @@ def test_the_readme_lists_the_demos_options_with_the_makefiles_defaults() -> Non
     defaults = dict(re.findall(r"^(STORM_PORT|DEMO_ADDR|EXAMPLE_\w+) \?= (\S+)$", makefile, re.M))
     top = README().split("\n## ", 1)[0]
     table = dict(re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", top, re.M))
-    assert set(table) == {"DEMO_ADDR", "STORM_PORT", "EXAMPLE_DB"}
+    assert set(table) == {"DEMO_ADDR", "STORM_PORT", "EXAMPLE_DB", "EXAMPLE_TASKS_RECEIPTS"}
     for name, default in table.items():
         assert defaults[name] == default, name
     assert f"`EXAMPLE_PGDATABASE`, default `{defaults['EXAMPLE_PGDATABASE']}`" in top
