@@ -241,7 +241,15 @@ def discard_broken(alias: str) -> bool:
         )
     else:
         claim = connections[alias]
-    if claim is None or claim.in_atomic_block or claim.is_usable():
+    if claim is None or claim.in_atomic_block:
+        return False
+    if claim.connection is None:  # never connected (the connect failed): nothing to close
+        return True
+    try:
+        usable = claim.is_usable()
+    except Exception:  # a driver that cannot even ask (MySQLdb on a half-made connection)
+        usable = False
+    if usable:
         return False
     claim.close()
     return True

@@ -426,5 +426,9 @@ def _refusal(
 
 def _close_unused_connections() -> None:
     for connection in db.connections.all(initialized_only=True):
-        if not connection.in_atomic_block:
+        if connection.in_atomic_block:
+            continue
+        try:
             connection.close_if_unusable_or_obsolete()
+        except Exception:  # a driver that cannot tell (MySQLdb after a failed connect)
+            connection.close()

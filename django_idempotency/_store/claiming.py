@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -68,12 +69,19 @@ def _claim(op: Operation, now: datetime) -> ClaimResult:
         current = take_over(op, now, token, state) or fetch(op)
         if current is not None:
             claimed = current.lease_token == token
+            if not claimed and states.EXPIRED.test(vars(current), now=now):
+                # Another transaction held the expired row and replaced nothing (the
+                # rotation resealing its response, a purge's batch): never replay it, look
+                # again soon. (A stale lease held so is refused at once: its owner is
+                # completing inside its caller's transaction.)
+                time.sleep(0.01 * (_look + 1))
+                continue
             if claimed and states.EXPIRED.test(vars(state), now=now):
                 # An expired record replaced by a new operation: an earlier operation's
                 # steps (recovery "resume") are not this one's.
                 forget_steps(op.alias, state.id)
             return ClaimResult(state=current, claimed=claimed)
-    raise IntegrityError("the idempotency record kept vanishing during one claim")
+    raise IntegrityError("the idempotency record kept vanishing or changing during one claim")
 
 
 def _inserted(op: Operation, now: datetime, token: uuid.UUID, record_id: int) -> RecordState:
