@@ -63,6 +63,8 @@ __all__ = [
 # The caller's connection wrapper keeps its second connection in this attribute: both are
 # per thread, so they live and die together.
 _ATTRIBUTE = "_django_idempotency_autonomous"
+# The CLAIM_TIMEOUT a second connection was made under, kept in its settings.
+_BOUND = "_django_idempotency_claim_timeout"
 # Whether this process ever made a second connection: until it has, closing them after a
 # request has nothing to look at.
 _made = False
@@ -90,12 +92,19 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
             )
         return claim
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
+    if second is not None and second.settings_dict.get(_BOUND) != app_settings.CLAIM_TIMEOUT:
+        # Made under another CLAIM_TIMEOUT: its timeouts are fixed when it connects (on
+        # MariaDB, the server's lock wait too), so it is replaced rather than left to wait
+        # longer than the bound now in force.
+        second.close()
+        second = None
     if second is None:
         global _made
         _made = True
         second = type(connection)(_claim_settings(connection), connection.alias)
+        if getattr(connection, _ATTRIBUTE, None) is None:
+            _close_together(connection)
         setattr(connection, _ATTRIBUTE, second)
-        _close_together(connection, second)
     elif second.errors_occurred:
         # A connection that failed (the server restarted, a backend was terminated, the
         # claim's time ran out) is replaced rather than reused broken.
@@ -127,7 +136,7 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
             options["init_command"] = f"SET {bound}"
         elif command.strip().upper().startswith("SET "):
             options["init_command"] = f"{command.rstrip().rstrip(';')}, {bound}"
-    return {**connection.settings_dict, "OPTIONS": options}
+    return {**connection.settings_dict, "OPTIONS": options, _BOUND: app_settings.CLAIM_TIMEOUT}
 
 
 def _whole_seconds(duration: timedelta) -> int:
@@ -140,16 +149,19 @@ def separate(alias: str) -> bool:
     return connection.vendor != "sqlite" and in_callers_transaction(connection)
 
 
-def _close_together(connection: BaseDatabaseWrapper, second: BaseDatabaseWrapper) -> None:
+def _close_together(connection: BaseDatabaseWrapper) -> None:
     # Whoever closes the caller's connection (connections.close_all(), a test runner
-    # dropping its database, Celery after a task) closes the second one too.
+    # dropping its database, Celery after a task) closes its second one too (whichever it
+    # is by then).
     close = connection.close
 
     def close_both() -> None:
         try:
             close()
         finally:
-            second.close()
+            second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
+            if second is not None:
+                second.close()
 
     connection.close = close_both  # type: ignore[method-assign]
 
