@@ -53,9 +53,11 @@ class PgBouncer:
         upstream_host: str = "127.0.0.1",
         pool_size: int = 20,
         pools: dict[str, tuple[str, int]] | None = None,
+        query_wait_timeout: int = 5,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.pool_size = pool_size
+        self.query_wait_timeout = query_wait_timeout
         self.pools = dict(pools or {})
         self.root = Path(tempfile.mkdtemp(prefix="idempotency-pgbouncer-"))
         self.port = free_port()
@@ -90,7 +92,7 @@ class PgBouncer:
                 # When PostgreSQL is down, a client waits for a server connection this long
                 # (the default is 120 s) and then gets an error: the app answers 503 promptly
                 # instead of hanging past its workers' timeout. Retry the server every second.
-                "query_wait_timeout = 5",
+                f"query_wait_timeout = {self.query_wait_timeout}",
                 "server_login_retry = 1",
                 # psycopg sends none of these by default; a client that does is not refused.
                 "ignore_startup_parameters = extra_float_digits",
@@ -143,10 +145,15 @@ class PgBouncer:
 
 @contextmanager
 def pgbouncer(
-    upstream_port: int, pool_size: int = 20, pools: dict[str, tuple[str, int]] | None = None
+    upstream_port: int,
+    pool_size: int = 20,
+    pools: dict[str, tuple[str, int]] | None = None,
+    query_wait_timeout: int = 5,
 ) -> Iterator[PgBouncer]:
     """A running PgBouncer in front of ``127.0.0.1:upstream_port``, stopped on exit."""
-    bouncer = PgBouncer(upstream_port, pool_size=pool_size, pools=pools)
+    bouncer = PgBouncer(
+        upstream_port, pool_size=pool_size, pools=pools, query_wait_timeout=query_wait_timeout
+    )
     try:
         bouncer.start()
         yield bouncer
