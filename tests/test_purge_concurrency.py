@@ -13,7 +13,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import maintenance
+from django_idempotency import StoreUnavailable, maintenance, run_once
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
 from tests.helpers import bulk_records, completed, in_thread, postgres_only
 
@@ -150,3 +150,55 @@ def test_a_concurrent_claim_archives_a_replaced_record_once(settings):
 
     assert copies == [1, 0]
     assert IdempotencyAuditRecord.objects.count() == 1
+
+
+def hold_expired_row(key: str, seconds: float, locked: threading.Event) -> None:
+    """A maintenance batch (the rotation resealing, a purge skipping) holding an expired
+    record's row for ``seconds`` and changing nothing."""
+    try:
+        with transaction.atomic(using="provider"):
+            held = IdempotencyRecord.objects.using("provider").select_for_update()
+            assert list(held.filter(key=key))
+            locked.set()
+            time.sleep(seconds)
+    finally:
+        connections["provider"].close()
+
+
+@pytest.mark.parametrize(("held", "taken_over"), [(0.4, True), (3.0, False)])
+def test_a_claim_waits_for_a_batch_holding_an_expired_record_within_claim_timeout(held, taken_over):
+    """An expired record whose row a batch holds is neither replayed nor left: the claim
+    looks again until the batch lets go, for at most CLAIM_TIMEOUT. Before, it gave up
+    after three looks some 30 ms apart and answered StoreUnavailable to a retry that a
+    short batch had only delayed."""
+    calls: list[str] = []
+
+    def effect(tag: str) -> str:
+        calls.append(tag)
+        return tag
+
+    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-1"}
+    assert run_once(effect, "first", **identity, ttl=60) == "first"
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    locked = threading.Event()
+    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1.5)})
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold_expired_row), "held-1", held, locked)
+        assert locked.wait(WAIT)
+        with bound:
+            if taken_over:
+                assert run_once(effect, "second", **identity, ttl=60) == "second"
+            else:
+                with pytest.raises(StoreUnavailable):
+                    run_once(effect, "second", **identity, ttl=60)
+        holder.result(WAIT)
+    record = IdempotencyRecord.objects.get()
+    if taken_over:
+        assert calls == ["first", "second"]
+        assert record.status == "completed"
+        assert record.expires_at > timezone.now()
+    else:
+        assert calls == ["first"]  # refused: nothing ran, the expired record as it was
+        assert record.expires_at < timezone.now()
+        assert run_once(effect, "third", **identity, ttl=60) == "third"
+        assert calls == ["first", "third"]

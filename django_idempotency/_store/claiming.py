@@ -52,7 +52,10 @@ def claim(op: Operation, now: datetime) -> ClaimResult:
 
 
 def _claim(op: Operation, now: datetime) -> ClaimResult:
-    for _look in range(_LOOKS):
+    held: _Held | None = None  # made only when a batch is in the way
+    look = 0
+    while look < _LOOKS:
+        look += 1
         found = _insert_or_existing(op, now)
         if found is None:
             found_state = fetch(op)
@@ -72,16 +75,42 @@ def _claim(op: Operation, now: datetime) -> ClaimResult:
             if not claimed and states.EXPIRED.test(vars(current), now=now):
                 # Another transaction held the expired row and replaced nothing (the
                 # rotation resealing its response, a purge's batch): never replay it, look
-                # again soon. (A stale lease held so is refused at once: its owner is
-                # completing inside its caller's transaction.)
-                time.sleep(0.01 * (_look + 1))
-                continue
+                # again once it lets go, for at most CLAIM_TIMEOUT. (A stale lease held so
+                # is refused at once: its owner is completing inside its caller's
+                # transaction.)
+                held = held or _Held()
+                if held.wait():
+                    look -= 1  # waiting for a batch is not a look
+                    continue
+                break
             if claimed and states.EXPIRED.test(vars(state), now=now):
                 # An expired record replaced by a new operation: an earlier operation's
                 # steps (recovery "resume") are not this one's.
                 forget_steps(op.alias, state.id)
             return ClaimResult(state=current, claimed=claimed)
     raise IntegrityError("the idempotency record kept vanishing or changing during one claim")
+
+
+class _Held:
+    """The pauses of one claim while a batch holds the expired record in its way: doubling
+    from 10 ms to 200 ms, until ``CLAIM_TIMEOUT`` from the first."""
+
+    __slots__ = ("deadline", "pause")
+
+    def __init__(self) -> None:
+        self.deadline = 0.0
+        self.pause = 0.01
+
+    def wait(self) -> bool:
+        """Pause, or ``False`` when the bound would pass first."""
+        clock = time.monotonic()
+        if not self.deadline:
+            self.deadline = clock + app_settings.CLAIM_TIMEOUT.total_seconds()
+        if clock + self.pause > self.deadline:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, 0.2)
+        return True
 
 
 def _inserted(op: Operation, now: datetime, token: uuid.UUID, record_id: int) -> RecordState:
