@@ -372,7 +372,7 @@ def test_ini_blocks_are_pgbouncer_databases_as_the_bursts_run_them() -> None:
     harness = PgBouncer.__new__(PgBouncer)
     harness.upstream, harness.pool_size = ("10.0.0.5", 5432), 3
     harness.pools, harness.port, harness.root = {"shop_claims": ("shop", 8)}, 6432, ROOT
-    harness.log = ROOT / "pgbouncer.log"
+    harness.log, harness.query_wait_timeout = ROOT / "pgbouncer.log", 5
     shape = re.compile(r"^[\w.]+ = host=[\w.]+ (?:port=\d+ )?dbname=\w+ pool_size=\d+$")
     written = [line for line in harness.config().splitlines() if line.startswith("shop_claims")]
     assert written
