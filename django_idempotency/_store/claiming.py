@@ -22,7 +22,7 @@ from django_idempotency._operation import Operation
 from django_idempotency._store.owner import forget_steps
 from django_idempotency._store.postgres import claim_sql
 from django_idempotency._store.records import ClaimResult, RecordState
-from django_idempotency._store.statements import cursor, prepared_row, returning, table
+from django_idempotency._store.statements import claim_row, cursor, returning, table
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import IN_PROGRESS
@@ -168,7 +168,7 @@ def _insert_or_existing(op: Operation, now: datetime) -> tuple[RecordState, bool
     # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
     # saves three round trips); inside an atomic block a savepoint keeps the block usable.
     token = uuid.uuid4()
-    row = prepared_row(op.alias, op.new_row(token, now))
+    row = claim_row(op, token, now)
     try:
         with (
             (
@@ -260,7 +260,7 @@ def _take_over(
     the caller reads the outcome.
     """
     connection = connections[op.alias]
-    row = prepared_row(op.alias, op.new_row(token, now))
+    row = claim_row(op, token, now)
     params = {c: row[c] for c in _TAKEOVER_COLUMNS}
     params.update(
         id=state.id, now=row["created_at"], hash=op.request_hash, version=op.fingerprint_version

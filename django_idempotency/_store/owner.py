@@ -20,6 +20,7 @@ from django_idempotency._store.statements import (
     cursor,
     owned_by,
     prepared,
+    prepared_row,
     step_table,
     table,
 )
@@ -37,12 +38,22 @@ __all__ = [
 ]
 
 
-def _owned(alias: str, sql: str, params: list[Any], record_id: int, token: uuid.UUID) -> bool:
+def _owned(
+    alias: str,
+    sql: str,
+    params: list[Any],
+    record_id: int,
+    token: uuid.UUID,
+    fence: Any = None,
+) -> bool:
     """Run ``sql``, whose ``WHERE`` is :func:`.statements.owned_by`, with ``params`` and then
-    the record this attempt owns; ``False`` when it matched no row (the lease was lost)."""
-    # psycopg adapts a UUID as it is; the other drivers take the field's own form of it.
-    native = connections[alias].vendor == "postgresql"
-    owner = [record_id, token if native else prepared(alias, "lease_token", token), IN_PROGRESS]
+    the record this attempt owns; ``False`` when it matched no row (the lease was lost).
+    ``fence``: the token as the driver takes it, where the caller has prepared it."""
+    if fence is None:
+        # psycopg adapts a UUID as it is; the other drivers take the field's own form of it.
+        native = connections[alias].vendor == "postgresql"
+        fence = token if native else prepared(alias, "lease_token", token)
+    owner = [record_id, fence, IN_PROGRESS]
     with cursor(alias) as statement:
         statement.execute(sql, [*params, *owner])
         return int(statement.rowcount) > 0
@@ -77,15 +88,19 @@ def complete(
         # As the JSON field would store it (json.dumps), without its per-call preparation;
         # psycopg adapts the rest as it is.
         params: list[Any] = [status, response_status, json.dumps(headers), body, now]
-    else:
-        params = [
-            status,
-            response_status,
-            prepared(alias, "response_headers", headers),
-            prepared(alias, "response_body", body),
-            prepared(alias, "completed_at", now),
-        ]
-    return _owned(alias, _complete_sql(alias), params, record_id, token)
+        return _owned(alias, _complete_sql(alias), params, record_id, token, token)
+    row = prepared_row(
+        alias,
+        {
+            "response_headers": headers,
+            "response_body": body,
+            "completed_at": now,
+            "lease_token": token,
+        },
+    )
+    outcome = (row["response_headers"], row["response_body"], row["completed_at"])
+    params = [status, response_status, *outcome]
+    return _owned(alias, _complete_sql(alias), params, record_id, token, row["lease_token"])
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Callable
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -20,10 +22,15 @@ from django.db.models import Field
 
 from django_idempotency._store.records import STATE_COLUMNS
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep
+from django_idempotency.states import IN_PROGRESS
+
+if TYPE_CHECKING:
+    from django_idempotency._operation import Operation
 
 logger = logging.getLogger("django_idempotency")
 
 __all__ = [
+    "claim_row",
     "cursor",
     "owned_by",
     "prepared",
@@ -146,6 +153,33 @@ def prepared(alias: str, name: str, value: Any) -> Any:
 
 def prepared_row(alias: str, row: dict[str, Any]) -> dict[str, Any]:
     return {name: prepared(alias, name, value) for name, value in row.items()}
+
+
+def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
+    """The columns of the record a claim of ``op`` at ``now`` writes, with lease ``token``,
+    each in the form the field stores (the portable insert and takeover; PostgreSQL's
+    claim passes its values as they are)."""
+    return prepared_row(
+        op.alias,
+        {
+            "account": op.account,
+            "operation": op.operation,
+            "key": op.key,
+            "request_hash": op.request_hash,
+            "fingerprint_version": op.fingerprint_version,
+            "status": IN_PROGRESS,
+            "lease_token": token,
+            "lease_expires_at": now + op.lease,
+            "recovery_policy": op.recovery_policy,
+            "recovery_attempts": 0,
+            "response_status": None,
+            "response_headers": [],
+            "response_body": None,
+            "created_at": now,
+            "completed_at": None,
+            "expires_at": now + op.ttl,
+        },
+    )
 
 
 def returning(alias: str) -> str:
