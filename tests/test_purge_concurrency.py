@@ -202,3 +202,60 @@ def test_a_claim_waits_for_a_batch_holding_an_expired_record_within_claim_timeou
         assert record.expires_at < timezone.now()
         assert run_once(effect, "third", **identity, ttl=60) == "third"
         assert calls == ["first", "third"]
+
+
+def test_a_claim_that_waited_for_a_batch_gets_its_whole_lease():
+    """The lease of a claim made after waiting for a batch is counted from when it was made:
+    a lease counted from before the wait would end early, and a duplicate could take over
+    an attempt that is still running."""
+    lease = timedelta(seconds=10)
+    leases: list[timedelta] = []
+
+    def effect(tag: str) -> str:
+        record = IdempotencyRecord.objects.get(key="held-2")
+        leases.append(record.lease_expires_at - timezone.now())
+        return tag
+
+    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-2"}
+    assert run_once(effect, "first", **identity, ttl=60, lease=lease) == "first"
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    locked = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold_expired_row), "held-2", 1.0, locked)
+        assert locked.wait(WAIT)
+        assert run_once(effect, "second", **identity, ttl=60, lease=lease) == "second"
+        holder.result(WAIT)
+    # Read as the body began, right after the claim: all of the lease but that moment.
+    assert leases[1] > lease - timedelta(seconds=0.5), leases
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the claim connection's watchdog")
+def test_inside_a_transaction_the_wait_for_a_batch_ends_before_the_claim_connections_watchdog(
+    caplog,
+):
+    """Inside a caller's transaction the claim runs on a connection whose statements a
+    watchdog interrupts at CLAIM_TIMEOUT. The wait for a batch ends before it: the claim is
+    refused on its own terms, no statement is cut off (a takeover cut off after it
+    committed would leave a claim nobody runs), and the expired record stays as it was."""
+    calls: list[str] = []
+
+    def effect(tag: str) -> str:
+        calls.append(tag)
+        return tag
+
+    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-3"}
+    assert run_once(effect, "first", **identity, ttl=60) == "first"
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    locked = threading.Event()
+    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1.5)})
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold_expired_row), "held-3", 4.0, locked)
+        assert locked.wait(WAIT)
+        with bound, caplog.at_level("WARNING", logger="django_idempotency"):
+            with transaction.atomic(), pytest.raises(StoreUnavailable):
+                run_once(effect, "second", **identity, ttl=60)
+            time.sleep(1.5)  # past the watchdog's close, a second after its bound
+        holder.result(WAIT)
+    assert calls == ["first"]
+    assert "CLAIM_TIMEOUT" not in caplog.text, caplog.text
+    assert IdempotencyRecord.objects.get().expires_at < timezone.now()

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
+from django.utils import timezone
 
 from django_idempotency import _retry, states
 from django_idempotency._operation import Operation
@@ -42,16 +43,18 @@ def claim(op: Operation, now: datetime) -> ClaimResult:
     of the same request), which takes one conditional statement more. A record whose outcome
     cannot be read back is refused by the caller, never replaced within its TTL.
     """
+    # One bound for the whole claim, its retries included (see _Held).
+    started = time.monotonic()
     # retrying()'s loop, kept here: the claim is on every request's path.
     for attempt in range(_retry.ATTEMPTS):
         try:
-            return _claim(op, now)
+            return _claim(op, now, started)
         except OperationalError as exc:
             _retry.pause_or_raise(exc, attempt)
     raise AssertionError("unreachable")
 
 
-def _claim(op: Operation, now: datetime) -> ClaimResult:
+def _claim(op: Operation, now: datetime, started: float) -> ClaimResult:
     held: _Held | None = None  # made only when a batch is in the way
     look = 0
     while look < _LOOKS:
@@ -78,9 +81,12 @@ def _claim(op: Operation, now: datetime) -> ClaimResult:
                 # again once it lets go, for at most CLAIM_TIMEOUT. (A stale lease held so
                 # is refused at once: its owner is completing inside its caller's
                 # transaction.)
-                held = held or _Held()
+                held = held or _Held(started)
                 if held.wait():
                     look -= 1  # waiting for a batch is not a look
+                    # The claim is made now, not before the wait: its lease is counted
+                    # from here.
+                    now = timezone.now()
                     continue
                 break
             if claimed and states.EXPIRED.test(vars(state), now=now):
@@ -91,22 +97,25 @@ def _claim(op: Operation, now: datetime) -> ClaimResult:
     raise IntegrityError("the idempotency record kept vanishing or changing during one claim")
 
 
+# How long before CLAIM_TIMEOUT the wait for a batch gives up: inside a caller's
+# transaction a watchdog interrupts the claim connection's statements at CLAIM_TIMEOUT
+# (_autonomous._bounded), and the looks after a pause must end before it.
+_MARGIN = 0.3
+
+
 class _Held:
     """The pauses of one claim while a batch holds the expired record in its way: doubling
-    from 10 ms to 200 ms, until ``CLAIM_TIMEOUT`` from the first."""
+    from 10 ms to 200 ms, until shortly before ``CLAIM_TIMEOUT`` from the claim's start."""
 
     __slots__ = ("deadline", "pause")
 
-    def __init__(self) -> None:
-        self.deadline = 0.0
+    def __init__(self, started: float) -> None:
+        self.deadline = started + app_settings.CLAIM_TIMEOUT.total_seconds() - _MARGIN
         self.pause = 0.01
 
     def wait(self) -> bool:
         """Pause, or ``False`` when the bound would pass first."""
-        clock = time.monotonic()
-        if not self.deadline:
-            self.deadline = clock + app_settings.CLAIM_TIMEOUT.total_seconds()
-        if clock + self.pause > self.deadline:
+        if time.monotonic() + self.pause > self.deadline:
             return False
         time.sleep(self.pause)
         self.pause = min(self.pause * 2, 0.2)
