@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
+from django.db.backends.signals import connection_created
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -152,6 +157,10 @@ def test_a_concurrent_claim_archives_a_replaced_record_once(settings):
     assert IdempotencyAuditRecord.objects.count() == 1
 
 
+IDENTITY = {"account": "consumer:billing", "operation": "invoices.send"}
+HELD_BOUND = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1.5)})
+
+
 def hold_expired_row(key: str, seconds: float, locked: threading.Event) -> None:
     """A maintenance batch (the rotation resealing, a purge skipping) holding an expired
     record's row for ``seconds`` and changing nothing."""
@@ -165,6 +174,27 @@ def hold_expired_row(key: str, seconds: float, locked: threading.Event) -> None:
         connections["provider"].close()
 
 
+def called(calls: list[str], tag: str) -> str:
+    calls.append(tag)
+    return tag
+
+
+@contextmanager
+def held_after_a_first_run(
+    effect: Callable[[str], str], key: str, seconds: float, **terms: Any
+) -> Iterator[None]:
+    """``effect("first")`` run once with ``key`` and its record expired; inside the block a
+    batch holds that record's row for ``seconds``."""
+    assert run_once(effect, "first", **IDENTITY, key=key, ttl=60, **terms) == "first"
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    locked = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(in_thread(hold_expired_row), key, seconds, locked)
+        assert locked.wait(WAIT)
+        yield
+        holder.result(WAIT)
+
+
 @pytest.mark.parametrize(("held", "taken_over"), [(0.4, True), (3.0, False)])
 def test_a_claim_waits_for_a_batch_holding_an_expired_record_within_claim_timeout(held, taken_over):
     """An expired record whose row a batch holds is neither replayed nor left: the claim
@@ -172,26 +202,13 @@ def test_a_claim_waits_for_a_batch_holding_an_expired_record_within_claim_timeou
     after three looks some 30 ms apart and answered StoreUnavailable to a retry that a
     short batch had only delayed."""
     calls: list[str] = []
-
-    def effect(tag: str) -> str:
-        calls.append(tag)
-        return tag
-
-    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-1"}
-    assert run_once(effect, "first", **identity, ttl=60) == "first"
-    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
-    locked = threading.Event()
-    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1.5)})
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        holder = pool.submit(in_thread(hold_expired_row), "held-1", held, locked)
-        assert locked.wait(WAIT)
-        with bound:
-            if taken_over:
-                assert run_once(effect, "second", **identity, ttl=60) == "second"
-            else:
-                with pytest.raises(StoreUnavailable):
-                    run_once(effect, "second", **identity, ttl=60)
-        holder.result(WAIT)
+    effect = functools.partial(called, calls)
+    with held_after_a_first_run(effect, "held-1", held), HELD_BOUND:
+        if taken_over:
+            assert run_once(effect, "second", **IDENTITY, key="held-1", ttl=60) == "second"
+        else:
+            with pytest.raises(StoreUnavailable):
+                run_once(effect, "second", **IDENTITY, key="held-1", ttl=60)
     record = IdempotencyRecord.objects.get()
     if taken_over:
         assert calls == ["first", "second"]
@@ -200,7 +217,7 @@ def test_a_claim_waits_for_a_batch_holding_an_expired_record_within_claim_timeou
     else:
         assert calls == ["first"]  # refused: nothing ran, the expired record as it was
         assert record.expires_at < timezone.now()
-        assert run_once(effect, "third", **identity, ttl=60) == "third"
+        assert run_once(effect, "third", **IDENTITY, key="held-1", ttl=60) == "third"
         assert calls == ["first", "third"]
 
 
@@ -216,15 +233,8 @@ def test_a_claim_that_waited_for_a_batch_gets_its_whole_lease():
         leases.append(record.lease_expires_at - timezone.now())
         return tag
 
-    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-2"}
-    assert run_once(effect, "first", **identity, ttl=60, lease=lease) == "first"
-    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
-    locked = threading.Event()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        holder = pool.submit(in_thread(hold_expired_row), "held-2", 1.0, locked)
-        assert locked.wait(WAIT)
-        assert run_once(effect, "second", **identity, ttl=60, lease=lease) == "second"
-        holder.result(WAIT)
+    with held_after_a_first_run(effect, "held-2", 1.0, lease=lease):
+        assert run_once(effect, "second", **IDENTITY, key="held-2", ttl=60, lease=lease)
     # Read as the body began, right after the claim: all of the lease but that moment.
     assert leases[1] > lease - timedelta(seconds=0.5), leases
 
@@ -236,26 +246,27 @@ def test_inside_a_transaction_the_wait_for_a_batch_ends_before_the_claim_connect
     """Inside a caller's transaction the claim runs on a connection whose statements a
     watchdog interrupts at CLAIM_TIMEOUT. The wait for a batch ends before it: the claim is
     refused on its own terms, no statement is cut off (a takeover cut off after it
-    committed would leave a claim nobody runs), and the expired record stays as it was."""
+    committed would leave a claim nobody runs), and the expired record stays as it was.
+
+    The claim connection takes 0.6 s to connect (a pooler's queue): the bound counts from
+    the claim's start, as the watchdog does, not from the first pause after the connect."""
     calls: list[str] = []
+    effect = functools.partial(called, calls)
+    claimer = threading.current_thread()
 
-    def effect(tag: str) -> str:
-        calls.append(tag)
-        return tag
+    def slow_connect(sender: Any, connection: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is claimer:
+            time.sleep(0.6)
 
-    identity = {"account": "consumer:billing", "operation": "invoices.send", "key": "held-3"}
-    assert run_once(effect, "first", **identity, ttl=60) == "first"
-    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
-    locked = threading.Event()
-    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=1.5)})
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        holder = pool.submit(in_thread(hold_expired_row), "held-3", 4.0, locked)
-        assert locked.wait(WAIT)
-        with bound, caplog.at_level("WARNING", logger="django_idempotency"):
+    warnings = caplog.at_level("WARNING", logger="django_idempotency")
+    with held_after_a_first_run(effect, "held-3", 4.0), HELD_BOUND, warnings:
+        connection_created.connect(slow_connect)
+        try:
             with transaction.atomic(), pytest.raises(StoreUnavailable):
-                run_once(effect, "second", **identity, ttl=60)
-            time.sleep(1.5)  # past the watchdog's close, a second after its bound
-        holder.result(WAIT)
+                run_once(effect, "second", **IDENTITY, key="held-3", ttl=60)
+        finally:
+            connection_created.disconnect(slow_connect)
+        time.sleep(1.5)  # past the watchdog's close, a second after its bound
     assert calls == ["first"]
     assert "CLAIM_TIMEOUT" not in caplog.text, caplog.text
     assert IdempotencyRecord.objects.get().expires_at < timezone.now()
