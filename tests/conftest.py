@@ -134,6 +134,34 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         for alias in connections:
             if connections.settings[alias]["OPTIONS"].get("pool"):
                 connections[alias].close_pool()
+        if connection.vendor == "postgresql":
+            await_other_sessions()
+
+
+def await_other_sessions(seconds: float = 15) -> None:
+    """Wait until no other session is on the test database: the backend of a server or
+    worker process that a test stopped may take a moment to exit. One that stays is a
+    connection a test left open, named in the failure (its last statement, its program)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    others: list[tuple[Any, ...]] = []
+    try:
+        with connection.cursor() as cursor:
+            while True:
+                cursor.execute(
+                    "SELECT pid, application_name, state, backend_start, left(query, 200)"
+                    " FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                )
+                others = cursor.fetchall()
+                if not others or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    finally:
+        connection.close()
+    if others:
+        pytest.fail(f"sessions left on the test database after {seconds} s: {others}")
 
 
 @pytest.fixture
