@@ -333,3 +333,16 @@ def close_idle(**kwargs: Any) -> None:
         second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
         if second is not None:
             second.close_if_unusable_or_obsolete()
+
+
+def close_unused_connections() -> None:
+    """Close this thread's connections where ``CONN_MAX_AGE`` says so, as Django does at the
+    end of a request: for the threads that run a tool call or an async task's delivery and
+    outlive it (the SDK's, asgiref's), which no request's end reaches."""
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            continue
+        try:
+            connection.close_if_unusable_or_obsolete()
+        except Exception:  # a driver that cannot tell (MySQLdb after a failed connect)
+            connection.close()

@@ -37,7 +37,6 @@ from datetime import timedelta
 from typing import Annotated, Any, TypeVar, cast
 
 from asgiref.sync import async_to_sync
-from django import db
 from django.core.exceptions import ImproperlyConfigured
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.mcpserver import Context, MCPServer
@@ -47,7 +46,7 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import Field, ValidationError
 from pydantic_core import to_jsonable_python
 
-from django_idempotency import _http, _options, _problems, _validation
+from django_idempotency import _autonomous, _http, _options, _problems, _validation
 from django_idempotency._once import LeaseTakenOver, call_once, stored_result
 from django_idempotency._options import ToolOptions
 from django_idempotency._outcomes import Outcome
@@ -217,7 +216,7 @@ class _Adapter:
         try:
             return self._call(body, arguments)
         finally:
-            _close_unused_connections()
+            _autonomous.close_unused_connections()
 
     def _call(self, body: Callable[..., Any], arguments: dict[str, Any]) -> CallToolResult:
         context = arguments.get(self.context_argument)
@@ -424,11 +423,3 @@ def _refusal(
     )
 
 
-def _close_unused_connections() -> None:
-    for connection in db.connections.all(initialized_only=True):
-        if connection.in_atomic_block:
-            continue
-        try:
-            connection.close_if_unusable_or_obsolete()
-        except Exception:  # a driver that cannot tell (MySQLdb after a failed connect)
-            connection.close()

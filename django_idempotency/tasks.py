@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import async_to_sync, sync_to_async
 
-from django_idempotency import _options, _validation, maintenance, outbox
+from django_idempotency import _autonomous, _options, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency._recovery import RETRY
 from django_idempotency.conf import app_settings
@@ -185,9 +185,17 @@ def idempotent_task(
             # transaction (as for an async view).
             body = async_to_sync(func)
 
+            def in_its_thread(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                # asgiref's thread outlives the delivery, and no request's end closes
+                # what it opened: close it here, as CONN_MAX_AGE says.
+                try:
+                    return deliver(body, args, kwargs)
+                finally:
+                    _autonomous.close_unused_connections()
+
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                return await sync_to_async(deliver, thread_sensitive=False)(body, args, kwargs)
+                return await sync_to_async(in_its_thread, thread_sensitive=False)(args, kwargs)
 
             wrapper: Callable[..., Any] = async_wrapper
         else:

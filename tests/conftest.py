@@ -123,7 +123,9 @@ def _keep(
 
 
 @pytest.fixture(scope="session")
-def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+def django_db_setup(
+    django_db_setup: None, django_db_blocker: Any, request: pytest.FixtureRequest
+) -> Iterator[None]:
     """pytest-django's, and at the end every connection closed before the test databases are
     dropped: a test on ``databases="__all__"`` opens the ``provider`` alias (a mirror of the
     default database), and PostgreSQL refuses to drop a database another session is on."""
@@ -134,7 +136,9 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         for alias in connections:
             if connections.settings[alias]["OPTIONS"].get("pool"):
                 connections[alias].close_pool()
-        if connection.vendor == "postgresql":
+        # Where Django drops the database itself: under --reuse-db (tests/poolers.py) a
+        # pooler's own server connections stay on it, and the runner drops it by force.
+        if connection.vendor == "postgresql" and not request.config.getoption("reuse_db"):
             await_other_sessions()
 
 

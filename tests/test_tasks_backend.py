@@ -418,6 +418,35 @@ def test_an_async_task_under_idempotent_task_runs_its_body_once_per_message():
     assert {row.status for row in rows} == {TaskResultStatus.SUCCESSFUL}
 
 
+def other_sessions() -> int:
+    """Client sessions on the test database besides this thread's."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.skipif(settings.TEST_DB != "postgres", reason="counts PostgreSQL's sessions")
+def test_an_async_task_leaves_no_connection_open_in_the_thread_it_ran_in():
+    """An ``async def`` body runs with the engine in a worker thread of asgiref's, which
+    outlives the delivery: as at the end of a request, its connections are closed where
+    CONN_MAX_AGE says so (0 here). Before, each such thread kept one open for good."""
+    before = other_sessions()
+    with transaction.atomic():
+        record_async.enqueue("async-2")
+    relay()
+    work()
+    assert effects("async-2") == 1
+    deadline = time.monotonic() + 5  # a closed session's backend takes a moment to exit
+    while (after := other_sessions()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert after == before
+
+
 def test_get_result_after_delivery_carries_the_return_value_and_refresh_follows_it():
     with transaction.atomic():
         result = record_effect.enqueue("rv")
