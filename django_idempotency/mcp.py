@@ -421,5 +421,3 @@ def _refusal(
         structured_content=structured,
         is_error=True,
     )
-
-
