@@ -64,10 +64,19 @@ CRASHES: tuple[type[BaseException], ...] = (SimulatedCrash, asyncio.CancelledErr
 KEEP_CLAIM: tuple[type[BaseException], ...] = (LeaseLost, *CRASHES)
 
 
-def claim(op: Operation) -> _store.ClaimResult:
+def claim(op: Operation) -> tuple[_store.ClaimResult, Claim | None]:
     """Claim ``op``'s record (see :func:`._store.claim`), now, committed at once whatever
-    transaction the caller is in (see :mod:`._autonomous`)."""
-    now = timezone.now()
+    transaction the caller is in (see :mod:`._autonomous`): what the claim found, and the
+    owner's ``Claim`` when this attempt claimed the record (``None`` otherwise)."""
+    result = _claim(op, timezone.now())
+    if not result.claimed:
+        return result, None
+    state = result.state
+    assert state.lease_token is not None
+    return result, Claim(op.alias, state.id, state.lease_token)
+
+
+def _claim(op: Operation, now: datetime) -> _store.ClaimResult:
     if not _autonomous.in_callers_transaction(connections[op.alias]):
         # The usual case: autocommit (or a test case's transaction), where the claim
         # commits at once on the caller's own connection.

@@ -179,15 +179,15 @@ class _Protected:
     ) -> HttpResponseBase:
         """Claim, then run the view, replay, or refuse; fail closed if the claim fails."""
         try:
-            result = claim(self.operation)
+            result, owned = claim(self.operation)
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
             return self.store_unavailable(
                 "The request was not run because its idempotency key could not be recorded."
             )
-        if result.claimed:
-            return _Owner(self, result).run(call_view)
+        if owned is not None:
+            return _Owner(self, result, owned).run(call_view)
         return self.existing(result.state, call_view, allow_wait)
 
     def existing(
@@ -283,12 +283,11 @@ class _Protected:
 class _Owner:
     """The attempt that holds the lease: recovers a stale predecessor, runs the view fenced."""
 
-    def __init__(self, protected: _Protected, result: _store.ClaimResult) -> None:
+    def __init__(self, protected: _Protected, result: _store.ClaimResult, owned: Claim) -> None:
         self.protected = protected
         self.state = result.state
         self.takeover = result.took_over_stale_lease
-        assert self.state.lease_token is not None
-        self.claim = Claim(protected.operation.alias, self.state.id, self.state.lease_token)
+        self.claim = owned
         protected.context.record_id = self.state.id
 
     def run(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
@@ -335,18 +334,18 @@ class _Owner:
                 return self.protected.lease_lost()
             case _recovery.Run():
                 # Under "resume" the view runs again to resume after its recorded steps.
-                _recovered(context, name, recovered.name)
+                _recovery.announce(context, context.record_id, name, recovered.name)
                 return None
             case _recovery.Undecided(answer=answer):
                 # A 5xx (or a transient or unstorable answer) is no outcome to replay
                 # forever: the client gets it, the claim is released, and the next retry
                 # runs afresh.
                 self.claim.release()
-                _recovered(context, name, "released")
+                _recovery.announce(context, context.record_id, name, "released")
                 undecided: HttpResponseBase = answer
                 return undecided
             case _recovery.Closed(outcome=outcome, answer=answer):
-                _recovered(context, name, recovered.name)
+                _recovery.announce(context, context.record_id, name, recovered.name)
                 if answer is None:  # "fail": the outcome unknown, replayed from now on
                     response = response_of(outcome)
                     response[REPLAYED_HEADER] = "true"
@@ -426,12 +425,6 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
             "a protected async call whose client went away failed",
             exc_info=attempt.exception(),
         )
-
-
-def _recovered(context: IdempotencyContext, policy: str, outcome: str) -> None:
-    _recovery.announce(
-        context.account, context.operation, context.key, policy, outcome, context.record_id
-    )
 
 
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:

@@ -252,11 +252,11 @@ def call_once(
         lease=lease,
     )
     try:
-        result = claim(op)
+        result, owned = claim(op)
     except db.Error as exc:  # any error of the database's, InterfaceError included
         raise _unavailable(op, exc) from exc
     state = result.state
-    if not result.claimed:
+    if owned is None:
         if wait and state.status == IN_PROGRESS and state.request_hash == op.request_hash:
             try:
                 done = wait_for(op, state, wait)
@@ -270,8 +270,6 @@ def call_once(
                 )  # fmt: skip
             state = done
         return OnceResult(_duplicate(op, state, decode), replayed=True)
-    assert state.lease_token is not None
-    owned = Claim(op.alias, state.id, state.lease_token)
     context = IdempotencyContext(
         key=op.key, operation=op.operation, account=op.account, record_id=state.id
     )
@@ -356,7 +354,7 @@ def _recover(op: Operation, owned: Claim, policy: Any, encode: Callable[[Any], O
     name = recovery_name(policy)
 
     def announce(outcome: str) -> None:
-        _recovery.announce(op.account, op.operation, op.key, name, outcome, owned.record_id)
+        _recovery.announce(op, owned.record_id, name, outcome)
 
     match recovered:
         case _recovery.Lost():

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from django import db
 
@@ -160,18 +160,29 @@ def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
     return recovery
 
 
-def announce(
-    account: str, operation: str, key: str, policy: str, outcome: str, record_id: int | None
-) -> None:
+class Named(Protocol):
+    """Whose record and which: an ``IdempotencyContext``, an ``Operation``, a stale row."""
+
+    @property
+    def account(self) -> str: ...
+    @property
+    def operation(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+
+
+def announce(named: Named, record_id: int | None, policy: str, outcome: str) -> None:
     """Log and signal (``lease_recovered``) what a recovery policy did with a record."""
     # The record is named by its id: the client's key does not belong in logs.
-    logger.info("recovery policy %s on record %s (%s): %s", policy, record_id, operation, outcome)
+    logger.info(
+        "recovery policy %s on record %s (%s): %s", policy, record_id, named.operation, outcome
+    )
     if signals.lease_recovered.has_listeners(IdempotencyRecord):
         signals.lease_recovered.send(
             sender=IdempotencyRecord,
-            account=account,
-            operation=operation,
-            key=key,
+            account=named.account,
+            operation=named.operation,
+            key=named.key,
             policy=policy,
             outcome=outcome,
         )

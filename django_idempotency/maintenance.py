@@ -190,7 +190,7 @@ def recover_stale_leases(
             result.skipped += 1
             continue
         setattr(result, outcome, getattr(result, outcome) + 1)
-        _recovered(row, row.policy, outcome)
+        _recovery.announce(row, row.id, row.policy, outcome)
     result.policies = dict(policies)
     return result
 
@@ -233,7 +233,7 @@ def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:
         outcome = _apply(queryset.db, row, policy, now)
         if outcome is not None:
             done += 1
-            _recovered(row, policy, outcome)
+            _recovery.announce(row, row.id, policy, outcome)
     return done
 
 
@@ -291,7 +291,3 @@ def _apply(alias: str, row: _Stale, policy: _recovery.Policy, now: datetime) -> 
 def _count_attempt(alias: str, row: _Stale) -> None:
     if row.token is not None:
         _store.count_attempt(alias, row.id, row.token)
-
-
-def _recovered(row: _Stale, policy: str, outcome: str) -> None:
-    _recovery.announce(row.account, row.operation, row.key, policy, outcome, row.id)

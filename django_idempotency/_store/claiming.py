@@ -26,7 +26,6 @@ from django_idempotency._store.records import ClaimResult, RecordState
 from django_idempotency._store.statements import claim_row, cursor, returning, table
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.states import IN_PROGRESS
 
 __all__ = ["claim", "fetch"]
 
@@ -60,14 +59,11 @@ def _claim(op: Operation, now: datetime, started: float) -> ClaimResult:
     while look < _LOOKS:
         look += 1
         found = _insert_or_existing(op, now)
-        if found is None:
-            found_state = fetch(op)
-            if found_state is None:
-                continue  # released meanwhile: try the insert again
-            found = (found_state, False)
-        state, inserted = found
-        if inserted:
-            return ClaimResult(state=state, claimed=True)
+        if isinstance(found, ClaimResult):
+            return found
+        state = found or fetch(op)
+        if state is None:
+            continue  # released meanwhile: try the insert again
         if not state.replaceable_by(op, now):
             return ClaimResult(state=state, claimed=False)
         token = uuid.uuid4()
@@ -122,25 +118,8 @@ class _Held:
         return True
 
 
-def _inserted(op: Operation, now: datetime, token: uuid.UUID, record_id: int) -> RecordState:
-    """The state of the record a claim has just inserted (nothing read back but its id)."""
-    return RecordState(
-        id=record_id,
-        status=IN_PROGRESS,
-        lease_token=token,
-        lease_expires_at=now + op.lease,
-        expires_at=now + op.ttl,
-        request_hash=op.request_hash,
-        fingerprint_version=op.fingerprint_version,
-        recovery_attempts=0,
-        response_status=None,
-        response_headers=[],
-        response_body=None,
-    )
-
-
-def _insert_or_existing(op: Operation, now: datetime) -> tuple[RecordState, bool] | None:
-    """Insert the claim, or find the record in its way: ``(state, inserted)``.
+def _insert_or_existing(op: Operation, now: datetime) -> ClaimResult | RecordState | None:
+    """Insert the claim (its ``ClaimResult``), or find the record in its way (its state).
 
     ``None`` when the conflicting record was not visible (committed after the statement's
     snapshot, or released meanwhile).
@@ -170,8 +149,8 @@ def _insert_or_existing(op: Operation, now: datetime) -> tuple[RecordState, bool
             token = row[-2]
             if token.__class__ is not uuid.UUID:
                 token = uuid.UUID(str(token))
-            return _inserted(op, now, token, row[0]), True
-        return RecordState.in_the_way(row), False
+            return ClaimResult.inserted(op, now, token, row[0])
+        return RecordState.in_the_way(row)
     # Elsewhere: an insert, and the record in its way read when the unique constraint
     # refused it. In autocommit (the claim's usual place) a refused INSERT leaves nothing to
     # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
@@ -190,9 +169,8 @@ def _insert_or_existing(op: Operation, now: datetime) -> tuple[RecordState, bool
             statement.execute(_insert_sql(op.alias, tuple(row)), row)
             record_id = int(statement.lastrowid)
     except IntegrityError:
-        state = fetch(op)
-        return None if state is None else (state, False)
-    return _inserted(op, now, token, record_id), True
+        return fetch(op)
+    return ClaimResult.inserted(op, now, token, record_id)
 
 
 @functools.lru_cache(maxsize=8)

@@ -196,6 +196,26 @@ class ClaimResult:
         stale = self.claimed and self.state.recovery_attempts > 0
         object.__setattr__(self, "took_over_stale_lease", stale)
 
+    @classmethod
+    def inserted(
+        cls, op: Operation, now: datetime, token: uuid.UUID, record_id: int
+    ) -> ClaimResult:
+        """The claim of a record it has just inserted (nothing read back but its id)."""
+        state = RecordState(
+            id=record_id,
+            status=IN_PROGRESS,
+            lease_token=token,
+            lease_expires_at=now + op.lease,
+            expires_at=now + op.ttl,
+            request_hash=op.request_hash,
+            fingerprint_version=op.fingerprint_version,
+            recovery_attempts=0,
+            response_status=None,
+            response_headers=[],
+            response_body=None,
+        )
+        return cls(state, claimed=True)
+
 
 def from_epoch(seconds: float) -> datetime:
     """A time the claim read as seconds since the epoch (a double), to the microsecond.
