@@ -40,12 +40,13 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.utils import timezone
 
 from django_idempotency import _retry
 from django_idempotency.conf import app_settings
@@ -167,29 +168,38 @@ def _close_together(connection: BaseDatabaseWrapper) -> None:
 
 
 @contextmanager
-def claiming(alias: str) -> Iterator[None]:
+def claiming(alias: str) -> Iterator[datetime | None]:
     """Run the enclosed claim-side statements where they commit at once.
 
     Where the caller's connection is inside a transaction, ``connections[alias]`` is this
     thread's second connection for the duration (so the store's statements, the ORM and
     ``transaction.atomic(using=alias)`` all use it); elsewhere nothing changes.
+
+    Yields the time after which a claim statement must write nothing (see :func:`_bounded`),
+    or ``None`` where no watchdog bounds the block.
     """
     if not separate(alias):
-        yield
+        yield None
         return
     connection = connections[alias]
     claim = _second_connection(connection)
     connections[alias] = claim
     try:
-        with _bounded(claim, app_settings.CLAIM_TIMEOUT), _retry.bounded():
-            yield
+        with _bounded(claim, app_settings.CLAIM_TIMEOUT) as deadline, _retry.bounded():
+            yield deadline
     finally:
         connections[alias] = connection
 
 
 @contextmanager
-def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
+def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[datetime | None]:
     """Interrupt the claim connection's statements when the block outlasts ``timeout``.
+
+    Yields the block's deadline (``None`` on MySQL and MariaDB). The watchdog's close may
+    cut the answer of a statement that committed a moment before it; a claim statement
+    that reaches the server after the deadline therefore writes nothing (its guard compares
+    the server's clock with the deadline), so that any claim a watchdog could interrupt
+    leaves nothing behind.
 
     On PostgreSQL a statement waiting for the server (a row lock) is cancelled; a client
     waiting in a pooler's queue for a server connection (PgBouncer ignores a cancel request
@@ -199,8 +209,9 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
     ``read_timeout``, in :func:`_claim_settings`.)
     """
     if claim.vendor != "postgresql":
-        yield
+        yield None
         return
+    deadline = timezone.now() + timeout
     # The block's end and the watchdog's acts take turns: a watchdog that fires late never
     # cancels or closes what the next block runs on the same connection.
     turn = threading.Lock()
@@ -231,7 +242,7 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[None]:
     timer.daemon = True
     timer.start()
     try:
-        yield
+        yield deadline
     finally:
         with turn:
             finished.set()

@@ -90,8 +90,8 @@ def _claim(op: Operation, now: datetime) -> _store.ClaimResult:
         own = _store.fetch(op)
         if own is not None and own.status != IN_PROGRESS and not own.replaceable_by(op, now):
             return _store.ClaimResult(state=own, claimed=False)
-    with _autonomous.claiming(op.alias):
-        return _store.claim(op, now)
+    with _autonomous.claiming(op.alias) as deadline:
+        return _store.claim(op, now, deadline)
 
 
 def fetch(op: Operation) -> _store.RecordState | None:

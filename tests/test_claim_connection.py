@@ -147,7 +147,7 @@ def starved_claims_pool() -> Iterator[threading.Event]:
     holding = threading.Event()
     with pgbouncer(upstream, pool_size=1) as bouncer:
         original = settings["PORT"]
-        connections["claims"].close()
+        close_claims()
         settings["PORT"] = str(bouncer.port)
 
         def hold() -> None:
@@ -170,8 +170,17 @@ def starved_claims_pool() -> Iterator[threading.Event]:
         finally:
             done.set()
             holder.join(30)
-            connections["claims"].close()
+            close_claims()
             settings["PORT"] = original
+
+
+def close_claims() -> None:
+    """Close ``claims``, and its Django pool where it has one (TEST_DB=postgres-pool), so
+    that its next connection is made with its settings as they are then."""
+    claims = connections["claims"]
+    claims.close()
+    if getattr(claims, "pool", None) is not None:
+        claims.close_pool()
 
 
 @on_postgresql
@@ -190,6 +199,35 @@ def test_a_claim_connection_that_cannot_be_had_is_store_unavailable_and_nothing_
         connections["claims"].close()
         with transaction.atomic():
             assert run_once(effect, calls, "b", "default", **IDENTITY, key="k-1") == "b"
+    assert calls == ["b"]
+    assert Charge.objects.count() == 1
+
+
+@on_postgresql
+def test_a_claim_that_reaches_the_database_after_claim_timeout_writes_nothing(
+    starved_claims_pool,
+):
+    """The pooler hands the claim a server connection after CLAIM_TIMEOUT, before the
+    watchdog closes its connection: the late statement must write nothing. (Had it
+    committed, the watchdog's close could cut its answer, and the caller would be told
+    StoreUnavailable with a claim left behind that nobody owns.)"""
+    calls: list[str] = []
+    timeout = {"CLAIM_DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=1)}
+    # The watchdog cancels at 1 s (the pooler ignores it for a queued client) and closes
+    # the connection at 2 s: the pool is freed in between.
+    freed = threading.Timer(1.4, starved_claims_pool.set)
+    with override_settings(IDEMPOTENCY=timeout):
+        freed.start()
+        try:
+            with transaction.atomic(), pytest.raises(StoreUnavailable):
+                run_once(effect, calls, "a", "default", **IDENTITY, key="late-1")
+        finally:
+            freed.cancel()
+        assert calls == []
+        assert IdempotencyRecord.objects.count() == 0
+        connections["claims"].close()
+        with transaction.atomic():
+            assert run_once(effect, calls, "b", "default", **IDENTITY, key="late-1") == "b"
     assert calls == ["b"]
     assert Charge.objects.count() == 1
 

@@ -34,31 +34,34 @@ __all__ = ["claim", "fetch"]
 _LOOKS = 3
 
 
-def claim(op: Operation, now: datetime) -> ClaimResult:
+def claim(op: Operation, now: datetime, deadline: datetime | None = None) -> ClaimResult:
     """Claim ``op``'s record at ``now``, each statement its own short transaction.
 
     A new key: one statement inserts it. An existing key: the same statement hands its row
     back, and nothing is written, unless the record is replaceable (expired, or a stale lease
     of the same request), which takes one conditional statement more. A record whose outcome
     cannot be read back is refused by the caller, never replaced within its TTL.
+
+    ``deadline`` (PostgreSQL, a claim that a watchdog bounds): an insert that reaches the
+    server after it writes nothing, and the claim raises ``OperationalError``.
     """
     # One bound for the whole claim, its retries included (see _Held).
     started = time.monotonic()
     # retrying()'s loop, kept here: the claim is on every request's path.
     for attempt in range(_retry.ATTEMPTS):
         try:
-            return _claim(op, now, started)
+            return _claim(op, now, started, deadline)
         except OperationalError as exc:
             _retry.pause_or_raise(exc, attempt)
     raise AssertionError("unreachable")
 
 
-def _claim(op: Operation, now: datetime, started: float) -> ClaimResult:
+def _claim(op: Operation, now: datetime, started: float, deadline: datetime | None) -> ClaimResult:
     held: _Held | None = None  # made only when a batch is in the way
     look = 0
     while look < _LOOKS:
         look += 1
-        found = _insert_or_existing(op, now)
+        found = _insert_or_existing(op, now, deadline)
         if isinstance(found, ClaimResult):
             return found
         state = found or fetch(op)
@@ -118,7 +121,9 @@ class _Held:
         return True
 
 
-def _insert_or_existing(op: Operation, now: datetime) -> ClaimResult | RecordState | None:
+def _insert_or_existing(
+    op: Operation, now: datetime, deadline: datetime | None = None
+) -> ClaimResult | RecordState | None:
     """Insert the claim (its ``ClaimResult``), or find the record in its way (its state).
 
     ``None`` when the conflicting record was not visible (committed after the statement's
@@ -138,12 +143,23 @@ def _insert_or_existing(op: Operation, now: datetime) -> ClaimResult | RecordSta
             "created_at": now,
         }
         sql = claim_sql(
-            op.alias, op.operation, op.fingerprint_version, op.recovery_policy, op.lease, op.ttl
+            op.alias,
+            op.operation,
+            op.fingerprint_version,
+            op.recovery_policy,
+            op.lease,
+            op.ttl,
+            deadline is not None,
         )
+        if deadline is not None:
+            params["deadline"] = deadline
         with cursor(op.alias) as statement:
             statement.execute(sql, params)
             row = statement.fetchone()
         if row is None:
+            if deadline is not None and timezone.now() >= deadline:
+                # The guard refused a statement that reached the server too late.
+                raise OperationalError("the claim reached the database after CLAIM_TIMEOUT")
             return None
         if row[1] is None:  # no status: the row is the claim's own insert
             token = row[-2]

@@ -59,8 +59,13 @@ def claim_sql(
     recovery_policy: str,
     lease: timedelta,
     ttl: timedelta,
+    guarded: bool = False,
 ) -> str:
     """The claim: insert a new key, or hand back the existing row, in one statement.
+
+    ``guarded`` (a claim a watchdog bounds, see ``_autonomous._bounded``): the INSERT runs
+    only before ``%(deadline)s`` on the server's clock, so that a statement a pooler hands a
+    server connection after the caller gave up writes nothing.
 
     The INSERT runs only when no row holds the key (``NOT EXISTS``): a replay or a conflict
     then writes nothing, takes no transaction id (not even the id sequence's, which an
@@ -112,9 +117,10 @@ def claim_sql(
     durable = recovery_policy != "retry"
     flush = "NULL" if durable else "set_config('synchronous_commit', 'off', true)"
     returned = f"{quote('id')}, {quote('lease_token')}"
+    guard = " AND clock_timestamp() < %(deadline)s" if guarded else ""
     return (
         f"WITH claim AS (INSERT INTO {into} ({columns}) SELECT {values}"
-        f" WHERE NOT EXISTS (SELECT 1 FROM {into} WHERE {identity})"
+        f" WHERE NOT EXISTS (SELECT 1 FROM {into} WHERE {identity}){guard}"
         f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returned})"
         f" SELECT {quote('id')}, {nulls}, {quote('lease_token')}, {flush} FROM claim"
         # The outer SELECT shares the INSERT's snapshot, so it never sees the row the claim
