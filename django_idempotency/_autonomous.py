@@ -41,12 +41,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.utils import timezone
 
 from django_idempotency import _retry
 from django_idempotency.conf import app_settings
@@ -196,10 +196,11 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[datetim
     """Interrupt the claim connection's statements when the block outlasts ``timeout``.
 
     Yields the block's deadline (``None`` on MySQL and MariaDB). The watchdog's close may
-    cut the answer of a statement that committed a moment before it; a claim statement
-    that reaches the server after the deadline therefore writes nothing (its guard compares
-    the server's clock with the deadline), so that any claim a watchdog could interrupt
-    leaves nothing behind.
+    cut the answer of a statement that committed a moment before it. A claim's insert or
+    takeover that reaches the server after the deadline therefore writes nothing (its guard
+    compares the server's clock with the deadline): what the close can still cut is only a
+    statement that reached the server before the deadline and took more than the second
+    until the close to commit and answer.
 
     On PostgreSQL a statement waiting for the server (a row lock) is cancelled; a client
     waiting in a pooler's queue for a server connection (PgBouncer ignores a cancel request
@@ -211,7 +212,8 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[datetim
     if claim.vendor != "postgresql":
         yield None
         return
-    deadline = timezone.now() + timeout
+    # Aware and in UTC whatever USE_TZ says: it is compared with the server's clock.
+    deadline = datetime.now(dt_timezone.utc) + timeout
     # The block's end and the watchdog's acts take turns: a watchdog that fires late never
     # cancels or closes what the next block runs on the same connection.
     turn = threading.Lock()
@@ -252,9 +254,10 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[datetim
 def discard_broken(alias: str) -> bool:
     """After a claim-side statement failed: close the connection it ran on when that
     connection is broken (a terminated backend, a restarted server) and may be replaced;
-    ``True`` when a retry would run on a fresh one. A connection that still answers is kept
-    (the statement failed for its own reasons), and so is a caller's connection inside a
-    transaction (closing it would end the caller's transaction)."""
+    ``True`` when a retry would run on a fresh one. The claim's own connection (inside a
+    caller's transaction) is always replaced. The caller's connection is kept when it still
+    answers (the statement failed for its own reasons), and always inside a transaction
+    (closing it would end the caller's transaction)."""
     if separate(alias):
         claims = app_settings.CLAIM_DATABASE
         claim = (
@@ -267,6 +270,12 @@ def discard_broken(alias: str) -> bool:
     if claim is None or claim.in_atomic_block:
         return False
     if claim.connection is None:  # never connected (the connect failed): nothing to close
+        return True
+    if claim is not connections[alias]:
+        # The claim's own connection (or CLAIM_DATABASE's): replaced, never probed. A probe
+        # through a pooler whose queue made the claim fail would wait in that queue, with
+        # no CLAIM_TIMEOUT to bound it.
+        claim.close()
         return True
     try:
         usable = claim.is_usable()

@@ -17,18 +17,20 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.db.backends.signals import connection_created
 from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, run_once
+from django_idempotency._store import ClaimResult, RecordState
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import postgres_only
+from tests.helpers import completed, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
@@ -203,6 +205,25 @@ def test_a_claim_connection_that_cannot_be_had_is_store_unavailable_and_nothing_
     assert Charge.objects.count() == 1
 
 
+LATE = {"CLAIM_DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=1)}
+
+
+def refused_late(starved: threading.Event, calls: list[str], key: str) -> None:
+    """``run_once`` inside a transaction, under ``LATE``, while ``claims`` is starved: the
+    watchdog cancels at 1 s (the pooler ignores it for a queued client) and closes the
+    connection at 2 s, and the pool is freed in between. It must be StoreUnavailable, the
+    claim connection replaced (not probed through the pooler's queue), and nothing run."""
+    freed = threading.Timer(1.4, starved.set)
+    freed.start()
+    try:
+        with transaction.atomic(), pytest.raises(StoreUnavailable):
+            run_once(effect, calls, "a", "default", **IDENTITY, key=key)
+    finally:
+        freed.cancel()
+    assert calls == []
+    assert connections["claims"].connection is None
+
+
 @on_postgresql
 def test_a_claim_that_reaches_the_database_after_claim_timeout_writes_nothing(
     starved_claims_pool,
@@ -212,24 +233,81 @@ def test_a_claim_that_reaches_the_database_after_claim_timeout_writes_nothing(
     committed, the watchdog's close could cut its answer, and the caller would be told
     StoreUnavailable with a claim left behind that nobody owns.)"""
     calls: list[str] = []
-    timeout = {"CLAIM_DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=1)}
-    # The watchdog cancels at 1 s (the pooler ignores it for a queued client) and closes
-    # the connection at 2 s: the pool is freed in between.
-    freed = threading.Timer(1.4, starved_claims_pool.set)
-    with override_settings(IDEMPOTENCY=timeout):
-        freed.start()
-        try:
-            with transaction.atomic(), pytest.raises(StoreUnavailable):
-                run_once(effect, calls, "a", "default", **IDENTITY, key="late-1")
-        finally:
-            freed.cancel()
-        assert calls == []
+    with override_settings(IDEMPOTENCY=LATE):
+        refused_late(starved_claims_pool, calls, "late-1")
         assert IdempotencyRecord.objects.count() == 0
-        connections["claims"].close()
         with transaction.atomic():
             assert run_once(effect, calls, "b", "default", **IDENTITY, key="late-1") == "b"
     assert calls == ["b"]
     assert Charge.objects.count() == 1
+
+
+@on_postgresql
+def test_a_late_claim_never_takes_over_the_expired_record_in_its_way(starved_claims_pool):
+    """The same late claim meets an expired record of the key: it must not replace it after
+    CLAIM_TIMEOUT either (it would run the work late, or leave a takeover nobody owns)."""
+    calls: list[str] = []
+    expired = completed(
+        expires_in=-timedelta(minutes=1), now=timezone.now(), **IDENTITY, key="late-2"
+    )
+    with override_settings(IDEMPOTENCY=LATE):
+        refused_late(starved_claims_pool, calls, "late-2")
+        record = IdempotencyRecord.objects.get()
+        assert (record.pk, record.lease_token, record.expires_at) == (
+            expired.pk,
+            expired.lease_token,
+            expired.expires_at,
+        )
+        with transaction.atomic():
+            assert run_once(effect, calls, "b", "default", **IDENTITY, key="late-2") == "b"
+    assert calls == ["b"]
+
+
+@on_postgresql
+@pytest.mark.parametrize("in_the_way", [False, True])
+def test_a_guarded_claim_past_its_deadline_writes_nothing_and_says_so(in_the_way, monkeypatch):
+    """Whatever the app's clock says: the statement itself tells a refusal from a record
+    that vanished (a server clock ahead of the app's is never read as a vanished record)."""
+    from django_idempotency._operation import Operation
+    from django_idempotency._store import claiming
+
+    if in_the_way:
+        completed(expires_in=timedelta(hours=1), now=timezone.now(), **IDENTITY, key="g-1")
+    op = Operation(
+        "default", IDENTITY["account"], IDENTITY["operation"], "g-1", "a" * 64, "v1", "retry",
+        timedelta(seconds=60), timedelta(hours=1),
+    )  # fmt: skip
+    past = datetime.now(dt_timezone.utc) - timedelta(milliseconds=1)
+    now = timezone.now()
+    # The app's clock an hour behind the server's: only the server can tell it is too late.
+    monkeypatch.setattr(timezone, "now", lambda: now - timedelta(hours=1))
+    if in_the_way:
+        found = claiming._insert_or_existing(op, now, past)
+        assert isinstance(found, RecordState)
+        assert found.status == RecordStatus.COMPLETED
+    else:
+        with pytest.raises(OperationalError, match="after CLAIM_TIMEOUT"):
+            claiming._insert_or_existing(op, now, past)
+    monkeypatch.undo()
+    assert IdempotencyRecord.objects.count() == (1 if in_the_way else 0)
+    # Before its deadline the same statement claims as ever.
+    soon = datetime.now(dt_timezone.utc) + timedelta(seconds=30)
+    found = claiming._insert_or_existing(op, timezone.now(), soon)
+    assert isinstance(found, ClaimResult if not in_the_way else RecordState)
+
+
+@on_postgresql
+def test_a_claim_inside_a_transaction_without_use_tz():
+    calls: list[str] = []
+    try:
+        with override_settings(USE_TZ=False, IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+            with transaction.atomic():
+                assert run_once(effect, calls, "a", "default", **IDENTITY, key="naive") == "a"
+            with transaction.atomic():
+                assert run_once(effect, calls, "b", "default", **IDENTITY, key="naive") == "a"
+    finally:
+        close_claims()  # its connections (and a Django pool's) were set up without USE_TZ
+    assert calls == ["a"]
 
 
 # -- a claim never waits on a lock another attempt holds ------------------------------------

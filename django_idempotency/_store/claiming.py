@@ -13,6 +13,7 @@ import functools
 import time
 import uuid
 from datetime import datetime
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
@@ -29,6 +30,9 @@ from django_idempotency.models import IdempotencyRecord
 
 __all__ = ["claim", "fetch"]
 
+# Why a claim bounded by a deadline (see claim) wrote nothing.
+_LATE = "the claim reached the database after CLAIM_TIMEOUT, on the database server's clock"
+
 # How often one claim looks again when the record in its way vanished (was released) or was
 # committed after its statement's snapshot; each look is one statement.
 _LOOKS = 3
@@ -42,8 +46,9 @@ def claim(op: Operation, now: datetime, deadline: datetime | None = None) -> Cla
     of the same request), which takes one conditional statement more. A record whose outcome
     cannot be read back is refused by the caller, never replaced within its TTL.
 
-    ``deadline`` (PostgreSQL, a claim that a watchdog bounds): an insert that reaches the
-    server after it writes nothing, and the claim raises ``OperationalError``.
+    ``deadline`` (PostgreSQL, a claim that a watchdog bounds): an insert or a takeover that
+    reaches the server after it (on the server's clock) writes nothing, and the claim raises
+    ``OperationalError``; so does a claim that would send its takeover after it.
     """
     # One bound for the whole claim, its retries included (see _Held).
     started = time.monotonic()
@@ -69,9 +74,11 @@ def _claim(op: Operation, now: datetime, started: float, deadline: datetime | No
             continue  # released meanwhile: try the insert again
         if not state.replaceable_by(op, now):
             return ClaimResult(state=state, claimed=False)
+        if deadline is not None and datetime.now(dt_timezone.utc) >= deadline:
+            raise OperationalError(_LATE)
         token = uuid.uuid4()
         take_over = _take_over_archiving if app_settings.AUDIT else _take_over
-        current = take_over(op, now, token, state) or fetch(op)
+        current = take_over(op, now, token, state, deadline) or fetch(op)
         if current is not None:
             claimed = current.lease_token == token
             if not claimed and states.EXPIRED.test(vars(current), now=now):
@@ -157,10 +164,9 @@ def _insert_or_existing(
             statement.execute(sql, params)
             row = statement.fetchone()
         if row is None:
-            if deadline is not None and timezone.now() >= deadline:
-                # The guard refused a statement that reached the server too late.
-                raise OperationalError("the claim reached the database after CLAIM_TIMEOUT")
             return None
+        if row[0] is None:  # the guard's row: the insert reached the server too late
+            raise OperationalError(_LATE)
         if row[1] is None:  # no status: the row is the claim's own insert
             token = row[-2]
             if token.__class__ is not uuid.UUID:
@@ -215,8 +221,8 @@ _TAKEOVER_COLUMNS = (
 )
 
 
-@functools.lru_cache(maxsize=8)
-def _takeover_sql(alias: str) -> str:
+@functools.lru_cache(maxsize=16)
+def _takeover_sql(alias: str, guarded: bool = False) -> str:
     """Replace a record, fenced by ``states.REPLACEABLE`` evaluated on the row itself.
 
     The row is taken only when nobody holds it (``FOR UPDATE SKIP LOCKED``): a holder is a
@@ -241,8 +247,10 @@ def _takeover_sql(alias: str) -> str:
         sql += (
             f" AND {quote('id')} IN (SELECT {quote('id')} FROM {table(alias)}"
             f" WHERE {quote('id')} = %(id)s FOR UPDATE SKIP LOCKED)"
-            f" RETURNING {returning(alias)}"
         )
+        if guarded:  # see claim_sql: a takeover that reaches the server late replaces nothing
+            sql += " AND clock_timestamp() < %(deadline)s"
+        sql += f" RETURNING {returning(alias)}"
     return sql
 
 
@@ -255,7 +263,11 @@ def _lock_free_sql(alias: str) -> str:
 
 
 def _take_over(
-    op: Operation, now: datetime, token: uuid.UUID, state: RecordState
+    op: Operation,
+    now: datetime,
+    token: uuid.UUID,
+    state: RecordState,
+    deadline: datetime | None = None,
 ) -> RecordState | None:
     """Replace ``state``'s record if it is still replaceable and nobody holds its row.
 
@@ -269,8 +281,10 @@ def _take_over(
         id=state.id, now=row["created_at"], hash=op.request_hash, version=op.fingerprint_version
     )
     if connection.vendor == "postgresql":
+        if deadline is not None:
+            params["deadline"] = deadline
         with cursor(op.alias) as statement:
-            statement.execute(_takeover_sql(op.alias), params)
+            statement.execute(_takeover_sql(op.alias, deadline is not None), params)
             result = statement.fetchone()
         return RecordState.from_row(result) if result is not None else None
     with transaction.atomic(using=op.alias), connection.cursor() as statement:
@@ -283,7 +297,11 @@ def _take_over(
 
 
 def _take_over_archiving(
-    op: Operation, now: datetime, token: uuid.UUID, state: RecordState
+    op: Operation,
+    now: datetime,
+    token: uuid.UUID,
+    state: RecordState,
+    deadline: datetime | None = None,
 ) -> RecordState | None:
     # With the audit trail on, an expired record is copied before it is replaced, in the same
     # transaction: the copy locks the row first, so of two racing claims one copies it and
@@ -292,7 +310,7 @@ def _take_over_archiving(
         IdempotencyRecord.objects.using(op.alias).archive_expired(
             op.account, op.operation, op.key, now=now
         )
-        return _take_over(op, now, token, state)
+        return _take_over(op, now, token, state, deadline)
 
 
 # -- reading a record ------------------------------------------------------------------------

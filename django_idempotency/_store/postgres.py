@@ -118,7 +118,7 @@ def claim_sql(
     flush = "NULL" if durable else "set_config('synchronous_commit', 'off', true)"
     returned = f"{quote('id')}, {quote('lease_token')}"
     guard = " AND clock_timestamp() < %(deadline)s" if guarded else ""
-    return (
+    sql = (
         f"WITH claim AS (INSERT INTO {into} ({columns}) SELECT {values}"
         f" WHERE NOT EXISTS (SELECT 1 FROM {into} WHERE {identity}){guard}"
         f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returned})"
@@ -127,3 +127,8 @@ def claim_sql(
         # inserted: no guard is needed to keep the two branches apart.
         f" UNION ALL SELECT {existing}, NULL, NULL FROM {into} WHERE {identity}"
     )
+    if guarded:
+        # Past the deadline, a last row without an id says so (the rows before it, if any,
+        # tell what is in the way): a refusal is never read as a record that vanished.
+        sql += f" UNION ALL SELECT NULL, {nulls}, NULL, NULL WHERE NOT ({guard[5:]})"
+    return sql
