@@ -176,9 +176,11 @@ class Claim:
     def release(self) -> None:
         """Delete the claim, committed at once (the claim was): a retry runs afresh at once.
 
-        A connection that broke (a terminated backend, a restarted server) is replaced and
-        the release tried once more, so that an attempt that failed for the connection's sake
-        leaves no claim behind; failing that, the record is left to its lease.
+        A connection that broke (a terminated backend, a restarted server), and the claim's
+        own connection inside a caller's transaction after any failure, is replaced and the
+        release tried once more (there, each try bounded by ``CLAIM_TIMEOUT``), so that an
+        attempt that failed for the connection's sake leaves no claim behind; failing that,
+        the record is left to its lease.
         """
         self._at_once(lambda: _store.release(self.alias, self.record_id, self.token), "release")
 

@@ -297,6 +297,33 @@ def test_a_guarded_claim_past_its_deadline_writes_nothing_and_says_so(in_the_way
 
 
 @on_postgresql
+def test_with_the_audit_trail_a_refused_late_takeover_leaves_no_copy(monkeypatch):
+    """The app's clock an hour behind the server's: the app sends the takeover, the server's
+    guard refuses it, and the copy of the expired record made before it must go too."""
+    from django_idempotency import _autonomous
+    from django_idempotency._store import claiming
+    from django_idempotency.models import IdempotencyAuditRecord
+
+    class Behind(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) - timedelta(hours=1)
+
+    calls: list[str] = []
+    expired = completed(
+        expires_in=-timedelta(minutes=1), now=timezone.now(), **IDENTITY, key="audit-1"
+    )
+    monkeypatch.setattr(_autonomous, "datetime", Behind)
+    monkeypatch.setattr(claiming, "datetime", Behind)
+    audit = override_settings(IDEMPOTENCY={**LATE, "AUDIT": True})
+    with audit, transaction.atomic(), pytest.raises(StoreUnavailable):
+        run_once(effect, calls, "a", "default", **IDENTITY, key="audit-1")
+    assert calls == []
+    assert IdempotencyAuditRecord.objects.count() == 0
+    assert IdempotencyRecord.objects.get().lease_token == expired.lease_token
+
+
+@on_postgresql
 def test_a_claim_inside_a_transaction_without_use_tz():
     calls: list[str] = []
     try:

@@ -307,10 +307,15 @@ def _take_over_archiving(
     # transaction: the copy locks the row first, so of two racing claims one copies it and
     # replaces it, and the other then finds it no longer replaceable.
     with transaction.atomic(using=op.alias):
-        IdempotencyRecord.objects.using(op.alias).archive_expired(
+        copied = IdempotencyRecord.objects.using(op.alias).archive_expired(
             op.account, op.operation, op.key, now=now
         )
-        return _take_over(op, now, token, state, deadline)
+        replaced = _take_over(op, now, token, state, deadline)
+        if copied and replaced is None and deadline is not None:
+            # The copy locked the expired row, so only the guard can have refused the
+            # replacement: the copy goes with it (a record is copied once, when replaced).
+            raise OperationalError(_LATE)
+        return replaced
 
 
 # -- reading a record ------------------------------------------------------------------------

@@ -72,7 +72,8 @@ def claim_sql(
     attempted insert would advance) and waits for nobody. Two new claims racing for one key
     meet in ``ON CONFLICT DO NOTHING``, which does not lock the winner's row. The outer
     SELECT hands back the row in the way, from the statement's snapshot. Its first row tells
-    which happened: a NULL status is the claim's own insert.
+    which happened: a NULL status is the claim's own insert (and, ``guarded``, a NULL id the
+    guard's refusal).
 
     What is the same for every request of an operation is written into the statement
     (when it is a plain word: ``WRITABLE``), which is built once per operation; the key, the
