@@ -297,10 +297,16 @@ def test_a_guarded_claim_past_its_deadline_writes_nothing_and_says_so(in_the_way
 
 
 @on_postgresql
-def test_with_the_audit_trail_a_refused_late_takeover_leaves_no_copy(monkeypatch):
-    """The app's clock an hour behind the server's: the app sends the takeover, the server's
-    guard refuses it, and the copy of the expired record made before it must go too."""
+@pytest.mark.parametrize("audit", [False, True])
+def test_a_late_takeover_the_servers_guard_refuses_is_store_unavailable_and_leaves_no_copy(
+    audit, monkeypatch
+):
+    """The app's clock an hour behind the server's: the app sends the takeover and the
+    server's guard refuses it. The statement itself says so: the claim is StoreUnavailable
+    at once (never a record read as held until CLAIM_TIMEOUT, then as one that vanished),
+    and with the audit trail the copy of the expired record made before it goes too."""
     from django_idempotency import _autonomous
+    from django_idempotency._operation import Operation
     from django_idempotency._store import claiming
     from django_idempotency.models import IdempotencyAuditRecord
 
@@ -313,12 +319,21 @@ def test_with_the_audit_trail_a_refused_late_takeover_leaves_no_copy(monkeypatch
     expired = completed(
         expires_in=-timedelta(minutes=1), now=timezone.now(), **IDENTITY, key="audit-1"
     )
+    looks: list[object] = []
+    fetch = claiming.fetch
+
+    def counted(op: Operation) -> RecordState | None:
+        looks.append(op)
+        return fetch(op)
+
+    monkeypatch.setattr(claiming, "fetch", counted)
     monkeypatch.setattr(_autonomous, "datetime", Behind)
     monkeypatch.setattr(claiming, "datetime", Behind)
-    audit = override_settings(IDEMPOTENCY={**LATE, "AUDIT": True})
-    with audit, transaction.atomic(), pytest.raises(StoreUnavailable):
+    late = override_settings(IDEMPOTENCY={**LATE, "AUDIT": audit})
+    with late, transaction.atomic(), pytest.raises(StoreUnavailable, match="CLAIM_TIMEOUT"):
         run_once(effect, calls, "a", "default", **IDENTITY, key="audit-1")
     assert calls == []
+    assert looks == []  # refused by the statement, not read again as a record in the way
     assert IdempotencyAuditRecord.objects.count() == 0
     assert IdempotencyRecord.objects.get().lease_token == expired.lease_token
 

@@ -23,7 +23,7 @@ from django_idempotency import _retry, states
 from django_idempotency._operation import Operation
 from django_idempotency._store.owner import forget_steps
 from django_idempotency._store.postgres import claim_sql
-from django_idempotency._store.records import ClaimResult, RecordState
+from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
 from django_idempotency._store.statements import claim_row, cursor, returning, table
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
@@ -77,8 +77,7 @@ def _claim(op: Operation, now: datetime, started: float, deadline: datetime | No
         if deadline is not None and datetime.now(dt_timezone.utc) >= deadline:
             raise OperationalError(_LATE)
         token = uuid.uuid4()
-        take_over = _take_over_archiving if app_settings.AUDIT else _take_over
-        current = take_over(op, now, token, state, deadline) or fetch(op)
+        current = _take_over(op, now, token, state, deadline) or fetch(op)
         if current is not None:
             claimed = current.lease_token == token
             if not claimed and states.EXPIRED.test(vars(current), now=now):
@@ -248,9 +247,16 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
             f" AND {quote('id')} IN (SELECT {quote('id')} FROM {table(alias)}"
             f" WHERE {quote('id')} = %(id)s FOR UPDATE SKIP LOCKED)"
         )
-        if guarded:  # see claim_sql: a takeover that reaches the server late replaces nothing
-            sql += " AND clock_timestamp() < %(deadline)s"
-        sql += f" RETURNING {returning(alias)}"
+        if not guarded:
+            return f"{sql} RETURNING {returning(alias)}"
+        # See claim_sql: a takeover that reaches the server late replaces nothing, and a last
+        # row without an id says so (never read as a row somebody holds).
+        late = "clock_timestamp() >= %(deadline)s"
+        nulls = ", ".join("NULL" for _ in STATE_COLUMNS)
+        sql = (
+            f"WITH taken AS ({sql} AND NOT ({late}) RETURNING {returning(alias)})"
+            f" SELECT * FROM taken UNION ALL SELECT {nulls} WHERE {late}"
+        )
     return sql
 
 
@@ -272,50 +278,47 @@ def _take_over(
     """Replace ``state``'s record if it is still replaceable and nobody holds its row.
 
     Returns the new state where the statement can return it (PostgreSQL), else ``None``:
-    the caller reads the outcome.
+    the caller reads the outcome. ``OperationalError`` when the guard of a ``deadline``
+    refused it (see :func:`claim`).
     """
-    connection = connections[op.alias]
     row = claim_row(op, token, now)
     params = {c: row[c] for c in _TAKEOVER_COLUMNS}
     params.update(
         id=state.id, now=row["created_at"], hash=op.request_hash, version=op.fingerprint_version
     )
-    if connection.vendor == "postgresql":
-        if deadline is not None:
-            params["deadline"] = deadline
-        with cursor(op.alias) as statement:
-            statement.execute(_takeover_sql(op.alias, deadline is not None), params)
-            result = statement.fetchone()
-        return RecordState.from_row(result) if result is not None else None
-    with transaction.atomic(using=op.alias), connection.cursor() as statement:
-        if connection.features.has_select_for_update_skip_locked:
-            statement.execute(_lock_free_sql(op.alias), [state.id])
-            if statement.fetchone() is None:
-                return None  # held by another transaction: left to it
-        statement.execute(_takeover_sql(op.alias), params)
-    return None
-
-
-def _take_over_archiving(
-    op: Operation,
-    now: datetime,
-    token: uuid.UUID,
-    state: RecordState,
-    deadline: datetime | None = None,
-) -> RecordState | None:
+    if deadline is not None:
+        params["deadline"] = deadline
+    if not app_settings.AUDIT:
+        return _replace(op.alias, params)
     # With the audit trail on, an expired record is copied before it is replaced, in the same
     # transaction: the copy locks the row first, so of two racing claims one copies it and
-    # replaces it, and the other then finds it no longer replaceable.
+    # replaces it, and the other then finds it no longer replaceable. A replacement refused
+    # raises, and the copy goes with it (a record is copied once, when replaced).
     with transaction.atomic(using=op.alias):
-        copied = IdempotencyRecord.objects.using(op.alias).archive_expired(
+        IdempotencyRecord.objects.using(op.alias).archive_expired(
             op.account, op.operation, op.key, now=now
         )
-        replaced = _take_over(op, now, token, state, deadline)
-        if copied and replaced is None and deadline is not None:
-            # The copy locked the expired row, so only the guard can have refused the
-            # replacement: the copy goes with it (a record is copied once, when replaced).
+        return _replace(op.alias, params)
+
+
+def _replace(alias: str, params: dict[str, Any]) -> RecordState | None:
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with cursor(alias) as statement:
+            statement.execute(_takeover_sql(alias, "deadline" in params), params)
+            result = statement.fetchone()
+        if result is None:
+            return None  # held by another transaction, or no longer replaceable
+        if result[0] is None:  # the guard's row: the takeover reached the server too late
             raise OperationalError(_LATE)
-        return replaced
+        return RecordState.from_row(result)
+    with transaction.atomic(using=alias), connection.cursor() as statement:
+        if connection.features.has_select_for_update_skip_locked:
+            statement.execute(_lock_free_sql(alias), [params["id"]])
+            if statement.fetchone() is None:
+                return None  # held by another transaction: left to it
+        statement.execute(_takeover_sql(alias), params)
+    return None
 
 
 # -- reading a record ------------------------------------------------------------------------
