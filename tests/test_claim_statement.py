@@ -214,3 +214,61 @@ def test_without_time_zones_the_record_in_the_way_reads_as_the_record_itself(set
     assert again.state.expires_at == stored.expires_at == naive + request.ttl
     assert again.state.expires_at.tzinfo is None
     assert not again.state.replaceable_by(request, naive)
+
+
+@pytest.fixture
+def slow_writes():
+    """The record table's writes take 0.3 s each (a trigger): the deadline of a guarded
+    statement can pass between its guard and its end."""
+    table = IdempotencyRecord._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION idempotency_test_slow() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NEW; END $$"
+        )
+        cursor.execute(
+            f"CREATE TRIGGER idempotency_test_slow BEFORE INSERT OR UPDATE ON {table}"
+            " FOR EACH ROW EXECUTE FUNCTION idempotency_test_slow()"
+        )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TRIGGER idempotency_test_slow ON {table}")
+            cursor.execute("DROP FUNCTION idempotency_test_slow()")
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("statement", ["insert", "takeover"])
+def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thing(
+    statement, slow_writes
+):
+    """The server's clock is read once: a guarded claim that wrote never also reports that it
+    was late (its caller reads the first row only, in whatever order they come)."""
+    from django_idempotency._store import claiming
+
+    request = claim_request()
+    token = uuid.uuid4()
+    now = datetime.now(UTC)
+    if statement == "takeover":
+        _store.claim(request, now - timedelta(days=2))  # a claim expired since
+        expired = IdempotencyRecord.objects.get()
+    deadline = datetime.now(UTC) + timedelta(milliseconds=100)
+    params: dict[str, object]
+    if statement == "insert":
+        sql = claim_sql("default", "charge.create", "v1", "retry", request.lease, request.ttl, True)
+        params = {"account": request.account, "key": request.key, "request_hash": "a" * 64}
+        params.update(created_at=now, deadline=deadline)
+    else:
+        sql = claiming._takeover_sql("default", True)
+        row = _store.statements.claim_row(request, token, now)
+        params = {c: row[c] for c in claiming._TAKEOVER_COLUMNS}
+        params.update(id=expired.pk, now=now, hash="a" * 64, version="v1", deadline=deadline)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    assert datetime.now(UTC) > deadline  # the deadline passed while it wrote
+    assert len(rows) == 1, rows
+    assert rows[0][0] is not None  # it wrote: the record's id, no refusal
+    assert IdempotencyRecord.objects.count() == 1

@@ -203,6 +203,29 @@ def test_archive_expired_copies_the_record_a_claim_replaces():
     assert (audit.key, audit.reason) == ("reused", "replaced")
 
 
+@AUDIT_ON
+@pytest.mark.django_db(transaction=True)
+def test_a_takeover_copies_only_the_record_it_replaces():
+    """Between a claim's read and its takeover, the record it read was purged and another of
+    the key, expired already, took its place: the takeover replaces nothing (the claim then
+    looks again), and nothing is copied, as nothing was replaced."""
+    from django_idempotency._operation import Operation
+    from django_idempotency._store import claiming
+
+    read = completed(expires_in=-timedelta(seconds=1), key="swapped")
+    op = Operation(
+        "default", "user:1", "charges.create", "swapped", "a" * 64, "v1", "retry",
+        timedelta(seconds=60), timedelta(hours=1),
+    )  # fmt: skip
+    state = claiming.fetch(op)
+    assert state is not None
+    read.delete()
+    other = completed(expires_in=-timedelta(seconds=1), key="swapped")
+    assert claiming._take_over(op, NOW, uuid.uuid4(), state) is None
+    assert IdempotencyAuditRecord.objects.count() == 0
+    assert IdempotencyRecord.objects.get().lease_token == other.lease_token
+
+
 def test_archive_expired_does_nothing_with_the_audit_off():
     completed(expires_in=-timedelta(seconds=1), key="reused")
     with transaction.atomic():

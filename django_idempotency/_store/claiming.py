@@ -22,7 +22,7 @@ from django.utils import timezone
 from django_idempotency import _retry, states
 from django_idempotency._operation import Operation
 from django_idempotency._store.owner import forget_steps
-from django_idempotency._store.postgres import claim_sql
+from django_idempotency._store.postgres import LATE, ON_TIME, claim_sql, refusal
 from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
 from django_idempotency._store.statements import claim_row, cursor, returning, table
 from django_idempotency.conf import app_settings
@@ -242,20 +242,18 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
         f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
     )
     if connection.vendor == "postgresql":
-        # MySQL refuses a subquery on the table it updates: _take_over locks there first.
+        # MySQL refuses a subquery on the table it updates: _replace locks there first.
         sql += (
             f" AND {quote('id')} IN (SELECT {quote('id')} FROM {table(alias)}"
             f" WHERE {quote('id')} = %(id)s FOR UPDATE SKIP LOCKED)"
         )
         if not guarded:
             return f"{sql} RETURNING {returning(alias)}"
-        # See claim_sql: a takeover that reaches the server late replaces nothing, and a last
-        # row without an id says so (never read as a row somebody holds).
-        late = "clock_timestamp() >= %(deadline)s"
-        nulls = ", ".join("NULL" for _ in STATE_COLUMNS)
+        # A takeover that reaches the server late replaces nothing, and says so (never read
+        # as a row somebody holds).
         sql = (
-            f"WITH taken AS ({sql} AND NOT ({late}) RETURNING {returning(alias)})"
-            f" SELECT * FROM taken UNION ALL SELECT {nulls} WHERE {late}"
+            f"WITH {LATE}, taken AS ({sql}{ON_TIME} RETURNING {returning(alias)})"
+            f" SELECT * FROM taken{refusal(len(STATE_COLUMNS))}"
         )
     return sql
 
@@ -292,12 +290,12 @@ def _take_over(
         return _replace(op.alias, params)
     # With the audit trail on, an expired record is copied before it is replaced, in the same
     # transaction: the copy locks the row first, so of two racing claims one copies it and
-    # replaces it, and the other then finds it no longer replaceable. A replacement refused
-    # raises, and the copy goes with it (a record is copied once, when replaced).
+    # replaces it, and the other then finds it no longer replaceable. The copy is of the row
+    # the statement replaces (its id), and a replacement refused raises: the copy goes with
+    # it (a record is copied once, when replaced).
     with transaction.atomic(using=op.alias):
-        IdempotencyRecord.objects.using(op.alias).archive_expired(
-            op.account, op.operation, op.key, now=now
-        )
+        read = IdempotencyRecord.objects.using(op.alias).filter(pk=state.id)
+        read.archive_expired(op.account, op.operation, op.key, now=now)
         return _replace(op.alias, params)
 
 

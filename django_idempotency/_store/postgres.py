@@ -13,7 +13,20 @@ from django_idempotency._store.records import EXISTING_COLUMNS, TIMES
 from django_idempotency._store.statements import table
 from django_idempotency.states import IN_PROGRESS
 
-__all__ = ["claim_sql"]
+__all__ = ["LATE", "ON_TIME", "claim_sql", "refusal"]
+
+# The guard of a claim that a watchdog bounds (see _autonomous._bounded): its write runs only
+# before %(deadline)s on the server's clock, and past it a last row without an id says so
+# (refusal). The clock is read once, in a common table expression of the statement's (LATE,
+# joined to the write's condition by ON_TIME): the statement either writes or reports that
+# it was late, never both and never neither, whatever the order of its rows.
+LATE = "late AS MATERIALIZED (SELECT clock_timestamp() >= %(deadline)s AS past)"
+ON_TIME = " AND NOT (SELECT past FROM late)"
+
+
+def refusal(columns: int) -> str:
+    """The guard's last row, of ``columns`` NULLs, when the statement came too late."""
+    return f" UNION ALL SELECT {', '.join('NULL' for _ in range(columns))} FROM late WHERE past"
 
 
 # The columns PostgreSQL's claim writes: an expression written into the statement, or None
@@ -65,7 +78,7 @@ def claim_sql(
 
     ``guarded`` (a claim a watchdog bounds, see ``_autonomous._bounded``): the INSERT runs
     only before ``%(deadline)s`` on the server's clock, so that a statement a pooler hands a
-    server connection after the caller gave up writes nothing.
+    server connection after the caller gave up writes nothing, and says so (see ``LATE``).
 
     The INSERT runs only when no row holds the key (``NOT EXISTS``): a replay or a conflict
     then writes nothing, takes no transaction id (not even the id sequence's, which an
@@ -118,10 +131,10 @@ def claim_sql(
     durable = recovery_policy != "retry"
     flush = "NULL" if durable else "set_config('synchronous_commit', 'off', true)"
     returned = f"{quote('id')}, {quote('lease_token')}"
-    guard = " AND clock_timestamp() < %(deadline)s" if guarded else ""
     sql = (
-        f"WITH claim AS (INSERT INTO {into} ({columns}) SELECT {values}"
-        f" WHERE NOT EXISTS (SELECT 1 FROM {into} WHERE {identity}){guard}"
+        f"WITH {f'{LATE}, ' if guarded else ''}claim AS (INSERT INTO {into} ({columns})"
+        f" SELECT {values} WHERE NOT EXISTS (SELECT 1 FROM {into} WHERE {identity})"
+        f"{ON_TIME if guarded else ''}"
         f" ON CONFLICT (account, operation, key) DO NOTHING RETURNING {returned})"
         f" SELECT {quote('id')}, {nulls}, {quote('lease_token')}, {flush} FROM claim"
         # The outer SELECT shares the INSERT's snapshot, so it never sees the row the claim
@@ -129,7 +142,7 @@ def claim_sql(
         f" UNION ALL SELECT {existing}, NULL, NULL FROM {into} WHERE {identity}"
     )
     if guarded:
-        # Past the deadline, a last row without an id says so (the rows before it, if any,
-        # tell what is in the way): a refusal is never read as a record that vanished.
-        sql += f" UNION ALL SELECT NULL, {nulls}, NULL, NULL WHERE NOT ({guard[5:]})"
+        # The rows before the refusal, if any, tell what is in the way: a refusal is never
+        # read as a record that vanished.
+        sql += refusal(len(EXISTING_COLUMNS) + 2)
     return sql
