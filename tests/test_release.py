@@ -165,6 +165,19 @@ def test_the_test_workflow_runs_the_steps_of_ci_run() -> None:
     assert {"push", "pull_request", "workflow_call"} <= set(on)
 
 
+def test_ci_run_waits_for_every_step_it_starts_beside_another() -> None:
+    """A background step that is never waited for could fail and leave CI green."""
+    script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    started = re.findall(r"^side_by_side ([\w-]+) ", script, re.MULTILINE)
+    waited = [
+        name
+        for line in re.findall(r"^wait_side_by_side (.+)$", script, re.MULTILINE)
+        for name in line.split()
+    ]
+    assert started
+    assert sorted(started) == sorted(waited)
+
+
 def test_the_test_workflow_has_what_ci_run_starts_and_installs() -> None:
     job = next(iter(workflow("test.yml")["jobs"].values()))
     services = {name: spec["image"].split(":")[0] for name, spec in job["services"].items()}

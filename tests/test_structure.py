@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import django_idempotency
+from django_idempotency import _problems
 
 PACKAGE = Path(django_idempotency.__file__).parent
 MODULES = {
@@ -86,3 +87,15 @@ def test_no_module_imports_another_modules_private_names():
             ):
                 offenders.append(f"{path.name}: {node.value.id}.{node.attr}")
     assert offenders == []
+
+
+def test_every_problem_is_listed_once() -> None:
+    """``ALL_PROBLEMS`` is written by hand beside the constants: a problem added without it
+    would be missing from the OpenAPI schema's enum of codes and from the ninja API's
+    answers."""
+    declared = [value for value in vars(_problems).values() if isinstance(value, _problems.Problem)]
+    assert set(_problems.ALL_PROBLEMS) == set(declared)
+    assert len(_problems.ALL_PROBLEMS) == len(declared)
+    codes = [problem.code for problem in _problems.ALL_PROBLEMS]
+    assert len(set(codes)) == len(codes)
+    assert all(code.startswith("idempotency_") for code in codes)
