@@ -537,6 +537,43 @@ def test_send_reports_a_refused_connection():
     assert refused.error.startswith("connection closed")
 
 
+def test_storm_and_settle_pass_their_options_on_to_each_request():
+    import http.server
+    import threading
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            seen.append((self.command, self.headers.get("X-Caller")))
+            self.send_response(204)
+            self.end_headers()
+
+        do_PUT = do_DELETE = answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        answers = storm(url, "/", None, requests=2, method="PUT", headers={"X-Caller": "a"})
+        outcome = settle(url, "/", method="DELETE", headers={"X-Caller": "b"}, timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [a.status for a in answers] == [204, 204]
+    assert outcome.status == 204
+    assert sorted(seen) == [("DELETE", "b"), ("PUT", "a"), ("PUT", "a")]
+    # settle's timeout bounds the whole wait: no answer at all fails the test after it.
+    with (
+        socket_nobody_listens_on() as nobody,
+        pytest.raises(AssertionError, match=r"still no outcome after 0\.3 s"),
+    ):
+        settle(nobody, "/", {"a": 1}, timeout=0.3)
+
+
 def socket_nobody_listens_on() -> Any:
     import contextlib
     import socket

@@ -14,7 +14,8 @@ a connection of its own.
 
 - Replays: `assert_idempotent`, `assert_replay`, `assert_problem`,
   `assert_accounts_isolated`.
-- Races over HTTP: `storm`, `assert_single_execution`, `send`, `settle`, `login_headers`.
+- Races over HTTP: `storm`, `assert_single_execution`, `send`, `settle` (their options:
+  `RequestOptions`), `login_headers`.
 - Time, without sleeping: `expire_lease`, `expire_ttl`, `record_for`.
 - Crashes and pauses at a point the test chooses: `crash_after`, `crash_before`, `crash`,
   `expect_crash`, `pause_after`.
@@ -49,6 +50,7 @@ from django_idempotency.testing.doubles import (
     redeliver,
 )
 from django_idempotency.testing.live import (
+    RequestOptions,
     assert_single_execution,
     login_headers,
     send,
@@ -69,6 +71,7 @@ __all__ = [
     "Pause",
     "ReplayCheck",
     "RequestClient",
+    "RequestOptions",
     "SimulatedCrash",
     "assert_accounts_isolated",
     "assert_idempotent",

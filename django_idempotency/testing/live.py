@@ -10,13 +10,27 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from django_idempotency.testing.answers import Answer, assert_problem, assert_replay
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
     from django.http.response import HttpResponseBase
+    from typing_extensions import Unpack
+
+
+# How long `send` waits for an answer when not told (and `settle` for the outcome).
+_TIMEOUT = 10.0
+
+
+class RequestOptions(TypedDict, total=False):
+    """The options `storm` and `settle` pass on to each `send`: ``headers``, ``method``
+    (``"POST"`` when not given) and ``timeout`` (``10.0`` seconds)."""
+
+    headers: Mapping[str, str] | None
+    method: str
+    timeout: float
 
 
 def send(
@@ -26,7 +40,7 @@ def send(
     *,
     headers: Mapping[str, str] | None = None,
     method: str = "POST",
-    timeout: float = 10.0,
+    timeout: float = _TIMEOUT,
 ) -> Answer:
     """One request to a live server on a new connection; never waits longer than
     ``timeout`` seconds.
@@ -71,24 +85,23 @@ def storm(
     path: str,
     payload: Any = None,
     *,
-    headers: Mapping[str, str] | None = None,
     requests: int = 16,
-    method: str = "POST",
-    timeout: float = 10.0,
+    **options: Unpack[RequestOptions],
 ) -> list[Answer]:
     """``requests`` identical requests at the same instant, through a live server.
 
     Each runs in a thread of its own on a connection of its own; the threads start together
-    (a barrier) and each waits at most ``timeout`` seconds for its answer. Returns every
-    answer, in the threads' order: check them with `assert_single_execution`.
+    (a barrier) and each waits at most ``timeout`` seconds for its answer. ``headers``,
+    ``method`` and ``timeout`` are `send`'s. Returns every answer, in the threads' order:
+    check them with `assert_single_execution`.
     """
     if requests < 2:
         raise ValueError(f"a storm needs at least 2 requests, not {requests}")
-    barrier = threading.Barrier(requests, timeout=timeout)
+    barrier = threading.Barrier(requests, timeout=options.get("timeout", _TIMEOUT))
 
     def one(_: int) -> Answer:
         barrier.wait()
-        return send(base_url, path, payload, headers=headers, method=method, timeout=timeout)
+        return send(base_url, path, payload, **options)
 
     with ThreadPoolExecutor(max_workers=requests) as pool:
         return list(pool.map(one, range(requests)))
@@ -126,20 +139,21 @@ def settle(
     path: str,
     payload: Any = None,
     *,
-    headers: Mapping[str, str] | None = None,
-    method: str = "POST",
-    timeout: float = 10.0,
     pause: float = 0.05,
+    **options: Unpack[RequestOptions],
 ) -> Answer:
     """Retry as a patient client does until the answer is no ``409``: the outcome.
 
     Retries every ``pause`` seconds (not ``Retry-After``'s whole seconds, to keep tests
-    short) for at most ``timeout`` seconds, then fails the test.
+    short) for at most ``timeout`` seconds (`send`'s, 10 by default), then fails the test.
+    ``headers`` and ``method`` are `send`'s.
     """
+    timeout = options.get("timeout", _TIMEOUT)
     deadline = time.monotonic() + timeout
+    each = options.copy()
     while True:
-        left = deadline - time.monotonic()
-        answer = send(base_url, path, payload, headers=headers, method=method, timeout=left)
+        each["timeout"] = deadline - time.monotonic()
+        answer = send(base_url, path, payload, **each)
         if answer.status != 409 and not answer.error:
             return answer
         # A 409, a timeout or a dropped connection: the outcome is still unknown.
