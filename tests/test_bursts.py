@@ -107,6 +107,45 @@ def server(pooler: str, atomic: bool, idempotency: str, prepare: bool = False) -
         yield stack.enter_context(gunicorn(workers=WORKERS, threads=THREADS, extra_env=env))
 
 
+class Servers:
+    """The servers of one module's bursts, one per pooler at a time: a test whose
+    configuration is the one of the previous test through that pooler gets its server
+    again (the tests run in the order of ``CONFIGS``, where six in a row share one), so the
+    eighteen bursts start eight servers rather than eighteen. Each server's first burst
+    meets empty pools, the later ones pools the earlier bursts filled: both run into the
+    same starvation, sixteen requests for eight threads and three (or four) connections."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, tuple[tuple[bool, str], ExitStack, str]] = {}
+
+    def url(self, pooler: str, atomic: bool, idempotency: str) -> str:
+        wanted = (atomic, idempotency)
+        if pooler in self.running:
+            config, stack, url = self.running[pooler]
+            if config == wanted:
+                return url
+            del self.running[pooler]
+            stack.close()
+        stack = ExitStack()
+        url = stack.enter_context(server(pooler, atomic, idempotency))
+        self.running[pooler] = (wanted, stack, url)
+        return url
+
+    def close(self) -> None:
+        while self.running:
+            _, (_, stack, _) = self.running.popitem()
+            stack.close()
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    running = Servers()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
 def headers(user: Any, path: str) -> dict[str, str]:
     from tests.helpers import session_headers
 
@@ -146,10 +185,10 @@ def judged(answers: list[Answer], allowed: set[int]) -> str:
 
 @pytest.mark.parametrize("pooler", ["pgbouncer", "django-pool"])
 @pytest.mark.parametrize(("path", "atomic", "idempotency"), CONFIGS)
-def test_a_burst_of_distinct_keys(user, pooler, path, atomic, idempotency):
+def test_a_burst_of_distinct_keys(servers, user, pooler, path, atomic, idempotency):
     refusable = "CLAIM_TIMEOUT" in idempotency and pooler == "pgbouncer"
-    with server(pooler, atomic, idempotency) as url:
-        answers, seconds = burst(url, path, headers(user, path))
+    url = servers.url(pooler, atomic, idempotency)
+    answers, seconds = burst(url, path, headers(user, path))
     # Only a claim connection through the starved pool may be refused, and then only 503.
     listing = judged(answers, {201, 503} if refusable else {201})
     print(f"\n{pooler} {path} atomic={atomic} {idempotency}: {listing} in {seconds:.1f} s")
@@ -168,8 +207,9 @@ def test_a_burst_of_distinct_keys(user, pooler, path, atomic, idempotency):
 )
 def test_a_burst_through_an_old_pgbouncer_with_prepared_statements(user, path, atomic, idempotency):
     """PgBouncer 1.18 does not keep prepared statements: the engine stops preparing on the
-    first refusal. No 500, nothing left in progress; a refusal inside a transaction (the
-    completion, once per connection at most) is a 503 whose work was rolled back."""
+    first refusal (so each burst has a new server, whose workers still prepare). No 500,
+    nothing left in progress; a refusal inside a transaction (the completion, once per
+    connection at most) is a 503 whose work was rolled back."""
     with server("pgbouncer", atomic, idempotency, prepare=True) as url:
         answers, seconds = burst(url, path, headers(user, path))
     listing = judged(answers, {201, 503})
