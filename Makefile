@@ -4,8 +4,9 @@
 # installed there in editable mode with all extras and the `dev` dependency group, again only
 # when pyproject.toml changed since the last install (a stamp file inside .venv remembers).
 # The example project (`make demo`, `make storm`) runs from .venv-demo instead: the package
-# with its extras and the `demo` group, nothing of the test or docs tooling. Both venvs get
-# a current pip first: `--group` needs pip 25.1 or later.
+# with its extras and the `demo` group, nothing of the test or docs tooling. Each venv is
+# filled by uv, which pip installs into it first: a few seconds, where pip's own install
+# took most of a minute in CI (and `--group` needs pip 25.1, newer than many a venv's).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -69,17 +70,24 @@ help:
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[$(EXTRAS)]" --group dev
+$(BIN)/uv: | $(BIN)/python
+	$(BIN)/python -m pip install --quiet uv
+
+# UV_INSTALL VENV_BIN: install into that venv with its uv.
+UV_INSTALL = $(1)/uv pip install --quiet --python $(1)/python
+
+$(STAMP): pyproject.toml | $(BIN)/uv
+	$(call UV_INSTALL,$(BIN)) -e ".[$(EXTRAS)]" --group dev
 	touch $@
 
 $(DEMO_BIN)/python:
 	$(PYTHON) -m venv $(DEMO_VENV)
 
-$(DEMO_STAMP): pyproject.toml | $(DEMO_BIN)/python
-	$(DEMO_BIN)/python -m pip install --quiet --upgrade pip
-	$(DEMO_BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]" --group demo
+$(DEMO_BIN)/uv: | $(DEMO_BIN)/python
+	$(DEMO_BIN)/python -m pip install --quiet uv
+
+$(DEMO_STAMP): pyproject.toml | $(DEMO_BIN)/uv
+	$(call UV_INSTALL,$(DEMO_BIN)) -e ".[$(EXTRAS)]" --group demo
 	touch $@
 
 install: $(STAMP)
@@ -165,7 +173,7 @@ docs-screenshots: $(STAMP)
 # MariaDB/MySQL: mysqlclient builds against libmariadb-dev (Debian), so it is installed here
 # rather than in the dev group.
 $(BIN)/.mysqlclient: | $(STAMP)
-	$(BIN)/python -m pip install "mysqlclient>=2.2"
+	$(call UV_INSTALL,$(BIN)) "mysqlclient>=2.2"
 	touch $@
 
 # The tests that can reach the test database (TEST_DATABASE_ONLY=1, tests/conftest.py: the
@@ -204,7 +212,7 @@ test-poolers: $(STAMP)
 # database, as for MariaDB, in two halves side by side, each with a server of its own, and
 # the engine's statements prepared (TEST_DB_PREPARE=0; make test runs them unprepared).
 $(BIN)/.pgserver: | $(STAMP)
-	$(BIN)/python -m pip install "pgserver>=0.1.4"
+	$(call UV_INSTALL,$(BIN)) "pgserver>=0.1.4"
 	touch $@
 
 test-pg16: $(BIN)/.pgserver
@@ -229,7 +237,7 @@ test-quickstart: $(STAMP)
 
 # tox-uv: the envs are made and filled by uv (seconds each, where pip took minutes in CI).
 $(BIN)/tox: | $(STAMP)
-	$(BIN)/python -m pip install "tox>=4.22" "tox-uv>=1.11"
+	$(call UV_INSTALL,$(BIN)) "tox>=4.22" "tox-uv>=1.11"
 
 # TOX_PARALLEL=N: N envs at a time (tox run-parallel; each env's output shown when it ends).
 tox: $(BIN)/tox
