@@ -73,8 +73,9 @@ $(BIN)/python:
 $(BIN)/uv: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet uv
 
-# UV_INSTALL VENV_BIN: install into that venv with its uv.
-UV_INSTALL = $(1)/uv pip install --quiet --python $(1)/python
+# UV_INSTALL VENV_BIN: install into that venv with its uv, the modules compiled as pip does
+# (where PYTHONDONTWRITEBYTECODE is set, nothing else would compile them once).
+UV_INSTALL = $(1)/uv pip install --quiet --compile-bytecode --python $(1)/python
 
 $(STAMP): pyproject.toml | $(BIN)/uv
 	$(call UV_INSTALL,$(BIN)) -e ".[$(EXTRAS)]" --group dev

@@ -178,6 +178,49 @@ def test_ci_run_waits_for_every_step_it_starts_beside_another() -> None:
     assert sorted(started) == sorted(waited)
 
 
+def ci_run_helpers() -> str:
+    """``.ci/run``'s helpers for its steps, as it defines them (the functions, the log
+    directory, the table of background jobs and the exit trap), without its steps."""
+    script = (ROOT / ".ci" / "run").read_text()
+    start = script.index("step() {")
+    end = script.index("trap wait_for_the_rest EXIT\n") + len("trap wait_for_the_rest EXIT\n")
+    return script[start:end]
+
+
+@pytest.mark.parametrize(
+    "failing",
+    [
+        "side_by_side broken false\nwait_side_by_side broken",  # a step in the background
+        'step "make test" false',  # a step in the foreground
+    ],
+)
+def test_ci_run_waits_for_and_prints_every_background_step_when_another_fails(
+    tmp_path: Path, failing: str
+) -> None:
+    """A failure leaves no background step running after CI (its servers and pytest runs
+    would outlive the job) and none unseen: each is waited for and its output printed."""
+    import subprocess
+
+    done = tmp_path / "done"
+    script = "\n".join(
+        [
+            "set -euo pipefail",
+            ci_run_helpers(),
+            f"side_by_side slow bash -c 'sleep 1; echo slow is done; touch {done}'",
+            failing,
+            "echo not reached",
+        ]
+    )
+    ran = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert ran.returncode == 1, ran
+    assert done.exists()  # waited for: it finished before the script exited
+    assert "slow is done" in ran.stdout
+    assert "==> slow was still running; waiting for it" in ran.stdout
+    assert "not reached" not in ran.stdout
+
+
 def test_the_test_workflow_has_what_ci_run_starts_and_installs() -> None:
     job = next(iter(workflow("test.yml")["jobs"].values()))
     services = {name: spec["image"].split(":")[0] for name, spec in job["services"].items()}

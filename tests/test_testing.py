@@ -539,7 +539,9 @@ def test_send_reports_a_refused_connection():
 
 def test_storm_and_settle_pass_their_options_on_to_each_request():
     import http.server
+    import socket
     import threading
+    import time
 
     seen: list[tuple[str, str | None]] = []
 
@@ -566,12 +568,16 @@ def test_storm_and_settle_pass_their_options_on_to_each_request():
     assert [a.status for a in answers] == [204, 204]
     assert outcome.status == 204
     assert sorted(seen) == [("DELETE", "b"), ("PUT", "a"), ("PUT", "a")]
-    # settle's timeout bounds the whole wait: no answer at all fails the test after it.
-    with (
-        socket_nobody_listens_on() as nobody,
-        pytest.raises(AssertionError, match=r"still no outcome after 0\.3 s"),
-    ):
-        settle(nobody, "/", {"a": 1}, timeout=0.3)
+    # The timeout reaches each request: a server that never answers times them out.
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts
+        mute = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        unanswered = storm(mute, "/", None, requests=2, timeout=0.3)
+        assert [a.error for a in unanswered] == ["timed out", "timed out"]
+        # settle's timeout bounds the whole wait, its retries' included.
+        with pytest.raises(AssertionError, match=r"still no outcome after 0\.5 s"):
+            settle(mute, "/", {"a": 1}, timeout=0.5)
+        assert time.monotonic() - started < 5
 
 
 def socket_nobody_listens_on() -> Any:
