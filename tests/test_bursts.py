@@ -122,12 +122,9 @@ class Servers:
 
     def url(self, pooler: str, atomic: bool, idempotency: str) -> str:
         wanted = (atomic, idempotency)
-        if pooler in self.running:
-            config, stack, url = self.running[pooler]
-            if config == wanted:
-                return url
-            del self.running[pooler]
-            stack.close()
+        if pooler in self.running and self.running[pooler][0] == wanted:
+            return self.running[pooler][2]
+        self.stop(pooler)
         stack = ExitStack()
         url = stack.enter_context(server(pooler, atomic, idempotency))
         self.running[pooler] = (wanted, stack, url)
