@@ -1,24 +1,28 @@
-"""``django_idempotency.mcp.idempotent_tool``: agents' tool calls run once, with their effects
-counted.
+"""``idempotent_tool`` of ``django_idempotency.mcp`` and of ``django_idempotency.fastmcp``:
+agents' tool calls run once, with their effects counted, whichever framework serves the tool.
 
-Every test talks to an ``MCPServer`` through the SDK's own client, in-process (``Client(server)``),
-so what it sees is what an agent sees: tool results, their ``structuredContent``, ``isError`` and
-``_meta``. Each behaviour is checked for a ``def`` tool and an ``async def`` tool alike. The
-effects counted are ``RUNS`` (every entry into a tool body), rows of ``tests.testapp.Charge``
-(local writes, which commit or roll back with the tool's record) and ``OUTSIDE`` (calls that
-reached "the outside world": a provider, a mail server; nothing rolls them back).
+Every test talks to a server through its framework's own client, in-process (the SDK's
+``Client(server)`` for an ``MCPServer``, FastMCP's ``Client(server)`` for a ``FastMCP``), so
+what it sees is what an agent sees: tool results, their ``structuredContent``, ``isError`` and
+``_meta``. Each behaviour is checked for a ``def`` tool and an ``async def`` tool, under each
+framework (the ``kind`` fixture). The effects counted are ``RUNS`` (every entry into a tool
+body), rows of ``tests.testapp.Charge`` (local writes, which commit or roll back with the
+tool's record) and ``OUTSIDE`` (calls that reached "the outside world": a provider, a mail
+server; nothing rolls them back).
 
-A sync tool runs on one of the SDK's worker threads, so on a database connection of its own: the
-tests use a transactional database (``transaction=True``).
+A sync tool runs on one of the framework's worker threads, so on a database connection of its
+own: the tests use a transactional database (``transaction=True``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -40,6 +44,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 from django_idempotency import current, step
+from django_idempotency import fastmcp as fastmcp_adapter
+from django_idempotency import mcp as mcp_adapter
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.mcp import idempotent_tool
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -69,9 +75,46 @@ def _fresh_counters() -> Iterator[None]:
     OUTSIDE.clear()
 
 
-@pytest.fixture(params=["sync", "async"])
+pytest.importorskip("fastmcp")
+
+import fastmcp  # noqa: E402
+from fastmcp import FastMCP  # noqa: E402
+
+#: A tool's kind: ``def`` (``sync``) or ``async def`` (``async``) under the SDK's
+#: ``MCPServer``, and the same under FastMCP (``fastmcp-...``).
+KINDS = ["sync", "async", "fastmcp-sync", "fastmcp-async"]
+
+
+@pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def is_sync(kind: str) -> bool:
+    return kind.rsplit("-", 1)[-1] == "sync"
+
+
+def on_fastmcp(kind: str) -> bool:
+    return kind.startswith("fastmcp-")
+
+
+def new_server(kind: str) -> Any:
+    """An empty server of the kind's framework."""
+    return FastMCP("shop") if on_fastmcp(kind) else MCPServer("shop")
+
+
+def protector(kind: str) -> Callable[..., Any]:
+    """The kind's framework's ``idempotent_tool``."""
+    return fastmcp_adapter.idempotent_tool if on_fastmcp(kind) else mcp_adapter.idempotent_tool
+
+
+def registrar(server: Any, **options: Any) -> Callable[[Any], Any]:
+    """The server's own tool registration, ``@server.tool(...)``."""
+    return server.tool(**options)  # type: ignore[no-any-return]
+
+
+def context_type(kind: str) -> type:
+    return fastmcp.Context if on_fastmcp(kind) else Context
 
 
 # -- the tools ---------------------------------------------------------------------------------
@@ -96,18 +139,18 @@ def shop(
     key_argument: bool = True,
     annotations: ToolAnnotations | None = None,
     **options: Any,
-) -> MCPServer:
+) -> Any:
     """A server with one protected tool, ``refund``: ``def`` or ``async def`` (``kind``), with an
     ``idempotency_key`` argument or taking its key from ``_meta`` (``key_argument``). ``body``
     does the work (database writes included); ``hold`` (blocking) runs before it, off the event
     loop for an async tool. ``options`` go to ``idempotent_tool``; the account defaults to
     ``ACCOUNT``."""
     options.setdefault("account", ACCOUNT)
-    server = MCPServer("shop")
-    register = server.tool(annotations=annotations)
-    protect = idempotent_tool(**options)
+    server = new_server(kind)
+    register = registrar(server, annotations=annotations)
+    protect = protector(kind)(**options)
 
-    if kind == "sync" and key_argument:
+    if is_sync(kind) and key_argument:
 
         def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
             """Refund ``amount`` of an order."""
@@ -116,7 +159,7 @@ def shop(
             return body(order_id, amount)  # type: ignore[no-any-return]
 
         register(protect(refund))
-    elif kind == "sync":
+    elif is_sync(kind):
 
         def refund(order_id: int, amount: int) -> dict[str, Any]:  # type: ignore[misc]
             """Refund ``amount`` of an order."""
@@ -147,7 +190,7 @@ def shop(
 
 
 def call(
-    server: MCPServer,
+    server: Any,
     arguments: dict[str, Any],
     *,
     meta: dict[str, Any] | None = None,
@@ -159,6 +202,16 @@ def call(
 
     async def go() -> CallToolResult:
         with anyio.fail_after(WAIT):
+            if isinstance(server, FastMCP):
+                async with fastmcp.Client(server) as agent:
+                    got = await agent.call_tool(name, arguments, meta=meta, raise_on_error=False)
+                # FastMCP's client answers its own result type: the same fields.
+                return CallToolResult(
+                    content=got.content,
+                    structured_content=got.structured_content,
+                    is_error=got.is_error,
+                    _meta=got.meta,  # type: ignore[call-arg]
+                )
             async with Client(server) as client:
                 return await client.call_tool(name, arguments, meta=meta)  # type: ignore[arg-type]
 
@@ -174,7 +227,7 @@ def call(
         auth_context_var.reset(reset)
 
 
-def died(server: MCPServer, arguments: dict[str, Any], **options: Any) -> None:
+def died(server: Any, arguments: dict[str, Any], **options: Any) -> None:
     """A call whose process dies inside the tool (``crash()``): no answer reaches the agent, the
     claim stays held under its lease, as after a SIGKILL."""
     try:
@@ -443,9 +496,10 @@ def test_an_unreachable_store_is_refused_and_nothing_runs(kind, unreachable_stor
 # -- the account -------------------------------------------------------------------------------
 
 
-def tenant(context: Context) -> str:
+def tenant(context: Context | fastmcp.Context) -> str:
     """An account callable: the tenant the host put in the call's ``_meta``."""
-    assert isinstance(context, Context)
+    assert isinstance(context, (Context, fastmcp.Context))
+    assert context.request_context is not None
     meta = dict(context.request_context.meta or {})
     return f"tenant:{meta['tenant']}"
 
@@ -467,9 +521,20 @@ def test_an_account_callable_gets_the_context_and_separates_accounts(kind):
 
 @pytest.mark.parametrize("answer", ["", None], ids=["empty", "none"])
 def test_an_account_callable_without_an_answer_refuses(kind, answer):
+    # "" is what the docs' account example answers for a caller without an organisation:
+    # refused with the HTTP side's code, never a generic error.
     server = shop(kind, account=lambda context: answer)
-    result = call(server, args(new_key()))
-    assert result.is_error is True, result
+    body = refused(call(server, args(new_key())), "idempotency_account_missing")
+    assert "authenticated caller" in body["detail"]
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_an_account_callable_answering_no_string_refuses_and_logs_the_defect(kind, caplog):
+    server = shop(kind, account=lambda context: 42)
+    with caplog.at_level(logging.ERROR, logger="django_idempotency"):
+        refused(call(server, args(new_key())), "idempotency_account_missing")
+    assert "answered 'int'" in caplog.text
     assert effects() == (0, 0, 0)
     assert not IdempotencyRecord.objects.exists()
 
@@ -680,9 +745,12 @@ def test_a_step_that_raises_keeps_the_recorded_steps_and_the_next_call_resumes(k
 # -- the schema and the listing ----------------------------------------------------------------
 
 
-def list_tools(server: MCPServer) -> list[Any]:
+def list_tools(server: Any) -> list[Any]:
     async def go() -> list[Any]:
         with anyio.fail_after(WAIT):
+            if isinstance(server, FastMCP):
+                async with fastmcp.Client(server) as agent:
+                    return list(await agent.list_tools())
             async with Client(server) as client:
                 return list((await client.list_tools()).tools)
 
@@ -710,24 +778,27 @@ def test_a_tool_keyed_by_meta_lists_only_its_own_parameters(kind):
 
 
 def test_a_tool_taking_the_context_still_gets_it(kind):
-    server = MCPServer("shop")
-    if kind == "sync":
+    server = new_server(kind)
+    register = registrar(server)
+    protect = protector(kind)(account=ACCOUNT)
+    expected = context_type(kind)
+    if is_sync(kind):
 
-        @server.tool()
-        @idempotent_tool(account=ACCOUNT)
         def note(text: str, idempotency_key: str, ctx: Context) -> str:
-            assert isinstance(ctx, Context)
+            assert isinstance(ctx, expected)
             RUNS.append(text)
             return f"noted {text}"
 
     else:
 
-        @server.tool()
-        @idempotent_tool(account=ACCOUNT)
         async def note(text: str, idempotency_key: str, ctx: Context) -> str:  # type: ignore[misc]
-            assert isinstance(ctx, Context)
+            assert isinstance(ctx, expected)
             RUNS.append(text)
             return f"noted {text}"
+
+    # Each framework finds the context argument by its annotation: its own Context class.
+    note.__annotations__["ctx"] = expected
+    register(protect(note))
 
     (tool,) = list_tools(server)
     assert set(tool.input_schema["properties"]) == {"text", "idempotency_key"}
@@ -955,6 +1026,54 @@ def test_the_decorator_above_server_tool_is_refused_when_it_is_applied():
     assert Charge.objects.count() == 0
 
 
+class Registry:
+    """A project's holder of its server: the server is one attribute away."""
+
+    def __init__(self) -> None:
+        self.server = MCPServer("shop")
+
+
+REGISTRY = Registry()
+
+
+def test_the_decorator_above_a_server_reached_through_an_attribute_is_refused():
+    local = Registry()
+    for registry in (REGISTRY, local):
+        with pytest.raises(ImproperlyConfigured, match=r"beneath @server\.tool"):
+
+            @idempotent_tool(account="tenant:a")
+            @registry.server.tool()
+            def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
+                raise AssertionError("never called")
+
+
+def test_the_decorator_above_fastmcps_tool_is_refused_when_it_is_applied():
+    server = FastMCP("shop")
+    holder = Registry()
+    holder.server = server  # type: ignore[assignment]
+    for register in (server.tool, server.tool(), holder.server.tool(name="refund")):
+        with pytest.raises(ImproperlyConfigured, match=r"beneath @server\.tool"):
+
+            @fastmcp_adapter.idempotent_tool(account="tenant:a")
+            @register
+            def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
+                raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("bare", ["bare", "a class"])
+def test_the_decorator_without_its_parentheses_or_on_a_class_is_refused(kind, bare):
+    def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
+        raise AssertionError("never called")
+
+    decorate = (
+        (lambda: protector(kind)(refund))
+        if bare == "bare"
+        else (lambda: protector(kind)(account="tenant:a")(Registry))
+    )
+    with pytest.raises((ImproperlyConfigured, TypeError)):
+        decorate()
+
+
 def test_an_argument_named_as_the_adapters_context_is_refused():
     def tool(n: int, idempotency_context: str, idempotency_key: str) -> dict[str, int]:
         return {"n": n}
@@ -964,8 +1083,8 @@ def test_an_argument_named_as_the_adapters_context_is_refused():
 
 
 SET_FINGERPRINT = (
-    "import django, json; django.setup(); from django_idempotency.mcp import _canonical; "
-    "print(json.dumps(_canonical({'tags': {'alpha', 'beta', 'gamma', 'delta', 'eps', 'zeta'}})))"
+    "import django, json; django.setup(); from django_idempotency._tools import canonical; "
+    "print(json.dumps(canonical({'tags': {'alpha', 'beta', 'gamma', 'delta', 'eps', 'zeta'}})))"
 )
 
 
@@ -993,21 +1112,72 @@ def test_a_set_argument_fingerprints_alike_in_every_process():
     assert seen == {'{"tags": ["alpha", "beta", "delta", "eps", "gamma", "zeta"]}\n'}
 
 
-def test_a_whole_float_and_its_integer_are_the_same_call():
-    runs: list[float] = []
-    server = MCPServer("shop")
+def paying(kind: str, annotation: Any, runs: list[Any]) -> Any:
+    """A server with one protected sync tool ``pay(amount: <annotation>, idempotency_key)``."""
+    server = new_server(kind)
 
-    @server.tool()
-    @idempotent_tool(account="tenant:a")
-    def pay(amount: int | float, idempotency_key: str) -> dict[str, bool]:
+    def pay(amount: Any, idempotency_key: str) -> dict[str, bool]:
         runs.append(amount)
         return {"ok": True}
 
+    pay.__annotations__["amount"] = annotation
+    registrar(server)(protector(kind)(account="tenant:a")(pay))
+    return server
+
+
+@pytest.mark.parametrize("kind", ["sync", "fastmcp-sync"])
+def test_a_whole_float_and_its_integer_are_the_same_call(kind):
+    runs: list[float] = []
+    server = paying(kind, int | float, runs)
     key = new_key()
     first = call(server, {"amount": 1, "idempotency_key": key}, name="pay")
     again = call(server, {"amount": 1.0, "idempotency_key": key}, name="pay")
     replayed(first, again)
     assert runs == [1]
+
+
+@pytest.mark.parametrize("kind", ["sync", "fastmcp-sync"])
+@pytest.mark.parametrize(
+    ("sent", "again"),
+    [(1, 1.0), ("1", "1.0"), ("1.5", "1.50"), ("2.50", 2.5), ("1E+1", 10)],
+    ids=str,
+)
+def test_every_spelling_of_one_decimal_amount_is_the_same_call(kind, sent, again):
+    # The docs say 1 and 1.0 are one call: so are "1" and "1.0" for a Decimal argument.
+    runs: list[Decimal] = []
+    server = paying(kind, Decimal, runs)
+    key = new_key()
+    first = call(server, {"amount": sent, "idempotency_key": key}, name="pay")
+    ran_once(first)
+    replayed(first, call(server, {"amount": again, "idempotency_key": key}, name="pay"))
+    assert len(runs) == 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "fastmcp-sync"])
+def test_two_decimal_amounts_are_two_calls(kind):
+    runs: list[Decimal] = []
+    server = paying(kind, Decimal, runs)
+    key = new_key()
+    ran_once(call(server, {"amount": "1.5", "idempotency_key": key}, name="pay"))
+    refused(
+        call(server, {"amount": "1.51", "idempotency_key": key}, name="pay"),
+        "idempotency_key_reused",
+    )
+    assert len(runs) == 1
+
+
+def test_a_call_that_outlives_its_lease_is_logged(kind, caplog):
+    # With wait=, a duplicate whose original outlives its lease takes the lease over and runs
+    # the tool again: the product says so where it sees it, at the end of the long call.
+    def slow(order_id: int, amount: int) -> dict[str, Any]:
+        time.sleep(1.2)
+        return refund_effect(order_id, amount)
+
+    server = shop(kind, slow, lease=timedelta(seconds=1))
+    with caplog.at_level(logging.WARNING, logger="django_idempotency"):
+        ran_once(call(server, args(new_key())))
+    assert "longer than its lease (1.0 s)" in caplog.text
+    assert "@idempotent_tool(lease=...)" in caplog.text
 
 
 def test_an_infinite_float_runs_once_and_is_replayed():

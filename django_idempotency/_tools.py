@@ -1,0 +1,443 @@
+"""Agents' tool calls, whatever framework serves the tool: the one adapter contract.
+
+An MCP framework (the SDK's ``MCPServer``, FastMCP, the next one) differs from another in
+a few places only: how the call's ``Context`` and ``_meta`` reach the tool, who the
+authenticated caller is, how a return value becomes the framework's result, and how that
+result is stored and built again. A framework's module says those in a :class:`Framework`;
+everything else lives here, once: where the key comes from, the account, the fingerprint,
+the refusals and their codes, the replay flag, the bridge for ``async def`` tools, the
+order check's message and the warning about a lease shorter than a call.
+
+A new framework is one small module: a ``Framework`` and its ``idempotent_tool``, which
+calls :func:`protector`.
+"""
+
+from __future__ import annotations
+
+import decimal
+import functools
+import inspect
+import json
+import logging
+import math
+import time
+import typing
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Annotated, Any, Generic, TypeVar, cast
+
+from asgiref.sync import async_to_sync
+from django.core.exceptions import ImproperlyConfigured
+
+from django_idempotency import _autonomous, _http, _options, _problems, _validation
+from django_idempotency._once import LeaseTakenOver, call_once, stored_result
+from django_idempotency._outcomes import Outcome
+from django_idempotency.conf import app_settings
+from django_idempotency.exceptions import (
+    InProgress,
+    KeyReused,
+    OutcomeUnknown,
+    RecordUnreadable,
+    StoreUnavailable,
+)
+from django_idempotency.keys import InvalidKey
+
+__all__ = [
+    "KEY_ARGUMENT",
+    "KEY_DESCRIPTION",
+    "META_KEY",
+    "REPLAYED_META",
+    "Framework",
+    "canonical",
+    "principal_of",
+    "protector",
+]
+
+logger = logging.getLogger("django_idempotency")
+
+F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+
+#: The tool argument that carries the key, when the tool declares it.
+KEY_ARGUMENT = "idempotency_key"
+#: How that argument is described in the tool's input schema (unless the tool says more).
+KEY_DESCRIPTION = "The same value on every retry of this action"
+#: Where a host puts the key in the call's ``_meta`` when the tool has no key argument.
+META_KEY = "idempotencyKey"
+#: The ``_meta`` flag of a replayed result.
+REPLAYED_META = "idempotentReplayed"
+
+
+class Framework(Generic[R]):
+    """What the adapter needs of one tool framework; ``R`` is its result type.
+
+    Each member is the checklist of a new framework: the defaults here are for a framework
+    that hands the adapter nothing of its own (no context, no token, no ``_meta``).
+    """
+
+    #: How the framework is named in messages ("MCPServer", "FastMCP").
+    name = "the tool framework"
+
+    def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
+        """Raise ``ImproperlyConfigured`` (with :func:`misplaced`'s words) when ``func`` is
+        registered with a server already: the decorator is above the server's."""
+
+    def signature(
+        self, func: Callable[..., Any], signature: inspect.Signature
+    ) -> inspect.Signature:
+        """The signature the framework reads, from the tool's own (key described): a
+        parameter the framework fills with the call's context can be added here."""
+        return signature
+
+    def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The call's context, and the arguments the tool's body takes."""
+        return None, arguments
+
+    def meta(self, context: Any) -> Mapping[str, Any] | None:
+        """The call's ``_meta``."""
+        return None
+
+    def principal(self, context: Any) -> str | None:
+        """The default account: the call's authenticated principal (see
+        :func:`principal_of`)."""
+        return None
+
+    def converter(self, func: Callable[..., Any]) -> Callable[[Any], R]:
+        """How the framework turns ``func``'s return value into its result."""
+        raise NotImplementedError
+
+    def sent(self, result: R) -> Any:
+        """``result`` as the MCP ``CallToolResult`` the framework sends for it."""
+        raise NotImplementedError
+
+    def received(self, result: Any) -> R:
+        """An MCP ``CallToolResult`` as the framework's result."""
+        raise NotImplementedError
+
+    # Made of the two above: every MCP framework's result is a pydantic model with the
+    # protocol's fields and ``meta``.
+
+    def dump(self, result: R) -> dict[str, Any]:
+        """The result as the ``CallToolResult`` JSON that is stored."""
+        return cast(
+            "dict[str, Any]",
+            self.sent(result).model_dump(mode="json", by_alias=True, exclude_none=True),
+        )
+
+    def load(self, stored: dict[str, Any]) -> R:
+        """A stored ``CallToolResult`` JSON as the framework's result (``ValueError`` when
+        it is not one)."""
+        from mcp_types import CallToolResult
+        from pydantic import ValidationError
+
+        try:
+            return self.received(CallToolResult.model_validate(stored))
+        except ValidationError as exc:
+            raise ValueError(f"the stored tool result is not one: {exc}") from None
+
+    def refusal(self, text: str, structured: dict[str, Any]) -> R:
+        """An error result (``isError``) with that text and structured content."""
+        from mcp_types import CallToolResult, TextContent
+
+        return self.received(
+            CallToolResult(
+                content=[TextContent(type="text", text=text)],
+                structured_content=structured,
+                is_error=True,
+            )
+        )
+
+    def with_meta(self, result: R, meta: dict[str, Any]) -> R:
+        """``result`` with its ``_meta`` replaced."""
+        return cast(R, result.model_copy(update={"meta": meta}))  # type: ignore[attr-defined]
+
+    def meta_of(self, result: R) -> Mapping[str, Any] | None:
+        """``result``'s ``_meta``."""
+        return cast("Mapping[str, Any] | None", result.meta)  # type: ignore[attr-defined]
+
+
+def principal_of(token: Any) -> str | None:
+    """The account an access token names: its subject qualified by its issuer (the ``iss``
+    claim) where it has one, ``mcp:sub:["<issuer>","<subject>"]``; a token without a subject
+    names its OAuth client, ``mcp:client:<client_id>``; no token, or neither, no account.
+    The same token names the same account whichever framework serves the tool."""
+    if token is None:
+        return None
+    if token.subject:
+        issuer = (token.claims or {}).get("iss")
+        named = json.dumps([None if issuer is None else str(issuer), token.subject])
+        return f"mcp:sub:{named}"
+    return f"mcp:client:{token.client_id}" if token.client_id else None
+
+
+def misplaced(
+    where: str, server: str, func: Callable[..., Any], beneath: str
+) -> ImproperlyConfigured:
+    """The order check's refusal: ``@idempotent_tool`` above the server's registration
+    ``server``; ``beneath`` is where it goes."""
+    return ImproperlyConfigured(
+        f"@idempotent_tool at {where} is above {server}, which registered "
+        f"{func.__name__} unprotected: put @idempotent_tool beneath {beneath}"
+    )
+
+
+def protector(
+    framework: Framework[Any], options: Mapping[str, Any], where: str, accepted: frozenset[str]
+) -> Callable[[F], F]:
+    """The decorator ``@idempotent_tool(**options)`` of ``framework``, its options checked
+    here (``ImproperlyConfigured`` at ``where``, before any call)."""
+    checked = _options.validated(
+        f"@idempotent_tool(...) at {where}",
+        options,
+        accepted=accepted,
+        rules={**_options.RULES, "account": _account_option},
+    )
+
+    def decorate(func: F) -> F:
+        if not callable(func) or isinstance(func, type):
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where} decorates {_validation.describe(func)}: put "
+                "it, with its parentheses, on the tool's function, beneath the server's @tool"
+            )
+        framework.refuse_registered(func, where)
+        return cast(F, _Tool(framework, func, checked).wrapper())
+
+    return decorate
+
+
+class _Tool:
+    """One protected tool: its signature for the framework, and how a call goes through the
+    engine."""
+
+    def __init__(
+        self, framework: Framework[Any], func: Callable[..., Any], checked: dict[str, Any]
+    ) -> None:
+        self.framework = framework
+        self.func = func
+        self.account: str | Callable[[Any], Any] | None = checked["account"]
+        self.operation: str = checked["operation"] or f"tool:{func.__name__}"
+        self.checked = checked
+        self.wait: timedelta | None = checked["wait"]
+        self.required = checked["required"] is not False
+        self.signature = framework.signature(func, _described_key(func))
+        self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
+        self.convert = framework.converter(func)
+
+    def wrapper(self) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(self.func):
+            body = async_to_sync(self.func)
+
+            @functools.wraps(self.func)
+            async def async_tool(**arguments: Any) -> Any:
+                # The engine is synchronous; the tool's coroutine runs back on the event
+                # loop from the engine's thread, and its ORM calls come back to that thread,
+                # inside the record's transaction. A caller that goes away does not cut the
+                # attempt short.
+                context, arguments = self.framework.split(arguments)
+                return await _http.run_to_the_end(
+                    lambda: self.call(body, context, arguments), thread_sensitive=False
+                )
+
+            tool: Callable[..., Any] = async_tool
+        else:
+
+            @functools.wraps(self.func)
+            def sync_tool(**arguments: Any) -> Any:
+                context, arguments = self.framework.split(arguments)
+                return self.call(self.func, context, arguments)
+
+            tool = sync_tool
+        tool.__signature__ = self.signature  # type: ignore[attr-defined]
+        tool.__annotations__ = {
+            name: parameter.annotation
+            for name, parameter in self.signature.parameters.items()
+            if parameter.annotation is not inspect.Parameter.empty
+        } | (
+            {"return": self.signature.return_annotation}
+            if self.signature.return_annotation is not inspect.Signature.empty
+            else {}
+        )
+        tool.__dict__["idempotency_options"] = self.checked
+        return tool
+
+    def call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
+        """One call of the tool: through the engine, or refused; then, as Django does at the
+        end of a request, the connections this worker thread opened are closed where
+        ``CONN_MAX_AGE`` says so (frameworks run tools in threads that outlive the call)."""
+        try:
+            return self._call(body, context, arguments)
+        finally:
+            _autonomous.close_unused_connections()
+
+    def _call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
+        key = arguments.get(KEY_ARGUMENT) if self.has_key_argument else None
+        if key is None:
+            meta = self.framework.meta(context)
+            key = meta.get(META_KEY) if meta else None
+        if key is None:
+            if self.required:
+                where = (
+                    f"pass the same {KEY_ARGUMENT} on every retry of this action"
+                    if self.has_key_argument
+                    else f'the host sets _meta["{META_KEY}"] on the call, the same on every retry'
+                )
+                return self.refused(
+                    _problems.KEY_MISSING, f"{self.operation} needs an idempotency key: {where}"
+                )
+            return self.convert(body(**arguments))
+        account = self.account_of(context)
+        if account is None:
+            return self.refused(
+                _problems.ACCOUNT_MISSING,
+                f"{self.operation} needs an authenticated caller to scope its key",
+            )
+        fingerprint = canonical({n: v for n, v in arguments.items() if n != KEY_ARGUMENT})
+        started = time.monotonic()
+        try:
+            once = call_once(
+                lambda: self.convert(body(**arguments)),
+                (),
+                {},
+                account=account,
+                operation=self.operation,
+                key=cast(str, key),  # validated by the engine: InvalidKey
+                ttl=self.checked["ttl"],
+                lease=self.checked["lease"],
+                recovery=self.checked["recovery"],
+                fingerprint=fingerprint,
+                wait=self.wait,
+                encode=self.stored,
+                decode=self.loaded,
+            )
+        except InvalidKey as exc:
+            return self.refused(_problems.KEY_INVALID, f"The idempotency key is not usable: {exc}")
+        except KeyReused as exc:
+            return self.refused(_problems.KEY_REUSED, str(exc))
+        except LeaseTakenOver as exc:
+            self.outlived(time.monotonic() - started)
+            return self.refused(_problems.LEASE_LOST, str(exc), retry_after=exc.retry_after)
+        except InProgress as exc:
+            return self.refused(_problems.KEY_IN_USE, str(exc), retry_after=exc.retry_after)
+        except OutcomeUnknown as exc:
+            return self.refused(_problems.OUTCOME_UNKNOWN, str(exc))
+        except RecordUnreadable as exc:
+            return self.refused(_problems.RECORD_UNREADABLE, str(exc))
+        except StoreUnavailable as exc:
+            return self.refused(_problems.STORE_UNAVAILABLE, str(exc))
+        if not once.replayed:
+            self.outlived(time.monotonic() - started)
+            return once.value
+        meta = dict(self.framework.meta_of(once.value) or {})
+        meta[REPLAYED_META] = True
+        return self.framework.with_meta(once.value, meta)
+
+    def account_of(self, context: Any) -> str | None:
+        """The call's account; ``None`` (refused as ``idempotency_account_missing``) where
+        there is none: no principal, or a callable answering ``None`` or ``""``. A callable
+        answering anything but a string is a defect of the project's: logged, and refused
+        the same way, so that the caller gets a code and nothing runs."""
+        if isinstance(self.account, str):
+            return self.account
+        if self.account is None:
+            return self.framework.principal(context)
+        named = self.account(context)
+        if named is None or named == "":
+            return None
+        if not isinstance(named, str):
+            logger.error(
+                "the account callable of %s answered %r: a string or None; the call was "
+                "refused as without an account",
+                self.operation,
+                type(named).__name__,
+            )
+            return None
+        return named
+
+    def outlived(self, took: float) -> None:
+        """Warn when a call ran longer than its lease: another attempt may take it over
+        meanwhile (a retry, or a duplicate that ``wait``ed) and run the tool again."""
+        lease = self.checked["lease"] or app_settings.LEASE
+        if took > lease.total_seconds():
+            logger.warning(
+                "%s ran for %.1f s, longer than its lease (%.1f s): a retry or a waiting "
+                "duplicate may have taken it over and run it again. Give the tool a lease "
+                "longer than its slowest call: @idempotent_tool(lease=...)",
+                self.operation,
+                took,
+                lease.total_seconds(),
+            )
+
+    def refused(
+        self, problem: _problems.Problem, detail: str, retry_after: int | None = None
+    ) -> Any:
+        structured: dict[str, Any] = {"code": problem.code, "detail": detail}
+        if retry_after is not None:
+            structured["retry_after"] = max(1, int(retry_after))
+        return self.framework.refusal(f"{problem.title}: {detail}", structured)
+
+    def stored(self, value: Any) -> Outcome:
+        return stored_result(self.framework.dump(value))
+
+    def loaded(self, body: bytes) -> Any:
+        return self.framework.load(json.loads(body))
+
+
+def _account_option(value: Any) -> str | Callable[[Any], str | None]:
+    if callable(value) or (isinstance(value, str) and value):
+        return value  # type: ignore[no-any-return]
+    raise _validation.Invalid("a non-empty string or a callable Context -> str | None", value)
+
+
+def _described_key(func: Callable[..., Any]) -> inspect.Signature:
+    """The tool's signature with its annotations resolved and the key argument described."""
+    signature = inspect.signature(func)
+    hints = typing.get_type_hints(func, include_extras=True)
+    parameters = []
+    for parameter in signature.parameters.values():
+        annotation = hints.get(parameter.name, parameter.annotation)
+        if parameter.name == KEY_ARGUMENT and not _described(annotation):
+            from pydantic import Field  # every MCP framework stands on pydantic
+
+            annotation = Annotated[annotation, Field(description=KEY_DESCRIPTION)]
+        parameters.append(parameter.replace(annotation=annotation))
+    return signature.replace(
+        parameters=parameters, return_annotation=hints.get("return", signature.return_annotation)
+    )
+
+
+def _described(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is Annotated and any(
+        getattr(extra, "description", None) for extra in typing.get_args(annotation)[1:]
+    )
+
+
+def canonical(value: Any) -> Any:
+    """The arguments as the fingerprint reads them: the same call gives the same JSON in
+    every process and for every spelling of one number. A set's items in the order of their
+    canonical JSON (its own order follows the process's hash seed); a whole number, float
+    or ``Decimal``, as the integer it equals (an agent may send ``1`` or ``1.0`` for the
+    same amount); any other ``Decimal`` as its normalised digits (``"1.50"`` is ``"1.5"``);
+    a float or ``Decimal`` no JSON holds (``inf``, ``nan``) as its name."""
+    if isinstance(value, (set, frozenset)):
+        items = [canonical(item) for item in value]
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    if isinstance(value, dict):
+        return {str(key): canonical(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canonical(item) for item in value]
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return f"float:{value}"
+        return int(value) if value.is_integer() else value
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            return f"decimal:{value}"
+        if value == value.to_integral_value():
+            return int(value)
+        return f"decimal:{value.normalize():f}"
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    # Models, dataclasses, dates, UUIDs, enums...: their JSON form, then the same rules.
+    from pydantic_core import to_jsonable_python
+
+    return canonical(to_jsonable_python(value, fallback=repr))

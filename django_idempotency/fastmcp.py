@@ -1,0 +1,116 @@
+"""Agents' tool calls: ``@idempotent_tool()`` for FastMCP (4.x).
+
+The same decorator, arguments and behaviour as :mod:`django_idempotency.mcp`'s, beneath
+FastMCP's ``@server.tool``::
+
+    from fastmcp import FastMCP
+    from django_idempotency.fastmcp import idempotent_tool
+
+    shop = FastMCP("shop")
+
+    @shop.tool
+    @idempotent_tool(recovery="fail")
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict:
+        ...
+
+FastMCP's side of the adapter contract (``_tools.Framework``): the call's ``Context`` is
+FastMCP's current one (``get_context()``), so the tool's signature gains nothing; the
+default account is the principal of FastMCP's access token; the tool's return value becomes
+the ``ToolResult`` FastMCP would have made of it, stored as the MCP ``CallToolResult`` it
+sends; a refusal is a ``ToolResult`` with ``is_error`` and a ``structured_content`` of
+``{"code", "detail"}``, whose codes are the HTTP side's. Needs the ``fastmcp`` extra.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from fastmcp.decorators import get_fastmcp_meta
+from fastmcp.server.dependencies import get_access_token, get_context
+from fastmcp.tools.base import ToolResult
+from fastmcp.tools.function_tool import FunctionTool
+from mcp_types import CallToolResult
+
+from django_idempotency import _tools, _validation
+from django_idempotency._options import ToolOptions
+from django_idempotency._tools import KEY_ARGUMENT, KEY_DESCRIPTION, META_KEY, REPLAYED_META
+
+if typing.TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = [
+    "KEY_ARGUMENT",
+    "KEY_DESCRIPTION",
+    "META_KEY",
+    "REPLAYED_META",
+    "ToolOptions",
+    "idempotent_tool",
+    "principal_account",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def principal_account(context: Any = None) -> str | None:
+    """The default account: the principal of FastMCP's access token for the call, named
+    as :func:`django_idempotency.mcp.principal_account` names the SDK's (the same token
+    is the same account whichever framework serves the tool), or ``None``."""
+    return _tools.principal_of(get_access_token())
+
+
+def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
+    """Run a FastMCP tool at most once per ``(account, operation, key)``; replay its result.
+
+    Put it beneath ``@server.tool``, with parentheses. The options, the key (the tool's
+    ``idempotency_key`` argument, else the call's ``_meta["idempotencyKey"]``), the
+    refusals and the replay are those of :func:`django_idempotency.mcp.idempotent_tool`;
+    a callable ``account`` takes FastMCP's ``Context``. A wrong option raises
+    ``ImproperlyConfigured`` here, when the tool is decorated.
+    """
+    return _tools.protector(
+        _FastMCP(), options, _validation.caller(), frozenset(ToolOptions.__optional_keys__)
+    )
+
+
+class _FastMCP(_tools.Framework[ToolResult]):
+    name = "FastMCP"
+
+    def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
+        # FastMCP's @server.tool marks the function it registers and returns it: beneath
+        # it, this decorator would be handed a function the server calls unprotected.
+        if get_fastmcp_meta(func) is not None:
+            raise _tools.misplaced(where, "FastMCP's @server.tool", func, "@server.tool")
+
+    def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        try:
+            return get_context(), arguments
+        except RuntimeError:  # called outside a FastMCP request
+            return None, arguments
+
+    def meta(self, context: Any) -> Mapping[str, Any] | None:
+        request = getattr(context, "request_context", None)
+        return getattr(request, "meta", None) or None
+
+    def principal(self, context: Any) -> str | None:
+        return principal_account(context)
+
+    def converter(self, func: Callable[..., Any]) -> Callable[[Any], ToolResult]:
+        # The tool as FastMCP makes it of the function, for its conversion alone: the
+        # stored result is the one FastMCP answers a first call with (its output schema's
+        # wrapping of a non-object return included).
+        return FunctionTool.from_function(func).convert_result
+
+    def sent(self, result: ToolResult) -> CallToolResult:
+        return CallToolResult.model_validate(
+            {
+                "content": result.content,
+                "structuredContent": result.structured_content,
+                "isError": result.is_error,
+                "_meta": result.meta,
+            }
+        )
+
+    def received(self, result: CallToolResult) -> ToolResult:
+        return ToolResult.from_mcp_result(result)
