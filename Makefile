@@ -276,7 +276,7 @@ storm: example-db
 		|| { echo "the relay did not send the storm's receipt" >&2; exit 1; }
 	@echo "==> The database worker of Django's Tasks framework runs the receipts handed to it:"
 	$(DEMO_BIN)/python manage.py db_worker --backend worker --batch --no-reload --no-startup-delay -v 0
-	@echo "==> An agent's tool call: a refund over MCP whose answer is lost, retried with its key:"
+	@echo "==> An agent's tool call: a refund over MCP whose answer is lost, retried with its key (MCPServer, then FastMCP):"
 	$(DEMO_BIN)/python -m example_project.mcp_agent
 
 demo: storm
@@ -294,7 +294,7 @@ demo: storm
 	echo; \
 	echo "  $(DEMO_BIN)/python -m example_project.demo_webhook --url http://$(DEMO_ADDR)"; \
 	echo; \
-	echo "An agent's refund over MCP, its answer lost and retried with its key (its own uvicorn):"; \
+	echo "An agent's refund over MCP (MCPServer and FastMCP), its answer lost and retried with its key (its own uvicorn):"; \
 	echo; \
 	echo "  $(DEMO_BIN)/python -m example_project.mcp_agent"; \
 	echo; \

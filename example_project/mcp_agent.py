@@ -1,15 +1,17 @@
-"""An agent's refund whose answer is lost on the way back, retried with the same key: one refund.
+"""An agent's refund whose answer is lost on the way back, retried with the same key: one refund,
+through the SDK's ``MCPServer`` and through FastMCP.
 
     python -m example_project.mcp_agent            # starts the example under uvicorn itself
     python -m example_project.mcp_agent --url http://127.0.0.1:8000   # or an ASGI server of it
 
-The script runs the example project under uvicorn (``example_project.asgi``: the API and the
-MCP server at ``/mcp``) on a free port, unless ``--url`` names one, and puts a small proxy in
-front of it that forwards the first ``tools/call`` and swallows its answer: the refund is made,
-the agent never hears of it, as after a timeout or a dropped connection. The agent, the SDK's
-own client over streamable HTTP, does what an agent should: it calls ``refund_charge`` again
-with the same ``idempotency_key``. The retry gets the first call's result, marked
-``_meta.idempotentReplayed``, and the charge has one refund.
+The script runs the example project under uvicorn (``example_project.asgi``: the API, the
+SDK's MCP server at ``/mcp`` and FastMCP's at ``/fastmcp``) on a free port, unless ``--url``
+names one, and puts a small proxy in front of it that forwards the first ``tools/call`` and
+swallows its answer: the refund is made, the agent never hears of it, as after a timeout or a
+dropped connection. The agent, each framework's own client over streamable HTTP, does what an
+agent should: it calls ``refund_charge`` again with the same ``idempotency_key``. The retry
+gets the first call's result, marked ``_meta.idempotentReplayed``, and the charge has one
+refund: once through each server.
 
 It counts the refunds through the ORM: run it with the server's settings (the same
 ``EXAMPLE_DB``). Exit status 0 when the charge got one refund and the retry was the replay of
@@ -111,6 +113,10 @@ class LosingProxy:
 # -- the agent's side ----------------------------------------------------------------------------
 
 
+#: The example's MCP servers: the framework, and where it is mounted.
+SERVERS = {"MCPServer": "/mcp", "FastMCP": "/fastmcp"}
+
+
 @contextlib.asynccontextmanager
 async def client(url: str, token: str) -> AsyncIterator[Any]:
     """The SDK's client over streamable HTTP to the example's ``/mcp``, with a bearer token;
@@ -127,15 +133,29 @@ async def client(url: str, token: str) -> AsyncIterator[Any]:
         yield session
 
 
-def call_tool(url: str, token: str, name: str, arguments: dict[str, Any]) -> Any:
+async def call_through(url: str, token: str, name: str, arguments: dict[str, Any], via: str) -> Any:
+    """One tool call through ``via``'s own client: the SDK's to ``/mcp``, FastMCP's to
+    ``/fastmcp`` (its result has the same fields: ``content``, ``structured_content``,
+    ``is_error``, ``meta``)."""
+    if via == "FastMCP":
+        import fastmcp
+
+        async with fastmcp.Client(f"{url}{SERVERS[via]}", auth=token, timeout=WAIT) as agent:
+            return await agent.call_tool(name, arguments, raise_on_error=False)
+    async with client(url, token) as session:
+        return await session.call_tool(name, arguments)
+
+
+def call_tool(
+    url: str, token: str, name: str, arguments: dict[str, Any], via: str = "MCPServer"
+) -> Any:
     """One tool call on a connection of its own, as an agent's retry after an error makes it:
-    the ``CallToolResult``, or the exception that took its answer."""
+    the result, or the exception that took its answer."""
     import anyio
 
     async def go() -> Any:
         with anyio.fail_after(WAIT):
-            async with client(url, token) as session:
-                return await session.call_tool(name, arguments)
+            return await call_through(url, token, name, arguments, via)
 
     try:
         return anyio.run(go)
@@ -146,13 +166,19 @@ def call_tool(url: str, token: str, name: str, arguments: dict[str, Any]) -> Any
 
 
 def retry_until_answered(
-    url: str, token: str, name: str, arguments: dict[str, Any], *, attempts: int = 20
+    url: str,
+    token: str,
+    name: str,
+    arguments: dict[str, Any],
+    *,
+    attempts: int = 20,
+    via: str = "MCPServer",
 ) -> Any:
     """Call until an answer comes that is not ``idempotency_key_in_use``, sleeping its
     ``retry_after`` between: what an agent's retry loop does. The last answer."""
     answer: Any = None
     for _ in range(attempts):
-        answer = call_tool(url, token, name, arguments)
+        answer = call_tool(url, token, name, arguments, via)
         if isinstance(answer, BaseException):
             time.sleep(0.5)
             continue
@@ -182,6 +208,7 @@ def uvicorn_server(
     import httpx2
 
     port = port or free_port()
+    env = {"FASTMCP_LOG_LEVEL": "WARNING", **env}  # FastMCP's start-up lines, not the demo's
     process = subprocess.Popen(
         [
             sys.executable,
@@ -227,9 +254,16 @@ def uvicorn_server(
 
 
 def demo(url: str) -> int:
+    """The lost answer and its retry through each of the example's servers: 0 when each
+    charge got one refund and each retry was its replay."""
     import django
 
     django.setup()
+    failed = [via for via in SERVERS if lost_and_retried(url, via) != 0]
+    return 1 if failed else 0
+
+
+def lost_and_retried(url: str, via: str) -> int:
     from django.contrib.auth.models import User
 
     from example_project.payments.models import Charge, Refund
@@ -242,16 +276,17 @@ def demo(url: str) -> int:
     proxy = LosingProxy((host, int(port)))
     key = str(uuid.uuid4())
     arguments = {"charge_id": charge.pk, "amount": 500, "idempotency_key": key}
-    print(f"==> An agent refunds 500 of charge {charge.pk} (idempotency_key {key}).")
+    print(f"==> {via} ({SERVERS[via]}): an agent refunds 500 of charge {charge.pk}")
+    print(f"    (idempotency_key {key}).")
     proxy.armed.set()
-    lost = call_tool(proxy.url, TOKEN, "refund_charge", arguments)
+    lost = call_tool(proxy.url, TOKEN, "refund_charge", arguments, via)
     proxy.close()
     if not proxy.lost.is_set():
         print(f"the proxy lost no answer: {lost!r}", file=sys.stderr)
         return 1
     print(f"    The answer was lost on the way back ({type(lost).__name__}).")
     print("==> The agent retries with the same idempotency_key.")
-    again = retry_until_answered(url, TOKEN, "refund_charge", arguments)
+    again = retry_until_answered(url, TOKEN, "refund_charge", arguments, via=via)
     if isinstance(again, BaseException) or again.is_error:
         print(f"the retry failed: {again!r}", file=sys.stderr)
         return 1

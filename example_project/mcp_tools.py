@@ -18,7 +18,7 @@ token's subject is the account every key belongs to, and the user whose charges 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, TypedDict
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -30,6 +30,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
+from typing_extensions import TypedDict  # pydantic reads typing.TypedDict on 3.12+ only
 
 from django_idempotency import step
 from django_idempotency.mcp import idempotent_tool
@@ -116,22 +117,30 @@ def create_refund(user_id: int, charge_id: int, amount: int, reason: str) -> Ref
     return {"refund": refund.pk, "charge": charge.pk, "amount": amount, "left": left - amount}
 
 
-@shop.tool(annotations=RETRY_SAFE)
-@idempotent_tool(lease=LEASE)
-def refund_charge(
-    charge_id: int, amount: int, idempotency_key: str, reason: str = ""
-) -> RefundResult:
-    """Refund `amount` (in cents) of one of your charges; its receipt is mailed afterwards.
+# What each tool does, for the user the access token speaks for: the same whichever framework
+# serves the tool (example_project/fastmcp_tools.py serves them through FastMCP).
 
-    Make a new idempotency_key for each refund you mean, and send the same one again when you
-    retry it (after a timeout, an error, a lost answer): the refund is made once and every
-    retry gets its result.
-    """
-    refund = create_refund(customer().pk, charge_id, amount, reason)
+
+def refund_charge_of(user: User, charge_id: int, amount: int, reason: str) -> RefundResult:
+    refund = create_refund(user.pk, charge_id, amount, reason)
     # Written to the outbox with the refund, in the tool's transaction: the receipt exists
     # exactly when the refund committed (manage.py relay_outbox sends it).
     enqueue(send_receipt, refund["charge"])
     return refund
+
+
+def mail_refund_receipt_of(user: User, refund_id: int) -> int:
+    refund = Refund.objects.filter(charge__user=user, pk=refund_id).first()
+    if refund is None:
+        raise ToolError(f"You have no refund {refund_id}.")
+    details = {"amount": refund.amount, "charge": refund.charge_id}
+    return mail_receipt(user.email or "customer@example.com", details)
+
+
+def refund_and_mail_of(user: User, charge_id: int, amount: int) -> dict[str, int]:
+    refund = step("refund", create_refund, user.pk, charge_id, amount, "")
+    mail = step("receipt", mail_receipt, user.email or "customer@example.com", refund)
+    return {"refund": refund["refund"], "receipt": mail}
 
 
 def mail_receipt(recipient: str, refund: dict[str, Any]) -> int:
@@ -144,6 +153,20 @@ def mail_receipt(recipient: str, refund: dict[str, Any]) -> int:
 
 
 @shop.tool(annotations=RETRY_SAFE)
+@idempotent_tool(lease=LEASE)
+def refund_charge(
+    charge_id: int, amount: int, idempotency_key: str, reason: str = ""
+) -> RefundResult:
+    """Refund `amount` (in cents) of one of your charges; its receipt is mailed afterwards.
+
+    Make a new idempotency_key for each refund you mean, and send the same one again when you
+    retry it (after a timeout, an error, a lost answer): the refund is made once and every
+    retry gets its result.
+    """
+    return refund_charge_of(customer(), charge_id, amount, reason)
+
+
+@shop.tool(annotations=RETRY_SAFE)
 @idempotent_tool(recovery="fail", lease=LEASE)
 def mail_refund_receipt(refund_id: int, idempotency_key: str) -> int:
     """Mail the receipt of one of your refunds again; the mail's id.
@@ -151,12 +174,7 @@ def mail_refund_receipt(refund_id: int, idempotency_key: str) -> int:
     Send the same idempotency_key on every retry. If an earlier attempt may have mailed it
     already, you get the error idempotency_outcome_unknown instead of a second mail.
     """
-    user = customer()
-    refund = Refund.objects.filter(charge__user=user, pk=refund_id).first()
-    if refund is None:
-        raise ToolError(f"You have no refund {refund_id}.")
-    details = {"amount": refund.amount, "charge": refund.charge_id}
-    return mail_receipt(user.email or "customer@example.com", details)
+    return mail_refund_receipt_of(customer(), refund_id)
 
 
 @shop.tool(annotations=RETRY_SAFE)
@@ -167,7 +185,4 @@ def refund_and_mail(charge_id: int, amount: int, idempotency_key: str) -> dict[s
     Send the same idempotency_key on every retry: a retry after a failure finishes what is
     left (the refund is never made twice, the mail never sent twice).
     """
-    user = customer()
-    refund = step("refund", create_refund, user.pk, charge_id, amount, "")
-    mail = step("receipt", mail_receipt, user.email or "customer@example.com", refund)
-    return {"refund": refund["refund"], "receipt": mail}
+    return refund_and_mail_of(customer(), charge_id, amount)

@@ -1,8 +1,9 @@
-"""The example's MCP server (``example_project/mcp_tools.py``) under uvicorn, called by the SDK's
-own client over streamable HTTP, with bearer tokens: an answer lost on the way back and
-retried, a storm of identical calls, a server SIGKILLed inside a tool under each recovery
-policy, and two accounts with one key. Every test counts the refunds and mails in the
-example's database.
+"""The example's MCP servers under uvicorn, the SDK's ``MCPServer``
+(``example_project/mcp_tools.py``) and FastMCP's (``example_project/fastmcp_tools.py``), each
+called by its framework's own client over streamable HTTP, with bearer tokens (the ``via``
+fixture): an answer lost on the way back and retried, a storm of identical calls, a server
+SIGKILLed inside a tool under each recovery policy, and two accounts with one key. Every test
+counts the refunds and mails in the example's database.
 
 On PostgreSQL: the example gets a database of its own on the test run's server, migrated, with
 two users (``demo`` and ``other``) and a token each.
@@ -148,8 +149,21 @@ def example_url(example_db: ExampleDatabase) -> Iterator[str]:
         yield url
 
 
-def call(url: str, name: str, arguments: dict[str, Any], user: str = "demo") -> Any:
-    return mcp_agent.call_tool(url, TOKENS[user], name, arguments)
+@pytest.fixture(params=list(mcp_agent.SERVERS))
+def via(request: pytest.FixtureRequest) -> str:
+    """The framework that serves the tools, and whose client calls them."""
+    return str(request.param)
+
+
+def call(
+    url: str, name: str, arguments: dict[str, Any], user: str = "demo", via: str = "MCPServer"
+) -> Any:
+    return mcp_agent.call_tool(url, TOKENS[user], name, arguments, via)
+
+
+def own_amount(amount: int, via: str) -> int:
+    """An amount of ``via``'s own: the mails of one test under each framework apart."""
+    return amount + list(mcp_agent.SERVERS).index(via)
 
 
 def is_replay(result: Any) -> bool:
@@ -171,7 +185,9 @@ def code_of(result: Any) -> str | None:
 # -- (a) an answer lost on the way back --------------------------------------------------------
 
 
-def test_a_lost_answer_retried_refunds_once_and_the_retry_gets_the_result(example_db, example_url):
+def test_a_lost_answer_retried_refunds_once_and_the_retry_gets_the_result(
+    example_db, example_url, via
+):
     charge = example_db.charge()
     key = str(uuid.uuid4())
     arguments = {"charge_id": charge, "amount": 500, "idempotency_key": key}
@@ -179,26 +195,26 @@ def test_a_lost_answer_retried_refunds_once_and_the_retry_gets_the_result(exampl
     proxy = mcp_agent.LosingProxy((host, int(port)))
     try:
         proxy.armed.set()
-        lost = call(proxy.url, "refund_charge", arguments)
+        lost = call(proxy.url, "refund_charge", arguments, via=via)
     finally:
         proxy.close()
     assert proxy.lost.is_set()
     assert isinstance(lost, BaseException) or lost.is_error  # the agent never saw the refund
     assert example_db.refunds(charge) == 1  # but it was made
-    again = succeeded(call(example_url, "refund_charge", arguments))
+    again = succeeded(call(example_url, "refund_charge", arguments, via=via))
     assert is_replay(again)
     assert again.structured_content["charge"] == charge
     assert again.structured_content["left"] == 1500
-    third = succeeded(call(example_url, "refund_charge", arguments))
+    third = succeeded(call(example_url, "refund_charge", arguments, via=via))
     assert third.structured_content == again.structured_content
     assert third.content == again.content
     assert example_db.refunds(charge) == 1
 
 
-def test_a_refused_token_runs_nothing(example_db, example_url):
+def test_a_refused_token_runs_nothing(example_db, example_url, via):
     charge = example_db.charge()
     arguments = {"charge_id": charge, "amount": 1, "idempotency_key": str(uuid.uuid4())}
-    result = mcp_agent.call_tool(example_url, "not-a-token", "refund_charge", arguments)
+    result = mcp_agent.call_tool(example_url, "not-a-token", "refund_charge", arguments, via)
     assert isinstance(result, BaseException) or result.is_error
     assert example_db.refunds(charge) == 0
 
@@ -206,7 +222,7 @@ def test_a_refused_token_runs_nothing(example_db, example_url):
 # -- (b) a storm of identical calls ------------------------------------------------------------
 
 
-def test_a_storm_of_twenty_identical_calls_refunds_once(example_db, example_url):
+def test_a_storm_of_twenty_identical_calls_refunds_once(example_db, example_url, via):
     charge = example_db.charge()
     arguments = {"charge_id": charge, "amount": 700, "idempotency_key": str(uuid.uuid4())}
     start = threading.Barrier(20, timeout=WAIT)
@@ -215,7 +231,7 @@ def test_a_storm_of_twenty_identical_calls_refunds_once(example_db, example_url)
 
     def one() -> None:
         start.wait()
-        result = call(example_url, "refund_charge", arguments)
+        result = call(example_url, "refund_charge", arguments, via=via)
         with lock:
             results.append(result)
 
@@ -246,77 +262,101 @@ def test_a_storm_of_twenty_identical_calls_refunds_once(example_db, example_url)
 # -- (c) the server killed inside a tool -------------------------------------------------------
 
 
-def killed_inside(example_db: ExampleDatabase, kill: str, name: str, arguments: dict) -> None:
-    """Call ``name`` on a server that SIGKILLs itself at ``kill``: no answer comes back."""
+def killed_inside(
+    example_db: ExampleDatabase, kill: str, name: str, arguments: dict, via: str
+) -> None:
+    """Call ``name`` through ``via`` on a server that SIGKILLs itself at ``kill``: no answer
+    comes back."""
     starting_a_server("uvicorn (the example's ASGI app, with a kill point)")
     env = {**example_db.env, "MCP_KILL": kill}
     with mcp_agent.uvicorn_server(env, app="tests.mcp_kill_asgi:application") as url:
-        result = call(url, name, arguments)
+        result = call(url, name, arguments, via=via)
     assert isinstance(result, BaseException), result
 
 
 def test_retry_a_refund_killed_before_its_commit_runs_again_and_refunds_once(
-    example_db, example_url
+    example_db, example_url, via
 ):
     charge = example_db.charge()
     arguments = {"charge_id": charge, "amount": 300, "idempotency_key": str(uuid.uuid4())}
-    killed_inside(example_db, "after:example_project.mcp_tools.enqueue", "refund_charge", arguments)
+    killed_inside(
+        example_db, "after:example_project.mcp_tools.enqueue", "refund_charge", arguments, via
+    )
     assert example_db.refunds(charge) == 0  # its refund rolled back with the process
     # Another server process takes the retry: "in use" until the lease runs out, then it runs.
     answer = succeeded(
-        mcp_agent.retry_until_answered(example_url, TOKENS["demo"], "refund_charge", arguments)
+        mcp_agent.retry_until_answered(
+            example_url, TOKENS["demo"], "refund_charge", arguments, via=via
+        )
     )
     assert not is_replay(answer)
     assert example_db.refunds(charge) == 1
-    assert is_replay(succeeded(call(example_url, "refund_charge", arguments)))
+    assert is_replay(succeeded(call(example_url, "refund_charge", arguments, via=via)))
     assert example_db.refunds(charge) == 1
 
 
-def test_fail_a_mail_killed_after_it_left_is_never_sent_again(example_db, example_url):
-    refund = example_db.refund(example_db.charge(), amount=411)
+def test_fail_a_mail_killed_after_it_left_is_never_sent_again(example_db, example_url, via):
+    amount = own_amount(411, via)  # the mails are counted by their amount
+    refund = example_db.refund(example_db.charge(), amount=amount)
     arguments = {"refund_id": refund, "idempotency_key": str(uuid.uuid4())}
     killed_inside(
-        example_db, "after:example_project.payments.mailer.send", "mail_refund_receipt", arguments
+        example_db,
+        "after:example_project.payments.mailer.send",
+        "mail_refund_receipt",
+        arguments,
+        via,
     )
-    assert example_db.mails(411) == 1  # the mail left before the process died
+    assert example_db.mails(amount) == 1  # the mail left before the process died
     for _ in range(2):
         answer = mcp_agent.retry_until_answered(
-            example_url, TOKENS["demo"], "mail_refund_receipt", arguments
+            example_url, TOKENS["demo"], "mail_refund_receipt", arguments, via=via
         )
         assert code_of(answer) == "idempotency_outcome_unknown", answer
-    assert example_db.mails(411) == 1
+    assert example_db.mails(amount) == 1
 
 
 def test_resume_a_refund_in_steps_killed_between_them_finishes_without_repeating(
-    example_db, example_url
+    example_db, example_url, via
 ):
     charge = example_db.charge()
-    arguments = {"charge_id": charge, "amount": 522, "idempotency_key": str(uuid.uuid4())}
+    amount = own_amount(522, via)  # the mails are counted by their amount
+    arguments = {"charge_id": charge, "amount": amount, "idempotency_key": str(uuid.uuid4())}
     killed_inside(
-        example_db, "before:example_project.mcp_tools.mail_receipt", "refund_and_mail", arguments
+        example_db,
+        "before:example_project.mcp_tools.mail_receipt",
+        "refund_and_mail",
+        arguments,
+        via,
     )
     assert example_db.refunds(charge) == 1  # the refund step is recorded
-    assert example_db.mails(522) == 0
+    assert example_db.mails(amount) == 0
     answer = succeeded(
-        mcp_agent.retry_until_answered(example_url, TOKENS["demo"], "refund_and_mail", arguments)
+        mcp_agent.retry_until_answered(
+            example_url, TOKENS["demo"], "refund_and_mail", arguments, via=via
+        )
     )
     assert not is_replay(answer)
     assert example_db.refunds(charge) == 1  # skipped: recorded
-    assert example_db.mails(522) == 1
-    again = succeeded(call(example_url, "refund_and_mail", arguments))
+    assert example_db.mails(amount) == 1
+    again = succeeded(call(example_url, "refund_and_mail", arguments, via=via))
     assert is_replay(again)
     assert again.structured_content == answer.structured_content
-    assert (example_db.refunds(charge), example_db.mails(522)) == (1, 1)
+    assert (example_db.refunds(charge), example_db.mails(amount)) == (1, 1)
 
 
 # -- (d) two accounts, one key -----------------------------------------------------------------
 
 
-def test_two_accounts_with_one_key_get_two_refunds(example_db, example_url):
+def test_two_accounts_with_one_key_get_two_refunds(example_db, example_url, via):
     key = str(uuid.uuid4())
     mine, theirs = example_db.charge("demo"), example_db.charge("other")
     first = succeeded(
-        call(example_url, "refund_charge", {"charge_id": mine, "amount": 5, "idempotency_key": key})
+        call(
+            example_url,
+            "refund_charge",
+            {"charge_id": mine, "amount": 5, "idempotency_key": key},
+            via=via,
+        )
     )
     second = succeeded(
         call(
@@ -324,6 +364,7 @@ def test_two_accounts_with_one_key_get_two_refunds(example_db, example_url):
             "refund_charge",
             {"charge_id": theirs, "amount": 5, "idempotency_key": key},
             user="other",
+            via=via,
         )
     )
     assert not is_replay(first)
@@ -334,17 +375,23 @@ def test_two_accounts_with_one_key_get_two_refunds(example_db, example_url):
         example_url,
         "refund_charge",
         {"charge_id": theirs, "amount": 5, "idempotency_key": str(uuid.uuid4())},
+        via=via,
     )
     assert not isinstance(stolen, BaseException)
     assert stolen.is_error
     assert example_db.refunds(theirs) == 1
 
 
-def test_the_tools_are_listed_as_safe_to_retry(example_url):
+def test_the_tools_are_listed_as_safe_to_retry(example_url, via):
     import anyio
+    import fastmcp
 
     async def listed() -> list[Any]:
         with anyio.fail_after(WAIT):
+            if via == "FastMCP":
+                url = f"{example_url}{mcp_agent.SERVERS[via]}"
+                async with fastmcp.Client(url, auth=TOKENS["demo"]) as agent:
+                    return list(await agent.list_tools())
             async with mcp_agent.client(example_url, TOKENS["demo"]) as session:
                 return list((await session.list_tools()).tools)
 
