@@ -29,7 +29,7 @@ from typing import Any
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.urls.resolvers import RegexPattern
 
-from django_idempotency import _options, _recovery, _validation, conf
+from django_idempotency import _options, _recovery, _routes, _validation, conf
 from django_idempotency._protection import (
     class_methods,
     in_order,
@@ -117,7 +117,8 @@ class _Walk:
     endpoints: list[Endpoint] = field(default_factory=list)
     excluded: int = 0
     left_out: list[str] = field(default_factory=list)
-    seen: set[int] = field(default_factory=set)
+    #: DRF's format-suffix twins: each twin's route, mapped to its plain pattern's.
+    twins: dict[str, str] = field(default_factory=dict)
     # How many patterns of each ninja path view came by: the n-th is its n-th operation.
     ninja_seen: dict[int, int] = field(default_factory=dict)
 
@@ -135,7 +136,9 @@ def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
 
     ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
     """
-    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude])
+    walk = _Walk(
+        exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.suffix_twins(urlconf)
+    )
     for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
         _visit(walk, pattern, levels, names)
     return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))
@@ -158,12 +161,12 @@ def _patterns(
 def _visit(
     walk: _Walk, pattern: URLPattern, levels: tuple[Any, ...], names: tuple[str, ...]
 ) -> None:
-    route = _route(levels)
+    route = _routes.join(levels)
     callback = pattern.callback
-    # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again.
-    if ("(?P<format>" in route or ":format>" in route) and id(callback) in walk.seen:
+    # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again,
+    # under the same operation.
+    if route in walk.twins:
         return
-    walk.seen.add(id(callback))
     if _is_ninja_page(callback):
         walk.leave_out(NINJA_PAGES)
         return
@@ -352,16 +355,6 @@ def _key_source(options: _options.Options) -> str:
         text = getattr(source, "description", None) or _validation.name_of(source)
     required = app_settings.REQUIRED if options.required is None else options.required
     return text if required else f"{text}, optional"
-
-
-def _route(levels: tuple[Any, ...]) -> str:
-    """The route as ``ResolverMatch.route`` has it: each level's pattern joined, without the
-    leading ``^`` of a regex below the first."""
-    route = ""
-    for level in reversed(levels):
-        text = str(level)
-        route = text + route.removeprefix("^") if route else text
-    return route
 
 
 def _readable(level: Any) -> str:

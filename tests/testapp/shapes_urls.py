@@ -73,7 +73,7 @@ def create_refund(request: Request, format: str | None = None) -> Response:
 
 
 class LedgerViewSet(IdempotencyMixin, viewsets.ViewSet):
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request, format: str | None = None) -> Response:
         return Response(written(f"ledger:{request.path}"), status=201)
 
 
