@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("rest_framework")
 
-from django.core.management import call_command
+from django.core.checks import run_checks
+from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 
+from django_idempotency import _check_ids
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import new_key
+from tests.testapp import shapes_urls
 from tests.testapp.models import Charge
 
 SHAPES = "tests.testapp.shapes_urls"
@@ -95,3 +99,82 @@ def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
         ("/refunds/", "POST refunds/"),
         ("/api/ledger/", "ledger.create"),
     ]
+
+
+# -- one basename under two routers -----------------------------------------------------------
+
+
+class TwoRouters:
+    urlpatterns = shapes_urls.two_routers
+
+
+class OwnBasename:
+    urlpatterns = shapes_urls.two_routers_own_basename
+
+
+class OwnOperation:
+    urlpatterns = shapes_urls.two_routers_own_operation
+
+
+SHARED = _check_ids.error("OPERATION_SHARED")
+
+
+def shared_errors() -> list[Any]:
+    return [m for m in run_checks(tags=["urls"]) if m.id == SHARED]
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_one_basename_under_two_routers_shares_one_record(client):
+    # What the check stops: v2's handler never runs, v2 gets v1's answer.
+    key = new_key()
+    v1, v2 = post(client, "/v1/ledger/", key), post(client, "/v2/ledger/", key)
+    assert v2.content == v1.content
+    assert v2["Idempotent-Replayed"] == "true"
+    assert list(Charge.objects.values_list("account", flat=True)) == ["ledger:/v1/ledger/"]
+
+
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_it_is_a_check_error_naming_both_endpoints():
+    [error] = shared_errors()
+    assert error.level == 40  # Error
+    assert "ledger.create" in error.msg
+    assert "POST /v1/ledger/" in error.msg
+    assert "POST /v2/ledger/" in error.msg
+    assert "basename" in error.hint
+
+
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_the_audit_flags_it_and_fails_ci():
+    report = audit()
+    assert report["shared_operations"] == [
+        {"operation": "ledger.create", "endpoints": ["POST /v1/ledger/", "POST /v2/ledger/"]}
+    ]
+    out = io.StringIO()
+    call_command("idempotency_audit", stdout=out)
+    # The report docs/checks.md shows.
+    assert out.getvalue() == (Path(__file__).parent / "audit" / "shared.txt").read_text()
+    with pytest.raises(CommandError, match="1 operation shared by several endpoints") as e:
+        audit("--fail-on-unprotected")
+    assert e.value.returncode == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("urlconf", [OwnBasename, OwnOperation])
+def test_an_operation_of_its_own_is_accepted_and_runs_each_endpoint(client, urlconf):
+    with override_settings(ROOT_URLCONF=urlconf):
+        assert shared_errors() == []
+        assert audit()["shared_operations"] == []
+        key = new_key()
+        assert [post(client, url, key).status_code for url in ("/v1/ledger/", "/v2/ledger/")] == [
+            201,
+            201,
+        ]
+    assert Charge.objects.count() == 2
+    assert IdempotencyRecord.objects.count() == 2
+
+
+@override_settings(ROOT_URLCONF=SHAPES)
+def test_format_suffix_twins_are_not_two_endpoints():
+    assert shared_errors() == []
+    assert audit()["shared_operations"] == []
