@@ -29,7 +29,11 @@ pytestmark = [
     pytest.mark.urls("tests.testapp.shapes_urls"),
 ]
 
-PATHS = {"/payouts/": "async_payout", "/refunds/async/": "async_refund"}
+PATHS = {
+    "/payouts/": "async_payout",
+    "/refunds/async/": "async_refund",
+    "/notes/async/": "async_note",  # the decorator on the handler: protected already
+}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -88,5 +92,6 @@ def test_the_audit_lists_them_as_protected_and_they_are(user):
     assert rows == {
         "/payouts/": (True, "POST payouts/"),
         "/refunds/async/": (True, "refunds.async"),
+        "/notes/async/": (True, "notes.async"),
     }
     assert IdempotencyRecord.objects.filter(operation="POST payouts/").count() == 0

@@ -58,6 +58,14 @@ class AsyncRefundView(View):
         return JsonResponse(await awritten("async_refund"), status=201)
 
 
+class AsyncNoteView(View):
+    """The decorator on the async handler itself."""
+
+    @method_decorator(idempotent(operation="notes.async"))
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(await awritten("async_note"), status=201)
+
+
 # -- DRF format suffixes -----------------------------------------------------------------------
 
 
@@ -83,6 +91,7 @@ router.register("ledger", LedgerViewSet, basename="ledger")
 urlpatterns = [
     path("payouts/", AsyncPayoutView.as_view()),
     path("refunds/async/", AsyncRefundView.as_view()),
+    path("notes/async/", AsyncNoteView.as_view()),
     *format_suffix_patterns(
         [path("transfers/", TransferView.as_view()), path("refunds/", create_refund)]
     ),
