@@ -49,6 +49,7 @@ ERRORS: dict[str, int] = {
     "CLAIM_DATABASE": 38,
     "CLAIM_TIMEOUT": 39,
     "TASKS_DELIVER_TO": 50,  # the Tasks backend's OPTIONS, reported by the Tasks framework
+    "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
 }
 
 WARNINGS: dict[str, int] = {

@@ -29,7 +29,7 @@ from typing import Any
 from django.urls import URLPattern, URLResolver, get_resolver
 from django.urls.resolvers import RegexPattern
 
-from django_idempotency import _options, _recovery, _validation, conf
+from django_idempotency import _options, _recovery, _routes, _validation, conf
 from django_idempotency._protection import (
     class_methods,
     in_order,
@@ -68,6 +68,9 @@ class Endpoint:
     ttl: timedelta | None = None
     #: Where the key comes from, e.g. ``Idempotency-Key header``.
     key: str | None = None
+    #: Whether the operation is derived (a route, a basename and action), not given by the
+    #: project: two endpoints deriving one name share its records (:attr:`Audit.shared`).
+    derived: bool = field(default=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON: the TTL in seconds."""
@@ -102,6 +105,22 @@ class Audit:
         """The endpoints no adapter protects."""
         return [e for e in self.endpoints if not e.protected]
 
+    @property
+    def shared(self) -> dict[str, list[Endpoint]]:
+        """Each operation name that endpoints of several routes derive (one basename under
+        two routers), with those endpoints: a key sent to one replays another's outcome,
+        and its own view never runs. The spellings of one endpoint (DRF's format suffixes)
+        are listed once, so they never count twice."""
+        derived: dict[str, list[Endpoint]] = {}
+        for endpoint in self.endpoints:
+            if endpoint.protected and endpoint.derived and endpoint.operation:
+                derived.setdefault(endpoint.operation, []).append(endpoint)
+        return {
+            operation: endpoints
+            for operation, endpoints in derived.items()
+            if len({e.route for e in endpoints}) > 1
+        }
+
 
 @dataclass(frozen=True)
 class _Protection:
@@ -109,6 +128,8 @@ class _Protection:
     options: _options.Options
     #: The operation when the options name none: ``{method}`` stands for the method.
     operation: str
+    #: Whether that operation is derived from the route or the viewset (not the project's).
+    derived: bool = True
 
 
 @dataclass
@@ -117,7 +138,8 @@ class _Walk:
     endpoints: list[Endpoint] = field(default_factory=list)
     excluded: int = 0
     left_out: list[str] = field(default_factory=list)
-    seen: set[int] = field(default_factory=set)
+    #: DRF's format-suffix twins: each twin's route, mapped to its plain pattern's.
+    twins: dict[str, str] = field(default_factory=dict)
     # How many patterns of each ninja path view came by: the n-th is its n-th operation.
     ninja_seen: dict[int, int] = field(default_factory=dict)
 
@@ -135,7 +157,9 @@ def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
 
     ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
     """
-    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude])
+    walk = _Walk(
+        exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.suffix_twins(urlconf)
+    )
     for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
         _visit(walk, pattern, levels, names)
     return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))
@@ -158,12 +182,12 @@ def _patterns(
 def _visit(
     walk: _Walk, pattern: URLPattern, levels: tuple[Any, ...], names: tuple[str, ...]
 ) -> None:
-    route = _route(levels)
+    route = _routes.join(levels)
     callback = pattern.callback
-    # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again.
-    if ("(?P<format>" in route or ":format>" in route) and id(callback) in walk.seen:
+    # DRF's format-suffix twin of a pattern (``charges.json``) is the same endpoint again,
+    # under the same operation.
+    if route in walk.twins:
         return
-    walk.seen.add(id(callback))
     if _is_ninja_page(callback):
         walk.leave_out(NINJA_PAGES)
         return
@@ -183,6 +207,7 @@ def _endpoint(
         return Endpoint(method, url, route, name, view, protected=False)
     options = protection.options
     operation = options.operation or protection.operation.format(method=method, route=route)
+    derived = options.operation is None and protection.derived
     return Endpoint(
         method,
         url,
@@ -195,6 +220,7 @@ def _endpoint(
         recovery=_recovery.recovery_name(options.recovery or app_settings.RECOVERY),
         ttl=conf.as_timedelta(options.ttl) if options.ttl is not None else app_settings.TTL,
         key=_key_source(options),
+        derived=derived,
     )
 
 
@@ -295,11 +321,10 @@ def _mixin_protection(cls: Any, initkwargs: dict[str, Any], action: str | None) 
     options = view._idempotency_options()
     basename = initkwargs.get("basename")
     if cls.get_idempotency_operation is not IdempotencyMixin.get_idempotency_operation:
-        operation = f"{cls.__name__}.get_idempotency_operation()"
-    elif basename and action:
-        operation = f"{basename}.{action}"
-    else:
-        operation = _ROUTE_OPERATION
+        # The project's own method names it: not ours to call derived.
+        name = f"{cls.__name__}.get_idempotency_operation()"
+        return _Protection("mixin", options, name, derived=False)
+    operation = f"{basename}.{action}" if basename and action else _ROUTE_OPERATION
     return _Protection("mixin", options, operation)
 
 
@@ -325,7 +350,13 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
     operation = path_view.operations[index]
     found = getattr(operation, "idempotency_options", None)
     protection = (
-        _Protection("ninja", found, operation.operation_id or _ROUTE_OPERATION)
+        _Protection(
+            "ninja",
+            found,
+            operation.operation_id or _ROUTE_OPERATION,
+            # An operation_id is the project's own name for the operation.
+            derived=operation.operation_id is None,
+        )
         if isinstance(found, _options.Options)
         else None
     )
@@ -352,16 +383,6 @@ def _key_source(options: _options.Options) -> str:
         text = getattr(source, "description", None) or _validation.name_of(source)
     required = app_settings.REQUIRED if options.required is None else options.required
     return text if required else f"{text}, optional"
-
-
-def _route(levels: tuple[Any, ...]) -> str:
-    """The route as ``ResolverMatch.route`` has it: each level's pattern joined, without the
-    leading ``^`` of a regex below the first."""
-    route = ""
-    for level in reversed(levels):
-        text = str(level)
-        route = text + route.removeprefix("^") if route else text
-    return route
 
 
 def _readable(level: Any) -> str:

@@ -19,7 +19,7 @@ from django import db
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
-from django_idempotency import _autonomous, _problems, _recovery, _store, conf, signals
+from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
 from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
@@ -430,12 +430,15 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     """The default operation: the method and the URL pattern's route, e.g. ``POST orders/``.
 
-    Without a resolved route (a view called directly) the view's dotted name stands in.
+    DRF's format-suffix spelling of a pattern (``orders.json``) is named by the plain
+    pattern's route: one endpoint, one operation. Without a resolved route (a view called
+    directly) the view's dotted name stands in.
     """
     inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
     match = inner.resolver_match
     where = (
-        match.route
+        # DRF's format suffix (``charges.json``) is the same endpoint as ``charges/``.
+        _routes.canonical_route(match.route, getattr(inner, "urlconf", None))
         if match is not None and match.route
         else (f"{fallback.__module__}.{fallback.__qualname__}")
     )

@@ -97,6 +97,37 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+@register(Tags.urls)
+def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
+    """E060: endpoints of two routes that derive one operation name (one basename under two
+    routers, ``v1/`` and ``v2/``). They would share their records: a key sent to one
+    replays the other's outcome, and its own view never runs. An operation the project
+    gives one of them (``operation=``, ``idempotency_operation``, a basename of its own)
+    settles it. The spellings of one endpoint (DRF's format suffixes) are one operation."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency._endpoints import audit
+
+    try:
+        shared = audit().shared
+    except ImproperlyConfigured:  # a wrong view attribute: the audit and the view report it
+        return []
+    return [
+        _error(
+            "OPERATION_SHARED",
+            f"{len(endpoints)} endpoints derive the one operation {operation!r}: "
+            f"{', '.join(f'{e.method} {e.url}' for e in endpoints)}. A key sent to one "
+            "would replay another's outcome, and its own view would never run.",
+            hint=(
+                "Give all but one an operation of its own: another basename where a "
+                "viewset is registered (router.register(..., basename='charge-v2')), "
+                "idempotency_operation on the view, or @idempotent(operation=...)."
+            ),
+        )
+        for operation, endpoints in shared.items()
+    ]
+
+
 @register(Tags.database)
 def check_sealed_outcomes(
     databases: Iterable[str] | None = None, **kwargs: Any

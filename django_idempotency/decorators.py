@@ -60,6 +60,28 @@ def _refuse_unprotectable(view: Any) -> None:
         )
 
 
+def _dispatch_of_an_async_view(func: Any) -> bool:
+    """Whether ``func`` is a plain method of a class-based view whose handlers are ``async
+    def``: ``method_decorator(idempotent, name="dispatch")`` hands the decorator Django's
+    ``View.dispatch``, bound to the view (in a ``functools.partial``), which returns the
+    handler's coroutine. It is protected as an ``async def`` view is."""
+    bound = getattr(func, "func", func)
+    view = getattr(bound, "__self__", None)
+    return isinstance(view, View) and bool(type(view).view_is_async)
+
+
+def _awaiting(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` as a coroutine function, for ``async_to_sync``: an ``async def`` view as it
+    is, the ``dispatch`` of an async class-based view awaiting what it returns."""
+    if inspect.iscoroutinefunction(func):
+        return func
+
+    async def awaited(*args: Any, **kwargs: Any) -> Any:
+        return await func(*args, **kwargs)
+
+    return awaited
+
+
 @overload
 def idempotent(view: ViewFunc, /) -> ViewFunc: ...
 
@@ -129,13 +151,13 @@ def idempotent(
             )
 
         wrapper: Callable[..., Any]
-        if inspect.iscoroutinefunction(func):
+        if inspect.iscoroutinefunction(func) or _dispatch_of_an_async_view(func):
             # The engine is synchronous: the claim, the view's transaction and the completion
             # must share one connection. It runs in the request's thread-sensitive thread, and
             # the async view runs back on the event loop from there; its async ORM calls then
             # come back to that same thread, inside the transaction. A client that goes away
             # does not cut it short (_http.run_to_the_end).
-            sync_view = async_to_sync(func)
+            sync_view = async_to_sync(_awaiting(func))
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:

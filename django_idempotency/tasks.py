@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import async_to_sync, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency import _autonomous, _options, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
@@ -90,8 +91,10 @@ class DeliveryInProgress(Exception):
 
 
 def idempotent_task(
-    key: DeliveryKey | None = None,
+    misplaced: object = None,
+    /,
     *,
+    key: DeliveryKey | None = None,
     ttl: timedelta | int | None = None,
     lease: timedelta | int | None = None,
     recovery: str | Callable[[Any], Any] | None = None,
@@ -126,10 +129,16 @@ def idempotent_task(
       ``run_once`` (``"retry"`` by default, ``"fail"``, or a callable).
 
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
-    ``ImproperlyConfigured`` here, when the task is decorated.
+    ``ImproperlyConfigured`` here, when the task is decorated. So does a shape that would
+    not protect the task the worker runs: ``@idempotent_task`` without its parentheses (or
+    anything given positionally: its options are keywords), and ``@idempotent_task()``
+    above ``@shared_task`` or ``@task`` instead of beneath it.
     """
+    where = _validation.caller()
+    if misplaced is not None:
+        _refuse_bare(misplaced, where)
     checked = _options.validated(
-        f"@idempotent_task(...) at {_validation.caller()}",
+        f"@idempotent_task(...) at {where}",
         {"key": key, "ttl": ttl, "lease": lease, "recovery": recovery},
         accepted=_options.TaskOptions.__optional_keys__,
     )
@@ -137,6 +146,8 @@ def idempotent_task(
     ttl, lease = checked["ttl"], checked["lease"]
 
     def decorate(func: F) -> F:
+        _refuse_a_task(func, where)
+
         def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
             task = None if message is not None or not CELERY else (current_task or None)
@@ -209,6 +220,59 @@ def idempotent_task(
         return cast(F, wrapper)
 
     return decorate
+
+
+#: What the right shape looks like, in every refusal of a wrong one.
+_RIGHT_SHAPE = (
+    "write @idempotent_task() (its options as keywords: key=..., ttl=...) directly "
+    "beneath @shared_task (or @app.task, or @task of Django's Tasks framework), just "
+    "above the function"
+)
+
+
+def _task_decorator(obj: object) -> str | None:
+    """``"@shared_task"`` when ``obj`` is a Celery task (or the proxy ``@shared_task``
+    returns), ``"@task"`` for a task of Django's Tasks framework, else ``None``.
+
+    Read from the object's own type (``type()`` does not evaluate Celery's proxy, which
+    would finalize the app at import time), by name, so neither framework is imported."""
+    for klass in type(obj).__mro__:
+        where = (klass.__module__, klass.__name__)
+        if where in {("celery.local", "Proxy"), ("celery.app.task", "Task")}:
+            return "@shared_task"
+        if where in {("django.tasks.base", "Task"), ("django_tasks.base", "Task")}:
+            return "@task"
+    return None
+
+
+def _refuse_bare(misplaced: object, where: str) -> None:
+    # @idempotent_task without parentheses hands the decorator the function (or, above the
+    # task decorator, the task) as if it were an option: the task would run the decorator
+    # and return its inner function, reporting SUCCESS without ever running the body.
+    what = (
+        "a task"
+        if _task_decorator(misplaced)
+        else f"the positional {_validation.describe(misplaced)}"
+    )
+    raise ImproperlyConfigured(
+        f"@idempotent_task needs its parentheses: write @idempotent_task() at {where} "
+        f"(it was given {what}). Then {_RIGHT_SHAPE}. Without them the task would report "
+        "success without ever running its body."
+    )
+
+
+def _refuse_a_task(func: object, where: str) -> None:
+    decorator = _task_decorator(func)
+    if decorator is None:
+        return
+    framework = (
+        "a Celery task" if decorator == "@shared_task" else "a task of Django's Tasks framework"
+    )
+    raise ImproperlyConfigured(
+        f"@idempotent_task() at {where} is above the task decorator: what it decorates is "
+        f"already {framework}, and the worker would run that task unprotected. Put "
+        f"@idempotent_task() beneath {decorator}: {_RIGHT_SHAPE}."
+    )
 
 
 def _waited_out(lease: timedelta | None) -> timedelta:

@@ -9,6 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_idempotency import _check_ids
 from django_idempotency._endpoints import Audit, Endpoint, audit, duration
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
@@ -28,6 +29,10 @@ def _cells(endpoint: Endpoint) -> tuple[str, ...]:
     )
 
 
+def _named(endpoints: list[Endpoint]) -> str:
+    return ", ".join(f"{e.method} {e.url}" for e in endpoints)
+
+
 def table(found: Audit) -> str:
     """The text report: one aligned row per endpoint, then a summary."""
     lines = []
@@ -43,6 +48,12 @@ def table(found: Audit) -> str:
         f"{total} endpoint{'s' if total != 1 else ''} with unsafe methods: "
         f"{total - unprotected} protected, {unprotected} unprotected."
     )
+    for operation, endpoints in found.shared.items():
+        lines.append(
+            f"Shared operation {operation}: {_named(endpoints)}. A key sent to one replays "
+            "another's outcome: give all but one an operation of its own (check "
+            f"{_check_ids.error('OPERATION_SHARED')})."
+        )
     if found.left_out:
         lines.append(f"Left out: {'; '.join(found.left_out)}.")
     if found.excluded:
@@ -91,10 +102,26 @@ class Command(BaseCommand):
                 "unprotected": len(found.unprotected),
                 "left_out": list(found.left_out),
                 "excluded": found.excluded,
+                "shared_operations": [
+                    {"operation": operation, "endpoints": [f"{e.method} {e.url}" for e in shared]}
+                    for operation, shared in found.shared.items()
+                ],
             }
             self.stdout.write(json.dumps(data, indent=2))
         elif options["verbosity"] >= 1:
             self.stdout.write(table(found))
-        if options["fail_on_unprotected"] and found.unprotected:
-            named = ", ".join(f"{e.method} {e.url}" for e in found.unprotected)
-            raise CommandError(f"{len(found.unprotected)} unprotected: {named}", returncode=1)
+        if options["fail_on_unprotected"] and (found.unprotected or found.shared):
+            # An endpoint whose operation another one shares never runs its own view.
+            problems = []
+            if found.unprotected:
+                problems.append(
+                    f"{len(found.unprotected)} unprotected: {_named(found.unprotected)}"
+                )
+            if found.shared:
+                count = len(found.shared)
+                problems.append(
+                    f"{count} operation{'s' if count != 1 else ''} shared by several "
+                    "endpoints: "
+                    + "; ".join(f"{op} by {_named(e)}" for op, e in found.shared.items())
+                )
+            raise CommandError("; ".join(problems), returncode=1)

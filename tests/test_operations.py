@@ -1,0 +1,181 @@
+"""One endpoint, one operation; two endpoints, two operations.
+
+- DRF's format suffixes make one endpoint answer at ``transfers/`` and ``transfers.json``.
+  Both spellings once derived an operation of their own (the route), so one key sent to
+  both ran the view twice (the mixin and ``@api_view`` alike). They are now one operation,
+  the plain spelling's, and the audit lists the endpoint once.
+- One viewset's basename under two routers (``v1/``, ``v2/``) derives one operation for
+  two endpoints: v2 replayed v1's outcome and its own handler never ran. That is a check
+  Error naming both, unless the project gives one its own operation (a basename of its own,
+  ``idempotency_operation``), and the audit flags it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("rest_framework")
+
+from django.core.checks import run_checks
+from django.core.management import CommandError, call_command
+from django.test import Client, override_settings
+
+from django_idempotency import _check_ids
+from django_idempotency.models import IdempotencyRecord
+from tests.helpers import new_key
+from tests.testapp import shapes_urls
+from tests.testapp.models import Charge
+
+SHAPES = "tests.testapp.shapes_urls"
+
+
+def audit(*args: str) -> dict[str, Any]:
+    out = io.StringIO()
+    call_command("idempotency_audit", "--format", "json", *args, stdout=out)
+    report: dict[str, Any] = json.loads(out.getvalue())
+    return report
+
+
+@pytest.fixture
+def client(user):
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def post(client: Client, url: str, key: str) -> Any:
+    return client.post(url, {}, content_type="application/json", headers={"Idempotency-Key": key})
+
+
+# -- format suffixes ---------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(SHAPES)
+@pytest.mark.parametrize(
+    ("spellings", "account"),
+    [
+        (["/transfers/", "/transfers.json", "/transfers.api"], "transfer"),  # the mixin
+        (["/refunds/", "/refunds.json"], "refund"),  # @api_view
+        (["/api/ledger/", "/api/ledger.json"], "ledger:/api/ledger/"),  # a router's
+    ],
+)
+def test_one_key_sent_to_every_spelling_of_an_endpoint_runs_it_once(client, spellings, account):
+    key = new_key()
+    first = post(client, spellings[0], key)
+    assert first.status_code == 201
+    for url in spellings[1:]:
+        # The same operation: never a second run (a replay, or 422 where the spelling's
+        # format is part of the request's fingerprint).
+        assert post(client, url, key).status_code in (201, 422), url
+    assert Charge.objects.filter(account__startswith=account.partition(":")[0]).count() == 1
+    assert IdempotencyRecord.objects.count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(SHAPES)
+def test_each_spelling_names_the_plain_spellings_operation(client):
+    for url, operation in [
+        ("/transfers.json", "POST transfers/"),
+        ("/refunds.json", "POST refunds/"),
+        ("/api/ledger.json", "ledger.create"),
+    ]:
+        assert post(client, url, new_key()).status_code == 201
+        assert IdempotencyRecord.objects.filter(operation=operation).count() == 1, url
+
+
+@override_settings(ROOT_URLCONF=SHAPES)
+def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
+    posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
+    assert posts == [
+        ("/payouts/", "POST payouts/"),
+        ("/refunds/async/", "refunds.async"),
+        ("/notes/async/", "notes.async"),
+        ("/transfers/", "POST transfers/"),
+        ("/refunds/", "POST refunds/"),
+        ("/api/ledger/", "ledger.create"),
+    ]
+
+
+# -- one basename under two routers -----------------------------------------------------------
+
+
+class TwoRouters:
+    urlpatterns = shapes_urls.two_routers
+
+
+class OwnBasename:
+    urlpatterns = shapes_urls.two_routers_own_basename
+
+
+class OwnOperation:
+    urlpatterns = shapes_urls.two_routers_own_operation
+
+
+SHARED = _check_ids.error("OPERATION_SHARED")
+
+
+def shared_errors() -> list[Any]:
+    return [m for m in run_checks(tags=["urls"]) if m.id == SHARED]
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_one_basename_under_two_routers_shares_one_record(client):
+    # What the check stops: v2's handler never runs, v2 gets v1's answer.
+    key = new_key()
+    v1, v2 = post(client, "/v1/ledger/", key), post(client, "/v2/ledger/", key)
+    assert v2.content == v1.content
+    assert v2["Idempotent-Replayed"] == "true"
+    assert list(Charge.objects.values_list("account", flat=True)) == ["ledger:/v1/ledger/"]
+
+
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_it_is_a_check_error_naming_both_endpoints():
+    [error] = shared_errors()
+    assert error.level == 40  # Error
+    assert "ledger.create" in error.msg
+    assert "POST /v1/ledger/" in error.msg
+    assert "POST /v2/ledger/" in error.msg
+    assert "basename" in error.hint
+
+
+@override_settings(ROOT_URLCONF=TwoRouters)
+def test_the_audit_flags_it_and_fails_ci():
+    report = audit()
+    assert report["shared_operations"] == [
+        {"operation": "ledger.create", "endpoints": ["POST /v1/ledger/", "POST /v2/ledger/"]}
+    ]
+    out = io.StringIO()
+    call_command("idempotency_audit", stdout=out)
+    # The report docs/checks.md shows.
+    assert out.getvalue() == (Path(__file__).parent / "audit" / "shared.txt").read_text()
+    with pytest.raises(CommandError, match="1 operation shared by several endpoints") as e:
+        audit("--fail-on-unprotected")
+    assert e.value.returncode == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("urlconf", [OwnBasename, OwnOperation])
+def test_an_operation_of_its_own_is_accepted_and_runs_each_endpoint(client, urlconf):
+    with override_settings(ROOT_URLCONF=urlconf):
+        assert shared_errors() == []
+        assert audit()["shared_operations"] == []
+        key = new_key()
+        assert [post(client, url, key).status_code for url in ("/v1/ledger/", "/v2/ledger/")] == [
+            201,
+            201,
+        ]
+    assert Charge.objects.count() == 2
+    assert IdempotencyRecord.objects.count() == 2
+
+
+@override_settings(ROOT_URLCONF=SHAPES)
+def test_format_suffix_twins_are_not_two_endpoints():
+    assert shared_errors() == []
+    assert audit()["shared_operations"] == []

@@ -1,0 +1,124 @@
+"""Shapes a project writes that once looked protected and were not (issue: every shape
+protects or is refused), each unsafe handler writing one ``Charge`` that the tests count:
+
+- ``method_decorator(idempotent, name="dispatch")`` on a class whose handlers are
+  ``async def``;
+- DRF format suffixes: ``transfers/`` and ``transfers.json`` (``format_suffix_patterns``),
+  for the mixin and for ``@api_view``, and a router's suffixed routes;
+- one basename under two routers (``v1/`` and ``v2/``), which ``tests/test_operations.py``
+  puts in a URLconf of its own (:data:`two_routers`), the check refusing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import include, path
+from django.utils.decorators import method_decorator
+from django.views import View
+from rest_framework import viewsets
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.routers import DefaultRouter, SimpleRouter
+from rest_framework.urlpatterns import format_suffix_patterns
+from rest_framework.views import APIView
+
+from django_idempotency.decorators import idempotent
+from django_idempotency.drf import IdempotencyMixin
+from tests.testapp.models import Charge
+
+
+def written(account: str) -> dict[str, int]:
+    """The side effect the tests count: one ``Charge`` per run."""
+    return {"id": Charge.objects.create(account=account, amount=1, currency="EUR").pk}
+
+
+async def awritten(account: str) -> dict[str, int]:
+    charge = await Charge.objects.acreate(account=account, amount=1, currency="EUR")
+    return {"id": charge.pk}
+
+
+# -- an async class-based view, the decorator on dispatch -------------------------------------
+
+
+@method_decorator(idempotent, name="dispatch")
+class AsyncPayoutView(View):
+    async def get(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse({"payouts": await Charge.objects.filter(account="payout").acount()})
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(await awritten("async_payout"), status=201)
+
+
+@method_decorator(idempotent(operation="refunds.async"), name="dispatch")
+class AsyncRefundView(View):
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(await awritten("async_refund"), status=201)
+
+
+class AsyncNoteView(View):
+    """The decorator on the async handler itself."""
+
+    @method_decorator(idempotent(operation="notes.async"))
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(await awritten("async_note"), status=201)
+
+
+# -- DRF format suffixes -----------------------------------------------------------------------
+
+
+class TransferView(IdempotencyMixin, APIView):
+    def post(self, request: Request, format: str | None = None) -> Response:
+        return Response(written("transfer"), status=201)
+
+
+@api_view(["POST"])
+@idempotent
+def create_refund(request: Request, format: str | None = None) -> Response:
+    return Response(written("refund"), status=201)
+
+
+class LedgerViewSet(IdempotencyMixin, viewsets.ViewSet):
+    def create(self, request: Request, format: str | None = None) -> Response:
+        return Response(written(f"ledger:{request.path}"), status=201)
+
+
+router = DefaultRouter()
+router.register("ledger", LedgerViewSet, basename="ledger")
+
+urlpatterns = [
+    path("payouts/", AsyncPayoutView.as_view()),
+    path("refunds/async/", AsyncRefundView.as_view()),
+    path("notes/async/", AsyncNoteView.as_view()),
+    *format_suffix_patterns(
+        [path("transfers/", TransferView.as_view()), path("refunds/", create_refund)]
+    ),
+    path("api/", include(router.urls)),
+]
+
+
+# -- one basename under two routers --------------------------------------------------------------
+
+
+def routers(**v2: Any) -> list[Any]:
+    """``v1/ledger/`` and ``v2/ledger/``: the same viewset, the basename ``ledger`` (or what
+    ``v2`` says) under two routers."""
+    v1_router, v2_router = SimpleRouter(), SimpleRouter()
+    v1_router.register("ledger", LedgerViewSet, basename="ledger")
+    v2_router.register(
+        "ledger", v2.pop("viewset", LedgerViewSet), basename=v2.pop("basename", "ledger")
+    )
+    return [path("v1/", include(v1_router.urls)), path("v2/", include(v2_router.urls))]
+
+
+class LedgerV2ViewSet(LedgerViewSet):
+    """v2 with an operation of its own: accepted."""
+
+    idempotency_operation = "ledger-v2.create"
+
+
+two_routers = routers()
+two_routers_own_basename = routers(basename="ledger-v2")
+two_routers_own_operation = routers(viewset=LedgerV2ViewSet)
