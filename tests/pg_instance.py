@@ -206,8 +206,6 @@ class Standby(PostgresInstance):
         super().__init__(primary.bin)
         self.primary = primary
         self.options = f" -c recovery_min_apply_delay={delay}"
-        #: The WAL receiver's pid while a test holds it stopped (SIGSTOP).
-        self.paused: int | None = None
 
     def init(self) -> None:
         self._as_postgres(
@@ -230,10 +228,6 @@ class Standby(PostgresInstance):
 
     def promote(self) -> None:
         self._as_postgres(str(self.bin / "pg_ctl"), "promote", "-w", "-D", str(self.data))
-
-    def walreceiver(self) -> int:
-        """The pid of the standby's WAL receiver."""
-        return int(self.scalar("SELECT pid FROM pg_stat_wal_receiver"))
 
     def server_env(self) -> dict[str, str]:
         return {**super().server_env(), "PGPORT": str(self.port)}

@@ -310,9 +310,7 @@ def conflict(calls: list[str]) -> str:
     deadlock is to the work's own statement."""
     effect(calls, "conflicted")
     with connection.cursor() as cursor:
-        cursor.execute(
-            "DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$"
-        )
+        cursor.execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
     return "unreachable"
 
 
