@@ -43,7 +43,7 @@ PYENV_GRID = $(shell command -v pyenv >/dev/null 2>&1 && \
 	for v in 3.11 3.10 3.12 3.13; do pyenv latest $$v 2>/dev/null; done | paste -sd: -)
 endif
 
-.PHONY: help install lint check-migrations test test-quick coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 tox-pg16 test-quickstart \
+.PHONY: help install lint check-migrations test test-quick coverage docs docs-code docs-screenshots test-mysql test-poolers test-pg16 test-galera test-standby tox-pg16 test-quickstart \
 	soak tox example-db storm demo clean
 
 help:
@@ -57,6 +57,8 @@ help:
 	@echo "make test-mysql  the database tests on MariaDB/MySQL (127.0.0.1:3306)"
 	@echo "make test-poolers  the race, crash and fault suites through PgBouncer and Django's pool"
 	@echo "make test-pg16  the database tests on a private PostgreSQL 16 (the pgserver wheel)"
+	@echo "make test-galera  storms and a node killed on a private 3-node MariaDB Galera cluster"
+	@echo "make test-standby  reads routed to a lagging standby, and failovers (sync and async)"
 	@echo "make test-quickstart  the README's quickstart in a new project, with the built wheel"
 	@echo "make soak     the soak test (SOAK_SECONDS, default 120) on PostgreSQL"
 	@echo "make tox      the tox grid (ENVS=a,b for some environments only)"
@@ -225,6 +227,19 @@ test-pg16: $(BIN)/.pgserver
 tox-pg16: $(BIN)/.pgserver $(BIN)/tox
 	$(if $(PYENV_GRID),PYENV_VERSION=$(PYENV_GRID)) $(BIN)/python -m tests.poolers pg16 -- \
 		$(BIN)/tox run --workdir .tox-pg16 $(if $(ENVS),-e $(ENVS))
+
+# A three-node MariaDB Galera Cluster of our own (tests/galera.py: Debian's mariadbd and
+# galera-4, free ports, a temporary directory), an app server on each node, storms split
+# across them, a certification conflict and a node SIGKILLed mid-storm (about a minute).
+test-galera: $(BIN)/.mysqlclient
+	RUN_GALERA=1 TEST_LOG_REQUEST_ERRORS=1 $(BIN)/pytest tests/test_galera.py -p no:cacheprovider
+
+# A private PostgreSQL 15 primary and a streaming standby of it (pg_basebackup), on free
+# ports: reads routed to the standby 2 s behind, and failovers with synchronous and
+# asynchronous replication (about a minute).
+test-standby: $(STAMP)
+	RUN_STANDBY=1 TEST_LOG_REQUEST_ERRORS=1 TEST_DB=postgres $(BIN)/pytest tests/test_standby.py \
+		-p no:cacheprovider
 
 # The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
 SOAK_SECONDS ?= 120

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from django import db
 from django.db import transaction
 
-from django_idempotency import _store
+from django_idempotency import _retry, _store
 from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._recovery import RESUME, RETRY
@@ -72,8 +72,9 @@ def run_fenced(
     outcome (if storable) is stored after the rollback: it is still the deterministic answer
     of this request. Raises ``LeaseLost`` when another attempt owns the record now.
 
-    When the completion (or its commit) fails after the body ran, the work rolls back and
-    ``StoreUnavailable`` is raised; the claim is released, or, with
+    When the completion (or its commit) fails after the body ran, or the database refuses
+    the body's transaction as a deadlock or a conflict (a retry is asked for), the work
+    rolls back and ``StoreUnavailable`` is raised; the claim is released, or, with
     ``keep_on_store_failure`` (every policy but ``"retry"``: the body's external calls may
     have happened), its lease is given back, so the policy decides as after a crash.
     """
@@ -106,7 +107,12 @@ def run_fenced(
             claim.give_back()
         else:
             claim.release()
-        if failed and not isinstance(exc, StoreUnavailable):
+        if isinstance(exc, StoreUnavailable):
+            raise
+        # The completion's failure, or the database refusing the work's own transaction as
+        # a deadlock, a serialization failure or a Galera certification conflict: it asks
+        # for a retry, and the work was rolled back.
+        if failed or (isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)):
             raise store_failed(exc) from exc
         raise
     except BaseException:

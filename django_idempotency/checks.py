@@ -164,6 +164,82 @@ def check_sealed_outcomes(
     ]
 
 
+#: The recovery policies whose promise a lost claim breaks: the operation must never run twice.
+_NEVER_TWICE = ("fail", "resume")
+
+
+@register(Tags.database)
+def check_synchronous_standby(
+    databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``check --database <alias>`` on PostgreSQL: a primary with streaming standbys, none of
+    them synchronous (or ``synchronous_commit`` at ``local`` or ``off``), while an operation's
+    recovery policy is ``"fail"`` or ``"resume"`` (W020). A claim committed on the primary
+    may not have reached the standby that takes over: the retry then finds no record and
+    runs the operation again, which those policies promise never to do."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None or alias not in (databases or ()):
+        return []
+    from django.db import DatabaseError, connections
+
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        return []
+    policies = _never_twice_policies(values["RECOVERY"])
+    if not policies:
+        return []
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('synchronous_standby_names'),"
+                " current_setting('synchronous_commit'),"
+                " (SELECT count(*) FROM pg_stat_replication)"
+            )
+            names, commit, standbys = cursor.fetchone()
+    except DatabaseError:  # unreachable, or a role that may not read the settings
+        return []
+    if not standbys or (names and commit not in ("local", "off")):
+        return []
+    why = f"synchronous_commit is {commit!r}" if names else "synchronous_standby_names is empty"
+    return [
+        _warning(
+            "NO_SYNCHRONOUS_STANDBY",
+            f"{alias!r} streams to {standbys} standby server{'s' if standbys != 1 else ''} "
+            f"asynchronously ({why}), and {', '.join(policies)} use the recovery policy "
+            "'fail' or 'resume': after a failover, a claim the standby never received is "
+            "lost, and a retry runs that operation again.",
+            hint=(
+                "Name the standby in synchronous_standby_names (synchronous_commit 'on', "
+                "'remote_write' or 'remote_apply'), for the whole server or for the role "
+                "the idempotency database connects as; see the deployment page's topologies."
+            ),
+        )
+    ]
+
+
+def _never_twice_policies(default: Any) -> list[str]:
+    """What uses ``"fail"`` or ``"resume"``: the ``RECOVERY`` setting, and the operations
+    the URL audit finds with such a policy of their own."""
+    from django_idempotency import _endpoints
+
+    found = []
+    if isinstance(default, str) and default in _NEVER_TWICE:
+        found.append(f"IDEMPOTENCY['RECOVERY'] ({default!r})")
+    try:
+        endpoints = _endpoints.audit().endpoints
+    except Exception:  # a URLconf that does not import: reported by Django's own checks
+        endpoints = []
+    operations = sorted(
+        {e.operation for e in endpoints if e.recovery in _NEVER_TWICE and e.operation}
+    )
+    if operations:
+        found.append("the operations " + ", ".join(repr(o) for o in operations[:5]))
+        if len(operations) > 5:
+            found[-1] += f" and {len(operations) - 5} more"
+    return found
+
+
 def _check_database(alias: str) -> Iterable[CheckMessage]:
     # Where the views' writes go unless they say otherwise: 'default' without routers (W002),
     # else what the routers answer for the project's models (W010). Elsewhere, the record's

@@ -101,6 +101,24 @@ def finished(process: subprocess.Popen[str], timeout: float = 60) -> str:
     return out
 
 
+def migrate(database_env: dict[str, str], timeout: float) -> None:
+    """``manage.py migrate`` of the test project, in a process, on the database that
+    ``database_env`` names (``tests.settings``'s variables: a private server's)."""
+    env = {
+        **os.environ,
+        **database_env,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=timeout,
+    )
+
+
 def server_env(extra_env: dict[str, str] | None) -> dict[str, str]:
     settings = connection.settings_dict
     return {

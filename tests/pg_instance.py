@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from tests.live import ROOT, free_port, starting_a_server
+from tests.live import free_port, migrate, starting_a_server
 
 BIN = Path(os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin"))
 DATABASE = "faults"
@@ -51,6 +50,8 @@ class PostgresInstance:
         self.data = self.root / "data"
         self.log = self.root / "server.log"
         self.port = free_port()
+        #: More ``-c name=value`` options of the server (a standby's apply delay).
+        self.options = ""
         # The postgres user must reach the directory; mkdtemp makes it private to root.
         os.chmod(self.root, 0o755)
         shutil.chown(self.root, user=SUPERUSER)
@@ -71,6 +72,7 @@ class PostgresInstance:
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root}"
             f" -c fsync=off -c full_page_writes=off -c max_connections={self.max_connections}"
             " -c shared_buffers=16MB"
+            f"{self.options}"
         )
         self._as_postgres(
             str(self.bin / "pg_ctl"),
@@ -109,6 +111,10 @@ class PostgresInstance:
     def stop(self) -> None:
         """Fast shutdown: open sessions are terminated, as in a real restart."""
         self._pg_ctl("stop", "-m", "fast")
+
+    def crash(self) -> None:
+        """Immediate shutdown: the server stops as in a power cut, without a checkpoint."""
+        self._pg_ctl("stop", "-m", "immediate")
 
     def restart(self) -> None:
         self._pg_ctl("restart", "-m", "fast")
@@ -174,19 +180,7 @@ class PostgresInstance:
         }
 
     def migrate(self) -> None:
-        env = {
-            **os.environ,
-            **self.server_env(),
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "PYTHONPATH": str(ROOT),
-        }
-        subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            timeout=TIMEOUT * 2,
-        )
+        migrate(self.server_env(), TIMEOUT * 2)
 
 
 @contextmanager
@@ -202,3 +196,38 @@ def postgres_instance() -> Iterator[PostgresInstance]:
         raise RuntimeError(f"private PostgreSQL failed: {exc.stderr!r}\n{log[-2000:]}") from exc
     finally:
         instance.destroy()
+
+
+class Standby(PostgresInstance):
+    """A streaming standby of ``primary``, made by ``pg_basebackup -R``; ``delay``: its
+    ``recovery_min_apply_delay``. ``promote`` makes it a primary."""
+
+    def __init__(self, primary: PostgresInstance, delay: str = "0") -> None:
+        super().__init__(primary.bin)
+        self.primary = primary
+        self.options = f" -c recovery_min_apply_delay={delay}"
+
+    def init(self) -> None:
+        self._as_postgres(
+            str(self.bin / "pg_basebackup"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.primary.port),
+            "-U",
+            SUPERUSER,
+            "-D",
+            str(self.data),
+            "-R",
+            "-X",
+            "stream",
+            "--checkpoint=fast",
+            "--no-sync",
+        )
+        self.start()
+
+    def promote(self) -> None:
+        self._as_postgres(str(self.bin / "pg_ctl"), "promote", "-w", "-D", str(self.data))
+
+    def server_env(self) -> dict[str, str]:
+        return {**super().server_env(), "PGPORT": str(self.port)}

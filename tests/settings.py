@@ -126,6 +126,23 @@ if TEST_DB in POSTGRES_DBS:
         "CONN_MAX_AGE": 0,
     }
 
+# tests/test_standby.py: the fake provider's ledger on another server than the app's (it
+# survives the app's failover, as an external system's would), and a project router that
+# sends every read to a streaming standby (``replica``) and every write to the primary.
+if os.environ.get("TEST_PROVIDER_NAME"):
+    DATABASES["provider"] = {
+        **DATABASES["provider"],
+        "NAME": os.environ["TEST_PROVIDER_NAME"],
+        "PORT": os.environ["TEST_PROVIDER_PORT"],
+    }
+if os.environ.get("TEST_REPLICA_PORT"):
+    DATABASES["replica"] = {
+        **DATABASES["provider"],
+        "PORT": os.environ["TEST_REPLICA_PORT"],
+        "NAME": DATABASES["default"]["NAME"],
+    }
+    DATABASE_ROUTERS = ["tests.replica_router.ReplicaRouter"]
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -222,9 +239,14 @@ STANDARD_WEBHOOK_SECRET = "whsec_dGVzdC1zdGFuZGFyZC13ZWJob29rcy1zZWNyZXQ="
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
-LOGGING = {
+LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"null": {"class": "logging.NullHandler"}},
     "loggers": {"django_idempotency": {"handlers": ["null"], "level": "DEBUG"}},
 }
+
+# TEST_LOG_REQUEST_ERRORS=1: a server's unhandled exceptions (its 500s) on its stderr.
+if os.environ.get("TEST_LOG_REQUEST_ERRORS") == "1":
+    LOGGING["handlers"]["stderr"] = {"class": "logging.StreamHandler"}
+    LOGGING["loggers"]["django.request"] = {"handlers": ["stderr"], "level": "ERROR"}

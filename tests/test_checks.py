@@ -343,3 +343,14 @@ def test_e050_the_tasks_backend_delivers_to_a_backend_that_runs_tasks(options, s
         TASKS={**tasks, "default": {**tasks["default"], "OPTIONS": {"DELIVER_TO": "worker"}}}
     ):
         assert list(task_backends["default"].check()) == []
+
+
+@pytest.mark.django_db
+@override_settings(IDEMPOTENCY={"RECOVERY": "fail"})
+def test_no_synchronous_standby_is_not_reported_of_a_server_without_standbys():
+    """W020 needs standbys to fail over to (tests/test_standby.py shows it reported of an
+    asynchronous one, and not of a synchronous one)."""
+    from django_idempotency.checks import check_synchronous_standby
+
+    assert check_synchronous_standby(databases=["default"]) == []
+    assert check_synchronous_standby(databases=[]) == []

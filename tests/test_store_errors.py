@@ -302,3 +302,29 @@ def test_over_http_a_recovery_that_cannot_store_its_outcome_is_a_503(
     assert answer.status_code == 503
     assert answer.json()["code"] == "idempotency_store_unavailable"
     assert Charge.objects.count() == 0
+
+
+def conflict(calls: list[str]) -> str:
+    """The work writes, then the database refuses its transaction as a serialization
+    failure (SQLSTATE 40001): what a Galera certification conflict (error 1213) or a
+    deadlock is to the work's own statement."""
+    effect(calls, "conflicted")
+    with connection.cursor() as cursor:
+        cursor.execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
+    return "unreachable"
+
+
+@on_postgresql
+def test_a_conflict_in_the_work_is_store_unavailable_and_the_retry_runs_once():
+    """The database asks for the transaction to be retried: a refusal to retry (503 with
+    Retry-After over HTTP), the work rolled back and the claim released, never the work's
+    error (a 500)."""
+    calls: list[str] = []
+    with pytest.raises(StoreUnavailable) as refused:
+        run_once(conflict, calls, **IDENTITY, key="k-conflict")
+    assert isinstance(refused.value.__cause__, OperationalError)
+    assert Charge.objects.count() == 0
+    assert not IdempotencyRecord.objects.filter(key="k-conflict").exists()
+    assert run_once(effect, calls, "retried", **IDENTITY, key="k-conflict") == "retried"
+    assert calls == ["conflicted", "retried"]
+    assert Charge.objects.count() == 1

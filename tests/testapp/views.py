@@ -262,7 +262,8 @@ def arm_completion(request: HttpRequest) -> None:
     directives = dict(
         d.strip().partition(":")[::2] for d in request.headers.get("X-Test", "").split(",")
     )
-    wanted = {"kill-before-commit", "kill-after-commit", "pid-completion"} & set(directives)
+    wanted = {"kill-before-commit", "kill-after-commit", "pid-completion", "wait-completion"}
+    wanted &= set(directives)
     if not wanted:
         return
     owner = threading.get_ident()
