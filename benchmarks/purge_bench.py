@@ -95,7 +95,7 @@ def claimer(rate: float, rows: int, stop_file: str, out: str, cap: float) -> Non
     from django.utils import timezone
 
     from django_idempotency import _store
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
 
     samples: list[tuple[float, str, float]] = []
     _store.fetch(

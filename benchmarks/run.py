@@ -733,7 +733,13 @@ def main() -> int:
     )
     parser.add_argument("--patched-label", help="what the patched variant is called in RESULTS.md")
     parser.add_argument("--purge-batch-sizes", default="1000")
-    for name in ("inprocess-rounds", "server-rounds", "storm-rounds", "profile-requests"):
+    for name in (
+        "inprocess-rounds",
+        "server-rounds",
+        "storm-rounds",
+        "profile-requests",
+        "writes-batches",
+    ):
         parser.add_argument(f"--{name}", type=int, help="override the plan's number")
     parser.add_argument("--output", type=Path, default=BENCH / "RESULTS.md")
     parser.add_argument(
@@ -747,7 +753,13 @@ def main() -> int:
     plan = Plan.make(args.quick, tuple(int(s) for s in args.purge_batch_sizes.split(",")))
     overrides = {
         name: getattr(args, name)
-        for name in ("inprocess_rounds", "server_rounds", "storm_rounds", "profile_requests")
+        for name in (
+            "inprocess_rounds",
+            "server_rounds",
+            "storm_rounds",
+            "profile_requests",
+            "writes_batches",
+        )
         if getattr(args, name) is not None
     }
     plan = dataclasses.replace(plan, **overrides)

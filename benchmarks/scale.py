@@ -104,7 +104,7 @@ def log(message: str) -> None:
 
 
 def claim_request(account: str, key: str, operation: str = OPERATIONS[0]) -> Any:
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
 
     return Operation(
         alias=ALIAS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import _options, _problems, _responses, sources
+from django_idempotency import _options, _outcomes, _problems, sources
 from django_idempotency.conf import app_settings
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -85,10 +85,10 @@ def key_parameter(required: bool, header: str | None = None) -> dict[str, Any]:
     purpose = (
         "One key per logical operation: make it when the user acts (a UUID is fine) and "
         "send the same key with every retry of that operation. A retry gets the original "
-        f"response, marked `{_responses.REPLAYED_HEADER}: true`."
+        f"response, marked `{_outcomes.REPLAYED_HEADER}: true`."
         if name.lower() == app_settings.HEADER.lower()
         else "The sender's id of this delivery, the same on every redelivery of it. A "
-        f"redelivery gets the original response, marked `{_responses.REPLAYED_HEADER}: true`."
+        f"redelivery gets the original response, marked `{_outcomes.REPLAYED_HEADER}: true`."
     )
     return {
         "in": "header",
@@ -164,7 +164,7 @@ def document_operation(
     # The view's own answers below 500 are stored and replayed with the marker header.
     for code, response in responses.items():
         if _is_replayable(code) and "$ref" not in response:
-            response.setdefault("headers", {})[_responses.REPLAYED_HEADER] = replayed_header()
+            response.setdefault("headers", {})[_outcomes.REPLAYED_HEADER] = replayed_header()
 
     for status in DOCUMENTED_STATUSES:
         description = _problem_description(status, required)

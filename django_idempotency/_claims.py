@@ -29,7 +29,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from django_idempotency import _autonomous, _store
-from django_idempotency._operation import Operation
+from django_idempotency._context import Operation
 from django_idempotency._outcomes import Outcome
 from django_idempotency.conf import app_settings
 from django_idempotency.exceptions import SimulatedCrash, StoreUnavailable, seconds_left
@@ -77,7 +77,12 @@ def claim(op: Operation) -> tuple[_store.ClaimResult, Claim | None]:
 
 
 def _claim(op: Operation, now: datetime) -> _store.ClaimResult:
-    if not _autonomous.in_callers_transaction(connections[op.alias]):
+    connection = connections[op.alias]
+    # Connected in autocommit outside any atomic block (the request path's usual state) is
+    # no caller's transaction: known from two attributes, without asking _autonomous.
+    if (
+        connection.autocommit and not connection.in_atomic_block
+    ) or not _autonomous.in_callers_transaction(connection):
         # The usual case: autocommit (or a test case's transaction), where the claim
         # commits at once on the caller's own connection.
         return _store.claim(op, now)

@@ -1,7 +1,11 @@
-"""The running operation: :class:`IdempotencyContext`, and :func:`current` to find it.
+"""The operation: what one claim is for (:class:`Operation`), and the running operation
+(:class:`IdempotencyContext`, and :func:`current` to find it).
 
-Every entry point (a request, ``run_once``, a task, a tool call) makes the context of the
-operation it runs :func:`current` while the operation's code runs.
+``(account, operation, key)`` names a record; the request's fingerprint (``request_hash``,
+made by ``fingerprint_version``), the recovery policy's name, the lease and the TTL are its
+terms. Every entry point (a request, ``run_once``, a task, a tool call) builds one
+:class:`Operation`, hands it to the same claim (:mod:`django_idempotency._claims`), and makes
+the context of the operation it runs :func:`current` while the operation's code runs.
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from django.utils.crypto import salted_hmac
 
 from django_idempotency.fingerprint import django_request
 
-__all__ = ["IdempotencyContext", "context_of", "current", "running"]
+__all__ = ["IdempotencyContext", "Operation", "context_of", "current", "running"]
 
 
 @dataclass
@@ -75,3 +80,18 @@ def context_of(request: Any) -> IdempotencyContext | None:
     """
     context = getattr(django_request(request), "idempotency", None)
     return context if isinstance(context, IdempotencyContext) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One operation's record: where it lives, whose and which it is, and its terms."""
+
+    alias: str
+    account: str
+    operation: str
+    key: str
+    request_hash: str
+    fingerprint_version: str
+    recovery_policy: str
+    lease: timedelta
+    ttl: timedelta

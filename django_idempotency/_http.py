@@ -22,24 +22,29 @@ from django.http.response import HttpResponseBase
 from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
 from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
-from django_idempotency._context import IdempotencyContext, running
+from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, storable_name
 from django_idempotency._options import Options, Terms
-from django_idempotency._outcomes import refuse_unreadable
-from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._responses import (
+from django_idempotency._outcomes import (
     REPLAYED_HEADER,
     outcome_of,
+    refuse_unreadable,
     rendered,
     replay_response,
     response_of,
 )
+from django_idempotency._recovery import recovery_name, resolve_recovery
+from django_idempotency._storable import storable_name
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
-from django_idempotency.fingerprint import django_request
-from django_idempotency.keys import InvalidKey, header_meta_name, parse_key, validate_key
+from django_idempotency.keys import (
+    BARE_KEY,
+    InvalidKey,
+    header_meta_name,
+    parse_key,
+    validate_key,
+)
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import IN_PROGRESS
 
@@ -50,6 +55,7 @@ logger = logging.getLogger("django_idempotency")
 
 __all__ = [
     "handle",
+    "protected",
     "route_operation",
     "run_to_the_end",
 ]
@@ -65,8 +71,10 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
         raw = inner.META.get(_meta_name(header))
         if raw is None:
             raw = inner.headers.get(header)
-        if raw is None:
-            return None
+            if raw is None:
+                return None
+        if BARE_KEY.fullmatch(raw):
+            return raw  # nearly every client's key: one match, no call of parse_key
         try:
             return parse_key(raw)
         except InvalidKey as exc:
@@ -83,6 +91,11 @@ def _meta_name(header: str) -> str:
     return header_meta_name(header)
 
 
+# An account or operation as stored (see storable_name), remembered: the same few names come
+# back on every request, and a name's stored form never changes.
+_stored_name = functools.lru_cache(maxsize=4096)(storable_name)
+
+
 def handle(
     request: Any,
     call_view: Callable[[], HttpResponseBase],
@@ -94,16 +107,34 @@ def handle(
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
     and returns its (possibly unrendered) response.
     """
-    terms = options.terms()
-    alias = terms.database
-    inner = django_request(request)
-    inner.idempotency = None  # type: ignore[attr-defined]
+    # The view's terms as Options.terms() last worked them out, while the settings are the
+    # same (as the DRF mixin reads them): no call per request.
+    cached = options.cached_terms
+    terms = (
+        cached[1] if cached is not None and cached[0] is app_settings.loaded() else options.terms()
+    )
+    inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
     method = inner.method
     if method not in terms.methods and (method or "").upper() not in terms.methods:
-        return with_atomic_requests(alias, call_view)
+        inner.idempotency = None
+        return with_atomic_requests(terms.database, call_view)
+    return protected(request, call_view, options, terms, default_operation)
+
+
+def protected(
+    request: Any,
+    call_view: Callable[[], HttpResponseBase],
+    options: Options,
+    terms: Terms,
+    operation: str | Callable[[], str],
+) -> HttpResponseBase:
+    """:func:`handle` for a request whose method its caller found protected (under
+    ``terms``, the view's options with the settings filled in): the DRF mixin decides that
+    once per request, before DRF's authentication. ``operation``: the operation's name, or
+    what names it when the view's options do not."""
+    inner = getattr(request, "_request", request)
+    inner.idempotency = None
     key = _key_of(request, inner, options)
-    if isinstance(key, HttpResponse):
-        return key
     if key is None:
         if app_settings.REQUIRED if options.required is None else options.required:
             where = (
@@ -112,7 +143,9 @@ def handle(
                 else getattr(options.key, "description", "idempotency key")
             )
             return _problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
-        return with_atomic_requests(alias, call_view)
+        return with_atomic_requests(terms.database, call_view)
+    if isinstance(key, HttpResponse):
+        return key
     account = terms.account(request)
     if account is None or account == "":
         return _problems.ACCOUNT_MISSING.response(
@@ -124,12 +157,11 @@ def handle(
         return _problems.ACCOUNT_INVALID.response(
             "The server could not name the caller this key belongs to; nothing was run."
         )
+    name = options.operation or (operation if isinstance(operation, str) else operation())
     context = IdempotencyContext(
-        key=key,
-        operation=storable_name(options.operation or default_operation()),
-        account=storable_name(account),
+        key=key, operation=_stored_name(name), account=_stored_name(account)
     )
-    inner.idempotency = context  # type: ignore[attr-defined]
+    inner.idempotency = context
     return _Protected.of(request, context, terms).answer(call_view)
 
 
@@ -360,7 +392,9 @@ class _Owner:
                 fenced = run_owned(
                     self.protected.recovery,
                     self.claim,
-                    lambda: rendered(call_view()),
+                    # outcome_of renders the response (in the transaction, before the
+                    # completion): the view's own callable is the body, wrapped in nothing.
+                    call_view,
                     outcome_of,
                     fresh=not self.takeover,
                 )

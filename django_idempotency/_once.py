@@ -21,11 +21,11 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from django_idempotency import _autonomous, _options, _recovery, _validation
 from django_idempotency._claims import Claim, LeaseLost, claim, fetch, retry_after, wait_for
-from django_idempotency._context import IdempotencyContext, running
+from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, storable_name
 from django_idempotency._outcomes import Outcome, refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
+from django_idempotency._storable import storable_name
 from django_idempotency._store import RecordState
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable

@@ -192,8 +192,10 @@ class Options:
     #: Where the key comes from: a callable ``request -> str | None`` (or its dotted path);
     #: ``None``: the ``HEADER`` setting's header.
     key: KeySource | str | None = None
-    #: The terms worked out under one loading of the settings: ``(settings, terms)``.
-    _terms: tuple[dict[str, Any], Terms] | None = field(
+    #: The terms worked out under one loading of the settings: ``(settings, terms)``. An
+    #: adapter on the request path may read them here, checking the settings are still
+    #: ``app_settings.loaded()``, rather than call :meth:`terms`.
+    cached_terms: tuple[dict[str, Any], Terms] | None = field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -206,7 +208,7 @@ class Options:
         """These options with the settings filled in, worked out again only when the
         settings change (``setting_changed``); read on every request."""
         settings = app_settings.loaded()
-        cached = self._terms
+        cached = self.cached_terms
         if cached is not None and cached[0] is settings:
             return cached[1]
         fingerprint = conf.resolve_callable(self.fingerprint or app_settings.FINGERPRINT)
@@ -224,7 +226,7 @@ class Options:
             lease=conf.as_timedelta(self.lease) if self.lease is not None else app_settings.LEASE,
             ttl=conf.as_timedelta(self.ttl) if self.ttl is not None else app_settings.TTL,
         )
-        object.__setattr__(self, "_terms", (settings, terms))
+        object.__setattr__(self, "cached_terms", (settings, terms))
         return terms
 
     def protects(self, method: str | None) -> bool:

@@ -259,14 +259,28 @@ class IdempotencyMixin:
         )
         return _options.Options(**arguments, key=key, account=account, fingerprint=fingerprint)
 
-    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+    def _idempotency_terms(self) -> _options.Terms:
+        # The view's options with the settings filled in: worked out once per view and
+        # loading of the settings (Options.terms), read here without a call per request.
         options = self._idempotency_options()
+        cached = options.cached_terms
+        if cached is not None and cached[0] is app_settings.loaded():
+            return cached[1]
+        return options.terms()
+
+    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        # "Is this method protected?" is decided here, once per request: initial() reads the
+        # answer (the terms, or None) rather than asking again.
+        terms = self._idempotency_terms()
+        method = request.method
+        protects = method in terms.methods or (method or "").upper() in terms.methods
+        self.__dict__["_idempotency_protects"] = terms if protects else None
         dispatch = super().dispatch  # type: ignore[misc]
-        if options.protects(request.method):
+        if protects:
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
         return _atomic_requests.with_atomic_requests(
-            app_settings.DATABASE, lambda: dispatch(request, *args, **kwargs)
+            terms.database, lambda: dispatch(request, *args, **kwargs)
         )
 
     # Copied onto the view function by as_view(): Django then leaves it out of
@@ -277,22 +291,39 @@ class IdempotencyMixin:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
         # Authentication, permissions and throttles have passed: wrap the handler DRF is
         # about to call, so the claim comes right before it.
+        terms = self.__dict__.get("_idempotency_protects", _MISSING)
+        if terms is _MISSING:  # a dispatch of the view's own that does not call the mixin's
+            terms = self._idempotency_terms()
+            if not (
+                request.method in terms.methods or (request.method or "").upper() in terms.methods
+            ):
+                return
+        if terms is None:
+            return
         name = (request.method or "").lower()
-        options = self._idempotency_options()
-        if name not in self.http_method_names or not options.protects(request.method):  # type: ignore[attr-defined]
+        if name not in self.http_method_names:  # type: ignore[attr-defined]
             return
         handler = getattr(self, name, None)
         if handler is None:
             return
         view = self
         assert isinstance(view, APIView)
+        options = self._idempotency_options()
+        cls = type(self)
+        if options.operation is not None:
+            operation: str | Callable[[], str] = options.operation
+        elif cls.get_idempotency_operation is not IdempotencyMixin.get_idempotency_operation:
+            operation = lambda: self.get_idempotency_operation(request)  # noqa: E731
+        else:
+            operation = _viewset_operation(view) or (lambda: _http.route_operation(request, cls))
 
         def protected(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
-            return _http.handle(
+            return _http.protected(
                 request,
                 lambda: _finalized(view, request, lambda: handler(request, *args, **kwargs)),
                 options,
-                lambda: self.get_idempotency_operation(request),
+                terms,
+                operation,
             )
 
         setattr(self, name, protected)

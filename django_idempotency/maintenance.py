@@ -19,7 +19,7 @@ from datetime import datetime
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import _once, _recovery, _responses, _store, crypto
+from django_idempotency import _once, _outcomes, _recovery, _store, crypto
 from django_idempotency._claims import Claim
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
@@ -272,7 +272,7 @@ def _apply(alias: str, row: _Stale, policy: _recovery.Policy, now: datetime) -> 
         # A record of run_once stores a result, a request's record a response.
         as_outcome=_once.outcome_of
         if row.fingerprint_version == _once.FINGERPRINT_VERSION
-        else _responses.outcome_of,
+        else _outcomes.outcome_of,
         now=now,
         counted=True,
     )

@@ -268,7 +268,7 @@ def test_a_late_claim_never_takes_over_the_expired_record_in_its_way(starved_cla
 def test_a_guarded_claim_past_its_deadline_writes_nothing_and_says_so(in_the_way, monkeypatch):
     """Whatever the app's clock says: the statement itself tells a refusal from a record
     that vanished (a server clock ahead of the app's is never read as a vanished record)."""
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
     from django_idempotency._store import claiming
 
     if in_the_way:
@@ -306,7 +306,7 @@ def test_a_late_takeover_the_servers_guard_refuses_is_store_unavailable_and_leav
     at once (never a record read as held until CLAIM_TIMEOUT, then as one that vanished),
     and with the audit trail the copy of the expired record made before it goes too."""
     from django_idempotency import _autonomous
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
     from django_idempotency._store import claiming
     from django_idempotency.models import IdempotencyAuditRecord
 

@@ -15,7 +15,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import _store, states
-from django_idempotency._operation import Operation
+from django_idempotency._context import Operation
 from django_idempotency._store.postgres import claim_sql
 from django_idempotency._store.records import from_epoch
 from django_idempotency.models import IdempotencyRecord

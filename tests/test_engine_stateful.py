@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from django_idempotency import _store
-from django_idempotency._context import IdempotencyContext
-from django_idempotency._operation import Operation
+from django_idempotency._context import IdempotencyContext, Operation
 from django_idempotency.fingerprint import default_fingerprint
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import examples

@@ -14,8 +14,8 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency import _responses, _store, states
-from django_idempotency._operation import Operation
+from django_idempotency import _outcomes, _store, states
+from django_idempotency._context import Operation
 from django_idempotency._store import claiming
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, RecordStatus
 from tests.helpers import ApiClient, in_thread, new_key
@@ -289,7 +289,7 @@ def test_a_replay_has_exactly_the_stored_headers_in_their_spelling(stored):
         response_headers=stored,
         response_body=b"{}",
     )
-    response = _responses.replay_response(state)
+    response = _outcomes.replay_response(state)
     expected: dict[str, tuple[str, str]] = {}
     for name, value in stored:  # the last of a name wins, as when they were set one by one
         expected[name.lower()] = (name, value)

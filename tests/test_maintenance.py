@@ -209,7 +209,7 @@ def test_a_takeover_copies_only_the_record_it_replaces():
     """Between a claim's read and its takeover, the record it read was purged and another of
     the key, expired already, took its place: the takeover replaces nothing (the claim then
     looks again), and nothing is copied, as nothing was replaced."""
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
     from django_idempotency._store import claiming
 
     read = completed(expires_in=-timedelta(seconds=1), key="swapped")

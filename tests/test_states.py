@@ -124,3 +124,37 @@ def test_the_statuses_are_defined_once():
     reached = {to for _from, to in states.TRANSITIONS}
     assert set(states.STATUSES) <= reached
     assert {start for start, _to in states.TRANSITIONS} >= {None, *states.STATUSES}
+
+
+def test_a_record_in_the_way_is_replaceable_exactly_when_replaceable_says_so() -> None:
+    """``RecordState.replaceable_by`` answers a done record within its TTL (every replay)
+    without evaluating ``REPLACEABLE``: on every case the two agree."""
+    from django_idempotency._context import Operation
+    from django_idempotency._store import RecordState
+
+    leases = [None, *MOMENTS.values()]
+    combinations = itertools.product(
+        states.STATUSES, leases, MOMENTS.values(), (HASH, "b" * 64), (VERSION, "v2")
+    )
+    operation = Operation(
+        "default", "user:1", "op", "k", HASH, VERSION, "retry", timedelta(1), timedelta(2)
+    )
+    checked = 0
+    for status, lease, expires, request_hash, version in combinations:
+        state = RecordState(
+            id=1,
+            status=status,
+            lease_token=None,
+            lease_expires_at=lease,
+            expires_at=expires,
+            request_hash=request_hash,
+            fingerprint_version=version,
+            recovery_attempts=0,
+            response_status=None,
+            response_headers=[],
+            response_body=None,
+        )
+        expected = states.REPLACEABLE.test(vars(state), now=NOW, hash=HASH, version=VERSION)
+        assert state.replaceable_by(operation, NOW) == expected, vars(state)
+        checked += 1
+    assert checked == len(states.STATUSES) * 4 * 3 * 2 * 2

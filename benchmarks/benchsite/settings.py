@@ -56,7 +56,11 @@ DATABASES = {
         # Prepared statements allowed, as on a direct connection (docs/deployment.md): the
         # package prepares its own statements; Django's cursors bind client-side and prepare
         # nothing, so every other variant runs as without it.
-        "OPTIONS": {} if VARIANT == "unprepared" else {"prepare_threshold": 5},
+        # BENCH_UNPREPARED=1: every variant on Django's defaults (a patched copy measured
+        # against this checkout's "unprepared").
+        "OPTIONS": {}
+        if VARIANT == "unprepared" or os.environ.get("BENCH_UNPREPARED") == "1"
+        else {"prepare_threshold": 5},
     }
 }
 

@@ -13,15 +13,14 @@ more. Its parts:
 - :mod:`.records`: a record as read back, its outcome opened and checked;
 - :mod:`.statements`: cursors (prepared where the connection allows it), names, values;
 - :mod:`.postgres`: PostgreSQL's one-statement claim;
-- :mod:`.claiming`: the claim and the takeover, on every database;
-- :mod:`.owner`: the owner's fenced statements and the steps.
+- :mod:`.claiming`: the claim and the takeover, and the completion, on every database;
+- :mod:`.owner`: the owner's other fenced statements and the steps.
 """
 
 from __future__ import annotations
 
-from django_idempotency._store.claiming import claim, fetch
+from django_idempotency._store.claiming import claim, complete, fetch
 from django_idempotency._store.owner import (
-    complete,
     count_attempt,
     forget_steps,
     give_back,

@@ -1,5 +1,6 @@
 """The claim: a new key inserted, or the record in its way handed back, and a replaceable
-record (expired, or a stale lease of the same request) taken over.
+record (expired, or a stale lease of the same request) taken over; and the completion that
+ends a claim with its outcome, the other statement of every first request.
 
 The database's unique constraint on ``(account, operation, key)`` picks the single winner,
 never a read before a write. Each statement is its own short transaction: a duplicate sees
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import time
 import uuid
 from datetime import datetime
@@ -19,16 +21,23 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 from django.utils import timezone
 
-from django_idempotency import _retry, states
-from django_idempotency._operation import Operation
+from django_idempotency import _retry, crypto, states
+from django_idempotency._context import Operation
 from django_idempotency._store.owner import forget_steps
 from django_idempotency._store.postgres import LATE, ON_TIME, claim_sql, refusal
 from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
-from django_idempotency._store.statements import claim_row, cursor, returning, table
+from django_idempotency._store.statements import (
+    claim_row,
+    cursor,
+    owned_by,
+    prepared_row,
+    returning,
+    table,
+)
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 
-__all__ = ["claim", "fetch"]
+__all__ = ["claim", "complete", "fetch"]
 
 # Why a claim bounded by a deadline (see claim) wrote nothing.
 _LATE = "the claim reached the database after CLAIM_TIMEOUT, on the database server's clock"
@@ -159,7 +168,7 @@ def _insert_or_existing(
         )
         if deadline is not None:
             params["deadline"] = deadline
-        with cursor(op.alias) as statement:
+        with _cursor(op.alias) as statement:
             statement.execute(sql, params)
             row = statement.fetchone()
         if row is None:
@@ -335,3 +344,69 @@ def fetch(op: Operation) -> RecordState | None:
         statement.execute(_fetch_sql(op.alias), [op.account, op.operation, op.key])
         row = statement.fetchone()
     return RecordState.from_row(row) if row is not None else None
+
+
+# -- the completion ------------------------------------------------------------------------
+# The other statement of every first request, beside the claim: the owner's other
+# statements (the release, the give-back, the steps) are in .owner.
+
+
+def _cursor(alias: str) -> Any:
+    # Without OPTIONS["prepare_threshold"] (Django's default) statements.cursor() answers
+    # Django's own cursor: taken here at once, on every first request's path.
+    connection = connections[alias]
+    if connection.settings_dict["OPTIONS"].get("prepare_threshold") is None:
+        return connection.cursor()
+    return cursor(alias)
+
+
+@functools.lru_cache(maxsize=8)
+def _complete_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
+    cleared = ("lease_token", "lease_expires_at")
+    assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
+    if connections[alias].vendor == "postgresql":
+        assignments[2] += "::jsonb"  # the headers come as JSON text
+    return f"UPDATE {table(alias)} SET {', '.join(assignments)} WHERE {owned_by(q)}"
+
+
+def complete(
+    alias: str,
+    record_id: int,
+    token: uuid.UUID,
+    *,
+    status: str,
+    response_status: int,
+    response_headers: list[list[str]],
+    response_body: bytes,
+    now: datetime,
+) -> bool:
+    """Store the outcome, fenced by the lease token (:func:`.statements.owned_by`), on the
+    caller's connection, in its transaction. ``False``: the lease was lost."""
+    if app_settings.ENCRYPTION_KEYS:
+        headers, body = crypto.seal_response(response_headers, response_body)
+    else:
+        headers, body = response_headers, response_body
+    if connections[alias].vendor == "postgresql":
+        # As the JSON field would store it (json.dumps), without its per-call preparation;
+        # psycopg adapts the rest, the token included, as it is.
+        params: list[Any] = [status, response_status, json.dumps(headers), body, now, token]
+    else:
+        row = prepared_row(
+            alias,
+            {
+                "response_headers": headers,
+                "response_body": body,
+                "completed_at": now,
+                "lease_token": token,
+            },
+        )
+        params = [status, response_status, row["response_headers"], row["response_body"]]
+        params += [row["completed_at"], row["lease_token"]]
+    # The fence's values in owned_by's order: the record, the token, still in progress.
+    params.insert(5, record_id)
+    params.append(states.IN_PROGRESS)
+    with _cursor(alias) as statement:
+        statement.execute(_complete_sql(alias), params)
+        return int(statement.rowcount) > 0

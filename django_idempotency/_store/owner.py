@@ -1,13 +1,13 @@
-"""The statements of a claim's owner, each fenced by its lease token: the completion (with
-the work, in the caller's transaction), the release, the give-back of a lease, and the
-steps of a resumable operation. A statement whose fence matches no row says so (``False``):
+"""The statements of a claim's owner, each fenced by its lease token: the release, the
+give-back of a lease, a recovery attempt counted, and the steps of a resumable operation
+(the completion, the other statement of every first request, is beside the claim, in
+:mod:`.claiming`). A statement whose fence matches no row says so (``False``):
 another attempt owns the record now, and the caller's work must not commit.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from datetime import datetime
 from typing import Any
@@ -15,12 +15,10 @@ from typing import Any
 from django.db import connections
 from django.db.models import Field
 
-from django_idempotency import crypto
 from django_idempotency._store.statements import (
     cursor,
     owned_by,
     prepared,
-    prepared_row,
     step_table,
     table,
 )
@@ -28,7 +26,6 @@ from django_idempotency.models import IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
 __all__ = [
-    "complete",
     "count_attempt",
     "forget_steps",
     "give_back",
@@ -57,50 +54,6 @@ def _owned(
     with cursor(alias) as statement:
         statement.execute(sql, [*params, *owner])
         return int(statement.rowcount) > 0
-
-
-@functools.lru_cache(maxsize=8)
-def _complete_sql(alias: str) -> str:
-    q = connections[alias].ops.quote_name
-    stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
-    cleared = ("lease_token", "lease_expires_at")
-    assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
-    if connections[alias].vendor == "postgresql":
-        assignments[2] += "::jsonb"  # the headers come as JSON text
-    return f"UPDATE {table(alias)} SET {', '.join(assignments)} WHERE {owned_by(q)}"
-
-
-def complete(
-    alias: str,
-    record_id: int,
-    token: uuid.UUID,
-    *,
-    status: str,
-    response_status: int,
-    response_headers: list[list[str]],
-    response_body: bytes,
-    now: datetime,
-) -> bool:
-    """Store the outcome, fenced by the lease token. ``False``: the lease was lost."""
-    headers, body = crypto.seal_response(response_headers, response_body)
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
-        # As the JSON field would store it (json.dumps), without its per-call preparation;
-        # psycopg adapts the rest as it is.
-        params: list[Any] = [status, response_status, json.dumps(headers), body, now]
-        return _owned(alias, _complete_sql(alias), params, record_id, token, token)
-    row = prepared_row(
-        alias,
-        {
-            "response_headers": headers,
-            "response_body": body,
-            "completed_at": now,
-            "lease_token": token,
-        },
-    )
-    outcome = (row["response_headers"], row["response_body"], row["completed_at"])
-    params = [status, response_status, *outcome]
-    return _owned(alias, _complete_sql(alias), params, record_id, token, row["lease_token"])
 
 
 @functools.lru_cache(maxsize=8)

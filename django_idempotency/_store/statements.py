@@ -25,7 +25,7 @@ from django_idempotency.models import IdempotencyRecord, IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
 if TYPE_CHECKING:
-    from django_idempotency._operation import Operation
+    from django_idempotency._context import Operation
 
 logger = logging.getLogger("django_idempotency")
 
