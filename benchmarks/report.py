@@ -52,6 +52,8 @@ def statement_kind(sql: str) -> str:
         return "claim (read, or INSERT … ON CONFLICT DO UPDATE … RETURNING)"
     if upper.startswith("WITH CLAIM AS"):
         return "claim (INSERT … ON CONFLICT DO NOTHING RETURNING, or the row in the way)"
+    if upper.startswith("SELECT * FROM DJANGO_IDEMPOTENCY_RECORD_CLAIM("):
+        return "claim (the same statement in its function, planned once per connection)"
     if upper.startswith("UPDATE") and ("COMPLETED_AT" in upper or "'COMPLETED'" in upper):
         return "fenced completion UPDATE"
     for word in ("BEGIN", "COMMIT", "ROLLBACK", "RELEASE SAVEPOINT", "SAVEPOINT"):
@@ -336,17 +338,22 @@ def floor_ratio(data: dict[str, Any], name: str) -> tuple[float, list[float]] | 
 def floor_targets_inprocess(data: dict[str, Any]) -> list[list[str]]:
     """Ours against the floor; and the same without prepared statements (Django's default)."""
     rows = []
+    # On Django's defaults a first request and a replay within 1.05x the floor; a first
+    # request, with the round trips the design merges (the claim's function), at most the
+    # floor (DESIGN.md, "Performance budget").
+    bounds = {"create": 1.0, "replay": 1.05}
     for variant, condition in (("ours", ""), ("unprepared", ", prepared statements off")):
         for kind, what in (("create", "first request"), ("replay", "replay")):
             found = floor_ratio(data, f"{variant}.{kind}")
             if found is None:
                 continue
             value, per_round = found
+            bound = bounds[kind]
             rows.append(
                 [
-                    f"{what} median latency ≤ 1.1× the floor (in-process{condition})",
+                    f"{what} median latency ≤ {bound:g}× the floor (in-process{condition})",
                     f"{ratio(value)} (per round {spread(per_round)})",
-                    verdict(value <= 1.1),
+                    verdict(value <= bound),
                 ]
             )
     return rows

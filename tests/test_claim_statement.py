@@ -1,7 +1,7 @@
-"""The claim statement's details: what it writes into its text, what it binds, what it reads.
+"""The claim statement's details: what it binds, what it reads.
 
-PostgreSQL's claim writes an operation's constants into the statement and binds the rest; it
-reads a record in its way with its times as seconds since the epoch. Each of these must give
+PostgreSQL's claim is one call of a server-side function with every value bound; it reads a
+record in its way with its times as seconds since the epoch. Each of these must give
 the same record, and the same state, as the plain reading would.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -16,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import _store, states
 from django_idempotency._context import Operation
-from django_idempotency._store.postgres import claim_sql
+from django_idempotency._store.postgres import CLAIM
 from django_idempotency._store.records import from_epoch
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import needs_drf, new_key
@@ -128,10 +129,10 @@ def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
     with CaptureQueriesContext(connection) as queries:
         first = _store.claim(request, NOW)
     assert first.claimed
-    sql = claim_sql("default", name, name, "fail", request.lease, request.ttl)
-    assert f"'{name}'" not in sql
-    assert "%(operation)s" in sql
-    assert "%(fingerprint_version)s" in sql
+    # Every value is bound to the claim's function: its statement is the same for every
+    # operation, and no name is ever part of it.
+    assert CLAIM.count("%s") == 10
+    assert "'" not in CLAIM
     again = _store.claim(request, NOW)
     assert not again.claimed
     assert again.state.id == first.state.id
@@ -141,21 +142,6 @@ def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
     assert IdempotencyRecord.objects.filter(pk=others.state.id).exists()
     assert IdempotencyRecord.objects.count() == 2
     assert len(queries.captured_queries) == 1
-
-
-@postgresql_only
-def test_an_operation_of_plain_words_is_written_into_the_statement():
-    request = claim_request()
-    sql = claim_sql("default", "charge.create", "v1", "retry", request.lease, request.ttl)
-    assert "'charge.create'" in sql
-    assert "'v1'" in sql
-    assert "'retry'" in sql
-    assert "%(operation)s" not in sql
-    assert "%(fingerprint_version)s" not in sql
-    assert "%(recovery_policy)s" not in sql
-    # What differs per request is bound.
-    for bound in ("account", "key", "request_hash", "created_at"):
-        assert f"%({bound})s" in sql
 
 
 @pytest.mark.parametrize(
@@ -255,11 +241,11 @@ def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thin
         _store.claim(request, now - timedelta(days=2))  # a claim expired since
         expired = IdempotencyRecord.objects.get()
     deadline = datetime.now(UTC) + timedelta(milliseconds=100)
-    params: dict[str, object]
+    params: Any
     if statement == "insert":
-        sql = claim_sql("default", "charge.create", "v1", "retry", request.lease, request.ttl, True)
-        params = {"account": request.account, "key": request.key, "request_hash": "a" * 64}
-        params.update(created_at=now, deadline=deadline)
+        sql = CLAIM
+        params = [request.account, request.operation, request.key, "a" * 64, "v1", "retry"]
+        params += [now, request.lease, request.ttl, deadline]
     else:
         sql = claiming._takeover_sql("default", True)
         row = _store.statements.claim_row(request, token, now)
@@ -272,3 +258,48 @@ def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thin
     assert len(rows) == 1, rows
     assert rows[0][0] is not None  # it wrote: the record's id, no refusal
     assert IdempotencyRecord.objects.count() == 1
+
+
+def call_claim(cursor: Any, request: Operation, now: datetime) -> list[tuple[Any, ...]]:
+    params: list[Any] = [request.account, request.operation, request.key, request.request_hash]
+    params += [request.fingerprint_version, request.recovery_policy, now]
+    params += [request.lease, request.ttl, None]
+    cursor.execute(CLAIM, params)
+    return list(cursor.fetchall())
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("policy", ["retry", "fail", "resume"])
+def test_only_a_retry_claim_commits_without_waiting_for_its_flush(policy):
+    """The function relaxes the commit of a new "retry" claim only, and of nothing else: a
+    replay of any policy leaves the transaction's setting as it was."""
+    request = claim_request(recovery_policy=policy)
+    settings = []
+    with connection.cursor() as cursor:
+        for _ in range(2):  # the new claim, then the record in the way
+            cursor.execute("BEGIN")
+            call_claim(cursor, request, NOW)
+            cursor.execute("SHOW synchronous_commit")
+            settings.append(cursor.fetchone()[0])
+            cursor.execute("COMMIT")
+    assert settings == (["off", "on"] if policy == "retry" else ["on", "on"])
+    assert IdempotencyRecord.objects.filter(key=request.key).count() == 1
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_through_the_function_takes_a_transaction_id_only_when_it_inserts():
+    """A replay or a conflict writes nothing: no transaction id, not even for the call of the
+    function around the statement."""
+    request = claim_request()
+    assigned = []
+    with connection.cursor() as cursor:
+        for _ in range(3):
+            cursor.execute("BEGIN")
+            rows = call_claim(cursor, request, NOW)
+            cursor.execute("SELECT pg_current_xact_id_if_assigned() IS NOT NULL")
+            assigned.append((len(rows), cursor.fetchone()[0]))
+            cursor.execute("COMMIT")
+    assert assigned == [(1, True), (1, False), (1, False)]
+    assert IdempotencyRecord.objects.filter(key=request.key).count() == 1

@@ -24,7 +24,7 @@ from django.utils import timezone
 from django_idempotency import _retry, crypto, states
 from django_idempotency._context import Operation
 from django_idempotency._store.owner import forget_steps
-from django_idempotency._store.postgres import LATE, ON_TIME, claim_sql, refusal
+from django_idempotency._store.postgres import CLAIM, LATE, ON_TIME, refusal
 from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
 from django_idempotency._store.statements import (
     claim_row,
@@ -146,30 +146,23 @@ def _insert_or_existing(
     """
     connection = connections[op.alias]
     if connection.vendor == "postgresql":
-        # PostgreSQL takes these values as they are (psycopg adapts them): no per-field
-        # preparation, which only the other backends need (strings for SQLite's times).
-        params: dict[str, Any] = {
-            "account": op.account,
-            "operation": op.operation,
-            "key": op.key,
-            "request_hash": op.request_hash,
-            "fingerprint_version": op.fingerprint_version,
-            "recovery_policy": op.recovery_policy,
-            "created_at": now,
-        }
-        sql = claim_sql(
-            op.alias,
+        # One call of the claim's function, its values bound as they are (psycopg adapts
+        # them). Its plans are the server's, kept per connection; with prepare_threshold the
+        # one-line call is prepared too (_cursor).
+        params: list[Any] = [
+            op.account,
             op.operation,
+            op.key,
+            op.request_hash,
             op.fingerprint_version,
             op.recovery_policy,
+            now,
             op.lease,
             op.ttl,
-            deadline is not None,
-        )
-        if deadline is not None:
-            params["deadline"] = deadline
+            deadline,
+        ]
         with _cursor(op.alias) as statement:
-            statement.execute(sql, params)
+            statement.execute(CLAIM, params)
             row = statement.fetchone()
         if row is None:
             return None
