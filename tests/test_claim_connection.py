@@ -480,20 +480,21 @@ def init_command(command: str | None) -> Iterator[None]:
     options.pop("init_command", None)
     if command is not None:
         options["init_command"] = command
-    second = getattr(connection, _autonomous._ATTRIBUTE, None)
-    if second is not None:
-        second.close()
-        setattr(connection, _autonomous._ATTRIBUTE, None)
+    forget_claim_connection()
     try:
         yield
     finally:
         options.pop("init_command", None)
         if before is not None:
             options["init_command"] = before
-        second = getattr(connection, _autonomous._ATTRIBUTE, None)
-        if second is not None:
-            second.close()
-            setattr(connection, _autonomous._ATTRIBUTE, None)
+        forget_claim_connection()
+
+
+def forget_claim_connection() -> None:
+    second = getattr(connection, _autonomous._ATTRIBUTE, None)
+    if second is not None:
+        second.close()
+        setattr(connection, _autonomous._ATTRIBUTE, None)
 
 
 @pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's and MySQL's lock wait")
