@@ -24,7 +24,7 @@ from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, storable_name
+from django_idempotency._operation import Operation, legacy_names, storable_name
 from django_idempotency._options import Options, Terms
 from django_idempotency._outcomes import refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
@@ -124,13 +124,13 @@ def handle(
         return _problems.ACCOUNT_INVALID.response(
             "The server could not name the caller this key belongs to; nothing was run."
         )
+    operation = options.operation or default_operation()
     context = IdempotencyContext(
-        key=key,
-        operation=storable_name(options.operation or default_operation()),
-        account=storable_name(account),
+        key=key, operation=storable_name(operation), account=storable_name(account)
     )
     inner.idempotency = context  # type: ignore[attr-defined]
-    return _Protected.of(request, context, terms).answer(call_view)
+    legacy = legacy_names(account, operation)
+    return _Protected.of(request, context, terms, legacy).answer(call_view)
 
 
 class _Protected:
@@ -147,7 +147,13 @@ class _Protected:
         self.recovery = recovery
 
     @classmethod
-    def of(cls, request: Any, context: IdempotencyContext, terms: Terms) -> _Protected:
+    def of(
+        cls,
+        request: Any,
+        context: IdempotencyContext,
+        terms: Terms,
+        legacy: tuple[str, str] | None = None,
+    ) -> _Protected:
         operation = Operation(
             terms.database,
             context.account,
@@ -158,6 +164,7 @@ class _Protected:
             terms.recovery_name,
             terms.lease,
             terms.ttl,
+            legacy,
         )
         return cls(request, context, operation, terms.recovery)
 

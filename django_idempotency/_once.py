@@ -23,7 +23,7 @@ from django_idempotency import _autonomous, _options, _recovery, _validation
 from django_idempotency._claims import Claim, LeaseLost, claim, fetch, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, storable_name
+from django_idempotency._operation import Operation, legacy_names, storable_name
 from django_idempotency._outcomes import Outcome, refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency._store import RecordState
@@ -250,6 +250,7 @@ def call_once(
         recovery_policy=recovery_name(policy),
         ttl=ttl,
         lease=lease,
+        legacy=legacy_names(account, operation),
     )
     try:
         result, owned = claim(op)
