@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django_idempotency._storable import HASHED, legacy_names, storable_name
+from django_idempotency._storable import HASHED, storable_name, stored_names
 
-__all__ = ["HASHED", "Operation", "legacy_names", "storable_name"]
+__all__ = ["HASHED", "Operation", "storable_name", "stored_names"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,6 +167,12 @@ def storable_name(name: str) -> str:
     return HASHED + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def stored_names(account: str, operation: str) -> tuple[str, str, tuple[str, str] | None]:
+    """``account`` and ``operation`` as stored (:func:`storable_name`), and how release
+    0.1.4 stored the pair where that differs (:func:`legacy_names`)."""
+    return storable_name(account), storable_name(operation), legacy_names(account, operation)
+
+
 def legacy_names(account: str, operation: str) -> tuple[str, str] | None:
     """How release 0.1.4 stored ``(account, operation)``, where that differs from
     :func:`storable_name`'s spelling; ``None`` for every other pair (nearly all of them).

@@ -275,10 +275,12 @@ class _Adapter:
             return _refusal(_problems.KEY_IN_USE, str(exc), retry_after=exc.retry_after)
         except OutcomeUnknown as exc:
             return _refusal(_problems.OUTCOME_UNKNOWN, str(exc))
-        except RecordUnreadable as exc:
-            return _refusal(_problems.RECORD_UNREADABLE, str(exc))
-        except StoreUnavailable as exc:
-            return _refusal(_problems.STORE_UNAVAILABLE, str(exc))
+        except RecordUnreadable:  # why (a key id, a setting) is in the log, not for the agent
+            return _refusal(_problems.RECORD_UNREADABLE, _problems.UNREADABLE)
+        except StoreUnavailable as exc:  # the database's error text is in the log
+            return _refusal(
+                _problems.STORE_UNAVAILABLE, _problems.store_unavailable_detail(exc.ran)
+            )
         if not once.replayed:
             return once.value
         meta = dict(once.value.meta or {})
