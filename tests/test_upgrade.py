@@ -52,8 +52,31 @@ OLD_CALLS = textwrap.dedent(
     def crash(tag):
         raise SimulatedCrash(tag)
 
+    def order_view(account):
+        from django.http import JsonResponse
+        from django_idempotency.decorators import idempotent
+
+        @idempotent(operation="orders.create", account=lambda request: account)
+        def create_order(request):
+            return JsonResponse({"made": "by 0.1.4"}, status=201)
+
+        return create_order
+
+    def post(call):
+        from django.test import RequestFactory
+
+        request = RequestFactory().post(
+            "/orders/", '{"item": "pen"}', content_type="application/json",
+            HTTP_IDEMPOTENCY_KEY=call["key"],
+        )
+        response = order_view(call["account"])(request)
+        return {"status": response.status_code, "body": response.content.decode()}
+
     results = []
     for call in json.loads(sys.argv[1]):
+        if call.get("http"):
+            results.append(post(call))
+            continue
         body = crash if call.get("crash") else charge
         try:
             value = run_once(
@@ -229,3 +252,33 @@ def test_a_name_spelling_a_hash_never_adopts_the_record_that_hash_stands_for(eff
     assert (first, second) != (first, first)
     assert effects == ["hidden", "spelled"]
     assert IdempotencyRecord.objects.count() == 2
+
+
+@on_a_server
+def test_over_http_a_retry_after_the_upgrade_replays_the_response_0_1_4_stored(release_0_1_4):
+    """The same path for a view: a resolver's account ending in a space."""
+    from django.http import HttpRequest, HttpResponse, JsonResponse
+    from django.test import RequestFactory
+
+    from django_idempotency.decorators import idempotent
+
+    ran: list[str] = []
+
+    @idempotent(operation="orders.create", account=lambda request: "acct ")
+    def create_order(request: HttpRequest) -> HttpResponse:
+        ran.append("today")
+        return JsonResponse({"made": "today"}, status=201)
+
+    calls = [{"http": 1, "account": "acct ", "key": "k-http"}]
+    (first,) = written_by_0_1_4(release_0_1_4, calls)
+    assert first == {"status": 201, "body": '{"made": "by 0.1.4"}'}
+    request = RequestFactory().post(
+        "/orders/",
+        '{"item": "pen"}',
+        content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY="k-http",
+    )
+    retried = create_order(request)
+    assert ran == []
+    assert (retried.status_code, retried.content) == (201, b'{"made": "by 0.1.4"}')
+    assert retried["Idempotent-Replayed"] == "true"
