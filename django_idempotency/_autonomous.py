@@ -94,6 +94,8 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
                 f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
                 "claims must commit at once. Open no transaction on that alias."
             )
+        if claim.vendor == "mysql":
+            _bound_lock_wait(claim)
         return claim
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
     if second is not None and second.settings_dict.get(_BOUND) != app_settings.CLAIM_TIMEOUT:
@@ -155,6 +157,24 @@ def lock_wait_bound(seconds: int) -> str:
     """The statement that makes a MariaDB or MySQL session give a lock wait up after
     ``seconds``."""
     return f"SET SESSION innodb_lock_wait_timeout = {seconds}"
+
+
+# The (server connection, seconds) a CLAIM_DATABASE connection's lock wait was bounded for.
+_LOCK_WAIT_BOUND = "_django_idempotency_lock_wait_bound"
+
+
+def _bound_lock_wait(claim: BaseDatabaseWrapper) -> None:
+    # CLAIM_DATABASE is the project's own alias, connected with its own settings: its lock
+    # wait is bounded once per server connection and CLAIM_TIMEOUT, so that a claim the
+    # caller gave up on is never committed after it there either.
+    claim.ensure_connection()
+    seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
+    done = getattr(claim, _LOCK_WAIT_BOUND, None)
+    if done is not None and done[0] is claim.connection and done[1] == seconds:
+        return
+    with claim.cursor() as cursor:
+        cursor.execute(lock_wait_bound(seconds))
+    setattr(claim, _LOCK_WAIT_BOUND, (claim.connection, seconds))
 
 
 def _bound_after_connect(second: BaseDatabaseWrapper) -> None:

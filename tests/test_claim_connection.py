@@ -530,3 +530,17 @@ def test_on_mariadb_the_claim_connection_bounds_its_lock_wait_whatever_the_init_
                 if kept is not None:
                     cursor.execute(f"SELECT {kept[0]}")
                     assert kept[1] in cursor.fetchone()[0]
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's and MySQL's lock wait")
+def test_on_mariadb_claim_database_bounds_its_lock_wait_too():
+    """CLAIM_DATABASE is the project's own alias: the claim bounds the server's lock wait
+    on it as on a claim connection of its own, and follows CLAIM_TIMEOUT when it changes."""
+    for seconds in (3, 4):
+        bound = {"CLAIM_DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=seconds)}
+        with override_settings(IDEMPOTENCY=bound), transaction.atomic():
+            IdempotencyRecord.objects.count()  # the caller's transaction
+            with _autonomous.claiming("default"), connections["default"].cursor() as cursor:
+                cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+                assert cursor.fetchone()[0] == seconds
+    connections["claims"].close()
