@@ -115,12 +115,17 @@ test: lint check-migrations
 	@mkdir -p $(REPORTS)
 	@$(BIN)/coverage erase
 	@echo "==> pytest with TEST_DB=sqlite, and TEST_DB=postgres in two halves (tests/halves.py),"; \
-	echo "    side by side, each on databases of its own; output in $(REPORTS)/pytest-*.log"; \
+	echo "    side by side, each on databases of its own; output in $(REPORTS)/pytest-*.log;"; \
+	echo "    a progress line every 30 s (minutes:seconds, then each run's percentage)"; \
+	rm -f $(REPORTS)/pytest-sqlite.log $(REPORTS)/pytest-postgres-1.log $(REPORTS)/pytest-postgres-2.log; \
+	$(BIN)/python -m tests.progress $(REPORTS)/pytest-sqlite.log \
+		$(REPORTS)/pytest-postgres-1.log $(REPORTS)/pytest-postgres-2.log & progress=$$!; \
 	TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1 & sqlite=$$!; \
 	failed=0; \
 	REPORTS=$(REPORTS) TEST_DB=postgres $(BIN)/python -m tests.halves postgres \
 		$(BIN)/coverage run -m pytest > /dev/null || failed=1; \
 	wait $$sqlite || failed=1; \
+	kill $$progress; \
 	for run in sqlite postgres-1 postgres-2; do \
 		echo "==> pytest run $$run"; \
 		cat $(REPORTS)/pytest-$$run.log; \

@@ -49,6 +49,8 @@ ERRORS: dict[str, int] = {
     "CLAIM_DATABASE": 38,
     "CLAIM_TIMEOUT": 39,
     "TASKS_DELIVER_TO": 50,  # the Tasks backend's OPTIONS, reported by the Tasks framework
+    "CLAIM_DATABASE_ELSEWHERE": 51,  # check --database where a connection tells
+    "TABLES_MISSING": 52,  # a database check: check --database
     "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
 }
 

@@ -140,7 +140,7 @@ def run_resumable(
         recorded = _store.recorded_steps(claim.alias, claim.record_id)
     except db.Error as exc:
         claim.release() if fresh else claim.give_back()
-        raise store_failed(exc) from exc
+        raise store_failed(exc, ran=False) from exc
     try:
         with recording(claim, recorded):
             result = body()

@@ -24,7 +24,7 @@ from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, storable_name
+from django_idempotency._operation import Operation, stored_names
 from django_idempotency._options import Options, Terms
 from django_idempotency._outcomes import refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
@@ -124,13 +124,12 @@ def handle(
         return _problems.ACCOUNT_INVALID.response(
             "The server could not name the caller this key belongs to; nothing was run."
         )
-    context = IdempotencyContext(
-        key=key,
-        operation=storable_name(options.operation or default_operation()),
-        account=storable_name(account),
+    stored_account, operation, legacy = stored_names(
+        account, options.operation or default_operation()
     )
+    context = IdempotencyContext(key=key, operation=operation, account=stored_account)
     inner.idempotency = context  # type: ignore[attr-defined]
-    return _Protected.of(request, context, terms).answer(call_view)
+    return _Protected.of(request, context, terms, legacy).answer(call_view)
 
 
 class _Protected:
@@ -147,7 +146,13 @@ class _Protected:
         self.recovery = recovery
 
     @classmethod
-    def of(cls, request: Any, context: IdempotencyContext, terms: Terms) -> _Protected:
+    def of(
+        cls,
+        request: Any,
+        context: IdempotencyContext,
+        terms: Terms,
+        legacy: tuple[str, str] | None = None,
+    ) -> _Protected:
         operation = Operation(
             terms.database,
             context.account,
@@ -158,6 +163,7 @@ class _Protected:
             terms.recovery_name,
             terms.lease,
             terms.ttl,
+            legacy,
         )
         return cls(request, context, operation, terms.recovery)
 
@@ -183,9 +189,7 @@ class _Protected:
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
-            return self.store_unavailable(
-                "The request was not run because its idempotency key could not be recorded."
-            )
+            return self.store_unavailable(ran=False)
         if owned is not None:
             return _Owner(self, result, owned).run(call_view)
         return self.existing(result.state, call_view, allow_wait)
@@ -214,8 +218,11 @@ class _Protected:
             return self.answer(call_view, allow_wait=False)
         return self.conflict(state)
 
-    def store_unavailable(self, detail: str) -> HttpResponse:
-        return _problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
+    def store_unavailable(self, ran: bool) -> HttpResponse:
+        """``503 idempotency_store_unavailable``, saying whether the view ran."""
+        return _problems.STORE_UNAVAILABLE.response(
+            _problems.store_unavailable_detail(ran), retry_after=app_settings.RETRY_AFTER
+        )
 
     def conflict(self, state: _store.RecordState) -> HttpResponse:
         self.send(signals.request_conflicted)
@@ -232,9 +239,7 @@ class _Protected:
             found = wait_for(self.operation, state, app_settings.IN_PROGRESS_WAIT)
         except db.Error:
             logger.exception("idempotency store unavailable while waiting for a record")
-            return self.store_unavailable(
-                "The request was not run: its original could not be looked up."
-            )
+            return self.store_unavailable(ran=False)
         if found is None:
             return None
         if found.status != IN_PROGRESS:
@@ -250,13 +255,12 @@ class _Protected:
         return self.replay(state)
 
     def unreadable(self, problem: Unreadable | RecordUnreadable) -> HttpResponse:
-        refusal = (
-            problem
-            if isinstance(problem, RecordUnreadable)
-            else refuse_unreadable(self.context, problem, self.request)
-        )
+        if not isinstance(problem, RecordUnreadable):  # one raised was logged already
+            refuse_unreadable(self.context, problem, self.request)
+        # Why it cannot be read (the key id, ENCRYPTION_KEYS) is for the log, the signal
+        # and `check` (refuse_unreadable, check E026): the client learns what it can do.
         return _problems.RECORD_UNREADABLE.response(
-            str(refusal), retry_after=app_settings.RETRY_AFTER
+            _problems.UNREADABLE, retry_after=app_settings.RETRY_AFTER
         )
 
     def replay(self, state: _store.RecordState) -> HttpResponse:
@@ -320,9 +324,7 @@ class _Owner:
             )
         except StoreUnavailable:
             self.claim.give_back()
-            return self.protected.store_unavailable(
-                "The recovery of an earlier attempt could not be recorded; nothing ran."
-            )
+            return self.protected.store_unavailable(ran=False)
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.
@@ -374,10 +376,7 @@ class _Owner:
             # The completion (or a step's record) could not be written: the work was rolled
             # back, and the claim released (under "retry") or its lease given back.
             logger.error("idempotency store failed after the view was claimed: %s", failure)
-            return self.protected.store_unavailable(
-                "The request's outcome could not be recorded, so its work was rolled back; "
-                "retry with the same key."
-            )
+            return self.protected.store_unavailable(ran=failure.ran)
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response
@@ -386,8 +385,8 @@ class _Owner:
             and response.status_code not in app_settings.TRANSIENT_STATUSES
         ):
             return _problems.RESPONSE_NOT_STORABLE.response(
-                "The response could not be kept for replay (streamed, or larger than "
-                "MAX_RESPONSE_BYTES), so the request was rolled back."
+                "The response could not be kept for replay (streamed, or larger than the "
+                "server keeps), so the request was rolled back."
             )
         return response
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django_idempotency._storable import HASHED, storable_name
+from django_idempotency._storable import HASHED, storable_name, stored_names
 
-__all__ = ["HASHED", "Operation", "storable_name"]
+__all__ = ["HASHED", "Operation", "storable_name", "stored_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +29,6 @@ class Operation:
     recovery_policy: str
     lease: timedelta
     ttl: timedelta
+    #: ``(account, operation)`` as an earlier release stored them, where that differs (see
+    #: :func:`legacy_names`): the claim adopts a record written so. ``None`` for nearly all.
+    legacy: tuple[str, str] | None = None

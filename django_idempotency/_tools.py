@@ -320,10 +320,12 @@ class _Tool:
             return self.refused(_problems.KEY_IN_USE, str(exc), retry_after=exc.retry_after)
         except OutcomeUnknown as exc:
             return self.refused(_problems.OUTCOME_UNKNOWN, str(exc))
-        except RecordUnreadable as exc:
-            return self.refused(_problems.RECORD_UNREADABLE, str(exc))
-        except StoreUnavailable as exc:
-            return self.refused(_problems.STORE_UNAVAILABLE, str(exc))
+        except RecordUnreadable:  # why (a key id, a setting) is in the log, not for the agent
+            return self.refused(_problems.RECORD_UNREADABLE, _problems.UNREADABLE)
+        except StoreUnavailable as exc:  # the database's error text is in the log
+            return self.refused(
+                _problems.STORE_UNAVAILABLE, _problems.store_unavailable_detail(exc.ran)
+            )
         if not once.replayed:
             self.outlived(time.monotonic() - started)
             return once.value

@@ -94,8 +94,9 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     """View-only admin of :class:`IdempotencyRecord` with maintenance actions."""
 
     # Six columns that fit a 1280-pixel window beside the filters: the status with the
-    # response's status or the lease's state, and the long names cut short to their column
-    # (whole in their title); the stylesheet fixes the columns' widths.
+    # response's status or the lease's state; the key cut short to its column (whole in its
+    # title), the account and the operation whole, broken across lines where they must be;
+    # the age on one line. The stylesheet fixes the columns' widths.
     list_display = ("key_cell", "account_cell", "operation_cell", "state", "age", "expiry")
     list_display_links = ("key_cell",)
     # Only columns an index can sort: ordering a million rows by key, status or response
@@ -227,13 +228,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     @admin.display(description=_("account"), ordering="account")
     def account_cell(self, record: IdempotencyRecord) -> SafeString:
-        """The account, cut short to its column in the list, whole in its title."""
-        return _display.cut(record.account)
+        """The account, whole, broken across lines where its column needs it."""
+        return _display.whole(record.account)
 
     @admin.display(description=_("operation"))
     def operation_cell(self, record: IdempotencyRecord) -> SafeString:
-        """The operation, cut short to its column in the list, whole in its title."""
-        return _display.cut(record.operation)
+        """The operation, whole, broken across lines where its column needs it."""
+        return _display.whole(record.operation)
 
     @admin.display(description=_("status"))
     def state(self, record: IdempotencyRecord) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_idempotency import _check_ids, conf
+from django_idempotency import _check_ids, _database_checks, conf
 
 
 def _warning(name: str, msg: str, hint: str) -> Warning:
@@ -125,6 +125,22 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
             ),
         )
         for operation, endpoints in shared.items()
+    ]
+
+
+@register(Tags.database)
+def check_database(databases: Iterable[str] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """``check --database <alias>``: the package's tables on ``DATABASE`` (E052), and
+    ``CLAIM_DATABASE`` on the same database as ``DATABASE`` (E051, told from the settings
+    where they differ in engine or SQLite file, without ``--database`` too)."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None:
+        return []  # a wrong setting is reported by check_settings
+    chosen = tuple(databases or ())
+    return [
+        *_database_checks.not_the_same_database(alias, values.get("CLAIM_DATABASE"), chosen),
+        *_database_checks.missing_tables(alias, chosen),
     ]
 
 

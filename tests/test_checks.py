@@ -49,6 +49,18 @@ def test_e002_unknown_key():
     assert "TTL" in message.hint
 
 
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("TTLL", "TTL"), ("ttl", "TTL"), ("CLAIM_DATABSE", "CLAIM_DATABASE"), ("LEASES", "LEASE")],
+)
+def test_e002_a_typo_gets_the_key_it_is_closest_to(typo, meant):
+    assert only("E002", **{typo: 5}).endswith(f"Did you mean {meant!r}?")
+
+
+def test_e002_nothing_close_gets_no_guess():
+    assert "Did you mean" not in only("E002", COLOUR="blue")
+
+
 def test_e003_ttl():
     assert "IDEMPOTENCY['TTL'] must be a timedelta" in only("E003", TTL=0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import uuid
 from datetime import datetime
@@ -17,6 +18,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
+from django.db.models.functions import Length
 from django.utils import timezone
 
 from django_idempotency import _retry, states
@@ -28,7 +30,9 @@ from django_idempotency._store.statements import claim_row, cursor, returning, t
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 
-__all__ = ["claim", "fetch"]
+__all__ = ["adopt_legacy", "claim", "fetch"]
+
+logger = logging.getLogger("django_idempotency")
 
 # Why a claim bounded by a deadline (see claim) wrote nothing.
 _LATE = "the claim reached the database after CLAIM_TIMEOUT, on the database server's clock"
@@ -55,6 +59,8 @@ def claim(op: Operation, now: datetime, deadline: datetime | None = None) -> Cla
     # retrying()'s loop, kept here: the claim is on every request's path.
     for attempt in range(_retry.ATTEMPTS):
         try:
+            if op.legacy is not None:  # a rare name, which an earlier release spelled so
+                adopt_legacy(op)
             return _claim(op, now, started, deadline)
         except OperationalError as exc:
             _retry.pause_or_raise(exc, attempt)
@@ -317,6 +323,46 @@ def _replace(alias: str, params: dict[str, Any]) -> RecordState | None:
                 return None  # held by another transaction: left to it
         statement.execute(_takeover_sql(alias), params)
     return None
+
+
+# -- a record an earlier release wrote ------------------------------------------------------
+
+
+def adopt_legacy(op: Operation) -> None:
+    """Give the record that an earlier release wrote under ``op.legacy``'s spelling of its
+    names (see ``_storable.legacy_names``) today's spelling, so that the claim finds it as
+    it finds any record: replayed, in progress, or replaced once expired.
+
+    One conditional statement, made only for the names whose spelling changed. The lengths
+    are compared as well: MariaDB's collations pad, and would match ``'t1'`` for ``'t1 '``.
+    A record of today's spelling already in the way (an earlier release's server writing
+    beside this one's) keeps its place, and the other is left to its expiry.
+    """
+    assert op.legacy is not None
+    account, operation = op.legacy
+    written = (
+        IdempotencyRecord.objects.using(op.alias)
+        .annotate(account_length=Length("account"), operation_length=Length("operation"))
+        .filter(
+            account=account,
+            operation=operation,
+            key=op.key,
+            account_length=len(account),
+            operation_length=len(operation),
+        )
+    )
+    try:
+        with transaction.atomic(using=op.alias):
+            adopted = written.update(account=op.account, operation=op.operation)
+    except IntegrityError:
+        logger.warning(
+            "a record of %s written by an earlier release was left under its old spelling: "
+            "a record of today's spelling is in its way",
+            op.operation,
+        )
+        return
+    if adopted:
+        logger.info("adopted a record of %s written by an earlier release", op.operation)
 
 
 # -- reading a record ------------------------------------------------------------------------
