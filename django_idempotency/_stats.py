@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_idempotency import crypto
-from django_idempotency._recovery import RESUME
+from django_idempotency._policies import names_where
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -92,7 +92,9 @@ def _by_status(queryset: QuerySet[IdempotencyRecord]) -> dict[str, int]:
 def resumable_records(using: str | None = None) -> QuerySet[IdempotencyRecord]:
     """The records of resumable operations (recovery policy ``"resume"``), read through
     their partial index."""
-    resumable: QuerySet[IdempotencyRecord] = records(using).filter(recovery_policy=RESUME)
+    resumable: QuerySet[IdempotencyRecord] = records(using).filter(
+        recovery_policy__in=names_where("resumable")
+    )
     return resumable
 
 

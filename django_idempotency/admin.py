@@ -36,7 +36,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _display, maintenance, outbox
+from django_idempotency import _display, _policies, maintenance, outbox
 from django_idempotency._admin_filters import (
     ExpiredFilter,
     LeaseFilter,
@@ -45,7 +45,6 @@ from django_idempotency._admin_filters import (
     TaskFilter,
     records_of,
 )
-from django_idempotency._recovery import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -168,7 +167,8 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         # stored headers and body, and the steps' result sizes that of their results.
         fieldsets = list(super().get_fieldsets(request, obj))
         if obj is not None and (
-            obj.recovery_policy == RESUME or _display.has_steps(app_settings.DATABASE, obj.pk)
+            _policies.recovery_policy(obj.recovery_policy).resumable
+            or _display.has_steps(app_settings.DATABASE, obj.pk)
         ):
             fieldsets.insert(2, (_("Steps"), {"fields": ("steps_pretty",)}))
         if self.has_view_response_body_permission(request):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from datetime import datetime
 
 from django.utils import timezone
@@ -47,6 +48,16 @@ class StoreUnavailable(IdempotencyError):
     """The idempotency store could not record the claim: the database was unreachable, a
     statement failed, or a claim connection could not be had within ``CLAIM_TIMEOUT``. The
     operation did not run; retry it with the same key."""
+
+
+class TaskAlreadyQueued(IdempotencyError):
+    """``outbox.enqueue_once(..., on_conflict="raise")`` found the key held by a live
+    message: nothing was written. ``message_id`` is that message's id (a ``uuid.UUID``),
+    also its task id."""
+
+    def __init__(self, message: str, message_id: uuid.UUID) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 class SimulatedCrash(BaseException):

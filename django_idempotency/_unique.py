@@ -1,0 +1,237 @@
+"""One live message per (task, key): the engine behind ``outbox.enqueue_once``.
+
+The key is a row of :class:`~django_idempotency.models.OutboxUniqueKey`, unique over
+``(task, key)``, written in the enqueue's transaction together with its message, inside a
+savepoint: when the insert meets the unique constraint nothing of this enqueue is left.
+The database's constraint picks the winner of two enqueues racing in two transactions (the
+second waits for the first to commit or roll back), so a rolled-back enqueue never holds a
+key. A key row whose message is no longer live is taken over (its row locked, pointed at
+the new message) in the same transaction.
+
+Whether a message is live is decided by its ``unique_until`` (the declared options of
+:mod:`django_idempotency._policies`) from the message's state and, once it was sent, from
+the ``@idempotent_task`` record of its run: a run whose worker died stops holding the key
+when its lease runs out, as a claim's would.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+from django.utils import timezone
+
+from django_idempotency import _policies, _storable, _validation, states
+from django_idempotency._policies import UniqueUntil
+from django_idempotency.exceptions import TaskAlreadyQueued
+from django_idempotency.keys import validate_key
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+
+__all__ = [
+    "ON_CONFLICT",
+    "TASK_ACCOUNT",
+    "Unique",
+    "describe_holder",
+    "finished",
+    "holds",
+    "record_identity",
+    "records_by_message",
+    "task_operation",
+    "unique",
+    "write_once",
+]
+
+#: Set on a function under ``@idempotent_task()`` keyed by the message (tasks.py).
+BY_MESSAGE = "idempotent_task_by_message"
+#: ``on_conflict``: what an enqueue that meets a live message does.
+ON_CONFLICT = ("return", "raise")
+#: The account of every ``@idempotent_task`` record: no request's account is ever "task",
+#: so task records and request records never collide.
+TASK_ACCOUNT = "task"
+# A takeover that loses its row to another (it cannot while holding the lock; a database
+# without row locks may) starts over; this bounds it.
+_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Unique:
+    """A checked request for uniqueness: the key, when it frees, what a conflict does."""
+
+    key: str
+    until: UniqueUntil
+    #: For a duration: how long the key is held after the enqueue.
+    duration: timedelta | None
+    raise_on_conflict: bool
+
+
+def unique(key: object, unique_until: object, on_conflict: object) -> Unique:
+    """Check ``enqueue_once``'s options; ``InvalidKey`` (a ``ValueError``) for a key that is
+    not a valid key, ``ValueError`` for an unknown option or a duration of zero or less,
+    ``TypeError`` for a value of the wrong type."""
+    checked = validate_key(key)
+    if isinstance(unique_until, timedelta):
+        try:
+            duration: timedelta | None = _validation.duration(unique_until)
+        except _validation.Invalid as exc:
+            raise ValueError(f"enqueue_once(): unique_until {exc}") from None
+        until = _policies.DURATION
+    elif isinstance(unique_until, str):
+        words = _policies.UNIQUE_UNTIL_WORDS
+        if unique_until not in words:
+            raise ValueError(
+                "enqueue_once(): unique_until must be "
+                + ", ".join(f'"{word}"' for word in words)
+                + f" or a timedelta; got {unique_until!r}"
+            )
+        until, duration = _policies.UNIQUE_UNTIL[unique_until], None
+    else:
+        raise TypeError(
+            "enqueue_once(): unique_until must be "
+            + ", ".join(f'"{word}"' for word in _policies.UNIQUE_UNTIL_WORDS)
+            + f" or a timedelta; got {_validation.describe(unique_until)}"
+        )
+    if not isinstance(on_conflict, str) or on_conflict not in ON_CONFLICT:
+        raise ValueError(
+            f'enqueue_once(): on_conflict must be "return" or "raise"; got {on_conflict!r}'
+        )
+    return Unique(checked, until, duration, raise_on_conflict=on_conflict == "raise")
+
+
+def write_once(
+    alias: str, task: str, wanted: Unique, create: Callable[[], OutboxMessage]
+) -> OutboxMessage | uuid.UUID:
+    """Write the message ``create()`` makes, holding ``(task, wanted.key)``, in the current
+    transaction of ``alias``; or, when a live message holds the key, write nothing and return
+    its id (``TaskAlreadyQueued`` with ``raise_on_conflict``)."""
+    for _attempt in range(_ATTEMPTS):
+        now = timezone.now()
+        fields = {
+            "unique_until": wanted.until.name,
+            "held_until": now + wanted.duration if wanted.duration is not None else None,
+            "finished_at": None,
+            "created_at": now,
+        }
+        try:
+            with transaction.atomic(using=alias):
+                message = create()
+                OutboxUniqueKey.objects.using(alias).create(
+                    task=task, key=wanted.key, message=message, **fields
+                )
+            return message
+        except IntegrityError:
+            pass  # the key is held: by a live message, or by one that no longer is
+        holder = _locked(alias, task, wanted.key)
+        if holder is None:
+            continue  # its message was deleted meanwhile: the key is free again
+        if holds(alias, holder, now):
+            if wanted.raise_on_conflict:
+                raise TaskAlreadyQueued(
+                    f"a live message of {task} holds this key: {holder.message_id}",
+                    holder.message_id,
+                )
+            return holder.message_id
+        with transaction.atomic(using=alias):
+            message = create()
+            taken = (
+                OutboxUniqueKey.objects.using(alias)
+                .filter(pk=holder.pk, message_id=holder.message_id)
+                .update(message=message, **fields)
+            )
+            if taken == 1:
+                return message
+            transaction.set_rollback(True, using=alias)
+    raise RuntimeError(f"the key of {task} changed hands {_ATTEMPTS} times during one enqueue")
+
+
+def _locked(alias: str, task: str, key: str) -> OutboxUniqueKey | None:
+    # Locked, so that two enqueues taking over one freed key take it one after the other;
+    # a locking read also sees the newest committed row where the transaction's snapshot
+    # (MariaDB's REPEATABLE READ) would not.
+    return (
+        OutboxUniqueKey.objects.using(alias).select_for_update().filter(task=task, key=key).first()
+    )
+
+
+def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
+    """Whether ``holder``'s message still holds its key at ``now`` (is live)."""
+    until = _policies.unique_until_of(holder.unique_until)
+    if until.by_time:
+        return holder.held_until is not None and holder.held_until > now
+    if holder.finished_at is not None:
+        return False  # its run ended with an error
+    messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
+    if connections[alias].vendor == "mysql":
+        messages = messages.select_for_update()  # the newest state, not the snapshot's
+    status = messages.values_list("status", flat=True).first()
+    if status == OutboxStatus.PENDING:
+        return True  # not sent yet
+    if status == OutboxStatus.DEAD:
+        return not until.frees_at_finish
+    account, operation, key = record_identity(holder.task, holder.message_id)
+    run = (
+        IdempotencyRecord.objects.using(alias)
+        .filter(account=account, operation=operation, key=key)
+        .values("status", "lease_expires_at")
+        .first()
+    )
+    if run is None:
+        # Sent, and no worker started it yet (or a purged message and a purged record).
+        return status is not None
+    if until.frees_at_start:
+        return False
+    # Started: live while it runs under a live lease; finished, or its worker died and
+    # its lease ran out, it no longer holds the key.
+    return states.LIVE_LEASE.test(run, now=now)
+
+
+def records_by_message(func: object) -> bool:
+    """Whether ``func`` is under ``@idempotent_task()`` keyed by the message (no ``key=``):
+    its record then tells when a message's run started and finished."""
+    return bool(getattr(func, BY_MESSAGE, False))
+
+
+def record_identity(task: str, message_id: uuid.UUID) -> tuple[str, str, str]:
+    """The ``(account, operation, key)`` of the ``@idempotent_task`` record of a message's
+    run, as the worker stores it."""
+    return TASK_ACCOUNT, _storable.storable_name(task_operation(task)), str(message_id)
+
+
+def task_operation(task: str) -> str:
+    """The operation of an ``@idempotent_task`` record: ``task:<task name>``."""
+    return f"task:{task}"
+
+
+def finished(alias: str, message_id: object) -> None:
+    """The worker's run of a message ended with an error: its key (if it has one) is free.
+
+    A success needs nothing: its record says so."""
+    try:
+        pk = uuid.UUID(str(message_id))
+    except ValueError:
+        return
+    OutboxUniqueKey.objects.using(alias).filter(message_id=pk, finished_at=None).update(
+        finished_at=timezone.now()
+    )
+
+
+def describe_holder(holder: OutboxUniqueKey, now: datetime | None = None) -> dict[str, Any]:
+    """What the admin, the statistics and the audit say of a key: which message holds it,
+    until when, and whether it is live."""
+    alias = holder._state.db or "default"
+    return {
+        "task": holder.task,
+        "key": holder.key,
+        "message": str(holder.message_id),
+        "unique_until": holder.unique_until,
+        "held_until": holder.held_until.isoformat() if holder.held_until else None,
+        "live": holds(alias, holder, now or timezone.now()),
+    }
