@@ -69,7 +69,7 @@ def sent(message_id: uuid.UUID) -> None:
     )
 
 
-# -- one live message per key -------------------------------------------------------------------
+# -- one live message per key ----------------------------------------------------------------------
 
 
 def test_a_free_key_writes_one_message_and_holds_the_key():
@@ -112,13 +112,19 @@ def test_keys_compare_exactly():
     assert messages() == 2
 
 
-def test_an_enqueue_rolled_back_leaves_the_key_free():
-    class Boom(Exception):
-        pass
+class Undone(Exception):
+    """Rolls the enqueue's transaction back."""
 
-    with pytest.raises(Boom), transaction.atomic():
-        outbox.enqueue_once("nightly", record_effect, "tag")
-        raise Boom
+
+def enqueue_then_roll_back(key: str, task: object, *args: Any) -> None:
+    with transaction.atomic():
+        outbox.enqueue_once(key, task, *args)
+        raise Undone
+
+
+def test_an_enqueue_rolled_back_leaves_the_key_free():
+    with pytest.raises(Undone):
+        enqueue_then_roll_back("nightly", record_effect, "tag")
     assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
     kept = once()
     assert OutboxMessage.objects.get().pk == kept
@@ -132,7 +138,7 @@ def test_two_enqueues_in_one_transaction_give_one_message():
     assert messages() == 1
 
 
-# -- when a message stops holding its key ------------------------------------------------------
+# -- when a message stops holding its key ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("until", ["started", "finished"])
@@ -221,7 +227,7 @@ def test_a_run_that_succeeded_frees_its_key_through_its_record():
     assert once("k", record_effect, "eager-unique") != first
 
 
-# -- refusals: nothing written --------------------------------------------------------------------
+# -- refusals: nothing written ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("key", ["", "a b", "x" * 256, "é", None, 7])
@@ -286,7 +292,7 @@ def test_unstorable_arguments_are_refused_before_the_key_is_taken():
     assert once() is not None
 
 
-# -- the purge ---------------------------------------------------------------------------------------
+# -- the purge -------------------------------------------------------------------------------------
 
 
 @override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
@@ -299,7 +305,7 @@ def test_the_purge_takes_a_sent_messages_key_along():
     assert list(OutboxUniqueKey.objects.values_list("message_id", flat=True)) == [other]
 
 
-# -- two transactions at once --------------------------------------------------------------------
+# -- two transactions at once ----------------------------------------------------------------------
 
 
 def racing(count: int, enqueue: Callable[[], uuid.UUID]) -> list[uuid.UUID]:
@@ -345,3 +351,59 @@ def test_enqueues_racing_for_a_freed_key_give_one_new_message():
     (new,) = set(answers)
     assert new != first
     assert OutboxUniqueKey.objects.get().message_id == new
+
+
+# -- Django's Tasks framework through OutboxBackend ------------------------------------------------
+
+needs_tasks = pytest.mark.skipif(
+    not __import__("django.conf").conf.settings.HAS_DJANGO_TASKS,
+    reason="Django's Tasks framework with django-tasks-db is not installed",
+)
+
+
+@needs_tasks
+def test_a_django_task_takes_a_key_through_its_outbox_backend():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import TaskResultStatus
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    with transaction.atomic():
+        result = tasks_backend.enqueue_once("nightly", django_task, "tag")
+        again = tasks_backend.enqueue_once("nightly", django_task.using(priority=5), "tag")
+        same = outbox.enqueue_once("nightly", django_task, "tag")
+    assert result.id == again.id == str(same)
+    assert result.status == TaskResultStatus.READY
+    row = OutboxMessage.objects.get()
+    assert (row.task, row.args, row.delivery["backend"]) == (
+        django_task.module_path,
+        ["tag"],
+        "default",
+    )
+    assert OutboxUniqueKey.objects.get().task == django_task.module_path
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        tasks_backend.enqueue_once("nightly", django_task, "tag", on_conflict="raise")
+    assert str(caught.value.message_id) == result.id
+
+
+@needs_tasks
+def test_a_django_task_not_under_idempotent_task_takes_only_a_duration():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with pytest.raises(ValueError, match="@idempotent_task"), transaction.atomic():
+        tasks_backend.enqueue_once("k", record_plain, "tag")
+    with transaction.atomic():
+        hour = timedelta(hours=1)
+        first = tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour)
+        assert tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour).id == first.id
+    assert messages() == 1
+
+
+@needs_tasks
+def test_a_django_task_on_another_backend_is_refused():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    with pytest.raises(TypeError, match="outbox backend"), transaction.atomic():
+        tasks_backend.enqueue_once("k", django_task.using(backend="worker"), "tag")
+    assert messages() == 0
