@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from django_idempotency import _policies, _storable, _validation, states
@@ -224,9 +224,9 @@ def finished(alias: str, message_id: object) -> None:
 
 
 def describe_holder(holder: OutboxUniqueKey, now: datetime | None = None) -> dict[str, Any]:
-    """What the admin, the statistics and the audit say of a key: which message holds it,
-    until when, and whether it is live."""
-    alias = holder._state.db or "default"
+    """What the statistics and the audit say of a key: which message holds it, until when,
+    and whether it is live."""
+    alias = holder._state.db or DEFAULT_DB_ALIAS
     return {
         "task": holder.task,
         "key": holder.key,

@@ -407,3 +407,108 @@ def test_a_django_task_on_another_backend_is_refused():
     with pytest.raises(TypeError, match="outbox backend"), transaction.atomic():
         tasks_backend.enqueue_once("k", django_task.using(backend="worker"), "tag")
     assert messages() == 0
+
+
+# -- which key holds which message: the admin, the statistics, the audit -------------------------
+
+
+def test_the_admin_shows_which_message_holds_each_key(admin_client: Any):
+    live = once("live-key")
+    freed = once("freed-key")
+    OutboxMessage.objects.filter(pk=freed).update(status=OutboxStatus.DEAD)
+    page = admin_client.get("/admin/django_idempotency/outboxuniquekey/").content.decode()
+    assert "live-key" in page
+    assert str(live) in page
+    assert page.count("held (live)") == 1
+    assert page.count("free (its message is no longer live)") == 1
+    holder = OutboxUniqueKey.objects.get(key="live-key")
+    detail = admin_client.get(f"/admin/django_idempotency/outboxuniquekey/{holder.pk}/change/")
+    assert detail.status_code == 200
+    message_page = admin_client.get(f"/admin/django_idempotency/outboxmessage/{live}/change/")
+    assert "live-key (finished): held (live)" in message_page.content.decode()
+    found = admin_client.get("/admin/django_idempotency/outboxmessage/", {"q": "live-key"})
+    assert str(live) in found.content.decode()
+    assert str(freed) not in found.content.decode()
+
+
+def test_stats_and_the_audit_list_each_key_with_its_message():
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    live = once("live-key")
+    out = StringIO()
+    call_command("idempotency_stats", stdout=out)
+    assert any(
+        "live-key" in line and str(live) in line and line.rstrip().endswith("live")
+        for line in out.getvalue().splitlines()
+    ), out.getvalue()
+    out = StringIO()
+    call_command("idempotency_stats", "--json", stdout=out)
+    (row,) = json.loads(out.getvalue())["unique_keys"]
+    assert (row["key"], row["message"], row["live"], row["message_status"]) == (
+        "live-key",
+        str(live),
+        True,
+        "pending",
+    )
+    out = StringIO()
+    call_command("idempotency_audit", "--unique-keys", "--format", "json", stdout=out)
+    assert [k["message"] for k in json.loads(out.getvalue())["unique_keys"]] == [str(live)]
+    out = StringIO()
+    call_command("idempotency_audit", "--unique-keys", stdout=out)
+    assert "live-key" in out.getvalue()
+    assert str(live) in out.getvalue()
+
+
+# -- the shape of the code: policies declared once, an outbox without task frameworks -------------
+
+PACKAGE = __import__("pathlib").Path(__import__("django_idempotency").__file__).parent
+POLICY_WORDS = {"retry", "fail", "resume", "started", "finished", "duration"}
+
+
+def _imports(path: Any) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("module", ["outbox", "_senders", "_relay", "_unique"])
+def test_the_outbox_imports_nothing_of_celery_or_djangos_tasks(module: str):
+    refused = ("celery", "django.tasks", "django_tasks", "kombu")
+    ours = (
+        "django_idempotency._tasks_compat",
+        "django_idempotency.tasks_backend",
+        "django_idempotency.tasks",
+        "django_idempotency.celery_sender",
+    )
+    imported = _imports(PACKAGE / f"{module}.py")
+    assert not [n for n in imported if n.split(".")[0] in refused or n.startswith(refused)]
+    assert not [n for n in imported if n in ours or n.startswith(tuple(f"{o}." for o in ours))]
+
+
+def test_no_module_compares_a_policy_by_its_name():
+    """Readers ask a declared policy for a trait (``_policies``); none compares the word."""
+    import ast
+
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_policies.py" or "migrations" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for side in [node.left, *node.comparators]:
+                values = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                for value in values:
+                    if isinstance(value, ast.Constant) and value.value in POLICY_WORDS:
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found

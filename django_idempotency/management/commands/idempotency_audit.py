@@ -9,6 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_idempotency import _stats
 from django_idempotency._endpoints import Audit, Endpoint, audit, duration
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
@@ -72,6 +73,11 @@ class Command(BaseCommand):
             help="A table (default) or one JSON object.",
         )
         parser.add_argument(
+            "--unique-keys",
+            action="store_true",
+            help="Also list the keys of enqueue_once, each with the message that holds it.",
+        )
+        parser.add_argument(
             "--exclude",
             action="append",
             default=[],
@@ -92,9 +98,17 @@ class Command(BaseCommand):
                 "left_out": list(found.left_out),
                 "excluded": found.excluded,
             }
+            if options["unique_keys"]:
+                data["unique_keys"] = _stats.unique_keys(limit=None)
             self.stdout.write(json.dumps(data, indent=2))
         elif options["verbosity"] >= 1:
             self.stdout.write(table(found))
+            if options["unique_keys"]:
+                self.stdout.write("")
+                self.stdout.write("Keys of enqueue_once, each with the message that holds it:")
+                self.stdout.write(
+                    "\n".join(_stats.unique_key_lines(_stats.unique_keys(limit=None)))
+                )
         if options["fail_on_unprotected"] and found.unprotected:
             named = ", ".join(f"{e.method} {e.url}" for e in found.unprotected)
             raise CommandError(f"{len(found.unprotected)} unprotected: {named}", returncode=1)
