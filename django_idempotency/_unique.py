@@ -57,8 +57,8 @@ ON_CONFLICT = ("return", "raise")
 #: The account of every ``@idempotent_task`` record: no request's account is ever "task",
 #: so task records and request records never collide.
 TASK_ACCOUNT = "task"
-# A takeover that loses its row to another (it cannot while holding the lock; a database
-# without row locks may) starts over; this bounds it.
+# An enqueue that finds the key's row gone, or taken first by another, starts over; this
+# bounds it.
 _ATTEMPTS = 3
 
 
@@ -120,45 +120,52 @@ def write_once(
             "finished_at": None,
             "created_at": now,
         }
-        try:
-            with transaction.atomic(using=alias):
-                message = create()
-                OutboxUniqueKey.objects.using(alias).create(
-                    task=task, key=wanted.key, message=message, **fields
-                )
-            return message
-        except IntegrityError:
-            pass  # the key is held: by a live message, or by one that no longer is
-        holder = _locked(alias, task, wanted.key)
+        # The periodic case first: a live message holds the key, found by one read that
+        # takes no lock (a beat enqueuing every minute must not queue up behind another's
+        # transaction). Only a takeover locks the row.
+        holder = _holder(alias, task, wanted.key, lock=False)
+        if holder is None:
+            try:
+                with transaction.atomic(using=alias):
+                    message = create()
+                    OutboxUniqueKey.objects.using(alias).create(
+                        task=task, key=wanted.key, message=message, **fields
+                    )
+                return message
+            except IntegrityError:
+                # Another enqueue took the key first (the constraint waited for its commit).
+                holder = _holder(alias, task, wanted.key, lock=False)
+                if holder is None:
+                    continue
+        if holds(alias, holder, now):
+            return _conflict(task, holder, wanted)
+        holder = _holder(alias, task, wanted.key, lock=True)
         if holder is None:
             continue  # its message was deleted meanwhile: the key is free again
-        if holds(alias, holder, now):
-            if wanted.raise_on_conflict:
-                raise TaskAlreadyQueued(
-                    f"a live message of {task} holds this key: {holder.message_id}",
-                    holder.message_id,
-                )
-            return holder.message_id
-        with transaction.atomic(using=alias):
-            message = create()
-            taken = (
-                OutboxUniqueKey.objects.using(alias)
-                .filter(pk=holder.pk, message_id=holder.message_id)
-                .update(message=message, **fields)
-            )
-            if taken == 1:
-                return message
-            transaction.set_rollback(True, using=alias)
+        if holds(alias, holder, now):  # taken over meanwhile by another enqueue
+            return _conflict(task, holder, wanted)
+        message = create()
+        OutboxUniqueKey.objects.using(alias).filter(pk=holder.pk).update(message=message, **fields)
+        return message
     raise RuntimeError(f"the key of {task} changed hands {_ATTEMPTS} times during one enqueue")
 
 
-def _locked(alias: str, task: str, key: str) -> OutboxUniqueKey | None:
-    # Locked, so that two enqueues taking over one freed key take it one after the other;
-    # a locking read also sees the newest committed row where the transaction's snapshot
-    # (MariaDB's REPEATABLE READ) would not.
-    return (
-        OutboxUniqueKey.objects.using(alias).select_for_update().filter(task=task, key=key).first()
-    )
+def _conflict(task: str, holder: OutboxUniqueKey, wanted: Unique) -> uuid.UUID:
+    if wanted.raise_on_conflict:
+        raise TaskAlreadyQueued(
+            f"a live message of {task} holds this key: {holder.message_id}", holder.message_id
+        )
+    return holder.message_id
+
+
+def _holder(alias: str, task: str, key: str, lock: bool) -> OutboxUniqueKey | None:
+    # ``lock``: two enqueues taking over one freed key take it one after the other. On
+    # MariaDB every read locks: a locking read sees the newest committed row, where the
+    # transaction's REPEATABLE READ snapshot would not.
+    holders = OutboxUniqueKey.objects.using(alias).filter(task=task, key=key)
+    if lock or connections[alias].vendor == "mysql":
+        holders = holders.select_for_update()
+    return holders.first()
 
 
 def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
