@@ -422,6 +422,12 @@ def main() -> int:
         costs = enqueue_costs(args.rounds, args.block)
         costs["load_average"] = os.getloadavg()
         print(json.dumps(costs, indent=2))
+        if args.write:
+            from benchmarks import report
+
+            text = RESULTS.read_text()
+            rendered = report.outbox_placeholder() + report.unique_enqueues(costs)
+            RESULTS.write_text(report.replace_section(text, rendered, "Unique enqueues"))
         return 0
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     results = run(args.messages, sizes, args.latency_messages, args.rate)
