@@ -12,8 +12,8 @@ pytest.importorskip(
     "example_project", reason="the example project is not here (tox tests the wheel)"
 )
 
-from django_idempotency.models import OutboxMessage, OutboxStatus, OutboxUniqueKey  # noqa: E402
-from example_project.docs_examples import unique_tasks as shown  # noqa: E402
+from django_idempotency.models import OutboxMessage, OutboxStatus, OutboxUniqueKey
+from example_project.docs_examples import unique_tasks as shown
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 

@@ -364,7 +364,6 @@ needs_tasks = pytest.mark.skipif(
 @needs_tasks
 def test_a_django_task_takes_a_key_through_its_outbox_backend():
     from django_idempotency import tasks_backend
-    from tests.testapp.tasks_framework import TaskResultStatus
     from tests.testapp.tasks_framework import record_effect as django_task
 
     with transaction.atomic():
@@ -372,7 +371,7 @@ def test_a_django_task_takes_a_key_through_its_outbox_backend():
         again = tasks_backend.enqueue_once("nightly", django_task.using(priority=5), "tag")
         same = outbox.enqueue_once("nightly", django_task, "tag")
     assert result.id == again.id == str(same)
-    assert result.status == TaskResultStatus.READY
+    assert result.status.name == "READY"
     row = OutboxMessage.objects.get()
     assert (row.task, row.args, row.delivery["backend"]) == (
         django_task.module_path,
