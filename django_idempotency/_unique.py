@@ -123,7 +123,7 @@ def write_once(
         # The periodic case first: a live message holds the key, found by one read that
         # takes no lock (a beat enqueuing every minute must not queue up behind another's
         # transaction). Only a takeover locks the row.
-        holder = _holder(alias, task, wanted.key, lock=False)
+        holder = _holder(alias, task, wanted.key, _PLAIN)
         if holder is None:
             try:
                 with transaction.atomic(using=alias):
@@ -134,12 +134,12 @@ def write_once(
                 return message
             except IntegrityError:
                 # Another enqueue took the key first (the constraint waited for its commit).
-                holder = _holder(alias, task, wanted.key, lock=False)
+                holder = _holder(alias, task, wanted.key, _FRESH)
                 if holder is None:
                     continue
         if holds(alias, holder, now):
             return _conflict(task, holder, wanted)
-        holder = _holder(alias, task, wanted.key, lock=True)
+        holder = _holder(alias, task, wanted.key, _LOCKED)
         if holder is None:
             continue  # its message was deleted meanwhile: the key is free again
         if holds(alias, holder, now):  # taken over meanwhile by another enqueue
@@ -158,14 +158,30 @@ def _conflict(task: str, holder: OutboxUniqueKey, wanted: Unique) -> uuid.UUID:
     return holder.message_id
 
 
-def _holder(alias: str, task: str, key: str, lock: bool) -> OutboxUniqueKey | None:
-    # ``lock``: two enqueues taking over one freed key take it one after the other. On
-    # MariaDB every read locks: a locking read sees the newest committed row, where the
-    # transaction's REPEATABLE READ snapshot would not.
+# How the key's row is read. PostgreSQL and SQLite read the newest committed row with a
+# plain read (READ COMMITTED; one writer). MariaDB's REPEATABLE READ snapshot may be older:
+# after the unique constraint refused an insert (the enqueue holds a shared lock on the
+# row then), the row is read in share mode, which sees the newest and waits for no one
+# else's shared lock; a first read locks nothing (a locking read of a missing row would
+# lock the gap, and two enqueues inserting into it would deadlock).
+_PLAIN, _FRESH, _LOCKED = "plain", "fresh", "locked"
+
+
+def _holder(alias: str, task: str, key: str, read: str) -> OutboxUniqueKey | None:
+    # ``_LOCKED``: two enqueues taking over one freed key take it one after the other.
     holders = OutboxUniqueKey.objects.using(alias).filter(task=task, key=key)
-    if lock or connections[alias].vendor == "mysql":
-        holders = holders.select_for_update()
+    if read == _LOCKED:
+        return holders.select_for_update().first()
+    if read == _FRESH and connections[alias].vendor == "mysql":
+        found = list(_in_share_mode(holders))
+        return found[0] if found else None
     return holders.first()
+
+
+def _in_share_mode(queryset: Any) -> Any:
+    """``queryset`` read with MariaDB's ``LOCK IN SHARE MODE``: the newest committed rows."""
+    sql, params = queryset.query.get_compiler(queryset.db).as_sql()
+    return queryset.model.objects.raw(f"{sql} LOCK IN SHARE MODE", params, using=queryset.db)
 
 
 def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
@@ -176,9 +192,11 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
     if holder.finished_at is not None:
         return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
-    if connections[alias].vendor == "mysql":
-        messages = messages.select_for_update()  # the newest state, not the snapshot's
-    status = messages.values_list("status", flat=True).first()
+    if connections[alias].vendor == "mysql":  # the newest state, not the snapshot's
+        found = [m.status for m in _in_share_mode(messages.only("status"))]
+        status = found[0] if found else None
+    else:
+        status = messages.values_list("status", flat=True).first()
     if status == OutboxStatus.PENDING:
         return True  # not sent yet
     if status == OutboxStatus.DEAD:
