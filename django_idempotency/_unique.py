@@ -44,6 +44,7 @@ __all__ = [
     "finished",
     "holds",
     "record_identity",
+    "record_ttl",
     "records_by_message",
     "task_operation",
     "unique",
@@ -52,6 +53,8 @@ __all__ = [
 
 #: Set on a function under ``@idempotent_task()`` keyed by the message (tasks.py).
 BY_MESSAGE = "idempotent_task_by_message"
+#: Set on a function under ``@idempotent_task()``: its ``ttl`` (``None``: the ``TTL`` setting).
+RECORD_TTL = "idempotent_task_ttl"
 #: ``on_conflict``: what an enqueue that meets a live message does.
 ON_CONFLICT = ("return", "raise")
 #: The account of every ``@idempotent_task`` record: no request's account is ever "task",
@@ -107,7 +110,11 @@ def unique(key: object, unique_until: object, on_conflict: object) -> Unique:
 
 
 def write_once(
-    alias: str, task: str, wanted: Unique, create: Callable[[], OutboxMessage]
+    alias: str,
+    task: str,
+    wanted: Unique,
+    create: Callable[[], OutboxMessage],
+    run_ttl: timedelta | None = None,
 ) -> OutboxMessage | uuid.UUID:
     """Write the message ``create()`` makes, holding ``(task, wanted.key)``, in the current
     transaction of ``alias``; or, when a live message holds the key, write nothing and return
@@ -118,6 +125,7 @@ def write_once(
             "unique_until": wanted.until.name,
             "held_until": now + wanted.duration if wanted.duration is not None else None,
             "finished_at": None,
+            "run_ttl": run_ttl if wanted.until.needs_task_record else None,
             "created_at": now,
         }
         # The periodic case first: a live message holds the key, found by one read that
@@ -193,10 +201,10 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
         return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
     if connections[alias].vendor == "mysql":  # the newest state, not the snapshot's
-        found = [m.status for m in _in_share_mode(messages.only("status"))]
-        status = found[0] if found else None
+        found = [(m.status, m.sent_at) for m in _in_share_mode(messages.only("status", "sent_at"))]
+        status, sent_at = found[0] if found else (None, None)
     else:
-        status = messages.values_list("status", flat=True).first()
+        status, sent_at = messages.values_list("status", "sent_at").first() or (None, None)
     if status == OutboxStatus.PENDING:
         return True  # not sent yet
     if status == OutboxStatus.DEAD:
@@ -209,8 +217,10 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
         .first()
     )
     if run is None:
-        # Sent, and no worker started it yet (or a purged message and a purged record).
-        return status is not None
+        # Sent, and no worker started it yet; unless that was longer ago than the worker
+        # keeps its record of a run (the task's ttl): then its record was purged, or the
+        # broker lost the message. (A purged message with a purged record: free.)
+        return sent_at is not None and (holder.run_ttl is None or sent_at + holder.run_ttl > now)
     if until.frees_at_start:
         return False
     # Started: live while it runs under a live lease; finished, or its worker died and
@@ -222,6 +232,17 @@ def records_by_message(func: object) -> bool:
     """Whether ``func`` is under ``@idempotent_task()`` keyed by the message (no ``key=``):
     its record then tells when a message's run started and finished."""
     return bool(getattr(func, BY_MESSAGE, False))
+
+
+def record_ttl(func: object) -> timedelta | None:
+    """How long the worker keeps its record of a run of ``func`` (under
+    ``@idempotent_task()``): its ``ttl``, else the ``TTL`` setting; ``None`` for another."""
+    from django_idempotency.conf import app_settings
+
+    if not hasattr(func, RECORD_TTL):
+        return None
+    ttl: timedelta | None = getattr(func, RECORD_TTL)
+    return ttl or app_settings.TTL
 
 
 def record_identity(task: str, message_id: uuid.UUID) -> tuple[str, str, str]:

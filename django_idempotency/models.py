@@ -405,6 +405,14 @@ class OutboxUniqueKey(models.Model):
     held_until = models.DateTimeField(
         null=True, blank=True, help_text=_("For a duration: the key is held until then.")
     )
+    run_ttl = models.DurationField(
+        null=True,
+        blank=True,
+        help_text=_(
+            "How long the worker keeps its record of a run: a message sent longer ago with "
+            "no record of a run no longer holds the key."
+        ),
+    )
     finished_at = models.DateTimeField(
         null=True,
         blank=True,

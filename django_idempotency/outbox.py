@@ -148,7 +148,8 @@ def enqueue_once(
             f"run, so it needs the task itself under @idempotent_task() (without key=); "
             f"{target.name!r} is not one. Pass the task, not its name, or give a timedelta."
         )
-    written = write_once(target.name, args, kwargs, target.delivery, wanted)
+    run_ttl = _unique.record_ttl(target.function)
+    written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl)
     return written.id if isinstance(written, OutboxMessage) else written
 
 
@@ -206,11 +207,12 @@ def write_once(
     kwargs: dict[str, Any],
     delivery: dict[str, Any] | None,
     wanted: _unique.Unique,
+    run_ttl: timedelta | None = None,
 ) -> OutboxMessage | uuid.UUID:
     """:func:`write` holding ``wanted.key``: the new message, or the id of the live message
     that holds the key (nothing written)."""
     alias, create = _prepared(name, args, kwargs, delivery)
-    written = _unique.write_once(alias, name, wanted, create)
+    written = _unique.write_once(alias, name, wanted, create, run_ttl)
     if isinstance(written, OutboxMessage):
         notify(alias)
     return written

@@ -211,6 +211,7 @@ def idempotent_task(
         wrapper.__dict__[_MARK] = True
         # Its record is found by the message's id (enqueue_once's "started"/"finished").
         wrapper.__dict__[_unique.BY_MESSAGE] = delivery_key is None
+        wrapper.__dict__[_unique.RECORD_TTL] = ttl
         return cast(F, wrapper)
 
     return decorate

@@ -148,6 +148,23 @@ def test_a_sent_message_no_worker_started_holds_its_key(until: str):
     assert once(unique_until=until) == first
 
 
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_sent_message_without_a_run_for_longer_than_the_tasks_ttl_frees_its_key(until: str):
+    """Its run's record was purged after the task's TTL, or the broker lost the message."""
+    from django_idempotency.conf import app_settings
+
+    first = once(unique_until=until)
+    sent(first)
+    OutboxMessage.objects.filter(pk=first).update(
+        sent_at=timezone.now() - app_settings.TTL + timedelta(minutes=1)
+    )
+    assert once(unique_until=until) == first
+    OutboxMessage.objects.filter(pk=first).update(
+        sent_at=timezone.now() - app_settings.TTL - timedelta(seconds=1)
+    )
+    assert once(unique_until=until) != first
+
+
 def test_started_frees_the_key_once_a_worker_started_the_run():
     first = once(unique_until="started")
     sent(first)

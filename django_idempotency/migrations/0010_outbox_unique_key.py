@@ -87,6 +87,15 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "run_ttl",
+                    models.DurationField(
+                        blank=True,
+                        help_text="How long the worker keeps its record of a run: a message "
+                        "sent longer ago with no record of a run no longer holds the key.",
+                        null=True,
+                    ),
+                ),
+                (
                     "finished_at",
                     models.DateTimeField(
                         blank=True,
