@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
 from django_idempotency import _policies, _storable, _validation, states
@@ -113,12 +114,12 @@ def write_once(
     alias: str,
     task: str,
     wanted: Unique,
-    create: Callable[[], OutboxMessage],
+    build: Callable[[], OutboxMessage],
     run_ttl: timedelta | None = None,
 ) -> OutboxMessage | uuid.UUID:
-    """Write the message ``create()`` makes, holding ``(task, wanted.key)``, in the current
-    transaction of ``alias``; or, when a live message holds the key, write nothing and return
-    its id (``TaskAlreadyQueued`` with ``raise_on_conflict``)."""
+    """Write the message ``build()`` makes (unsaved), holding ``(task, wanted.key)``, in the
+    current transaction of ``alias``; or, when a live message holds the key, write nothing and
+    return its id (``TaskAlreadyQueued`` with ``raise_on_conflict``)."""
     for _attempt in range(_ATTEMPTS):
         now = timezone.now()
         fields = {
@@ -133,18 +134,14 @@ def write_once(
         # transaction). Only a takeover locks the row.
         holder = _holder(alias, task, wanted.key, _PLAIN)
         if holder is None:
-            try:
-                with transaction.atomic(using=alias):
-                    message = create()
-                    OutboxUniqueKey.objects.using(alias).create(
-                        task=task, key=wanted.key, message=message, **fields
-                    )
+            message = build()
+            key = OutboxUniqueKey(task=task, key=wanted.key, message_id=message.id, **fields)
+            if _insert_both(alias, message, key):
                 return message
-            except IntegrityError:
-                # Another enqueue took the key first (the constraint waited for its commit).
-                holder = _holder(alias, task, wanted.key, _FRESH)
-                if holder is None:
-                    continue
+            # Another enqueue took the key first (the constraint waited for its commit).
+            holder = _holder(alias, task, wanted.key, _FRESH)
+            if holder is None:
+                continue
         if holds(alias, holder, now):
             return _conflict(task, holder, wanted)
         holder = _holder(alias, task, wanted.key, _LOCKED)
@@ -152,10 +149,57 @@ def write_once(
             continue  # its message was deleted meanwhile: the key is free again
         if holds(alias, holder, now):  # taken over meanwhile by another enqueue
             return _conflict(task, holder, wanted)
-        message = create()
+        message = build()
+        message.save(using=alias, force_insert=True)
         OutboxUniqueKey.objects.using(alias).filter(pk=holder.pk).update(message=message, **fields)
         return message
     raise RuntimeError(f"the key of {task} changed hands {_ATTEMPTS} times during one enqueue")
+
+
+def _insert_both(alias: str, message: OutboxMessage, key: OutboxUniqueKey) -> bool:
+    """Insert the key and its message, or neither when the key is taken: whether they were.
+
+    On PostgreSQL one statement, ``WITH k AS (INSERT <key> ON CONFLICT DO NOTHING RETURNING
+    1) INSERT <message> SELECT ... FROM k`` (the key's foreign key is checked at the end of
+    the statement, when its message is there); elsewhere both inserts in a savepoint, rolled
+    back when the unique constraint refuses the key.
+    """
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        try:
+            with transaction.atomic(using=alias):
+                message.save(using=alias, force_insert=True)
+                key.save(using=alias, force_insert=True)
+        except IntegrityError:
+            return False
+        return True
+    key_sql, key_params = _insert_sql(connection, key)
+    message_sql, message_params = _insert_sql(connection, message)
+    into, values = message_sql.split(" VALUES ", 1)
+    unique = ", ".join(connection.ops.quote_name(c) for c in ("task", "key"))
+    sql = (
+        f"WITH k AS ({key_sql} ON CONFLICT ({unique}) DO NOTHING RETURNING 1) "
+        f"{into} SELECT {values[1:-1]} FROM k"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*key_params, *message_params])
+        inserted: bool = cursor.rowcount == 1
+    if inserted:
+        message._state.adding, message._state.db = False, alias
+    return inserted
+
+
+def _insert_sql(connection: Any, obj: Any) -> tuple[str, list[Any]]:
+    # The ORM's own INSERT of ``obj`` (its values prepared as a save would), one row.
+    fields = [
+        f
+        for f in type(obj)._meta.concrete_fields
+        if not (f.primary_key and getattr(obj, f.attname) is None)
+    ]
+    query = InsertQuery(type(obj))
+    query.insert_values(fields, [obj])
+    ((sql, params),) = query.get_compiler(connection=connection).as_sql()
+    return sql, list(params)
 
 
 def _conflict(task: str, holder: OutboxUniqueKey, wanted: Unique) -> uuid.UUID:

@@ -195,8 +195,9 @@ def write(
 ) -> OutboxMessage:
     """The message behind :func:`enqueue` and the Tasks backend's ``enqueue``, written in
     the current transaction of the idempotency database, with the same refusals."""
-    alias, create = _prepared(name, args, kwargs, delivery)
-    message = create()
+    alias, build = _prepared(name, args, kwargs, delivery)
+    message = build()
+    message.save(using=alias, force_insert=True)
     notify(alias)
     return message
 
@@ -211,8 +212,8 @@ def write_once(
 ) -> OutboxMessage | uuid.UUID:
     """:func:`write` holding ``wanted.key``: the new message, or the id of the live message
     that holds the key (nothing written)."""
-    alias, create = _prepared(name, args, kwargs, delivery)
-    written = _unique.write_once(alias, name, wanted, create, run_ttl)
+    alias, build = _prepared(name, args, kwargs, delivery)
+    written = _unique.write_once(alias, name, wanted, build, run_ttl)
     if isinstance(written, OutboxMessage):
         notify(alias)
     return written
@@ -224,7 +225,7 @@ def _prepared(
     kwargs: dict[str, Any],
     delivery: dict[str, Any] | None,
 ) -> tuple[str, Callable[[], OutboxMessage]]:
-    # Every refusal before any SQL runs; then what writes the message.
+    # Every refusal before any SQL runs; then what makes the message (unsaved).
     alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:
@@ -236,9 +237,9 @@ def _prepared(
     positional = _storable.json_value(list(args), "the arguments of an outbox message")
     named = _storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
 
-    def create() -> OutboxMessage:
+    def build() -> OutboxMessage:
         now = timezone.now()
-        return OutboxMessage.objects.using(alias).create(
+        return OutboxMessage(
             task=name,
             args=positional,
             kwargs=named,
@@ -247,7 +248,7 @@ def _prepared(
             delivery=delivery or {},
         )
 
-    return alias, create
+    return alias, build
 
 
 def notify(alias: str) -> None:

@@ -38,6 +38,7 @@ from tests.unique_servers import (
     framework_named,
     running,
     runs,
+    starts,
 )
 
 pytestmark = [
@@ -72,10 +73,14 @@ def test_a_beat_every_100_ms_gives_one_run_at_a_time(steady: Framework, until: A
     framework = steady
     tag = f"beat-{framework.name}-{uuid.uuid4().hex[:6]}"
     answers = []
-    deadline = time.monotonic() + BEATING
-    while time.monotonic() < deadline:
+    began = time.monotonic()
+    # BEATING seconds, and on until a second run started (a loaded machine's worker may be
+    # slow to take the first), within TIMEOUT.
+    while time.monotonic() - began < BEATING or starts(tag) < 2:
+        assert time.monotonic() - began < TIMEOUT, "the worker never ran a second message"
         answers.append(enqueue_once("beat", framework.task, tag, RUN, unique_until=until))
         time.sleep(BEAT)
+    elapsed = time.monotonic() - began
     written = OutboxMessage.objects.count()
     wait_until(lambda: effects(tag) == written, "the last run", timeout=TIMEOUT)
     time.sleep(0.3)
@@ -83,7 +88,8 @@ def test_a_beat_every_100_ms_gives_one_run_at_a_time(steady: Framework, until: A
     ran = runs(framework, framework.task)
     # Every message written ran once; each enqueue answered one of them.
     assert len(ran) == written == effects(tag) == len(set(answers))
-    assert 2 <= written <= 5, written
+    # Without a key the beat would have written one message per enqueue.
+    assert 2 <= written <= elapsed / 1.5 + 2, (written, elapsed)
     for before, after in itertools.pairwise(ran):
         assert after.started >= before.finished - SKEW  # one run at a time
         if until == "finished":

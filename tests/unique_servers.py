@@ -140,7 +140,13 @@ def enqueue_once(key: str, task: Any, tag: str, hold: float, **options: Any) -> 
 
 
 def effects(tag: str) -> int:
+    """Runs with ``tag`` that committed their effect."""
     return ProviderCall.objects.filter(key=f"effect:{tag}").count()
+
+
+def starts(tag: str) -> int:
+    """Runs with ``tag`` that started (a killed one's included)."""
+    return ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count()
 
 
 @dataclass
