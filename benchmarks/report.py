@@ -1141,11 +1141,11 @@ def unique_enqueues(data: dict[str, Any]) -> str:
         "\nA key a live message holds (the periodic job's every tick but one) costs less than"
         ' a plain enqueue: it reads the key (and, under `"started"`/`"finished"`, its'
         " message and its run's record) and writes nothing, so its `COMMIT` flushes no WAL."
-        " A free key costs a read of the key, a savepoint, and the key's row (three index"
-        " entries, and the lock its foreign key takes on the new message's row) in the same"
-        " commit. Not tried yet: the key and the message in one statement on PostgreSQL"
-        " (`WITH k AS (INSERT ... ON CONFLICT DO NOTHING RETURNING ...) INSERT ...`), which"
-        " would drop the read, the savepoint and two round trips from a free key."
+        " A free key costs a read of the key and one statement that inserts the key and the"
+        " message together (`WITH k AS (INSERT ... ON CONFLICT DO NOTHING RETURNING 1)"
+        " INSERT ... SELECT ... FROM k`, in place of the plain enqueue's `INSERT`); its"
+        " `COMMIT` flushes the key's row too (three index entries, and the lock its foreign"
+        " key takes on the new message's row). MariaDB and SQLite insert both in a savepoint."
     )
     return "\n".join(out) + "\n"
 
