@@ -122,7 +122,7 @@ def enqueue_once(
     on_conflict: str = "return",
     **kwargs: Any,
 ) -> uuid.UUID:
-    """Enqueue ``task`` as :func:`enqueue` does, unless a live message of the same task
+    """Enqueue ``task`` as ``enqueue`` does, unless a live message of the same task
     holds ``key``: then nothing is written and that message's id is returned
     (``on_conflict="return"``), or ``django_idempotency.TaskAlreadyQueued`` carrying it is
     raised (``on_conflict="raise"``).

@@ -300,7 +300,7 @@ def enqueue_once(
 ) -> TaskResult[Any, Any]:
     """``outbox.enqueue_once`` for a task of Django's Tasks framework, answered as
     ``task.enqueue`` answers: the ``TaskResult`` of the new message, or of the live one
-    that holds ``key``. The task's backend must be an :class:`OutboxBackend`."""
+    that holds ``key``. The task's backend must be an ``OutboxBackend``."""
     return _outbox_backend(task).enqueue_once(
         key, task, args, kwargs, unique_until=unique_until, on_conflict=on_conflict
     )
