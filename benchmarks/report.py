@@ -1107,3 +1107,49 @@ def connections_targets(data: dict[str, Any]) -> list[list[str]]:
             verdict(worst <= 1.1),
         ],
     ]
+
+
+UNIQUE_KINDS = {
+    "plain": "`enqueue` (no key)",
+    "once_new_key": "`enqueue_once`, a free key (the key written with the message)",
+    "once_held_key": "`enqueue_once`, a key a live message holds (nothing written)",
+}
+
+
+def unique_enqueues(data: dict[str, Any]) -> str:
+    """The "Unique enqueues" section: ``outbox_bench.py --enqueue-costs``."""
+    out = ["\n## Unique enqueues\n"]
+    load = data.get("load_average")
+    out.append(
+        "`python -m benchmarks.outbox_bench --enqueue-costs --write`, on PostgreSQL: one"
+        " enqueue per transaction (`BEGIN`, the enqueue, `COMMIT`), timed in blocks of"
+        f" {data['block']} and interleaved over {data['rounds']} rounds in a shuffled order;"
+        " the median block per enqueue. Statements: one transaction of each, `BEGIN` and"
+        " `COMMIT` included."
+        + (f" Load average at the end: {fmt_load(load)}." if load else "")
+        + "\n"
+    )
+    out.append("| enqueue | median | over plain | fastest block | statements |")
+    out.append("|---|---|---|---|---|")
+    for kind, label in UNIQUE_KINDS.items():
+        row = data["kinds"][kind]
+        out.append(
+            f"| {label} | {row['median_us']:,.0f} µs | {row['over_plain_us']:+,.0f} µs"
+            f" | {row['min_us']:,.0f} µs | {row['statements']} |"
+        )
+    out.append(
+        "\nA key a live message holds (the periodic job's every tick but one) costs less than"
+        ' a plain enqueue: it reads the key (and, under `"started"`/`"finished"`, its'
+        " message and its run's record) and writes nothing, so its `COMMIT` flushes no WAL."
+        " A free key costs a read of the key and one statement that inserts the key and the"
+        " message together (`WITH k AS (INSERT ... ON CONFLICT DO NOTHING RETURNING 1)"
+        " INSERT ... SELECT ... FROM k`, in place of the plain enqueue's `INSERT`); its"
+        " `COMMIT` flushes the key's row too (three index entries, and the lock its foreign"
+        " key takes on the new message's row). MariaDB and SQLite insert both in a savepoint."
+    )
+    return "\n".join(out) + "\n"
+
+
+def outbox_placeholder() -> str:
+    """A bare "Outbox" heading: where "Unique enqueues" goes when it is new."""
+    return "\n## Outbox\n"

@@ -49,6 +49,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency import _retry
+from django_idempotency._policies import recovery_policy
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -353,7 +354,8 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
     connection = connections[alias]
     if not in_callers_transaction(connection):
         return
-    if policy == "resume":
+    declared = recovery_policy(policy)
+    if declared.resumable:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy 'resume' inside a transaction of the caller's "
             f"on {alias!r}. Its steps must each commit as they finish, so that a later "
@@ -362,7 +364,7 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "and plain @idempotent views are taken out of ATOMIC_REQUESTS; put "
             "@transaction.non_atomic_requests above @api_view)."
         )
-    if connection.vendor == "sqlite" and policy != "retry":
+    if connection.vendor == "sqlite" and declared.durable_claim:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
             f"database {alias!r}. SQLite cannot commit the claim on its own while that "

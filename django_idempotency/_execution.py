@@ -20,7 +20,7 @@ from django.db import transaction
 from django_idempotency import _retry, _store
 from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
-from django_idempotency._recovery import RESUME, RETRY
+from django_idempotency._policies import recovery_policy
 from django_idempotency._steps import outside_steps, recording
 from django_idempotency.exceptions import StoreUnavailable
 
@@ -53,9 +53,12 @@ def run_owned(
 ) -> Fenced[T]:
     """The owner's execution for ``policy``: resumable steps under ``"resume"``, else one
     fenced transaction. ``fresh``: the claim is new, not a takeover."""
-    if policy == RESUME:
+    declared = recovery_policy(policy)
+    if declared.resumable:
         return run_resumable(claim, body, judge, fresh)
-    return run_fenced(claim, body, judge, keep_on_store_failure=policy != RETRY)
+    return run_fenced(
+        claim, body, judge, keep_on_store_failure=declared.keeps_claim_on_store_failure
+    )
 
 
 def run_fenced(

@@ -1,5 +1,10 @@
-"""Who sends an outbox message: the configured sender (``OUTBOX_SENDER``), or, for a task of
-Django's Tasks framework, the Tasks backend it was enqueued on; and what a sender raises."""
+"""Who sends an outbox message, and what a sender raises.
+
+A message a task framework wrote (its ``delivery`` is set: Django's Tasks framework through
+``tasks_backend.OutboxBackend``) goes to the sender that framework registered
+(:func:`register_delivery`); any other to the configured sender (``OUTBOX_SENDER``). The
+outbox knows senders, not task frameworks: nothing here imports Celery or ``django.tasks``.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ __all__ = [
     "Unreadable",
     "configured_sender",
     "deliver_task",
+    "register_delivery",
 ]
 
 Sender = Callable[[OutboxMessage], object]
@@ -45,8 +51,19 @@ class Unreadable(Undeliverable):
     """
 
 
+# The sender of the messages a task framework wrote (their ``delivery`` is set), registered
+# by that framework's side when the app is ready; one at most.
+_delivering: list[Sender] = []
+
+
+def register_delivery(send: Sender) -> None:
+    """Send the messages whose ``delivery`` is set with ``send`` (Django's Tasks framework
+    registers its backends' hand-over)."""
+    _delivering[:] = [send]
+
+
 def configured_sender() -> Sender:
-    """The relay's sender: a message of Django's Tasks framework goes to its Tasks backend
+    """The relay's sender: a message of a task framework goes to the sender it registered
     (:func:`deliver_task`), any other to ``OUTBOX_SENDER``, imported here;
     ``ImproperlyConfigured`` when it cannot be, unless it is the default sender without
     Celery in a project whose outbox serves Django's Tasks framework: then such a message
@@ -76,16 +93,10 @@ def _unsendable(problem: Exception, message: OutboxMessage) -> None:
 
 
 def deliver_task(message: OutboxMessage) -> None:
-    """Hand a message of Django's Tasks framework to the backend it was enqueued on
-    (``tasks_backend.OutboxBackend.deliver``), which passes it on to its ``DELIVER_TO``."""
-    from django_idempotency._tasks_compat import task_backends
-
-    alias = message.delivery.get("backend")
-    try:
-        backend = task_backends[alias]
-    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
-        raise UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
-    deliver = getattr(backend, "deliver", None)
-    if not callable(deliver):
-        raise UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
-    deliver(message)
+    """Hand a message a task framework wrote to the sender that framework registered."""
+    if not _delivering:
+        raise UnknownTask(
+            "this message was written by Django's Tasks framework, which this process "
+            "cannot load (neither django.tasks nor the django-tasks backport is importable)"
+        )
+    _delivering[0](message)

@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_idempotency import _check_ids, _validation
+from django_idempotency import _check_ids, _policies, _validation
 from django_idempotency._validation import Invalid
 
 # Never stored, never replayed: they describe one hop or one moment, or carry credentials.
@@ -101,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
         "django_idempotency.fingerprint.default_fingerprint",
         _validation.callable_ref,
     ),
-    Setting("RECOVERY", _validation.RETRY, _validation.recovery),
+    Setting("RECOVERY", _policies.RETRY.name, _validation.recovery),
     Setting("DATABASE", "default", _database),
     Setting("REPLAY_HEADERS", (), _replay_headers),
     Setting("MAX_RESPONSE_BYTES", 1024 * 1024, _validation.optional_positive_int),

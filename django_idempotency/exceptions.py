@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from datetime import datetime
 
 from django.utils import timezone
@@ -57,6 +58,16 @@ class StoreUnavailable(IdempotencyError):
     def __init__(self, message: str, ran: bool = False) -> None:
         super().__init__(message)
         self.ran = ran
+
+
+class TaskAlreadyQueued(IdempotencyError):
+    """``outbox.enqueue_once(..., on_conflict="raise")`` found the key held by a live
+    message: nothing was written. ``message_id`` is that message's id (a ``uuid.UUID``),
+    also its task id."""
+
+    def __init__(self, message: str, message_id: uuid.UUID) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 class SimulatedCrash(BaseException):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core import checks
@@ -36,7 +36,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.module_loading import import_string
 
-from django_idempotency import conf, outbox
+from django_idempotency import _senders, conf, outbox
 from django_idempotency._check_ids import error
 from django_idempotency._tasks_compat import (
     BaseTaskBackend,
@@ -52,7 +52,14 @@ from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from django_idempotency.tasks import MESSAGE_ARGUMENT, is_idempotent_task
 
-__all__ = ["BACKEND_PATH", "DELIVER_TO", "OutboxBackend"]
+__all__ = [
+    "BACKEND_PATH",
+    "DELIVER_TO",
+    "OutboxBackend",
+    "deliver_message",
+    "enqueue_once",
+    "register",
+]
 
 #: The dotted path of the backend, as ``TASKS`` names it.
 BACKEND_PATH = conf.TASKS_OUTBOX_BACKEND
@@ -143,6 +150,30 @@ class OutboxBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any, Any]:
         """Write the task as an outbox message in the caller's transaction."""
+        message = outbox.write(task.module_path, list(args), dict(kwargs), self.delivery(task))
+        return self._result(task, message)
+
+    def enqueue_once(
+        self,
+        key: str,
+        task: Task[Any, Any],
+        args: Any,
+        kwargs: Any,
+        *,
+        unique_until: str | timedelta = "finished",
+        on_conflict: str = "return",
+    ) -> TaskResult[Any, Any]:
+        """``outbox.enqueue_once`` for a task of this backend: the result of the new
+        message, or of the live message that holds ``key`` (``TaskAlreadyQueued`` with
+        ``on_conflict="raise"``)."""
+        message_id = outbox.enqueue_once(
+            key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+        )
+        return self.get_result(str(message_id))
+
+    def delivery(self, task: Task[Any, Any]) -> dict[str, Any]:
+        """What a message of ``task`` carries for the relay's hand-over (``InvalidTask``
+        for a task the ``DELIVER_TO`` backend cannot run)."""
         self.validate_task(task)
         delivery: dict[str, Any] = {
             "backend": self.alias,
@@ -151,8 +182,7 @@ class OutboxBackend(BaseTaskBackend):
         }
         if task.run_after is not None:
             delivery["run_after"] = task.run_after.isoformat()
-        message = outbox.write(task.module_path, list(args), dict(kwargs), delivery)
-        return self._result(task, message)
+        return delivery
 
     # -- results ---------------------------------------------------------------------------
 
@@ -257,6 +287,61 @@ class OutboxBackend(BaseTaskBackend):
 
 
 _UNDELIVERED = "django_idempotency.outbox.Undeliverable"
+
+
+def enqueue_once(
+    key: str,
+    task: Task[Any, Any],
+    /,
+    *args: Any,
+    unique_until: str | timedelta = "finished",
+    on_conflict: str = "return",
+    **kwargs: Any,
+) -> TaskResult[Any, Any]:
+    """``outbox.enqueue_once`` for a task of Django's Tasks framework, answered as
+    ``task.enqueue`` answers: the ``TaskResult`` of the new message, or of the live one
+    that holds ``key``. The task's backend must be an ``OutboxBackend``."""
+    return _outbox_backend(task).enqueue_once(
+        key, task, args, kwargs, unique_until=unique_until, on_conflict=on_conflict
+    )
+
+
+def _outbox_backend(task: Task[Any, Any]) -> OutboxBackend:
+    backend = task.get_backend()
+    if not isinstance(backend, OutboxBackend):
+        raise TypeError(
+            f"enqueue_once() needs a task on an outbox backend ({BACKEND_PATH}); "
+            f"{task.module_path} is on {task.backend!r}, a {type(backend).__name__}"
+        )
+    return backend
+
+
+def _recognized(task: object) -> outbox.Target | None:
+    # outbox.enqueue_once's view of a task of Django's Tasks framework.
+    if not isinstance(task, Task):
+        return None
+    return outbox.Target(task.module_path, _outbox_backend(task).delivery(task), task.func)
+
+
+def deliver_message(message: OutboxMessage) -> None:
+    """Hand a message of Django's Tasks framework to the backend it was enqueued on
+    (:meth:`OutboxBackend.deliver`), which passes it on to its ``DELIVER_TO``. The relay's
+    sender for such messages, registered when the app is ready."""
+    alias = message.delivery.get("backend")
+    try:
+        backend = task_backends[alias]
+    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
+        raise outbox.UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
+    if not isinstance(backend, OutboxBackend):
+        raise outbox.UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
+    backend.deliver(message)
+
+
+def register() -> None:
+    """What the outbox needs of Django's Tasks framework: its tasks for ``enqueue_once``,
+    the hand-over of its messages for the relay. Called when the app is ready."""
+    outbox.register_task_kind(_recognized)
+    _senders.register_delivery(deliver_message)
 
 
 def _moment(text: str) -> datetime:

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from django.db import connections
 
+from django_idempotency import _policies
 from django_idempotency._store.records import EXISTING_COLUMNS, TIMES
 from django_idempotency._store.statements import table
 from django_idempotency.states import IN_PROGRESS
@@ -128,7 +129,7 @@ def claim_sql(
         f"date_part('epoch', {quote(c)})" if c in TIMES else quote(c) for c in EXISTING_COLUMNS
     )
     nulls = ", ".join("NULL" for _ in EXISTING_COLUMNS[1:])
-    durable = recovery_policy != "retry"
+    durable = _policies.recovery_policy(recovery_policy).durable_claim
     flush = "NULL" if durable else "set_config('synchronous_commit', 'off', true)"
     returned = f"{quote('id')}, {quote('lease_token')}"
     sql = (
