@@ -9,6 +9,7 @@ execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from django_idempotency._atomic_requests import with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._execution import run_owned
-from django_idempotency._operation import Operation, stored_names
+from django_idempotency._operation import Operation, storable_name, stored_names
 from django_idempotency._options import Options, Terms
 from django_idempotency._outcomes import refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
@@ -127,6 +128,8 @@ def handle(
     stored_account, operation, legacy = stored_names(
         account, options.operation or default_operation()
     )
+    if legacy is None and options.operation is None:
+        legacy = _suffix_spelling(inner, stored_account, operation)
     context = IdempotencyContext(key=key, operation=operation, account=stored_account)
     inner.idempotency = context  # type: ignore[attr-defined]
     return _Protected.of(request, context, terms, legacy).answer(call_view)
@@ -151,14 +154,18 @@ class _Protected:
         request: Any,
         context: IdempotencyContext,
         terms: Terms,
-        legacy: tuple[str, str] | None = None,
+        legacy: tuple[str, ...] | None = None,
     ) -> _Protected:
+        request_hash = terms.fingerprint(request)
+        if legacy is not None and legacy[1] != context.operation:
+            # The earlier release's fingerprint read its spelling of the operation.
+            legacy = (*legacy, _hashed_as(request, context, legacy[1], terms))
         operation = Operation(
             terms.database,
             context.account,
             context.operation,
             context.key,
-            terms.fingerprint(request),
+            request_hash,
             terms.fingerprint_version,
             terms.recovery_name,
             terms.lease,
@@ -424,6 +431,33 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
             "a protected async call whose client went away failed",
             exc_info=attempt.exception(),
         )
+
+
+def _hashed_as(request: Any, context: IdempotencyContext, operation: str, terms: Terms) -> str:
+    """The request's fingerprint as a release that named its operation ``operation`` made
+    it."""
+    inner = django_request(request)
+    inner.idempotency = dataclasses.replace(context, operation=operation)  # type: ignore[attr-defined]
+    try:
+        return str(terms.fingerprint(request))
+    finally:
+        inner.idempotency = context  # type: ignore[attr-defined]
+
+
+def _suffix_spelling(inner: Any, account: str, operation: str) -> tuple[str, str] | None:
+    """How release 0.2.0 named the operation of a request that took DRF's format-suffix
+    spelling of a route (``POST transfers<drf_format_suffix:format>``), where this release
+    names it by the plain route (``POST transfers/``): the claim adopts a record 0.2.0 wrote
+    so (``_store.adopt_legacy``), and a retry after the upgrade finds it within its TTL.
+    ``None`` for every other request, with no call made: most routes have no suffix."""
+    match = inner.resolver_match
+    route = match.route if match is not None else None
+    if not route or not any(marker in route for marker in _routes.SUFFIXES):
+        return None
+    canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None))
+    if canonical == route or operation != storable_name(f"{inner.method} {canonical}"):
+        return None  # not a twin, or the operation is not the route's (a viewset's)
+    return account, storable_name(f"{inner.method} {route}")
 
 
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:

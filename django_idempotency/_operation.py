@@ -31,4 +31,6 @@ class Operation:
     ttl: timedelta
     #: ``(account, operation)`` as an earlier release stored them, where that differs (see
     #: :func:`legacy_names`): the claim adopts a record written so. ``None`` for nearly all.
-    legacy: tuple[str, str] | None = None
+    #: A third item, where the operation's spelling changed and the fingerprint reads it: the
+    #: request's hash as the earlier release made it, which the adopted record takes today's.
+    legacy: tuple[str, ...] | None = None

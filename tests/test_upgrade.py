@@ -104,22 +104,27 @@ OLD_SETTINGS = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def release_0_1_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """0.1.4's package, from the repository's history, beside a settings module of its own."""
+def release(tmp_path_factory: pytest.TempPathFactory, commit: str, version: str) -> Path:
+    """A release's package, from the repository's history, beside a settings module of its
+    own."""
     archive = subprocess.run(
-        ["git", "archive", RELEASE_0_1_4, "django_idempotency"],
+        ["git", "archive", commit, "django_idempotency"],
         cwd=ROOT,
         capture_output=True,
         check=False,
     )
     if archive.returncode != 0:
-        pytest.skip(f"release 0.1.4 is not in this checkout's history: {archive.stderr!r}")
-    where = tmp_path_factory.mktemp("release-0.1.4")
+        pytest.skip(f"release {version} is not in this checkout's history: {archive.stderr!r}")
+    where = tmp_path_factory.mktemp(f"release-{version}")
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
         tar.extractall(where, filter="data")
     (where / "old_settings.py").write_text(OLD_SETTINGS)
     return where
+
+
+@pytest.fixture(scope="module")
+def release_0_1_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return release(tmp_path_factory, RELEASE_0_1_4, "0.1.4")
 
 
 def written_by_0_1_4(where: Path, calls: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -282,3 +287,107 @@ def test_over_http_a_retry_after_the_upgrade_replays_the_response_0_1_4_stored(r
     assert ran == []
     assert (retried.status_code, retried.content) == (201, b'{"made": "by 0.1.4"}')
     assert retried["Idempotent-Replayed"] == "true"
+
+
+# -- 0.2.0: DRF's format-suffix spelling of a route ---------------------------------------------
+
+#: The commit of release 0.2.0 (the last that named a request to ``refunds.json`` by that
+#: spelling's route, ``POST refunds<drf_format_suffix:format>``).
+RELEASE_0_2_0 = "15028d7"
+
+# The same URLconf as tests/testapp/suffix_upgrade_urls.py, for 0.2.0's process.
+OLD_SUFFIX_URLS = textwrap.dedent(
+    """
+    from django.urls import path
+    from rest_framework.decorators import api_view
+    from rest_framework.response import Response
+    from rest_framework.urlpatterns import format_suffix_patterns
+
+    from django_idempotency.decorators import idempotent
+
+
+    @api_view(["POST"])
+    @idempotent(account=lambda request: "acct")
+    def create_refund(request, format=None):
+        return Response({"made": "by 0.2.0"}, status=201)
+
+
+    urlpatterns = format_suffix_patterns([path("refunds/", create_refund)])
+    """
+)
+
+OLD_SUFFIX_POST = textwrap.dedent(
+    """
+    import json, sys
+    import django
+    django.setup()
+    import django_idempotency
+    from django.test import Client
+
+    response = Client().post(
+        "/refunds.json", {"amount": 5}, content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY=sys.argv[1],
+    )
+    print(json.dumps({"version": django_idempotency.__version__,
+                      "status": response.status_code, "body": response.content.decode()}))
+    """
+)
+
+
+@on_a_server
+def test_a_retry_to_a_format_suffix_after_the_upgrade_replays_what_0_2_0_stored(
+    tmp_path_factory, settings
+):
+    """0.2.0 stored a request to ``refunds.json`` under ``POST refunds<drf_format_suffix:
+    format>``; this release names it ``POST refunds/``, and finds 0.2.0's record."""
+    from django.test import Client
+
+    from tests.testapp import suffix_upgrade_urls
+
+    where = release(tmp_path_factory, RELEASE_0_2_0, "0.2.0")
+    (where / "old_urls.py").write_text(OLD_SUFFIX_URLS)
+    with (where / "old_settings.py").open("a") as old_settings:
+        old_settings.write(
+            '\nINSTALLED_APPS.append("rest_framework")\nROOT_URLCONF = "old_urls"\n'
+            'ALLOWED_HOSTS = ["*"]\n'
+        )
+    database = {
+        key: value
+        for key, value in connection.settings_dict.items()
+        if key in ("ENGINE", "NAME", "USER", "PASSWORD", "HOST", "PORT")
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(where),
+        "DJANGO_SETTINGS_MODULE": "old_settings",
+        "OLD_DATABASE": json.dumps(database),
+    }
+    key = "k-suffix"
+    done = subprocess.run(
+        [sys.executable, "-c", OLD_SUFFIX_POST, key],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    old = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (old["version"], old["status"]) == ("0.2.0", 201)
+    assert IdempotencyRecord.objects.get().operation == "POST refunds<drf_format_suffix:format>"
+
+    settings.ROOT_URLCONF = "tests.testapp.suffix_upgrade_urls"
+    suffix_upgrade_urls.RAN.clear()
+    retried = Client().post(
+        "/refunds.json", {"amount": 5}, content_type="application/json", HTTP_IDEMPOTENCY_KEY=key
+    )
+    assert suffix_upgrade_urls.RAN == []  # not run again
+    assert (retried.status_code, retried.content) == (201, b'{"made":"by 0.2.0"}')
+    assert retried["Idempotent-Replayed"] == "true"
+    assert IdempotencyRecord.objects.get().operation == "POST refunds/"  # adopted
+    fresh = Client().post(
+        "/refunds.json", {"amount": 5}, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k2"
+    )
+    assert fresh.status_code == 201
+    assert suffix_upgrade_urls.RAN == ["today"]

@@ -18,6 +18,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
+from django.db.models import Case, F, Value, When
 from django.db.models.functions import Length
 from django.utils import timezone
 
@@ -339,7 +340,13 @@ def adopt_legacy(op: Operation) -> None:
     beside this one's) keeps its place, and the other is left to its expiry.
     """
     assert op.legacy is not None
-    account, operation = op.legacy
+    account, operation = op.legacy[:2]
+    changes: dict[str, Any] = {"account": op.account, "operation": op.operation}
+    if len(op.legacy) > 2:  # the earlier release hashed the request with its spelling
+        changes["request_hash"] = Case(
+            When(request_hash=op.legacy[2], then=Value(op.request_hash)),
+            default=F("request_hash"),
+        )
     written = (
         IdempotencyRecord.objects.using(op.alias)
         .annotate(account_length=Length("account"), operation_length=Length("operation"))
@@ -353,7 +360,7 @@ def adopt_legacy(op: Operation) -> None:
     )
     try:
         with transaction.atomic(using=op.alias):
-            adopted = written.update(account=op.account, operation=op.operation)
+            adopted = written.update(**changes)
     except IntegrityError:
         logger.warning(
             "a record of %s written by an earlier release was left under its old spelling: "
