@@ -127,19 +127,25 @@ def release_0_1_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return release(tmp_path_factory, RELEASE_0_1_4, "0.1.4")
 
 
-def written_by_0_1_4(where: Path, calls: list[dict[str, object]]) -> list[dict[str, object]]:
-    """Make ``calls`` with 0.1.4's ``run_once``, against the test database: what each gave."""
+def old_environment(where: Path) -> dict[str, str]:
+    """The environment of an earlier release's process: its package, its settings, and the
+    test database."""
     database = {
         key: value
         for key, value in connection.settings_dict.items()
         if key in ("ENGINE", "NAME", "USER", "PASSWORD", "HOST", "PORT")
     }
-    env = {
+    return {
         **os.environ,
         "PYTHONPATH": str(where),
         "DJANGO_SETTINGS_MODULE": "old_settings",
         "OLD_DATABASE": json.dumps(database),
     }
+
+
+def written_by_0_1_4(where: Path, calls: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Make ``calls`` with 0.1.4's ``run_once``, against the test database: what each gave."""
+    env = old_environment(where)
     done = subprocess.run(
         [sys.executable, "-c", OLD_CALLS, json.dumps(calls)],
         cwd=where,
@@ -351,17 +357,7 @@ def test_a_retry_to_a_format_suffix_after_the_upgrade_replays_what_0_2_0_stored(
             '\nINSTALLED_APPS.append("rest_framework")\nROOT_URLCONF = "old_urls"\n'
             'ALLOWED_HOSTS = ["*"]\n'
         )
-    database = {
-        key: value
-        for key, value in connection.settings_dict.items()
-        if key in ("ENGINE", "NAME", "USER", "PASSWORD", "HOST", "PORT")
-    }
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(where),
-        "DJANGO_SETTINGS_MODULE": "old_settings",
-        "OLD_DATABASE": json.dumps(database),
-    }
+    env = old_environment(where)
     key = "k-suffix"
     done = subprocess.run(
         [sys.executable, "-c", OLD_SUFFIX_POST, key],
