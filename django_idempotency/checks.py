@@ -164,6 +164,42 @@ def check_sealed_outcomes(
     ]
 
 
+@register(Tags.compatibility)
+def check_tenant_apps(**kwargs: Any) -> list[CheckMessage]:
+    """W030: schemas per tenant (django-tenants' ``SHARED_APPS`` and ``TENANT_APPS``) with
+    the package among the shared apps only. Every tenant's records are then in the public
+    schema's one table, where user 1 of one tenant and user 1 of another are one account:
+    a key sent in one tenant would replay another tenant's outcome."""
+    shared = getattr(settings, "SHARED_APPS", None)
+    tenant = getattr(settings, "TENANT_APPS", None)
+    if not isinstance(shared, (list, tuple)) or not isinstance(tenant, (list, tuple)):
+        return []
+    if not _names_this_app(shared) or _names_this_app(tenant):
+        return []
+    return [
+        _warning(
+            "RECORDS_IN_SHARED_SCHEMA",
+            "django_idempotency is in SHARED_APPS but not in TENANT_APPS: the records of "
+            "every tenant share the public schema's table, and an account that two tenants "
+            "both have (user:1) shares its records between them.",
+            hint=(
+                "Put django_idempotency in TENANT_APPS, so each tenant's schema has its own "
+                "records and outbox (see the scaling page's schemas per tenant); or keep one "
+                "shared table with an ACCOUNT_RESOLVER whose accounts name the tenant, and "
+                "silence this warning."
+            ),
+        )
+    ]
+
+
+def _names_this_app(apps: Iterable[object]) -> bool:
+    return any(
+        isinstance(app, str)
+        and (app == "django_idempotency" or app.startswith("django_idempotency.apps."))
+        for app in apps
+    )
+
+
 #: The recovery policies whose promise a lost claim breaks: the operation must never run twice.
 _NEVER_TWICE = ("fail", "resume")
 

@@ -42,6 +42,7 @@ DATABASES["provider"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
 DATABASES["claims"] = {**DATABASES["provider"]}
 DATABASE_ROUTERS = ["django_tenants.routers.TenantSyncRouter"]
 
+# --8<-- [start:tenant-apps]
 SHARED_APPS = [
     "django_tenants",
     "tests.tenants",
@@ -55,6 +56,7 @@ TENANT_APPS = [
     "tests.testapp",
 ]
 INSTALLED_APPS = SHARED_APPS + [app for app in TENANT_APPS if app not in SHARED_APPS]
+# --8<-- [end:tenant-apps]
 TENANT_MODEL = "tenants.Client"
 TENANT_DOMAIN_MODEL = "tenants.Domain"
 
