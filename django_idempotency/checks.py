@@ -35,7 +35,35 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     if claims and claims != values.get("DATABASE") and "CLAIM_TIMEOUT" in values:
         # (CLAIM_DATABASE naming DATABASE itself is E038's, not a connection to bound.)
         messages += _check_claim_database(values["CLAIM_DATABASE"], values["CLAIM_TIMEOUT"])
+    if claims and "DATABASE" in values:
+        messages += _check_claim_tenant(values["DATABASE"], claims)
     return messages
+
+
+def _check_claim_tenant(alias: str, claims: str) -> Iterable[CheckMessage]:
+    """E038: ``DATABASE``'s backend keeps a tenant schema on the connection (django-tenants'
+    ``set_tenant``) and ``CLAIM_DATABASE``'s cannot take one: a claim would be made in the
+    claim connection's own schema, not in the caller's tenant's."""
+    from django.db.utils import load_backend
+
+    def keeps_a_tenant(name: str) -> bool:
+        try:
+            wrapper = load_backend(settings.DATABASES[name]["ENGINE"]).DatabaseWrapper
+        except Exception:  # an engine that cannot be loaded: the database checks say so
+            return False
+        return callable(getattr(wrapper, "set_tenant", None))
+
+    if keeps_a_tenant(alias) and not keeps_a_tenant(claims):
+        yield _error(
+            "CLAIM_DATABASE",
+            f"IDEMPOTENCY['DATABASE'] ({alias!r}) keeps a tenant schema on its connection, "
+            f"but IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) has an ENGINE that cannot: its "
+            "claims would be made outside the caller's tenant.",
+            hint=(
+                f"Give {claims!r} the ENGINE of {alias!r} (django_tenants.postgresql_backend), "
+                "so that each claim follows the caller's tenant."
+            ),
+        )
 
 
 def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:

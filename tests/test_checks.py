@@ -248,6 +248,31 @@ def test_w030_not_reported_where_each_tenant_has_its_records(shared, tenant):
         assert check_tenant_apps() == []
 
 
+@pytest.mark.parametrize(
+    ("default", "claims", "reported"),
+    [
+        ("django_tenants.postgresql_backend", "django.db.backends.postgresql", True),
+        ("django_tenants.postgresql_backend", "django_tenants.postgresql_backend", False),
+        ("django.db.backends.postgresql", "django_tenants.postgresql_backend", False),
+    ],
+)
+def test_e038_a_claim_database_that_cannot_follow_the_tenant(
+    monkeypatch, default, claims, reported
+):
+    """Where DATABASE's connection keeps a tenant schema (django-tenants), CLAIM_DATABASE's
+    must take one too, or its claims land outside the caller's tenant. (The ENGINE entries
+    are changed in place, read by the check only: no connection is made with them.)"""
+    pytest.importorskip("django_tenants")
+    monkeypatch.setitem(django_settings.DATABASES["default"], "ENGINE", default)
+    monkeypatch.setitem(django_settings.DATABASES["claims"], "ENGINE", claims)
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        found = [m for m in check_settings() if m.id == "django_idempotency.E038"]
+    assert [m.id for m in found] == (["django_idempotency.E038"] if reported else [])
+    if reported:
+        assert "'claims'" in found[0].msg
+        assert "tenant" in found[0].msg
+
+
 def test_check_command_passes_with_defaults():
     call_command("check", stdout=StringIO())
 

@@ -18,7 +18,10 @@ suite's own settings.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +39,7 @@ from django.conf import settings
 if "django_tenants" not in settings.INSTALLED_APPS:
     pytest.skip("make test-tenants runs it (--ds=tests.tenants.settings)", allow_module_level=True)
 
+from django.core.management import ManagementUtility
 from django.db import connection, connections, transaction
 from django.test import Client as HttpClient
 from django.test import override_settings
@@ -73,9 +78,12 @@ def tenants(django_test_environment: None, django_db_blocker: Any) -> Iterator[N
 
 @pytest.fixture
 def database(tenants: None, django_db_blocker: Any) -> Iterator[None]:
-    """The test database, emptied of every tenant's rows after the test."""
+    """The test database, the public schema set, emptied of every tenant's rows after the
+    test. (A request through django-tenants' middleware leaves its tenant set.)"""
     with django_db_blocker.unblock():
+        connection.set_schema_to_public()
         yield
+        connection.set_schema_to_public()
         for name in TENANTS:
             with schema_context(name):
                 for model in (IdempotencyRecord, OutboxMessage, Charge, ProviderCall):
@@ -89,21 +97,28 @@ def count(model: Any, schema: str, **filters: Any) -> int:
         return int(model.objects.filter(**filters).count())
 
 
-def manage(*args: str) -> subprocess.CompletedProcess[str]:
-    """``manage.py`` as a user runs it, on the test database."""
-    return subprocess.run(
-        [sys.executable, "-m", "django", *args],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.tenants.settings",
-            "DB_NAME": connection.settings_dict["NAME"],
-            "PYTHONPATH": str(ROOT),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def manage(*args: str) -> Ran:
+    """``manage.py ARGS`` as a user types it (Django's command-line entry point, with its
+    exit status), in this process: on the test database, without a second start of Django
+    per command. It starts in the public schema, as a new process would."""
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    connection.set_schema_to_public()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            ManagementUtility(["manage.py", *args]).execute()
+    except SystemExit as exc:
+        status = int(exc.code or 0)
+    finally:
+        connection.set_schema_to_public()
+    return Ran(status, out.getvalue(), err.getvalue())
 
 
 def post(schema: str, key: str, caller: str = "1") -> tuple[int, dict[str, Any]]:
@@ -314,3 +329,25 @@ def test_the_relay_covers_every_tenant(database):
     assert sent == [(name, [pk, name]) for name in TENANTS for pk in charges[name]]
     for name in TENANTS:
         assert count(OutboxMessage, name, status=OutboxStatus.SENT) == count(OutboxMessage, name)
+
+
+def test_the_database_gauges_read_the_schema_they_are_collected_in(database):
+    """The gauges read the schema the collecting thread's connection is set to: in the
+    public one (a metrics server's own thread) they find no table, NaN; inside a tenant's
+    ``schema_context``, or after its request set it, that tenant's figure."""
+    pytest.importorskip("prometheus_client")
+    from django_idempotency import metrics
+
+    post("alpha", "order-1")
+
+    def pending() -> float:
+        (family,) = metrics.outbox_pending.collect()
+        return float(family.samples[0].value)
+
+    assert pending() == 1  # the request left the thread's connection in alpha's schema
+    connection.set_schema_to_public()
+    assert math.isnan(pending())
+    with schema_context("alpha"):
+        assert pending() == 1
+    with schema_context("beta"):
+        assert pending() == 0
