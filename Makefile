@@ -243,12 +243,25 @@ test-standby: $(STAMP)
 		-p no:cacheprovider
 
 # Schemas per tenant with django-tenants, on the PostgreSQL of make test (a database of its
-# own): two tenants, one key in both, a crash in each, and the purge, the recovery and the
-# relay run over every tenant as docs/scaling.md says (about 40 s). Its own settings module
-# (tests/tenants/settings.py), which the rest of the suite does not load.
+# own per run): two tenants, one key in both, a crash in each, and the purge, the recovery
+# and the relay run over every tenant as docs/scaling.md says. Its own settings module
+# (tests/tenants/settings.py), which the rest of the suite does not load. Twice, side by
+# side: as configured by default, and with the engine's statements prepared
+# (TEST_DB_PREPARE=0), whose cursor must set the tenant's search_path too (about 40 s).
 test-tenants: $(STAMP)
-	TEST_DB=postgres $(BIN)/pytest --ds=tests.tenants.settings tests/test_tenants.py \
-		-p no:cacheprovider
+	@mkdir -p $(REPORTS)
+	@TEST_DB=postgres $(BIN)/pytest --ds=tests.tenants.settings tests/test_tenants.py \
+		-p no:cacheprovider > $(REPORTS)/pytest-tenants.log 2>&1 & plain=$$!; \
+	TEST_DB=postgres TEST_DB_PREPARE=0 $(BIN)/pytest --ds=tests.tenants.settings \
+		tests/test_tenants.py -p no:cacheprovider > $(REPORTS)/pytest-tenants-prepared.log 2>&1 \
+		& prepared=$$!; \
+	failed=0; wait $$plain || failed=1; wait $$prepared || failed=1; \
+	for run in tenants tenants-prepared; do \
+		echo "==> pytest $$run"; \
+		[ $$failed = 0 ] || cat $(REPORTS)/pytest-$$run.log; \
+		printf '  %-17s %s\n' "$$run:" "$$(tail -n 1 $(REPORTS)/pytest-$$run.log)"; \
+	done; \
+	exit $$failed
 
 # The soak test: mixed traffic, purge and recovery for SOAK_SECONDS against a real server.
 SOAK_SECONDS ?= 120

@@ -210,6 +210,27 @@ def test_a_claim_inside_a_callers_transaction_lands_in_the_callers_schema(databa
             assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
 
 
+def test_the_engines_statements_run_in_the_schema_set_last(database):
+    """A thread reads in beta's schema, then switches to alpha's and calls ``run_once``
+    before any query of Django's: the claim, the completion and the work land in alpha's
+    schema, nothing in beta's. (The connection still has beta's ``search_path`` until a
+    cursor sets alpha's; with ``prepare_threshold`` set the engine's statements use a
+    cursor of their own, which must set it too: make test-tenants runs this file both
+    ways.)"""
+
+    def charge() -> int:
+        return int(Charge.objects.create(account="user:1", amount=1, currency="EUR").pk)
+
+    with schema_context("beta"):
+        assert Charge.objects.count() == 0
+        connection.set_schema("alpha")
+        first = run_once(charge, account="user:1", operation="charges.create", key="k")
+        again = run_once(charge, account="user:1", operation="charges.create", key="k")
+    assert again == first
+    assert (count(Charge, "alpha"), count(IdempotencyRecord, "alpha")) == (1, 1)
+    assert (count(Charge, "beta"), count(IdempotencyRecord, "beta")) == (0, 0)
+
+
 def test_purge_covers_every_tenant(database):
     """``all_tenants_command --no-public purge_idempotency`` deletes the expired records and
     the sent outbox messages of each tenant, and keeps the live ones."""

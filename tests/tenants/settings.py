@@ -36,6 +36,10 @@ DATABASES: dict[str, dict[str, Any]] = {
         "TEST": {"NAME": os.environ.get("TEST_DB_NAME", f"test_django_idempotency_{os.getpid()}")},
     }
 }
+# TEST_DB_PREPARE=N: psycopg prepares a statement after N runs on a connection (as in
+# tests/settings.py); PostgreSQL parses a prepared statement again when search_path changed.
+if os.environ.get("TEST_DB_PREPARE"):
+    DATABASES["default"]["OPTIONS"] = {"prepare_threshold": int(os.environ["TEST_DB_PREPARE"])}
 # The fake provider's ledger, written through a connection of its own (autocommit), as an
 # external system's would survive a crash; and the same database for CLAIM_DATABASE.
 DATABASES["provider"] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}
