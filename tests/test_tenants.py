@@ -8,9 +8,12 @@ and ``beta`` (plus the public tenant that django-tenants projects usually have):
   and each tenant's retries replay its own outcome, never the other's: over HTTP through
   django-tenants' middleware, and through ``run_once`` inside a caller's transaction, where
   the claim commits on a connection of its own that must follow the caller's schema;
+- the engine's statements run in the schema set last, also where they are prepared on a
+  cursor of their own (``TEST_DB_PREPARE=0``: make test-tenants runs the file both ways);
 - the maintenance commands cover every tenant when run as the docs say
   (``all_tenants_command --no-public``): the purge, the recovery of stale leases (after a
-  real crash in each tenant) and the relay, each effect counted.
+  real crash in each tenant) and the relay, each effect counted; the database gauges read
+  the schema they are collected in.
 
 Run by ``make test-tenants`` (``pytest --ds=tests.tenants.settings``); skipped under the
 suite's own settings.
