@@ -194,6 +194,23 @@ def _bound_after_connect(second: BaseDatabaseWrapper) -> None:
     second.init_connection_state = bounded_init  # type: ignore[method-assign]
 
 
+def _follow_tenant(caller: BaseDatabaseWrapper, claim: BaseDatabaseWrapper) -> None:
+    """Give the claim connection the caller's tenant, where the backend keeps one on the
+    connection: django-tenants' (``set_tenant``, whose ``search_path`` each cursor sets).
+    A claim made in another schema than the caller's work would never be completed by it, or
+    would meet another tenant's record. Copied before every claim, since one thread serves
+    one tenant after another."""
+    tenant = getattr(caller, "tenant", None)
+    set_tenant = getattr(claim, "set_tenant", None)
+    if tenant is None or set_tenant is None:
+        return
+    public = getattr(caller, "include_public_schema", True)
+    if getattr(claim, "tenant", None) is not tenant or (
+        getattr(claim, "include_public_schema", True) != public
+    ):
+        set_tenant(tenant, public)
+
+
 def _whole_seconds(duration: timedelta) -> int:
     return max(1, math.ceil(duration.total_seconds()))
 
@@ -237,6 +254,7 @@ def claiming(alias: str) -> Iterator[datetime | None]:
         return
     connection = connections[alias]
     claim = _second_connection(connection)
+    _follow_tenant(connection, claim)
     connections[alias] = claim
     try:
         with _bounded(claim, app_settings.CLAIM_TIMEOUT) as deadline, _retry.bounded():

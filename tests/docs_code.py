@@ -39,6 +39,8 @@ TESTED_SOURCES = (
     "example_project/asgi.py",
     # The endpoint audit's reports, which tests/test_audit.py compares with its output.
     "tests/audit/",
+    # The apps of schemas per tenant, which make test-tenants runs with.
+    "tests/tenants/settings.py",
 )
 SOURCE_COMMENT = re.compile(r"^<!-- code: ([^\s:]+)(?::([\w-]+))? -->\n", re.M)
 MARKER = re.compile(r"^[ \t]*# --8<-- \[(?:start|end):[\w-]+\]\n", re.M)
