@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -20,9 +21,14 @@ __all__ = [
     "Unreadable",
     "configured_sender",
     "deliver_task",
+    "groups_of",
+    "send_together",
 ]
 
 Sender = Callable[[OutboxMessage], object]
+#: What a batch hand-over answers: per message, in order, the exception its hand-over raised
+#: or ``None`` once it was handed over.
+Outcomes = list[Exception | None]
 #: ``report(id, task, outcome, error)``: one line per message, once its batch committed.
 Report = Callable[[uuid.UUID, str, str, str], object]
 
@@ -61,14 +67,56 @@ def configured_sender() -> Sender:
         if not only_tasks_through_outbox():
             raise problem from exc
         send = functools.partial(_unsendable, problem)
-    return functools.partial(_routed, send)
+    return Routed(send)
 
 
-def _routed(send: Sender, message: OutboxMessage) -> None:
-    if message.delivery:
-        deliver_task(message)
-    else:
-        send(message)
+class Routed:
+    """The configured sender: a message of Django's Tasks framework to its Tasks backend,
+    any other to ``send``; the former in batches where the backend takes them
+    (``deliver_batch``), the latter one by one."""
+
+    def __init__(self, send: Sender) -> None:
+        self.send = send
+
+    def __call__(self, message: OutboxMessage) -> None:
+        if message.delivery:
+            deliver_task(message)
+        else:
+            self.send(message)
+
+    def groups(self, messages: Sequence[OutboxMessage]) -> list[Hashable | None]:
+        """Per message, its group: messages of one group are handed over together (a
+        Tasks backend that takes batches); ``None``: on its own."""
+        batching: dict[Any, bool] = {}  # per Tasks backend: does it take batches?
+        groups: list[Hashable | None] = []
+        for message in messages:
+            alias = message.delivery.get("backend") if message.delivery else None
+            if not isinstance(alias, str):  # none, or not one another program could name
+                groups.append(None)
+                continue
+            if alias not in batching:
+                backend = _backend(alias, quiet=True)
+                batching[alias] = callable(getattr(backend, "deliver_batch", None))
+            groups.append(alias if batching[alias] else None)
+        return groups
+
+    def send_together(self, group: Hashable, messages: Sequence[OutboxMessage]) -> Outcomes:
+        """Hand the messages of one group over together (one backend's batch)."""
+        outcomes: Outcomes = list(_backend(group, quiet=False).deliver_batch(messages))
+        return outcomes
+
+
+def groups_of(send: Sender, messages: Sequence[OutboxMessage]) -> list[Hashable | None]:
+    """Per message, the group it is handed over with by ``send``; ``None``: one by one
+    (every message of any sender but the configured one)."""
+    return send.groups(messages) if isinstance(send, Routed) else [None] * len(messages)
+
+
+def send_together(send: Sender, group: Hashable, messages: Sequence[OutboxMessage]) -> Outcomes:
+    """The outcome of each message's hand-over with the others of its group, in order."""
+    if not isinstance(send, Routed):
+        raise TypeError("only the configured sender hands messages over together")
+    return send.send_together(group, messages)
 
 
 def _unsendable(problem: Exception, message: OutboxMessage) -> None:
@@ -78,14 +126,21 @@ def _unsendable(problem: Exception, message: OutboxMessage) -> None:
 def deliver_task(message: OutboxMessage) -> None:
     """Hand a message of Django's Tasks framework to the backend it was enqueued on
     (``tasks_backend.OutboxBackend.deliver``), which passes it on to its ``DELIVER_TO``."""
-    from django_idempotency._tasks_compat import task_backends
-
     alias = message.delivery.get("backend")
-    try:
-        backend = task_backends[alias]
-    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
-        raise UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
-    deliver = getattr(backend, "deliver", None)
+    deliver = getattr(_backend(alias, quiet=False), "deliver", None)
     if not callable(deliver):
         raise UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
     deliver(message)
+
+
+def _backend(alias: Any, quiet: bool) -> Any:
+    """The Tasks backend ``alias``; ``UnknownTask`` when it cannot be had (``None`` if
+    ``quiet``)."""
+    from django_idempotency._tasks_compat import task_backends
+
+    try:
+        return task_backends[alias]
+    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
+        if quiet:
+            return None
+        raise UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
