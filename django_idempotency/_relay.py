@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from django_idempotency import _storable, _wakeup, signals
 from django_idempotency._senders import (
+    SENDER_GROUP,
     Report,
     Sender,
     Undeliverable,
@@ -132,6 +133,20 @@ def _batch_size(batch_size: int | None) -> int:
 
 
 def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
+    try:
+        return _relay_taken(alias, size, send, now, together=True)
+    except _TogetherFailed:
+        # Rolled back, the hand-over together with it: the batch again, one by one.
+        return _relay_taken(alias, size, send, now, together=False)
+
+
+class _TogetherFailed(Exception):
+    """A hand-over of messages together raised: the batch's transaction rolls back."""
+
+
+def _relay_taken(
+    alias: str, size: int, send: Sender, now: datetime, *, together: bool
+) -> RelayResult:
     result = RelayResult(batches=1)
     with transaction.atomic(using=alias):
         taken = _take(alias, now, size)
@@ -140,7 +155,8 @@ def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayRes
         # something there (the Tasks backend: the target's result id) has it saved with
         # the mark.
         before = {message.id: dict(message.delivery) for message, _ in taken}
-        errors = _hand_over(alias, send, [m for m, unreadable in taken if unreadable is None])
+        readable = [message for message, unreadable in taken if unreadable is None]
+        errors = _hand_over(alias, send, readable, together)
         sent: list[OutboxMessage] = []
         for message, unreadable in taken:
             error = unreadable or errors[message.id]
@@ -196,44 +212,48 @@ def _mark_sent(
 
 
 def _hand_over(
-    alias: str, send: Sender, messages: list[OutboxMessage]
+    alias: str, send: Sender, messages: list[OutboxMessage], together: bool
 ) -> dict[uuid.UUID, Exception | None]:
     """Each message's failed send, or ``None`` once it was handed over: the messages that a
-    sender takes together (``group``) in one hand-over per group, the others one by one,
-    oldest first."""
+    sender takes together (``groups``) in one hand-over per group if ``together``, then the
+    others one by one, oldest first. The groups go first: if one fails, the batch rolls
+    back before anything was sent that a rollback cannot take back."""
     errors: dict[uuid.UUID, Exception | None] = {}
     groups: dict[Hashable, list[OutboxMessage]] = {}
-    for message, group in zip(messages, groups_of(send, messages), strict=True):
+    alone: list[OutboxMessage] = []
+    kinds = groups_of(send, messages) if together else [None] * len(messages)
+    for message, group in zip(messages, kinds, strict=True):
         if group is None:
-            errors[message.id] = _send(alias, send, message)
+            alone.append(message)
         else:
             groups.setdefault(group, []).append(message)
-    for group, members in groups.items():
-        errors.update(_send_group(alias, send, group, members))
+    # The sender's group (a broker: no rollback takes it back) after the Tasks backends'.
+    for group in sorted(groups, key=lambda group: group == SENDER_GROUP):
+        errors.update(_send_group(send, group, groups[group]))
+    for message in alone:
+        errors[message.id] = _send(alias, send, message)
     return errors
 
 
 def _send_group(
-    alias: str, send: Sender, group: Hashable, messages: list[OutboxMessage]
+    send: Sender, group: Hashable, messages: list[OutboxMessage]
 ) -> dict[uuid.UUID, Exception | None]:
-    """One hand-over of ``messages`` together, in one savepoint (taken at its first
-    query). If it raises, that savepoint rolls back and the messages are sent one by one,
-    each in its own: the failure lands on the message that caused it, the rest are sent."""
-    queries = _SenderQueries(alias)
+    """One hand-over of ``messages`` together, in the batch's transaction itself (no
+    savepoint: two round trips a batch saved). If it raises, :class:`_TogetherFailed` rolls
+    the batch back, and the relay takes it again and sends its messages one by one, each
+    in a savepoint of its own: the failure lands on the message that caused it."""
     try:
-        with connections[alias].execute_wrapper(queries):
-            outcomes = send_together(send, group, messages)
+        outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
-        queries.release()
-    except Exception:
-        queries.roll_back()
+    except Exception as exc:
         logger.warning(
-            "handing over %s outbox messages together failed; sending them one by one",
+            "handing over %s outbox messages together failed (%s); the batch rolled back "
+            "and is sent one by one",
             len(messages),
-            exc_info=True,
+            error_text(exc),
         )
-        return {message.id: _send(alias, send, message) for message in messages}
+        raise _TogetherFailed from exc
     return {message.id: outcome for message, outcome in zip(messages, outcomes, strict=True)}
 
 

@@ -14,6 +14,7 @@ from django_idempotency.conf import app_settings, only_tasks_through_outbox
 from django_idempotency.models import OutboxMessage
 
 __all__ = [
+    "SENDER_GROUP",
     "Report",
     "Sender",
     "Undeliverable",
@@ -70,6 +71,11 @@ def configured_sender() -> Sender:
     return Routed(send)
 
 
+#: The group of the messages a sender with ``send_batch`` takes together (no Tasks backend):
+#: handed over after the Tasks backends' groups, whose database work a rollback takes back.
+SENDER_GROUP = ("sender",)
+
+
 class Routed:
     """The configured sender: a message of Django's Tasks framework to its Tasks backend,
     any other to ``send``; the former in batches where the backend takes them
@@ -86,12 +92,17 @@ class Routed:
 
     def groups(self, messages: Sequence[OutboxMessage]) -> list[Hashable | None]:
         """Per message, its group: messages of one group are handed over together (a
-        Tasks backend that takes batches); ``None``: on its own."""
+        Tasks backend that takes batches; a sender with ``send_batch``, the Celery
+        sender's); ``None``: on its own."""
         batching: dict[Any, bool] = {}  # per Tasks backend: does it take batches?
+        sender_batches = callable(getattr(self.send, "send_batch", None))
         groups: list[Hashable | None] = []
         for message in messages:
-            alias = message.delivery.get("backend") if message.delivery else None
-            if not isinstance(alias, str):  # none, or not one another program could name
+            if not message.delivery:
+                groups.append(SENDER_GROUP if sender_batches else None)
+                continue
+            alias = message.delivery.get("backend")
+            if not isinstance(alias, str):  # not one another program could name
                 groups.append(None)
                 continue
             if alias not in batching:
@@ -102,6 +113,9 @@ class Routed:
 
     def send_together(self, group: Hashable, messages: Sequence[OutboxMessage]) -> Outcomes:
         """Hand the messages of one group over together (one backend's batch)."""
+        if group is SENDER_GROUP:
+            sent: Outcomes = list(self.send.send_batch(messages))  # type: ignore[attr-defined]
+            return sent
         outcomes: Outcomes = list(_backend(group, quiet=False).deliver_batch(messages))
         return outcomes
 
