@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,6 +39,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency import _senders, conf, outbox
 from django_idempotency._check_ids import error
+from django_idempotency._tasks_bulk import Handed, enqueue_many
 from django_idempotency._tasks_compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -56,8 +58,8 @@ __all__ = [
     "BACKEND_PATH",
     "DELIVER_TO",
     "OutboxBackend",
-    "deliver_message",
     "enqueue_once",
+    "outbox_backend",
     "register",
 ]
 
@@ -265,24 +267,64 @@ class OutboxBackend(BaseTaskBackend):
 
     def deliver(self, message: OutboxMessage) -> None:
         """Hand one message to the ``DELIVER_TO`` backend (called by the relay, inside its
-        batch's transaction); raises when the hand-over failed, so the relay records it."""
-        task = import_string(message.task)
-        if not isinstance(task, Task):
-            raise outbox.UnknownTask(f"{message.task} is no task of Django's Tasks framework")
+        batch's transaction); raises when the hand-over failed, so the relay records it.
+        The target's result id goes into ``message.delivery``, which the relay saves when
+        it marks the message sent."""
+        task, args, kwargs = self._handing(message)
+        result = task.enqueue(*args, **kwargs)
+        message.delivery = {**message.delivery, "result_id": str(result.id)}
+
+    def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
+        """Hand a batch of messages to the ``DELIVER_TO`` backend together: one multi-row
+        ``INSERT`` into django-tasks-db's ``DatabaseBackend``, the backend's ``enqueue``
+        task after task into any other. Per message, in order: the exception that makes
+        it unsendable before anything was written (an unknown task, say), else ``None``.
+        Raises when the hand-over itself failed; the relay then rolls it back and hands
+        the messages over one by one, so that the failure is recorded on its own message.
+        """
+        outcomes: list[Exception | None] = []
+        ready: list[tuple[OutboxMessage, Handed]] = []
+        bound: dict[tuple[Any, ...], Task[Any, Any]] = {}
+        for message in messages:
+            try:
+                ready.append((message, self._handing(message, bound)))
+            except Exception as exc:  # recorded on its message by the relay
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        result_ids = enqueue_many(self.target, [handed for _, handed in ready])
+        for (message, _), result_id in zip(ready, result_ids, strict=True):
+            message.delivery = {**message.delivery, "result_id": result_id}
+        return outcomes
+
+    def _handing(
+        self, message: OutboxMessage, bound: dict[tuple[Any, ...], Task[Any, Any]] | None = None
+    ) -> Handed:
+        """The message's task bound to the ``DELIVER_TO`` backend with its delivery
+        options, and the arguments it is enqueued with. ``bound``: the tasks bound so far
+        in this batch, by task and options (messages of a batch mostly share them)."""
         delivery = message.delivery
         run_after = delivery.get("run_after")
-        handed = task.using(
+        options = (message.task, delivery.get("priority"), delivery.get("queue_name"), run_after)
+        handed = bound.get(options) if bound is not None else None
+        if handed is None:
+            handed = self._bind(message.task, delivery, run_after)
+            if bound is not None:
+                bound[options] = handed
+        kwargs = dict(message.kwargs)
+        if is_idempotent_task(handed.func):
+            kwargs[MESSAGE_ARGUMENT] = str(message.id)
+        return handed, list(message.args), kwargs
+
+    def _bind(self, path: str, delivery: dict[str, Any], run_after: Any) -> Task[Any, Any]:
+        task = import_string(path)
+        if not isinstance(task, Task):
+            raise outbox.UnknownTask(f"{path} is no task of Django's Tasks framework")
+        return task.using(
             backend=self.target.alias,
             priority=delivery.get("priority", task.priority),
             queue_name=delivery.get("queue_name", task.queue_name),
             run_after=_moment(run_after) if run_after else None,
-        )
-        kwargs = dict(message.kwargs)
-        if is_idempotent_task(task.func):
-            kwargs[MESSAGE_ARGUMENT] = str(message.id)
-        result = handed.enqueue(*message.args, **kwargs)
-        OutboxMessage.objects.using(app_settings.DATABASE).filter(pk=message.pk).update(
-            delivery={**delivery, "result_id": str(result.id)}
         )
 
 
@@ -323,25 +365,25 @@ def _recognized(task: object) -> outbox.Target | None:
     return outbox.Target(task.module_path, _outbox_backend(task).delivery(task), task.func)
 
 
-def deliver_message(message: OutboxMessage) -> None:
-    """Hand a message of Django's Tasks framework to the backend it was enqueued on
-    (:meth:`OutboxBackend.deliver`), which passes it on to its ``DELIVER_TO``. The relay's
-    sender for such messages, registered when the app is ready."""
-    alias = message.delivery.get("backend")
+def outbox_backend(alias: Any) -> OutboxBackend:
+    """The outbox backend ``alias`` of ``TASKS``, which a message of Django's Tasks
+    framework names; ``UnknownTask`` when there is none. Registered with the relay's
+    sender when the app is ready: it hands such messages to it, one by one
+    (:meth:`OutboxBackend.deliver`) or in batches (``deliver_batch``)."""
     try:
         backend = task_backends[alias]
     except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
         raise outbox.UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
     if not isinstance(backend, OutboxBackend):
         raise outbox.UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
-    backend.deliver(message)
+    return backend
 
 
 def register() -> None:
     """What the outbox needs of Django's Tasks framework: its tasks for ``enqueue_once``,
     the hand-over of its messages for the relay. Called when the app is ready."""
     outbox.register_task_kind(_recognized)
-    _senders.register_delivery(deliver_message)
+    _senders.register_delivery(outbox_backend)
 
 
 def _moment(text: str) -> datetime:
