@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+import time
 import types
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,7 +29,7 @@ from mcp.server.mcpserver import MCPServer
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import new_key
+from tests.helpers import in_thread, new_key, postgres_only
 from tests.test_mcp import (
     ACCOUNT,
     OUTSIDE,
@@ -478,3 +481,52 @@ def test_the_decorator_above_a_server_of_another_module_or_a_dict_is_refused(whe
     call(server, args(key))
     call(server, args(key))
     assert effects() == (1, 1, 1), "the decorator above the server's looked protected and was not"
+
+
+@postgres_only
+def test_a_storm_on_a_tool_with_injected_parameters_runs_once_and_every_call_gets_its_result():
+    """Eight agents' identical calls at once, on a FastMCP tool taking its Context and a
+    dependency, with ``wait=``: one refund, and every call answered with its result."""
+    server = FastMCP("shop")
+    entered, leave = threading.Event(), threading.Event()
+
+    @server.tool
+    @protect("fastmcp", wait=timedelta(seconds=WAIT))
+    def refund(
+        order_id: int,
+        amount: int,
+        idempotency_key: str,
+        ctx: fastmcp.Context,
+        psp: Session = PSP,
+    ) -> dict[str, Any]:
+        entered.set()
+        assert leave.wait(WAIT)
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        result = call(server, args(key))
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=in_thread(one)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert entered.wait(WAIT)
+        time.sleep(1)
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(results) == 8
+    (first,) = [r for r in results if not (r.meta or {}).get("idempotentReplayed")]
+    ran_once(first)
+    for result in results:
+        if result is not first:
+            replayed(first, result)
+    assert effects() == (1, 1, 1)
