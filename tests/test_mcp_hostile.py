@@ -530,3 +530,44 @@ def test_a_storm_on_a_tool_with_injected_parameters_runs_once_and_every_call_get
         if result is not first:
             replayed(first, result)
     assert effects() == (1, 1, 1)
+
+
+def test_an_async_tool_whose_agent_goes_away_mid_call_completes_and_its_retry_replays(framework):
+    """The agent's connection closes while the ``async def`` tool runs: the attempt goes on to
+    its end on the living server, and the retry gets its outcome: one refund."""
+    server = server_of(framework)
+    entered = anyio.Event()
+
+    @server.tool()
+    @protect(framework)
+    async def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        from asgiref.sync import sync_to_async
+
+        entered.set()
+        await anyio.sleep(1)
+        return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+    key = new_key()
+
+    async def once(scope: anyio.CancelScope | None = None) -> Any:
+        if framework == "fastmcp":
+            async with fastmcp.Client(server) as client:
+                return await client.call_tool("refund", args(key), raise_on_error=False)
+        from mcp import Client
+
+        async with Client(server) as client:
+            return await client.call_tool("refund", args(key))
+
+    async def agent() -> Any:
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as group:
+                group.start_soon(once)
+                await entered.wait()
+                group.cancel_scope.cancel()  # the agent goes away
+            await anyio.sleep(2.5)  # the server (this event loop) lives on
+            return await once()
+
+    again = anyio.run(agent)
+    assert again.is_error is not True, again
+    assert (again.meta or {}).get("idempotentReplayed") is True, again
+    assert effects() == (1, 1, 1)
