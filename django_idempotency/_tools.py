@@ -93,6 +93,13 @@ class Framework(Generic[R]):
         """The call's context, and the arguments the tool's body takes."""
         return None, arguments
 
+    def injected(self, func: Callable[..., Any]) -> frozenset[str]:
+        """The parameters of ``func`` the framework fills itself (its context, its
+        dependencies): the tool gets them, the fingerprint leaves them out, for they are
+        not the caller's arguments (a fresh object on every call would make every retry
+        another call)."""
+        return frozenset()
+
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         """The call's ``_meta``."""
         return None
@@ -222,6 +229,7 @@ class _Tool:
         self.signature = framework.signature(func, _described_key(func))
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
         self.convert = framework.converter(func)
+        self.unsent = framework.injected(func) | {KEY_ARGUMENT}
 
     def wrapper(self) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(self.func):
@@ -291,7 +299,7 @@ class _Tool:
                 _problems.ACCOUNT_MISSING,
                 f"{self.operation} needs an authenticated caller to scope its key",
             )
-        fingerprint = canonical({n: v for n, v in arguments.items() if n != KEY_ARGUMENT})
+        fingerprint = canonical({n: v for n, v in arguments.items() if n not in self.unsent})
         started = time.monotonic()
         try:
             once = call_once(
@@ -402,9 +410,12 @@ def _described_key(func: Callable[..., Any]) -> inspect.Signature:
 
             annotation = Annotated[annotation, Field(description=KEY_DESCRIPTION)]
         parameters.append(parameter.replace(annotation=annotation))
-    return signature.replace(
-        parameters=parameters, return_annotation=hints.get("return", signature.return_annotation)
-    )
+    returns = signature.return_annotation
+    if returns is not None:
+        # ``-> None`` stays ``None``: resolved, it would be ``NoneType``, which FastMCP
+        # reads as a result to wrap (an output schema the tool's results do not carry).
+        returns = hints.get("return", returns)
+    return signature.replace(parameters=parameters, return_annotation=returns)
 
 
 def _described(annotation: Any) -> bool:

@@ -28,10 +28,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastmcp.decorators import get_fastmcp_meta
+from fastmcp.server.context import Context
 from fastmcp.server.dependencies import get_access_token, get_context
+from fastmcp.server.sessions import UserSession
 from fastmcp.tools.base import ToolResult
 from fastmcp.tools.function_tool import FunctionTool
+from fastmcp.utilities.types import find_kwarg_by_type
 from mcp_types import CallToolResult
+from uncalled_for import get_dependency_parameters  # FastMCP's own dependency engine
 
 from django_idempotency import _tools, _validation
 from django_idempotency._options import ToolOptions
@@ -88,6 +92,13 @@ class _FastMCP(_tools.Framework[ToolResult]):
             return get_context(), arguments
         except RuntimeError:  # called outside a FastMCP request
             return None, arguments
+
+    def injected(self, func: Callable[..., Any]) -> frozenset[str]:
+        # What FastMCP fills before it calls the tool (its ``without_injected_parameters``
+        # leaves the same out of the tool's schema): its Context, its UserSession, and the
+        # parameters of ``Depends()`` and the other dependencies.
+        found = {find_kwarg_by_type(func, Context), find_kwarg_by_type(func, UserSession)}
+        return frozenset({*get_dependency_parameters(func), *(n for n in found if n)})
 
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         request = getattr(context, "request_context", None)
