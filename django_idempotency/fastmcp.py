@@ -107,11 +107,38 @@ class _FastMCP(_tools.Framework[ToolResult]):
     def principal(self, context: Any) -> str | None:
         return principal_account(context)
 
+    def bind(self, tool: Callable[..., Any]) -> None:
+        self.tool = tool
+
+    def registration(self) -> Any:
+        """What FastMCP's ``@server.tool(...)`` recorded on the protected tool (its name,
+        its output schema), once it is registered; ``None`` before."""
+        return get_fastmcp_meta(getattr(self, "tool", None))
+
+    def tool_name(self, context: Any) -> str | None:
+        registered = self.registration()
+        return getattr(registered, "name", None) or None
+
     def converter(self, func: Callable[..., Any]) -> Callable[[Any], ToolResult]:
-        # The tool as FastMCP makes it of the function, for its conversion alone: the
-        # stored result is the one FastMCP answers a first call with (its output schema's
-        # wrapping of a non-object return included).
-        return FunctionTool.from_function(func).convert_result
+        # The tool as FastMCP makes it of the function, with the output schema its
+        # registration gave, for its conversion alone: the stored result is the one FastMCP
+        # answers a first call with (its output schema's wrapping of a non-object return
+        # included, or none where the registration said output_schema=None). Made at the
+        # first call: the registration comes after this decorator.
+        made: list[Callable[[Any], ToolResult]] = []
+
+        def convert(value: Any) -> ToolResult:
+            if not made:
+                schema = getattr(self.registration(), "output_schema", ...)
+                tool = (
+                    FunctionTool.from_function(func)
+                    if schema is ...  # FastMCP's NotSet: derived from the return type
+                    else FunctionTool.from_function(func, output_schema=schema)
+                )
+                made.append(tool.convert_result)
+            return made[0](value)
+
+        return convert
 
     def sent(self, result: ToolResult) -> CallToolResult:
         return CallToolResult.model_validate(

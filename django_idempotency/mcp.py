@@ -154,6 +154,17 @@ class _SDK(_tools.Framework[CallToolResult]):
     def injected(self, func: Callable[..., Any]) -> frozenset[str]:
         return frozenset({self.own_context} if self.own_context else ())
 
+    def tool_name(self, context: Any) -> str | None:
+        # The SDK records no registration on the function: the call names its tool.
+        if not isinstance(context, Context):
+            return None
+        try:
+            params = context.request_context.params
+        except ValueError:  # a Context outside a request
+            return None
+        name = params.get("name") if isinstance(params, Mapping) else None
+        return name if isinstance(name, str) and name else None
+
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         if not isinstance(context, Context):
             return None

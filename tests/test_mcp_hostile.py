@@ -135,10 +135,10 @@ def test_a_fastmcp_tool_with_an_injected_context_and_a_dependency_replays_its_re
 # -- one function name, two tools -----------------------------------------------------------------
 
 
-def test_known_defect_two_tools_registered_under_their_own_names_share_one_operation(framework):
-    """Unfixed: the default operation is ``tool:<function name>``, not the registered name. A
-    tool factory (one function per currency, registered under ``name=``): each tool is another
-    action, so one key sent to each must run each once; the USD call replays the EUR refund."""
+def test_two_tools_registered_under_their_own_names_are_two_operations(framework):
+    """The default operation is ``tool:<registered name>``. A tool factory (one function per
+    currency, registered under ``name=``): each tool is another action, so one key sent to
+    each runs each once; the USD call never replays the EUR refund."""
     server = server_of(framework)
 
     for currency in ("eur", "usd"):
@@ -282,11 +282,9 @@ def test_a_fastmcp_tool_answers_the_first_call_as_unprotected_and_replays_it(ret
 
 
 @pytest.mark.parametrize("returns", ["int", "str", "list"])
-def test_known_defect_a_fastmcp_tool_registered_without_output_schema_answers_otherwise(returns):
-    """Unfixed: FastMCP's ``@server.tool(output_schema=None)`` is not seen by the adapter, which
-    converts the return value as FastMCP would for the default registration (a non-object
-    wrapped as ``{"result": ...}`` in ``structuredContent``): the protected tool answers what
-    the unprotected one does not."""
+def test_a_fastmcp_tool_registered_without_output_schema_answers_as_unprotected(returns):
+    """FastMCP's ``@server.tool(output_schema=None)``: the adapter converts the return value
+    as that registration does (no ``structuredContent`` wrapping), first call and replay."""
     answers_as_unprotected(returns, {"output_schema": None})
 
 
@@ -318,10 +316,10 @@ def answers_as_unprotected(returns: str, registration: dict[str, Any]) -> None:
 # -- FastMCP's registration options ----------------------------------------------------------------
 
 
-def test_known_defect_a_fastmcp_sync_tool_run_inline_on_the_event_loop_gets_a_generic_error():
-    """Unfixed: ``@server.tool(run_in_thread=False)`` calls the sync tool on the event loop,
-    where Django refuses the engine's queries (``SynchronousOnlyOperation``): the agent gets a
-    generic error, without a code."""
+def test_a_fastmcp_sync_tool_registered_to_run_on_the_event_loop_runs_once():
+    """``@server.tool(run_in_thread=False)`` calls the sync tool on the event loop, where
+    Django refuses the engine's queries (it answered a generic ``SynchronousOnlyOperation``
+    error): the call runs on a thread of its own, once, and its retry replays it."""
     server = FastMCP("shop")
 
     @server.tool(run_in_thread=False)
