@@ -18,6 +18,12 @@ and a private ``redis-server`` on a free port (stopped at the end).
   transaction, at ``--rate`` per second. The consumer writes the time it started into Redis;
   the latency is that time minus the time the ``COMMIT`` returned. Once with ``LISTEN``/
   ``NOTIFY``, once polling only (every ``OUTBOX_POLL_INTERVAL``, 1 s by default).
+- **Enqueue cost** (``--enqueue-costs``, this part alone, no Redis): one enqueue per
+  transaction (``BEGIN``, the enqueue, ``COMMIT``), timed in blocks of ``--block`` and
+  interleaved over ``--rounds`` rounds in a shuffled order: a plain ``enqueue``,
+  ``enqueue_once`` of a new key (the key written with the message), and ``enqueue_once`` of
+  a key a live message holds (nothing written: the live message's id). The statements of
+  one transaction of each are counted.
 """
 
 from __future__ import annotations
@@ -284,6 +290,68 @@ def _listening(connection: Any) -> bool:
     return bool(n)
 
 
+ENQUEUES = ("plain", "once_new_key", "once_held_key")
+
+
+def enqueue_costs(rounds: int, block: int) -> dict[str, Any]:
+    """Microseconds per enqueue transaction of each kind, interleaved; statements of each."""
+    import random
+    from datetime import timedelta
+
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from django_idempotency import outbox
+
+    hold = timedelta(hours=1)
+    counter = iter(range(10**9))
+
+    def one(kind: str) -> None:
+        n = next(counter)
+        with transaction.atomic():
+            if kind == "plain":
+                outbox.enqueue("bench.consume", n)
+            elif kind == "once_new_key":
+                outbox.enqueue_once(f"key-{n}", "bench.consume", n, unique_until=hold)
+            else:
+                outbox.enqueue_once("held", "bench.consume", n, unique_until=hold)
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE django_idempotency_outbox_key, django_idempotency_outbox")
+    statements = {}
+    for kind in ENQUEUES:  # warm, and the held key taken
+        for _ in range(50):
+            one(kind)
+        with CaptureQueriesContext(connection) as queries:
+            one(kind)
+        statements[kind] = len(queries)
+    timings: dict[str, list[float]] = {kind: [] for kind in ENQUEUES}
+    shuffler = random.Random(46)
+    for _ in range(rounds):
+        order = list(ENQUEUES)
+        shuffler.shuffle(order)
+        for kind in order:
+            started = time.perf_counter()
+            for _ in range(block):
+                one(kind)
+            timings[kind].append((time.perf_counter() - started) / block * 1e6)
+    plain = statistics.median(timings["plain"])
+    return {
+        "rounds": rounds,
+        "block": block,
+        "kinds": {
+            kind: {
+                "median_us": statistics.median(values),
+                "min_us": min(values),
+                "over_plain_us": statistics.median(values) - plain,
+                "statements": statements[kind],
+            }
+            for kind, values in timings.items()
+        },
+        "messages_written": outbox.pending_count(),
+    }
+
+
 def prepare() -> None:
     from benchmarks.site_setup import ensure_database
 
@@ -335,6 +403,11 @@ def main() -> int:
     parser.add_argument("--latency-messages", type=int, default=300)
     parser.add_argument("--rate", type=float, default=50, help="messages per second (latency)")
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--enqueue-costs", action="store_true", help="only the enqueue cost part (no Redis)"
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (enqueue costs)")
+    parser.add_argument("--block", type=int, default=200, help="enqueues per block")
     parser.add_argument("--relay", choices=("notify", "poll"), help=argparse.SUPPRESS)
     parser.add_argument("--drain", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -343,6 +416,18 @@ def main() -> int:
         return 0
     if args.drain:
         drain_main(args.drain)
+        return 0
+    if args.enqueue_costs:
+        prepare()
+        costs = enqueue_costs(args.rounds, args.block)
+        costs["load_average"] = os.getloadavg()
+        print(json.dumps(costs, indent=2))
+        if args.write:
+            from benchmarks import report
+
+            text = RESULTS.read_text()
+            rendered = report.outbox_placeholder() + report.unique_enqueues(costs)
+            RESULTS.write_text(report.replace_section(text, rendered, "Unique enqueues"))
         return 0
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     results = run(args.messages, sizes, args.latency_messages, args.rate)

@@ -20,6 +20,7 @@ LABELS = {
     "dfi": "drf-idempotency 1.0.0",
 }
 EXPERIMENTS = Path(__file__).resolve().parent / "EXPERIMENTS.md"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
@@ -155,6 +156,10 @@ def render(results: dict[str, Any]) -> str:
         add(steps(results["steps"]))
     if results.get("connections"):
         add(connections(results["connections"]))
+    if results.get("tasks"):
+        add(tasks_relay(results["tasks"]))
+    if results.get("entries"):
+        add(entries(results["entries"]))
     if "inprocess" in results and results["inprocess"].get("profiles"):
         add(profiles(results["inprocess"]["profiles"]))
     if EXPERIMENTS.exists():
@@ -303,6 +308,10 @@ def targets(results: dict[str, Any]) -> str:
         rows.append(steps_target(results["steps"]))
     if results.get("connections"):
         rows += connections_targets(results["connections"])
+    if results.get("tasks"):
+        rows += tasks_targets(results["tasks"])
+    if results.get("entries"):
+        rows += entries_targets(results["entries"])
     return table(["target", "measured", ""], rows)
 
 
@@ -1114,3 +1123,174 @@ def connections_targets(data: dict[str, Any]) -> list[list[str]]:
             verdict(worst <= 1.1),
         ],
     ]
+
+
+UNIQUE_KINDS = {
+    "plain": "`enqueue` (no key)",
+    "once_new_key": "`enqueue_once`, a free key (the key written with the message)",
+    "once_held_key": "`enqueue_once`, a key a live message holds (nothing written)",
+}
+
+
+def unique_enqueues(data: dict[str, Any]) -> str:
+    """The "Unique enqueues" section: ``outbox_bench.py --enqueue-costs``."""
+    out = ["\n## Unique enqueues\n"]
+    load = data.get("load_average")
+    out.append(
+        "`python -m benchmarks.outbox_bench --enqueue-costs --write`, on PostgreSQL: one"
+        " enqueue per transaction (`BEGIN`, the enqueue, `COMMIT`), timed in blocks of"
+        f" {data['block']} and interleaved over {data['rounds']} rounds in a shuffled order;"
+        " the median block per enqueue. Statements: one transaction of each, `BEGIN` and"
+        " `COMMIT` included."
+        + (f" Load average at the end: {fmt_load(load)}." if load else "")
+        + "\n"
+    )
+    out.append("| enqueue | median | over plain | fastest block | statements |")
+    out.append("|---|---|---|---|---|")
+    for kind, label in UNIQUE_KINDS.items():
+        row = data["kinds"][kind]
+        out.append(
+            f"| {label} | {row['median_us']:,.0f} µs | {row['over_plain_us']:+,.0f} µs"
+            f" | {row['min_us']:,.0f} µs | {row['statements']} |"
+        )
+    out.append(
+        "\nA key a live message holds (the periodic job's every tick but one) costs less than"
+        ' a plain enqueue: it reads the key (and, under `"started"`/`"finished"`, its'
+        " message and its run's record) and writes nothing, so its `COMMIT` flushes no WAL."
+        " A free key costs a read of the key and one statement that inserts the key and the"
+        " message together (`WITH k AS (INSERT ... ON CONFLICT DO NOTHING RETURNING 1)"
+        " INSERT ... SELECT ... FROM k`, in place of the plain enqueue's `INSERT`); its"
+        " `COMMIT` flushes the key's row too (three index entries, and the lock its foreign"
+        " key takes on the new message's row). MariaDB and SQLite insert both in a savepoint."
+    )
+    return "\n".join(out) + "\n"
+
+
+def outbox_placeholder() -> str:
+    """A bare "Outbox" heading: where "Unique enqueues" goes when it is new."""
+    return "\n## Outbox\n"
+
+
+ENTRY_NAMES = {
+    "drf": "DRF `APIView` with `IdempotencyMixin` (the yardstick)",
+    "ninja": "django-ninja operation under `ninja.idempotent`",
+    "async-view": "`async def` view under `@idempotent`, uvicorn",
+    "run-once": "`run_once(write, ...)` / `write()`",
+    "celery-task": "Celery task under `@idempotent_task()` (`apply`)",
+    "django-task": "Django task under `@idempotent_task()` (`ImmediateBackend`)",
+}
+
+
+def entries(data: dict[str, Any]) -> str:
+    """The "Every entry point" section: ``benchmarks/entries_bench.py``."""
+    med, ratios = data["median_us"], data["ratios"]
+    rows = []
+    for entry, name in ENTRY_NAMES.items():
+        if entry not in ratios:
+            continue
+        r = ratios[entry]
+        rows.append(
+            [
+                name,
+                f"{med[f'{entry}|twin']:,.0f} µs",
+                f"{med[f'{entry}|ours']:,.0f} µs",
+                f"**{r['ratio']:.2f}×** ({r['min']:.2f}–{r['max']:.2f})",
+            ]
+        )
+    load = " / ".join(f"{v:.2f}" for v in data["load_average"])
+    return (
+        f"\n## {SECTION_ENTRIES}\n\n"
+        "`benchmarks/entries_bench.py`, in one process and one uvicorn server on its own "
+        "database, on Django's defaults (no prepared statements, no pooler; connections kept): "
+        "each entry point protected and as its unprotected twin, a first operation (a new key) "
+        "whose work is the same single `INSERT`. The HTTP entry points go through Django's "
+        "WSGI handler in the process; the `async def` view is served by uvicorn and called "
+        "one request after another on a kept-alive connection; Celery's task runs on its "
+        "eager path (`apply`, the worker's own code without a broker); Django's task is "
+        "enqueued on `ImmediateBackend`, the protected one with the outbox message id a relay "
+        "hands it. Every (entry point, twin or protected) batch runs in every round, in an "
+        f"order that rotates. {data['rounds']} rounds of {data['batch']} operations; the ratio "
+        "is the protected median over the twin's, with the spread of the per-round ratios. "
+        f"Load average {load} at the end, on shared cores.\n\n"
+        + table(["entry point", "unprotected twin", "protected", "protected ÷ twin"], rows)
+        + "\n\n"
+        + table(["target", "measured", ""], entries_targets(data))
+        + "\n"
+    )
+
+
+SECTION_ENTRIES = "Every entry point against its unprotected twin"
+
+
+def entries_targets(data: dict[str, Any]) -> list[list[str]]:
+    """No entry point costs more above its twin than a protected DRF create above plain DRF."""
+    ratios = data["ratios"]
+    yardstick = ratios["drf"]["ratio"]
+    others = {e: r["ratio"] for e, r in ratios.items() if e != "drf"}
+    worst = max(others, key=lambda e: others[e])
+    return [
+        [
+            f"every entry point's ratio to its twin ≤ the DRF create's ({yardstick:.2f}×)",
+            f"{others[worst]:.2f}× at most ({worst})",
+            verdict(others[worst] <= yardstick),
+        ]
+    ]
+
+
+def tasks_relay(data: dict[str, Any]) -> str:
+    """The "Outbox relay: hand-over in batches" section: ``benchmarks/tasks_bench.py``."""
+    per_s = data["relay_per_s"]
+    rows = [
+        ["a sender that does nothing", f"{per_s['noop']:,}", "1.00×", ""],
+        [
+            "django-tasks-db's `DatabaseBackend` (`OutboxBackend`'s `DELIVER_TO`)",
+            f"{per_s['tasks']:,}",
+            f"**{data['tasks_vs_noop']:.3f}×**",
+            "{:.3f}–{:.3f}".format(*data["tasks_vs_noop_range"]),
+        ],
+    ]
+    if "celery" in per_s:
+        rows.append(
+            [
+                f"the Celery sender into {data.get('broker', 'a broker')}",
+                f"{per_s['celery']:,}",
+                f"**{data['celery_vs_noop']:.3f}×**",
+                "{:.3f}–{:.3f}".format(*data["celery_vs_noop_range"]),
+            ]
+        )
+    load = " / ".join(f"{v:.2f}" for v in data.get("load_average", []))
+    return (
+        f"\n## {SECTION_TASKS}\n\n"
+        "`benchmarks/tasks_bench.py`, on its own database: a backlog of "
+        f"{data['messages']:,} messages drained by `outbox.drain` in batches of "
+        f"{data['batch_size']}, by each sender in turn within every round, the order "
+        f"rotating; {data['rounds']} rounds, medians. Into the database backend a batch is one "
+        "multi-row `INSERT` and one `UPDATE` marking it sent, in the batch's transaction; into "
+        "Celery, one publish per message and the same one `UPDATE`. Load average "
+        f"{load} at the end.\n\n"
+        + table(["sender", "messages/s", "÷ no-op", "per-round spread"], rows)
+        + "\n\n"
+        + table(["target", "measured", ""], tasks_targets(data))
+        + "\n"
+    )
+
+
+SECTION_TASKS = "Outbox relay: the hand-over in batches"
+
+
+def tasks_targets(data: dict[str, Any]) -> list[list[str]]:
+    ratio_ = data["tasks_vs_noop"]
+    return [
+        [
+            "relay into django-tasks-db ≥ 0.5× the no-op sender",
+            f"{ratio_:.3f}×",
+            verdict(ratio_ >= 0.5),
+        ]
+    ]
+
+
+def write_section(section: str, title: str) -> None:
+    """Put a benchmark's rendered ``section`` (headed ``title``) into RESULTS.md, in place
+    of an older one; the rest of the file stays."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    RESULTS.write_text(replace_section(text, section, title))

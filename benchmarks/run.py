@@ -8,7 +8,9 @@ per request, cProfile), ``server`` (gunicorn + wrk: throughput and latency, then
 retry storm), ``purge`` (a million expired records and claims beside the purge), ``outbox``
 (the relay into Redis: messages/s, and commit-to-consumer latency; ``outbox_bench.py``),
 ``steps`` (what a step of ``"resume"`` costs next to the same work in one transaction;
-``steps_bench.py``).
+``steps_bench.py``), ``tasks`` (the relay's hand-over into django-tasks-db and into Celery
+against a sender that does nothing; ``tasks_bench.py``), ``entries`` (every entry point
+against its unprotected twin; ``entries_bench.py``).
 ``--patched DIR`` adds a variant ``patched``: the mixin with the ``django_idempotency``
 package of another checkout (a patch applied in a scratch copy), measured in the same
 interleaved run as this checkout's.
@@ -656,6 +658,21 @@ def run_steps(plan: Plan) -> dict[str, Any]:
     return run_alone("benchmarks.steps_bench", quick if plan.quick else [])
 
 
+# -- the relay's hand-over, every entry point -------------------------------------------------
+
+
+def run_tasks(plan: Plan) -> dict[str, Any]:
+    log("tasks: the relay into django-tasks-db and into Celery against a no-op sender")
+    quick = ["--messages", "500", "--rounds", "2"]
+    return run_alone("benchmarks.tasks_bench", ["--celery", *(quick if plan.quick else [])])
+
+
+def run_entries(plan: Plan) -> dict[str, Any]:
+    log("entries: every entry point against its unprotected twin, interleaved")
+    quick = ["--rounds", "2", "--batch", "20"]
+    return run_alone("benchmarks.entries_bench", quick if plan.quick else [])
+
+
 # -- ATOMIC_REQUESTS ------------------------------------------------------------------------
 
 
@@ -726,7 +743,9 @@ def versions(alt_python: Path | None) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a minute or two")
-    parser.add_argument("--only", default="inprocess,server,purge,outbox,steps,connections")
+    parser.add_argument(
+        "--only", default="inprocess,server,purge,outbox,steps,connections,tasks,entries"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
         "--patched", type=Path, help="also measure django_idempotency from this checkout"
@@ -811,6 +830,10 @@ def main() -> int:
         results["steps"] = run_steps(plan)
     if "connections" in parts:
         results["connections"] = run_connections(plan)
+    if "tasks" in parts:
+        results["tasks"] = run_tasks(plan)
+    if "entries" in parts:
+        results["entries"] = run_entries(plan)
     results["versions"] = versions(alt_python)
     results["load_generator"] = "wrk" if shutil.which("wrk") else "benchmarks/loadgen.py (asyncio)"
     results["machine"]["load_average_end"] = os.getloadavg()

@@ -32,6 +32,19 @@ def ensure_database(name: str) -> None:
             conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def postgres_database(name: str, conn_max_age: int = 600) -> dict[str, object]:
+    """A ``DATABASES`` entry for the database ``name`` on the benchmarks' PostgreSQL."""
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": name,
+        "USER": os.environ.get("PGUSER", "postgres"),
+        "PASSWORD": os.environ.get("PGPASSWORD", ""),
+        "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+        "PORT": os.environ.get("PGPORT", "5432"),
+        "CONN_MAX_AGE": conn_max_age,
+    }
+
+
 def configure_package_only(database: str, secret: str) -> None:
     """Django for a benchmark of the package alone (no site): its own PostgreSQL
     ``database``, the package's settings at their defaults. Once per process."""
@@ -41,17 +54,7 @@ def configure_package_only(database: str, secret: str) -> None:
     if settings.configured:
         return
     settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": database,
-                "USER": os.environ.get("PGUSER", "postgres"),
-                "PASSWORD": os.environ.get("PGPASSWORD", ""),
-                "HOST": os.environ.get("PGHOST", "127.0.0.1"),
-                "PORT": os.environ.get("PGPORT", "5432"),
-                "CONN_MAX_AGE": 600,
-            }
-        },
+        DATABASES={"default": postgres_database(database)},
         INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"],
         USE_TZ=True,
         SECRET_KEY=secret,

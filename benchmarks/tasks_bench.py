@@ -13,10 +13,14 @@ round to round):
 - ``tasks``: the relay's default path for these messages, a hand-over to the database
   backend (one ``INSERT`` of a task row each, in the relay's batch transaction);
 - ``noop``: the same messages, the same relay, a sender that does nothing: the relay's own
-  cost, the floor of any sender (the Celery sender adds its broker round trip to it).
+  cost, the floor of any sender (the Celery sender adds its broker round trip to it);
+- ``celery`` (with ``--celery``): as many messages written with ``outbox.enqueue`` for a
+  Celery task, drained by the default Celery sender into Redis (a private ``redis-server``
+  when it is installed, else ``TASKS_BENCH_BROKER``, default ``redis://127.0.0.1:6379/15``),
+  one publish per message; every message is counted in the queue afterwards.
 
-The figures are medians over the rounds; the ratio is the tasks path's throughput against
-the no-op sender's, within the same interleaved run. Nothing runs the tasks.
+The figures are medians over the rounds; each ratio is a path's throughput against the no-op
+sender's in the same round, within one interleaved run. Nothing runs the tasks.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 DATABASE = "django_idempotency_bench_tasks"
+# The Celery path's task and queue: registered in this process, never consumed.
+CELERY_TASK = "benchmarks.tasks_bench.celery_consume"
+QUEUE = f"bench-tasks-{os.getpid()}"
 
 
 def configure() -> None:
@@ -37,7 +46,7 @@ def configure() -> None:
     import django
     from django.conf import settings
 
-    from benchmarks.site_setup import ensure_database
+    from benchmarks.site_setup import ensure_database, postgres_database
 
     ensure_database(DATABASE)
     apps = ["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"]
@@ -45,17 +54,7 @@ def configure() -> None:
         apps.append("django_tasks")
     apps.append("django_tasks_db")
     settings.configure(
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": DATABASE,
-                "USER": os.environ.get("PGUSER", "postgres"),
-                "PASSWORD": os.environ.get("PGPASSWORD", ""),
-                "HOST": os.environ.get("PGHOST", "127.0.0.1"),
-                "PORT": os.environ.get("PGPORT", "5432"),
-                "CONN_MAX_AGE": 600,
-            }
-        },
+        DATABASES={"default": postgres_database(DATABASE)},
         INSTALLED_APPS=apps,
         USE_TZ=True,
         SECRET_KEY="django-idempotency-tasks-bench",
@@ -75,6 +74,42 @@ def configure() -> None:
     call_command("migrate", verbosity=0)
 
 
+def celery_app(broker: str) -> Any:
+    """The current Celery app: ``broker``, one queue of this run's own, no result backend."""
+    from celery import Celery
+
+    app = Celery("tasks_bench", set_as_current=True)
+    app.conf.update(broker_url=broker, task_default_queue=QUEUE, result_backend=None)
+    from celery import shared_task
+
+    shared_task(name=CELERY_TASK)(celery_consume)
+    app.finalize()
+    return app
+
+
+def celery_consume(seq: int) -> None:
+    """The Celery path's task: never run."""
+
+
+@contextmanager
+def broker() -> Iterator[str]:
+    """A private redis-server when one is installed, else ``TASKS_BENCH_BROKER``."""
+    from benchmarks.run import redis_server
+
+    with redis_server() as private:
+        yield private or os.environ.get("TASKS_BENCH_BROKER", "redis://127.0.0.1:6379/15")
+
+
+def queued(app: Any) -> int:
+    """Messages in this run's queue; the queue emptied."""
+    import redis
+
+    client = redis.Redis.from_url(app.conf.broker_url)
+    count = int(client.llen(QUEUE))
+    client.delete(QUEUE)
+    return count
+
+
 def reset() -> None:
     from django.db import connection
 
@@ -82,16 +117,21 @@ def reset() -> None:
         cursor.execute("TRUNCATE django_idempotency_outbox, django_tasks_database_dbtaskresult")
 
 
-def enqueue(messages: int) -> float:
-    """Seconds to enqueue ``messages`` tasks in one transaction."""
+def enqueue(messages: int, path: str = "tasks") -> float:
+    """Seconds to enqueue ``messages`` tasks (Celery tasks for ``path="celery"``) in one
+    transaction."""
     from django.db import transaction
 
     from benchmarks.tasks_consumer import consume
+    from django_idempotency import outbox
 
     started = time.perf_counter()
     with transaction.atomic():
         for seq in range(messages):
-            consume.enqueue(seq)
+            if path == "celery":
+                outbox.enqueue(CELERY_TASK, seq)
+            else:
+                consume.enqueue(seq)
     return time.perf_counter() - started
 
 
@@ -99,22 +139,54 @@ def noop(message: Any) -> None:
     """A sender that sends nowhere."""
 
 
-def drain(path: str, messages: int, batch_size: int) -> float:
+def drain(path: str, messages: int, batch_size: int, app: Any = None) -> float:
     """Messages/s of one drain of the backlog by ``path``."""
     from django_tasks_db.models import DBTaskResult
 
     from django_idempotency import outbox
 
     started = time.perf_counter()
-    if path == "tasks":
-        result = outbox.drain(batch_size=batch_size)
-    else:
+    if path == "noop":
         result = outbox.drain(batch_size=batch_size, sender=noop)
+    else:  # the configured sender: the Tasks backend, or Celery
+        result = outbox.drain(batch_size=batch_size)
     elapsed = time.perf_counter() - started
     assert (result.sent, result.failed, result.dead) == (messages, 0, 0), result
     handed = DBTaskResult.objects.count()
     assert handed == (messages if path == "tasks" else 0), handed
+    if path == "celery":
+        in_queue = queued(app)
+        assert in_queue == messages, in_queue
     return messages / elapsed
+
+
+def run(messages: int, rounds: int, batch_size: int, app: Any = None) -> dict[str, Any]:
+    paths = ["tasks", "noop"] + (["celery"] if app is not None else [])
+    throughput: dict[str, list[float]] = {path: [] for path in paths}
+    enqueue_rates: list[float] = []
+    ratios: dict[str, list[float]] = {path: [] for path in paths if path != "noop"}
+    for round_ in range(rounds):
+        shift = round_ % len(paths)
+        figures = {}
+        for path in paths[shift:] + paths[:shift]:
+            reset()
+            enqueue_rates.append(messages / enqueue(messages, path))
+            figures[path] = drain(path, messages, batch_size, app)
+            throughput[path].append(figures[path])
+        for path, values in ratios.items():
+            values.append(figures[path] / figures["noop"])
+    results: dict[str, Any] = {
+        "messages": messages,
+        "rounds": rounds,
+        "batch_size": batch_size,
+        "enqueue_per_s": round(statistics.median(enqueue_rates)),
+        "relay_per_s": {k: round(statistics.median(v)) for k, v in throughput.items()},
+    }
+    for path, values in ratios.items():
+        results[f"{path}_vs_noop"] = round(statistics.median(values), 3)
+        results[f"{path}_vs_noop_range"] = [round(min(values), 3), round(max(values), 3)]
+    results["load_average"] = os.getloadavg()
+    return results
 
 
 def main() -> None:
@@ -122,34 +194,21 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--celery", action="store_true", help="also the Celery sender, into Redis")
+    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     args = parser.parse_args()
     configure()
-    throughput: dict[str, list[float]] = {"tasks": [], "noop": []}
-    enqueue_rates: list[float] = []
-    ratios: list[float] = []
-    for round_ in range(args.rounds):
-        order = ["tasks", "noop"] if round_ % 2 == 0 else ["noop", "tasks"]
-        figures = {}
-        for path in order:
-            reset()
-            enqueue_rates.append(args.messages / enqueue(args.messages))
-            figures[path] = drain(path, args.messages, args.batch_size)
-            throughput[path].append(figures[path])
-        ratios.append(figures["tasks"] / figures["noop"])
-    print(
-        json.dumps(
-            {
-                "messages": args.messages,
-                "rounds": args.rounds,
-                "batch_size": args.batch_size,
-                "enqueue_per_s": round(statistics.median(enqueue_rates)),
-                "relay_per_s": {k: round(statistics.median(v)) for k, v in throughput.items()},
-                "tasks_vs_noop": round(statistics.median(ratios), 3),
-                "tasks_vs_noop_range": [round(min(ratios), 3), round(max(ratios), 3)],
-            },
-            indent=2,
-        )
-    )
+    if not args.celery:
+        results = run(args.messages, args.rounds, args.batch_size)
+    else:
+        with broker() as url:
+            results = run(args.messages, args.rounds, args.batch_size, celery_app(url))
+            results["broker"] = "Redis (a private redis-server)" if "6379" not in url else url
+    print(json.dumps(results))
+    if args.write:
+        from benchmarks import report
+
+        report.write_section(report.tasks_relay(results), report.SECTION_TASKS)
 
 
 if __name__ == "__main__":

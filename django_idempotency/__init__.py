@@ -22,6 +22,7 @@ __all__ = [
     "OutcomeUnknown",
     "RecordUnreadable",
     "StoreUnavailable",
+    "TaskAlreadyQueued",
     "context_of",
     "current",
     "run_once",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
         OutcomeUnknown,
         RecordUnreadable,
         StoreUnavailable,
+        TaskAlreadyQueued,
     )
     from django_idempotency.keys import InvalidKey
 
@@ -56,6 +58,7 @@ _WHERE = {
     "OutcomeUnknown": "exceptions",
     "RecordUnreadable": "exceptions",
     "StoreUnavailable": "exceptions",
+    "TaskAlreadyQueued": "exceptions",
     "run_once": "_once",
     "step": "_steps",
 }

@@ -49,6 +49,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency import _retry
+from django_idempotency._policies import recovery_policy
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -66,6 +67,9 @@ __all__ = [
 _ATTRIBUTE = "_django_idempotency_autonomous"
 # The CLAIM_TIMEOUT a second connection was made under, kept in its settings.
 _BOUND = "_django_idempotency_claim_timeout"
+# A statement the claim connection runs after each connect (MariaDB's lock-wait bound, where
+# the project's init_command is its own), kept in its settings.
+_AFTER_CONNECT = "_django_idempotency_after_connect"
 # Whether this process ever made a second connection: until it has, closing them after a
 # request has nothing to look at.
 _made = False
@@ -91,6 +95,8 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
                 f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
                 "claims must commit at once. Open no transaction on that alias."
             )
+        if claim.vendor == "mysql":
+            _bound_lock_wait(claim)
         return claim
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
     if second is not None and second.settings_dict.get(_BOUND) != app_settings.CLAIM_TIMEOUT:
@@ -103,6 +109,7 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
         global _made
         _made = True
         second = type(connection)(_claim_settings(connection), connection.alias)
+        _bound_after_connect(second)
         if getattr(connection, _ATTRIBUTE, None) is None:
             _close_together(connection)
         setattr(connection, _ATTRIBUTE, second)
@@ -123,6 +130,7 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
     within ``CLAIM_TIMEOUT`` where none is set."""
     options = {k: v for k, v in connection.settings_dict["OPTIONS"].items() if k != "pool"}
     seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
+    after_connect: str | None = None
     if connection.vendor == "postgresql":
         options.setdefault("connect_timeout", max(2, seconds))  # libpq's least is 2
     elif connection.vendor == "mysql":
@@ -131,13 +139,76 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
         # The server gives up a lock wait too, or it would commit the claim after the
         # client left (read_timeout ends only the client's wait): a claim that fails closed
         # leaves nothing behind.
-        bound = f"SESSION innodb_lock_wait_timeout = {seconds}"
-        command = options.get("init_command")
-        if command is None:
-            options["init_command"] = f"SET {bound}"
-        elif command.strip().upper().startswith("SET "):
-            options["init_command"] = f"{command.rstrip().rstrip(';')}, {bound}"
-    return {**connection.settings_dict, "OPTIONS": options, _BOUND: app_settings.CLAIM_TIMEOUT}
+        # The project's own init_command is left as it wrote it (a SET of its own may not
+        # take another assignment: SET TRANSACTION ...; it may be no SET at all): the
+        # bound then follows it, once per connect (see _bound_lock_wait).
+        if options.get("init_command") is None:
+            options["init_command"] = lock_wait_bound(seconds)
+        else:
+            after_connect = lock_wait_bound(seconds)
+    return {
+        **connection.settings_dict,
+        "OPTIONS": options,
+        _BOUND: app_settings.CLAIM_TIMEOUT,
+        _AFTER_CONNECT: after_connect,
+    }
+
+
+def lock_wait_bound(seconds: int) -> str:
+    """The statement that makes a MariaDB or MySQL session give a lock wait up after
+    ``seconds``."""
+    return f"SET SESSION innodb_lock_wait_timeout = {seconds}"
+
+
+# The (server connection, seconds) a CLAIM_DATABASE connection's lock wait was bounded for.
+_LOCK_WAIT_BOUND = "_django_idempotency_lock_wait_bound"
+
+
+def _bound_lock_wait(claim: BaseDatabaseWrapper) -> None:
+    # CLAIM_DATABASE is the project's own alias, connected with its own settings: its lock
+    # wait is bounded once per server connection and CLAIM_TIMEOUT, so that a claim the
+    # caller gave up on is never committed after it there either.
+    claim.ensure_connection()
+    seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
+    done = getattr(claim, _LOCK_WAIT_BOUND, None)
+    if done is not None and done[0] is claim.connection and done[1] == seconds:
+        return
+    with claim.cursor() as cursor:
+        cursor.execute(lock_wait_bound(seconds))
+    setattr(claim, _LOCK_WAIT_BOUND, (claim.connection, seconds))
+
+
+def _bound_after_connect(second: BaseDatabaseWrapper) -> None:
+    # A project's init_command of its own runs first; the claim connection's lock wait is
+    # bounded right after it, on every connect of that connection.
+    statement = second.settings_dict.get(_AFTER_CONNECT)
+    if statement is None:
+        return
+    init = second.init_connection_state
+
+    def bounded_init() -> None:
+        init()
+        with second.connection.cursor() as cursor:
+            cursor.execute(statement)
+
+    second.init_connection_state = bounded_init  # type: ignore[method-assign]
+
+
+def _follow_tenant(caller: BaseDatabaseWrapper, claim: BaseDatabaseWrapper) -> None:
+    """Give the claim connection the caller's tenant, where the backend keeps one on the
+    connection: django-tenants' (``set_tenant``, whose ``search_path`` each cursor sets).
+    A claim made in another schema than the caller's work would never be completed by it, or
+    would meet another tenant's record. Copied before every claim, since one thread serves
+    one tenant after another."""
+    tenant = getattr(caller, "tenant", None)
+    set_tenant = getattr(claim, "set_tenant", None)
+    if tenant is None or set_tenant is None:
+        return
+    public = getattr(caller, "include_public_schema", True)
+    if getattr(claim, "tenant", None) is not tenant or (
+        getattr(claim, "include_public_schema", True) != public
+    ):
+        set_tenant(tenant, public)
 
 
 def _whole_seconds(duration: timedelta) -> int:
@@ -183,6 +254,7 @@ def claiming(alias: str) -> Iterator[datetime | None]:
         return
     connection = connections[alias]
     claim = _second_connection(connection)
+    _follow_tenant(connection, claim)
     connections[alias] = claim
     try:
         with _bounded(claim, app_settings.CLAIM_TIMEOUT) as deadline, _retry.bounded():
@@ -300,7 +372,8 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
     connection = connections[alias]
     if not in_callers_transaction(connection):
         return
-    if policy == "resume":
+    declared = recovery_policy(policy)
+    if declared.resumable:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy 'resume' inside a transaction of the caller's "
             f"on {alias!r}. Its steps must each commit as they finish, so that a later "
@@ -309,7 +382,7 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "and plain @idempotent views are taken out of ATOMIC_REQUESTS; put "
             "@transaction.non_atomic_requests above @api_view)."
         )
-    if connection.vendor == "sqlite" and policy != "retry":
+    if connection.vendor == "sqlite" and declared.durable_claim:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
             f"database {alias!r}. SQLite cannot commit the claim on its own while that "

@@ -49,6 +49,8 @@ ERRORS: dict[str, int] = {
     "CLAIM_DATABASE": 38,
     "CLAIM_TIMEOUT": 39,
     "TASKS_DELIVER_TO": 50,  # the Tasks backend's OPTIONS, reported by the Tasks framework
+    "CLAIM_DATABASE_ELSEWHERE": 51,  # check --database where a connection tells
+    "TABLES_MISSING": 52,  # a database check: check --database
     "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
 }
 
@@ -57,6 +59,7 @@ WARNINGS: dict[str, int] = {
     "DATABASE_NOT_ROUTED": 10,
     "CLAIM_CONNECT_MAY_WAIT": 11,
     "NO_SYNCHRONOUS_STANDBY": 20,  # a database check: check --database
+    "RECORDS_IN_SHARED_SCHEMA": 30,  # schemas per tenant: SHARED_APPS / TENANT_APPS
 }
 
 

@@ -139,11 +139,15 @@ def retry_after(lease_expires_at: datetime | None) -> int:
     return min(seconds_left(lease_expires_at), app_settings.RETRY_AFTER_MAX)
 
 
-def store_failed(exc: Exception) -> StoreUnavailable:
-    """The refusal of an attempt whose outcome (or step) could not be recorded."""
+def store_failed(exc: Exception, ran: bool = True) -> StoreUnavailable:
+    """The refusal of an attempt whose outcome (or step) could not be recorded, after its
+    body ran; ``ran=False``: a read that comes before the body failed."""
+    if not ran:
+        return StoreUnavailable(f"nothing ran: the operation's record could not be read ({exc})")
     return StoreUnavailable(
-        "the outcome could not be recorded: its database work was rolled back and its claim "
-        f"released, so a retry runs it afresh ({exc})"
+        "the body ran, but its outcome could not be recorded: its database work was rolled "
+        f"back and its claim released (or its lease given back) for a retry ({exc})",
+        ran=True,
     )
 
 

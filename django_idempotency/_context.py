@@ -95,3 +95,9 @@ class Operation:
     recovery_policy: str
     lease: timedelta
     ttl: timedelta
+    #: ``(account, operation)`` as an earlier release stored them, where that differs (see
+    #: :func:`._storable.legacy_names`): the claim adopts a record written so. ``None`` for
+    #: nearly all. A third item, where the operation's spelling changed and the fingerprint
+    #: reads it: the request's hash as the earlier release made it, which the adopted record
+    #: takes today's.
+    legacy: tuple[str, ...] | None = None

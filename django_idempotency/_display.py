@@ -321,6 +321,12 @@ def lease_state(record: IdempotencyRecord, now: datetime | None = None) -> str:
     return str(_("stale for %(ago)s") % {"ago": timesince(record.lease_expires_at, now, depth=1)})
 
 
+def whole(value: str) -> SafeString:
+    """A changelist cell's text shown whole, broken across lines where it must be (an
+    account or an operation: a cut one could read as another)."""
+    return format_html('<span class="idempotency-whole">{}</span>', value)
+
+
 def cut(value: str) -> SafeString:
     """A changelist cell's text that the stylesheet may cut short to fit its column, shown
     whole in its title (on hover, and to a screen reader)."""

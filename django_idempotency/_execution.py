@@ -20,7 +20,7 @@ from django.db import transaction
 from django_idempotency import _retry, _store
 from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
-from django_idempotency._recovery import RESUME, RETRY
+from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
 from django_idempotency._steps import outside_steps, recording
 from django_idempotency.exceptions import StoreUnavailable
 
@@ -53,9 +53,16 @@ def run_owned(
 ) -> Fenced[T]:
     """The owner's execution for ``policy``: resumable steps under ``"resume"``, else one
     fenced transaction. ``fresh``: the claim is new, not a takeover."""
-    if policy == RESUME:
+    # A policy named by a word: its declaration read from the table without a call (every
+    # request's path); any other (a callable, a dotted path) declared by recovery_policy.
+    declared = RECOVERY_POLICIES.get(policy) if policy.__class__ is str else None
+    if declared is None:
+        declared = recovery_policy(policy)
+    if declared.resumable:
         return run_resumable(claim, body, judge, fresh)
-    return run_fenced(claim, body, judge, keep_on_store_failure=policy != RETRY)
+    return run_fenced(
+        claim, body, judge, keep_on_store_failure=declared.keeps_claim_on_store_failure
+    )
 
 
 def run_fenced(
@@ -140,7 +147,7 @@ def run_resumable(
         recorded = _store.recorded_steps(claim.alias, claim.record_id)
     except db.Error as exc:
         claim.release() if fresh else claim.give_back()
-        raise store_failed(exc) from exc
+        raise store_failed(exc, ran=False) from exc
     try:
         with recording(claim, recorded):
             result = body()

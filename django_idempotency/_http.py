@@ -9,6 +9,7 @@ execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from django_idempotency._outcomes import (
     response_of,
 )
 from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._storable import storable_name
+from django_idempotency._storable import storable_name, stored_names
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
@@ -91,9 +92,10 @@ def _meta_name(header: str) -> str:
     return header_meta_name(header)
 
 
-# An account or operation as stored (see storable_name), remembered: the same few names come
-# back on every request, and a name's stored form never changes.
-_stored_name = functools.lru_cache(maxsize=4096)(storable_name)
+# An account and an operation as stored, with how an earlier release stored the pair where
+# that differs (see stored_names), remembered: the same few names come back on every
+# request, and a name's stored form never changes.
+_stored_names = functools.lru_cache(maxsize=4096)(stored_names)
 
 
 def handle(
@@ -158,11 +160,12 @@ def protected(
             "The server could not name the caller this key belongs to; nothing was run."
         )
     name = options.operation or (operation if isinstance(operation, str) else operation())
-    context = IdempotencyContext(
-        key=key, operation=_stored_name(name), account=_stored_name(account)
-    )
+    stored_account, stored_operation, legacy = _stored_names(account, name)
+    if legacy is None and options.operation is None:
+        legacy = _suffix_spelling(inner, stored_account, stored_operation)
+    context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)
     inner.idempotency = context
-    return _Protected.of(request, context, terms).answer(call_view)
+    return _Protected.of(request, context, terms, legacy).answer(call_view)
 
 
 class _Protected:
@@ -179,17 +182,28 @@ class _Protected:
         self.recovery = recovery
 
     @classmethod
-    def of(cls, request: Any, context: IdempotencyContext, terms: Terms) -> _Protected:
+    def of(
+        cls,
+        request: Any,
+        context: IdempotencyContext,
+        terms: Terms,
+        legacy: tuple[str, ...] | None = None,
+    ) -> _Protected:
+        request_hash = terms.fingerprint(request)
+        if legacy is not None and legacy[1] != context.operation:
+            # The earlier release's fingerprint read its spelling of the operation.
+            legacy = (*legacy, _hashed_as(request, context, legacy[1], terms))
         operation = Operation(
             terms.database,
             context.account,
             context.operation,
             context.key,
-            terms.fingerprint(request),
+            request_hash,
             terms.fingerprint_version,
             terms.recovery_name,
             terms.lease,
             terms.ttl,
+            legacy,
         )
         return cls(request, context, operation, terms.recovery)
 
@@ -215,9 +229,7 @@ class _Protected:
         except db.Error:  # any error of the database's, InterfaceError included
             logger.exception("idempotency store unavailable during the claim")
             _autonomous.discard_broken(self.operation.alias)  # the next request connects afresh
-            return self.store_unavailable(
-                "The request was not run because its idempotency key could not be recorded."
-            )
+            return self.store_unavailable(ran=False)
         if owned is not None:
             return _Owner(self, result, owned).run(call_view)
         return self.existing(result.state, call_view, allow_wait)
@@ -246,8 +258,11 @@ class _Protected:
             return self.answer(call_view, allow_wait=False)
         return self.conflict(state)
 
-    def store_unavailable(self, detail: str) -> HttpResponse:
-        return _problems.STORE_UNAVAILABLE.response(detail, retry_after=app_settings.RETRY_AFTER)
+    def store_unavailable(self, ran: bool) -> HttpResponse:
+        """``503 idempotency_store_unavailable``, saying whether the view ran."""
+        return _problems.STORE_UNAVAILABLE.response(
+            _problems.store_unavailable_detail(ran), retry_after=app_settings.RETRY_AFTER
+        )
 
     def conflict(self, state: _store.RecordState) -> HttpResponse:
         self.send(signals.request_conflicted)
@@ -264,9 +279,7 @@ class _Protected:
             found = wait_for(self.operation, state, app_settings.IN_PROGRESS_WAIT)
         except db.Error:
             logger.exception("idempotency store unavailable while waiting for a record")
-            return self.store_unavailable(
-                "The request was not run: its original could not be looked up."
-            )
+            return self.store_unavailable(ran=False)
         if found is None:
             return None
         if found.status != IN_PROGRESS:
@@ -282,13 +295,12 @@ class _Protected:
         return self.replay(state)
 
     def unreadable(self, problem: Unreadable | RecordUnreadable) -> HttpResponse:
-        refusal = (
-            problem
-            if isinstance(problem, RecordUnreadable)
-            else refuse_unreadable(self.context, problem, self.request)
-        )
+        if not isinstance(problem, RecordUnreadable):  # one raised was logged already
+            refuse_unreadable(self.context, problem, self.request)
+        # Why it cannot be read (the key id, ENCRYPTION_KEYS) is for the log, the signal
+        # and `check` (refuse_unreadable, check E026): the client learns what it can do.
         return _problems.RECORD_UNREADABLE.response(
-            str(refusal), retry_after=app_settings.RETRY_AFTER
+            _problems.UNREADABLE, retry_after=app_settings.RETRY_AFTER
         )
 
     def replay(self, state: _store.RecordState) -> HttpResponse:
@@ -352,9 +364,7 @@ class _Owner:
             )
         except StoreUnavailable:
             self.claim.give_back()
-            return self.protected.store_unavailable(
-                "The recovery of an earlier attempt could not be recorded; nothing ran."
-            )
+            return self.protected.store_unavailable(ran=False)
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.
@@ -408,10 +418,7 @@ class _Owner:
             # The completion (or a step's record) could not be written: the work was rolled
             # back, and the claim released (under "retry") or its lease given back.
             logger.error("idempotency store failed after the view was claimed: %s", failure)
-            return self.protected.store_unavailable(
-                "The request's outcome could not be recorded, so its work was rolled back; "
-                "retry with the same key."
-            )
+            return self.protected.store_unavailable(ran=failure.ran)
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response
@@ -420,8 +427,8 @@ class _Owner:
             and response.status_code not in app_settings.TRANSIENT_STATUSES
         ):
             return _problems.RESPONSE_NOT_STORABLE.response(
-                "The response could not be kept for replay (streamed, or larger than "
-                "MAX_RESPONSE_BYTES), so the request was rolled back."
+                "The response could not be kept for replay (streamed, or larger than the "
+                "server keeps), so the request was rolled back."
             )
         return response
 
@@ -459,6 +466,33 @@ def _ended_unseen(attempt: asyncio.Future[Any]) -> None:
             "a protected async call whose client went away failed",
             exc_info=attempt.exception(),
         )
+
+
+def _hashed_as(request: Any, context: IdempotencyContext, operation: str, terms: Terms) -> str:
+    """The request's fingerprint as a release that named its operation ``operation`` made
+    it."""
+    inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
+    inner.idempotency = dataclasses.replace(context, operation=operation)
+    try:
+        return str(terms.fingerprint(request))
+    finally:
+        inner.idempotency = context
+
+
+def _suffix_spelling(inner: Any, account: str, operation: str) -> tuple[str, str] | None:
+    """How release 0.2.0 named the operation of a request that took DRF's format-suffix
+    spelling of a route (``POST transfers<drf_format_suffix:format>``), where this release
+    names it by the plain route (``POST transfers/``): the claim adopts a record 0.2.0 wrote
+    so (``_store.adopt_legacy``), and a retry after the upgrade finds it within its TTL.
+    ``None`` for every other request, with no call made: most routes have no suffix."""
+    match = inner.resolver_match
+    route = match.route if match is not None else None
+    if not route or not any(marker in route for marker in _routes.SUFFIXES):
+        return None
+    canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None))
+    if canonical == route or operation != storable_name(f"{inner.method} {canonical}"):
+        return None  # not a twin, or the operation is not the route's (a viewset's)
+    return account, storable_name(f"{inner.method} {route}")
 
 
 def route_operation(request: Any, fallback: Callable[..., Any]) -> str:

@@ -25,7 +25,7 @@ from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
 from django_idempotency._outcomes import Outcome, refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._storable import storable_name
+from django_idempotency._storable import stored_names
 from django_idempotency._store import RecordState
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
@@ -240,16 +240,18 @@ def call_once(
             f"{where}: fingerprint must be a string or a JSON-able value; "
             f"got {_validation.describe(fingerprint)} ({exc})."
         ) from None
+    stored_account, stored_operation, legacy = stored_names(account, operation)
     op = Operation(
         alias=app_settings.DATABASE,
-        account=storable_name(account),
-        operation=storable_name(operation),
+        account=stored_account,
+        operation=stored_operation,
         key=validate_key(key),
         request_hash=request_hash,
         fingerprint_version=FINGERPRINT_VERSION,
         recovery_policy=recovery_name(policy),
         ttl=ttl,
         lease=lease,
+        legacy=legacy,
     )
     try:
         result, owned = claim(op)

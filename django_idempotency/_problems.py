@@ -73,6 +73,28 @@ STORE_UNAVAILABLE = Problem(
     "idempotency_store_unavailable", 503, "The idempotency store is unavailable"
 )
 
+# What a client is told, in the detail of the refusals whose cause is the server's: what it
+# can do, never the server's settings, key ids, hosts or SQL (the log and `check` carry
+# those).
+NOT_RUN = (
+    "The request was not run because its idempotency key could not be recorded. "
+    "Retry with the same key."
+)
+RAN_NOT_RECORDED = (
+    "The request ran, but its outcome could not be recorded, so its database work was "
+    "rolled back. Retry with the same key."
+)
+UNREADABLE = (
+    "The outcome of this key is stored but cannot be read back at the moment; it was not "
+    "run again. Retry with the same key later."
+)
+
+
+def store_unavailable_detail(ran: bool) -> str:
+    """The detail of an ``idempotency_store_unavailable`` answer: whether the request ran."""
+    return RAN_NOT_RECORDED if ran else NOT_RUN
+
+
 ALL_PROBLEMS = (
     KEY_MISSING,
     KEY_INVALID,

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from django import db
 
-from django_idempotency import conf, signals
+from django_idempotency import _policies, conf, signals
 from django_idempotency._claims import Claim
 from django_idempotency._outcomes import Outcome, failure_outcome
 from django_idempotency.exceptions import StoreUnavailable
@@ -26,9 +26,6 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import FAILED, IN_PROGRESS
 
 __all__ = [
-    "FAIL",
-    "RESUME",
-    "RETRY",
     "Closed",
     "Lost",
     "Policy",
@@ -42,10 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("django_idempotency")
-
-RETRY = "retry"
-FAIL = "fail"
-RESUME = "resume"
 
 Policy = str | Callable[[Any], Any]
 
@@ -110,9 +103,10 @@ def recover(
     stored; a callable that raises propagates. Either way the caller decides what becomes of
     the lease.
     """
-    if policy in (RETRY, RESUME):
-        return Run(resumed=policy == RESUME)
-    if policy == FAIL:
+    declared = _policies.recovery_policy(policy)
+    if declared.reruns:
+        return Run(resumed=declared.resumable)
+    if not declared.asks_callable:
         return _close(claim, failure_outcome(key, operation), None, now, counted)
     assert callable(policy)
     try:
@@ -155,7 +149,7 @@ def recovery_name(recovery: str | Callable[..., Any]) -> str:
 
 def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:
     """``"retry"``, ``"fail"``, ``"resume"``, or the callable a dotted path names."""
-    if isinstance(recovery, str) and recovery not in (RETRY, FAIL, RESUME):
+    if isinstance(recovery, str) and recovery not in _policies.RECOVERY_POLICIES:
         return conf.resolve_callable(recovery)
     return recovery
 

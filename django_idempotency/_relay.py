@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,11 +25,14 @@ from django.utils import timezone
 
 from django_idempotency import _storable, _wakeup, signals
 from django_idempotency._senders import (
+    SENDER_GROUP,
     Report,
     Sender,
     Undeliverable,
     Unreadable,
     configured_sender,
+    groups_of,
+    send_together,
 )
 from django_idempotency._wakeup import Stop
 from django_idempotency.conf import app_settings
@@ -130,15 +133,35 @@ def _batch_size(batch_size: int | None) -> int:
 
 
 def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
+    try:
+        return _relay_taken(alias, size, send, now, together=True)
+    except _TogetherFailed:
+        # Rolled back, the hand-over together with it: the batch again, one by one.
+        return _relay_taken(alias, size, send, now, together=False)
+
+
+class _TogetherFailed(Exception):
+    """A hand-over of messages together raised: the batch's transaction rolls back."""
+
+
+def _relay_taken(
+    alias: str, size: int, send: Sender, now: datetime, *, together: bool
+) -> RelayResult:
     result = RelayResult(batches=1)
     with transaction.atomic(using=alias):
         taken = _take(alias, now, size)
         result.taken = len(taken)
-        sent: list[uuid.UUID] = []
+        # What each message's delivery held before the hand-over: a sender that records
+        # something there (the Tasks backend: the target's result id) has it saved with
+        # the mark.
+        before = {message.id: dict(message.delivery) for message, _ in taken}
+        readable = [message for message, unreadable in taken if unreadable is None]
+        errors = _hand_over(alias, send, readable, together)
+        sent: list[OutboxMessage] = []
         for message, unreadable in taken:
-            error = unreadable or _send(alias, send, message)
+            error = unreadable or errors[message.id]
             if error is None:
-                sent.append(message.id)
+                sent.append(message)
                 logger.info("sent outbox message %s (%s)", message.id, message.task)
                 result.outcomes.append((message.id, message.task, "sent", ""))
                 continue
@@ -148,11 +171,90 @@ def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayRes
             outcome = "dead" if dead else "failed"
             result.outcomes.append((message.id, message.task, outcome, error_text(error)))
         if sent:
-            OutboxMessage.objects.using(alias).filter(pk__in=sent).update(
-                status=OutboxStatus.SENT, sent_at=timezone.now()
-            )
+            _mark_sent(alias, sent, before)
         result.sent = len(sent)
     return result
+
+
+def _mark_sent(
+    alias: str, sent: list[OutboxMessage], before: dict[uuid.UUID, dict[str, Any]]
+) -> None:
+    """One ``UPDATE`` for the whole batch: sent, and each changed delivery saved.
+
+    Written out rather than through ``Case(When(...))``: the ORM resolves each ``When``
+    as a filter of its own, which costs more than the rest of a Tasks batch's hand-over.
+    """
+    connection = connections[alias]
+    meta = OutboxMessage._meta
+    quote = connection.ops.quote_name
+    pk, delivery = meta.pk, meta.get_field("delivery")
+    assert pk is not None
+    assert pk.column
+    assert delivery.column
+    id_column = quote(pk.column)
+    ids = [pk.get_db_prep_value(message.pk, connection) for message in sent]
+    sets = f"{quote('status')} = %s, {quote('sent_at')} = %s"
+    params: list[Any] = [OutboxStatus.SENT, timezone.now()]
+    changed = [message for message in sent if message.delivery != before[message.id]]
+    if changed:
+        column = quote(delivery.column)
+        cases = " ".join(["WHEN %s THEN %s"] * len(changed))
+        sets += f", {column} = CASE {id_column} {cases} ELSE {column} END"
+        for message in changed:
+            params.append(pk.get_db_prep_value(message.pk, connection))
+            params.append(delivery.get_db_prep_value(message.delivery, connection))
+    placeholders = ", ".join(["%s"] * len(ids))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {id_column} IN ({placeholders})",
+            [*params, *ids],
+        )
+
+
+def _hand_over(
+    alias: str, send: Sender, messages: list[OutboxMessage], together: bool
+) -> dict[uuid.UUID, Exception | None]:
+    """Each message's failed send, or ``None`` once it was handed over: the messages that a
+    sender takes together (``groups``) in one hand-over per group if ``together``, then the
+    others one by one, oldest first. The groups go first: if one fails, the batch rolls
+    back before anything was sent that a rollback cannot take back."""
+    errors: dict[uuid.UUID, Exception | None] = {}
+    groups: dict[Hashable, list[OutboxMessage]] = {}
+    alone: list[OutboxMessage] = []
+    kinds = groups_of(send, messages) if together else [None] * len(messages)
+    for message, group in zip(messages, kinds, strict=True):
+        if group is None:
+            alone.append(message)
+        else:
+            groups.setdefault(group, []).append(message)
+    # The sender's group (a broker: no rollback takes it back) after the Tasks backends'.
+    for group in sorted(groups, key=lambda group: group == SENDER_GROUP):
+        errors.update(_send_group(send, group, groups[group]))
+    for message in alone:
+        errors[message.id] = _send(alias, send, message)
+    return errors
+
+
+def _send_group(
+    send: Sender, group: Hashable, messages: list[OutboxMessage]
+) -> dict[uuid.UUID, Exception | None]:
+    """One hand-over of ``messages`` together, in the batch's transaction itself (no
+    savepoint: two round trips a batch saved). If it raises, :class:`_TogetherFailed` rolls
+    the batch back, and the relay takes it again and sends its messages one by one, each
+    in a savepoint of its own: the failure lands on the message that caused it."""
+    try:
+        outcomes = send_together(send, group, messages)
+        if len(outcomes) != len(messages):
+            raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
+    except Exception as exc:
+        logger.warning(
+            "handing over %s outbox messages together failed (%s); the batch rolled back "
+            "and is sent one by one",
+            len(messages),
+            error_text(exc),
+        )
+        raise _TogetherFailed from exc
+    return {message.id: outcome for message, outcome in zip(messages, outcomes, strict=True)}
 
 
 def _relayed(result: RelayResult) -> None:

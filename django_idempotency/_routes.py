@@ -15,12 +15,12 @@ from typing import Any
 
 from django.urls import URLPattern, URLResolver, get_resolver
 
-__all__ = ["canonical_route", "join", "suffix_twins"]
+__all__ = ["SUFFIXES", "canonical_route", "join", "suffix_twins"]
 
 # How DRF spells a format suffix after the plain pattern's text: a path converter of its own
 # (``<drf_format_suffix:format>``, ``<drf_format_suffix_json_html:format>``) or a regex
 # group (``\.(?P<format>[a-z0-9]+)/?$``).
-_SUFFIXES = ("<drf_format_suffix", r"\.(?P<")
+SUFFIXES = ("<drf_format_suffix", r"\.(?P<")
 
 # Per resolver (a new one after clear_url_caches(), e.g. override_settings(ROOT_URLCONF)).
 _TWINS: weakref.WeakKeyDictionary[URLResolver, dict[str, str]] = weakref.WeakKeyDictionary()
@@ -39,7 +39,7 @@ def join(levels: tuple[Any, ...]) -> str:
 def canonical_route(route: str, urlconf: Any = None) -> str:
     """The route that names ``route``'s endpoint: the plain pattern's for DRF's format
     suffix twin of a pattern, else ``route`` itself."""
-    if not any(marker in route for marker in _SUFFIXES):
+    if not any(marker in route for marker in SUFFIXES):
         return route  # most requests: no table to read
     return suffix_twins(urlconf).get(route, route)
 
@@ -73,4 +73,4 @@ def _is_twin(pattern: URLPattern, plain: URLPattern) -> bool:
         return False
     stem = str(plain.pattern).rstrip("$").rstrip("/")
     text = str(pattern.pattern)
-    return text.startswith(stem) and text[len(stem) :].startswith(_SUFFIXES)
+    return text.startswith(stem) and text[len(stem) :].startswith(SUFFIXES)

@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_idempotency import crypto
-from django_idempotency._recovery import RESUME
+from django_idempotency._policies import names_where
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -92,7 +92,9 @@ def _by_status(queryset: QuerySet[IdempotencyRecord]) -> dict[str, int]:
 def resumable_records(using: str | None = None) -> QuerySet[IdempotencyRecord]:
     """The records of resumable operations (recovery policy ``"resume"``), read through
     their partial index."""
-    resumable: QuerySet[IdempotencyRecord] = records(using).filter(recovery_policy=RESUME)
+    resumable: QuerySet[IdempotencyRecord] = records(using).filter(
+        recovery_policy__in=names_where("resumable")
+    )
     return resumable
 
 
@@ -227,3 +229,56 @@ def outbox(using: str | None = None, now: datetime | None = None) -> OutboxStats
         due=messages.filter(status=OutboxStatus.PENDING, available_at__lte=now).count(),
         oldest_pending_seconds=relay.oldest_pending_seconds(using, now),
     )
+
+
+# -- the keys of enqueue_once -------------------------------------------------------------------
+
+
+def unique_keys(
+    using: str | None = None, limit: int | None = 20, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Which message holds each key of ``outbox.enqueue_once``, newest first (at most
+    ``limit``): task, key, message id, the message's status, ``unique_until``, until when
+    (a duration), and whether it is live. ``idempotency_stats`` and ``idempotency_audit``
+    print it; the admin shows the same per key and per message."""
+    from django_idempotency import _unique
+    from django_idempotency.models import OutboxUniqueKey
+
+    now = now or timezone.now()
+    holders = (
+        OutboxUniqueKey.objects.using(_alias(using))
+        .select_related("message")
+        .order_by("-created_at")
+    )
+    if limit is not None:
+        holders = holders[:limit]
+    rows = []
+    for holder in holders:
+        row = _unique.describe_holder(holder, now)
+        try:
+            row["message_status"] = holder.message.status
+        except OutboxMessage.DoesNotExist:  # a database without the cascade's constraint
+            row["message_status"] = None
+        rows.append(row)
+    return rows
+
+
+def unique_key_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The text form of :func:`unique_keys`: one aligned line per key."""
+    header = ("TASK", "KEY", "MESSAGE", "STATUS", "UNTIL", "HELD")
+    cells = [header] + [
+        (
+            row["task"],
+            row["key"],
+            row["message"],
+            row["message_status"] or "-",
+            row["held_until"] or row["unique_until"],
+            "live" if row["live"] else "free",
+        )
+        for row in rows
+    ]
+    widths = [max(len(str(line[i])) for line in cells) for i in range(len(header))]
+    return [
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    ]

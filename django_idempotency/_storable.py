@@ -167,6 +167,49 @@ def storable_name(name: str) -> str:
     return HASHED + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def stored_names(account: str, operation: str) -> tuple[str, str, tuple[str, str] | None]:
+    """``account`` and ``operation`` as stored (:func:`storable_name`), and how release
+    0.1.4 stored the pair where that differs (:func:`legacy_names`)."""
+    return storable_name(account), storable_name(operation), legacy_names(account, operation)
+
+
+def legacy_names(account: str, operation: str) -> tuple[str, str] | None:
+    """How release 0.1.4 stored ``(account, operation)``, where that differs from
+    :func:`storable_name`'s spelling; ``None`` for every other pair (nearly all of them).
+
+    0.1.4 hashed a name only when it was longer than 255 characters or held a NUL: a name
+    beginning with ``sha256:`` or ending in whitespace was stored as it is, where it is now
+    stored by its hash. A record it wrote for such a name is looked up by that spelling, so
+    that a retry after the upgrade finds it within its TTL (see ``_store.adopt_legacy``).
+    A name holding a lone surrogate has no such spelling: no database stored it, so 0.1.4
+    wrote no record for it.
+
+    Only a pair that no name has today is looked up: at least one of the two spelled in a
+    way this release never stores (ending in whitespace, or ``sha256:`` and anything but 64
+    hex digits). A name spelling a hash exactly (``sha256:`` and 64 hex digits) would find
+    the record of the name that hash stands for today: that spelling alone is never
+    looked up (0.1.4 gave both names one record, the defect 0.2.0 fixed).
+    """
+    if not (_legacy_only(account) or _legacy_only(operation)):
+        return None
+    if _LONE_SURROGATE.search(account) or _LONE_SURROGATE.search(operation):
+        return None
+    return _legacy_name(account), _legacy_name(operation)
+
+
+def _legacy_name(name: str) -> str:
+    return name if len(name) <= _MAX_NAME and "\x00" not in name else storable_name(name)
+
+
+def _legacy_only(name: str) -> bool:
+    """Whether 0.1.4 spelled ``name`` in a way no name is spelled today."""
+    legacy = _legacy_name(name)
+    return legacy != storable_name(name) and _HASH_FORM.fullmatch(legacy) is None
+
+
+_HASH_FORM = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 def _plain(name: str) -> bool:
     # text_problem: a NUL or a lone surrogate, which no database stores.
     if name.startswith(HASHED) or (name and name[-1].isspace()):

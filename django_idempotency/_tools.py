@@ -14,6 +14,9 @@ calls :func:`protector`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextvars
 import decimal
 import functools
 import inspect
@@ -89,9 +92,25 @@ class Framework(Generic[R]):
         parameter the framework fills with the call's context can be added here."""
         return signature
 
+    def bind(self, tool: Callable[..., Any]) -> None:
+        """The protected tool, as the framework will register it (beneath its decorator)."""
+
+    def tool_name(self, context: Any) -> str | None:
+        """The name the tool was registered under, where the framework tells it (a
+        ``name=`` given to its decorator): the default operation is ``tool:<that name>``, so
+        that two tools made of one function (a factory) are two operations."""
+        return None
+
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The call's context, and the arguments the tool's body takes."""
         return None, arguments
+
+    def injected(self, func: Callable[..., Any]) -> frozenset[str]:
+        """The parameters of ``func`` the framework fills itself (its context, its
+        dependencies): the tool gets them, the fingerprint leaves them out, for they are
+        not the caller's arguments (a fresh object on every call would make every retry
+        another call)."""
+        return frozenset()
 
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         """The call's ``_meta``."""
@@ -216,12 +235,14 @@ class _Tool:
         self.func = func
         self.account: str | Callable[[Any], Any] | None = checked["account"]
         self.operation: str = checked["operation"] or f"tool:{func.__name__}"
+        self.named = checked["operation"] is not None  # else the registered name decides
         self.checked = checked
         self.wait: timedelta | None = checked["wait"]
         self.required = checked["required"] is not False
         self.signature = framework.signature(func, _described_key(func))
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
         self.convert = framework.converter(func)
+        self.unsent = framework.injected(func) | {KEY_ARGUMENT}
 
     def wrapper(self) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(self.func):
@@ -244,6 +265,15 @@ class _Tool:
             @functools.wraps(self.func)
             def sync_tool(**arguments: Any) -> Any:
                 context, arguments = self.framework.split(arguments)
+                if _on_an_event_loop():
+                    # Registered to run on the event loop (FastMCP's run_in_thread=False),
+                    # where Django refuses the engine's queries: the call runs on a thread
+                    # of its own, and the loop waits for it as it would for the tool.
+                    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                        running = contextvars.copy_context().run
+                        return thread.submit(
+                            running, self.call, self.func, context, arguments
+                        ).result()
                 return self.call(self.func, context, arguments)
 
             tool = sync_tool
@@ -258,6 +288,7 @@ class _Tool:
             else {}
         )
         tool.__dict__["idempotency_options"] = self.checked
+        self.framework.bind(tool)
         return tool
 
     def call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
@@ -269,7 +300,15 @@ class _Tool:
         finally:
             _autonomous.close_unused_connections()
 
+    def operation_for(self, context: Any) -> str:
+        """The call's operation: ``operation=``, else ``tool:<registered name>``."""
+        if self.named:
+            return self.operation
+        name = self.framework.tool_name(context)
+        return f"tool:{name}" if name else self.operation
+
     def _call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
+        operation = self.operation_for(context)
         key = arguments.get(KEY_ARGUMENT) if self.has_key_argument else None
         if key is None:
             meta = self.framework.meta(context)
@@ -282,16 +321,16 @@ class _Tool:
                     else f'the host sets _meta["{META_KEY}"] on the call, the same on every retry'
                 )
                 return self.refused(
-                    _problems.KEY_MISSING, f"{self.operation} needs an idempotency key: {where}"
+                    _problems.KEY_MISSING, f"{operation} needs an idempotency key: {where}"
                 )
             return self.convert(body(**arguments))
         account = self.account_of(context)
         if account is None:
             return self.refused(
                 _problems.ACCOUNT_MISSING,
-                f"{self.operation} needs an authenticated caller to scope its key",
+                f"{operation} needs an authenticated caller to scope its key",
             )
-        fingerprint = canonical({n: v for n, v in arguments.items() if n != KEY_ARGUMENT})
+        fingerprint = canonical({n: v for n, v in arguments.items() if n not in self.unsent})
         started = time.monotonic()
         try:
             once = call_once(
@@ -299,7 +338,7 @@ class _Tool:
                 (),
                 {},
                 account=account,
-                operation=self.operation,
+                operation=operation,
                 key=cast(str, key),  # validated by the engine: InvalidKey
                 ttl=self.checked["ttl"],
                 lease=self.checked["lease"],
@@ -314,18 +353,20 @@ class _Tool:
         except KeyReused as exc:
             return self.refused(_problems.KEY_REUSED, str(exc))
         except LeaseTakenOver as exc:
-            self.outlived(time.monotonic() - started)
+            self.outlived(operation, time.monotonic() - started)
             return self.refused(_problems.LEASE_LOST, str(exc), retry_after=exc.retry_after)
         except InProgress as exc:
             return self.refused(_problems.KEY_IN_USE, str(exc), retry_after=exc.retry_after)
         except OutcomeUnknown as exc:
             return self.refused(_problems.OUTCOME_UNKNOWN, str(exc))
-        except RecordUnreadable as exc:
-            return self.refused(_problems.RECORD_UNREADABLE, str(exc))
-        except StoreUnavailable as exc:
-            return self.refused(_problems.STORE_UNAVAILABLE, str(exc))
+        except RecordUnreadable:  # why (a key id, a setting) is in the log, not for the agent
+            return self.refused(_problems.RECORD_UNREADABLE, _problems.UNREADABLE)
+        except StoreUnavailable as exc:  # the database's error text is in the log
+            return self.refused(
+                _problems.STORE_UNAVAILABLE, _problems.store_unavailable_detail(exc.ran)
+            )
         if not once.replayed:
-            self.outlived(time.monotonic() - started)
+            self.outlived(operation, time.monotonic() - started)
             return once.value
         meta = dict(self.framework.meta_of(once.value) or {})
         meta[REPLAYED_META] = True
@@ -353,7 +394,7 @@ class _Tool:
             return None
         return named
 
-    def outlived(self, took: float) -> None:
+    def outlived(self, operation: str, took: float) -> None:
         """Warn when a call ran longer than its lease: another attempt may take it over
         meanwhile (a retry, or a duplicate that ``wait``ed) and run the tool again."""
         lease = self.checked["lease"] or app_settings.LEASE
@@ -362,7 +403,7 @@ class _Tool:
                 "%s ran for %.1f s, longer than its lease (%.1f s): a retry or a waiting "
                 "duplicate may have taken it over and run it again. Give the tool a lease "
                 "longer than its slowest call: @idempotent_tool(lease=...)",
-                self.operation,
+                operation,
                 took,
                 lease.total_seconds(),
             )
@@ -380,6 +421,14 @@ class _Tool:
 
     def loaded(self, body: bytes) -> Any:
         return self.framework.load(json.loads(body))
+
+
+def _on_an_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _account_option(value: Any) -> str | Callable[[Any], str | None]:
@@ -400,9 +449,12 @@ def _described_key(func: Callable[..., Any]) -> inspect.Signature:
 
             annotation = Annotated[annotation, Field(description=KEY_DESCRIPTION)]
         parameters.append(parameter.replace(annotation=annotation))
-    return signature.replace(
-        parameters=parameters, return_annotation=hints.get("return", signature.return_annotation)
-    )
+    returns = signature.return_annotation
+    if returns is not None:
+        # ``-> None`` stays ``None``: resolved, it would be ``NoneType``, which FastMCP
+        # reads as a result to wrap (an output schema the tool's results do not carry).
+        returns = hints.get("return", returns)
+    return signature.replace(parameters=parameters, return_annotation=returns)
 
 
 def _described(annotation: Any) -> bool:

@@ -21,11 +21,7 @@ from typing import Any
 
 from django.utils.module_loading import import_string
 
-RETRY = "retry"
-FAIL = "fail"
-RESUME = "resume"
-#: The recovery policies named by a word.
-POLICIES = (RETRY, FAIL, RESUME)
+from django_idempotency._policies import RECOVERY_POLICIES
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # An RFC 9110 token: what a header or a method name may consist of.
@@ -264,14 +260,14 @@ def recovery(value: Any) -> str | Callable[..., Any]:
     Returned as given (a dotted path stays a string: it is what the record stores), once
     the path is known to import a callable.
     """
-    if isinstance(value, str) and value in POLICIES:
+    if isinstance(value, str) and value in RECOVERY_POLICIES:
         return value
     try:
         resolved = callable_ref(value)
     except Invalid as exc:
         raise Invalid(
-            f'"{RETRY}", "{FAIL}", "{RESUME}", a callable recover(record) or the dotted path '
-            "of one",
+            ", ".join(f'"{name}"' for name in RECOVERY_POLICIES)
+            + ", a callable recover(record) or the dotted path of one",
             value,
             exc.detail,
         ) from None

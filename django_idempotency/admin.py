@@ -36,7 +36,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _display, maintenance, outbox
+from django_idempotency import _display, _policies, _unique, maintenance, outbox
 from django_idempotency._admin_filters import (
     ExpiredFilter,
     LeaseFilter,
@@ -45,11 +45,11 @@ from django_idempotency._admin_filters import (
     TaskFilter,
     records_of,
 )
-from django_idempotency._recovery import RESUME
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
+    OutboxUniqueKey,
 )
 
 #: Who may see stored response bodies and headers (they can carry personal data).
@@ -94,8 +94,9 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
     """View-only admin of :class:`IdempotencyRecord` with maintenance actions."""
 
     # Six columns that fit a 1280-pixel window beside the filters: the status with the
-    # response's status or the lease's state, and the long names cut short to their column
-    # (whole in their title); the stylesheet fixes the columns' widths.
+    # response's status or the lease's state; the key cut short to its column (whole in its
+    # title), the account and the operation whole, broken across lines where they must be;
+    # the age on one line. The stylesheet fixes the columns' widths.
     list_display = ("key_cell", "account_cell", "operation_cell", "state", "age", "expiry")
     list_display_links = ("key_cell",)
     # Only columns an index can sort: ordering a million rows by key, status or response
@@ -168,7 +169,8 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         # stored headers and body, and the steps' result sizes that of their results.
         fieldsets = list(super().get_fieldsets(request, obj))
         if obj is not None and (
-            obj.recovery_policy == RESUME or _display.has_steps(app_settings.DATABASE, obj.pk)
+            _policies.recovery_policy(obj.recovery_policy).resumable
+            or _display.has_steps(app_settings.DATABASE, obj.pk)
         ):
             fieldsets.insert(2, (_("Steps"), {"fields": ("steps_pretty",)}))
         if self.has_view_response_body_permission(request):
@@ -227,13 +229,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
 
     @admin.display(description=_("account"), ordering="account")
     def account_cell(self, record: IdempotencyRecord) -> SafeString:
-        """The account, cut short to its column in the list, whole in its title."""
-        return _display.cut(record.account)
+        """The account, whole, broken across lines where its column needs it."""
+        return _display.whole(record.account)
 
     @admin.display(description=_("operation"))
     def operation_cell(self, record: IdempotencyRecord) -> SafeString:
-        """The operation, cut short to its column in the list, whole in its title."""
-        return _display.cut(record.operation)
+        """The operation, whole, broken across lines where its column needs it."""
+        return _display.whole(record.operation)
 
     @admin.display(description=_("status"))
     def state(self, record: IdempotencyRecord) -> str:
@@ -394,12 +396,24 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
 
     list_display = ("id", "task", "status", "attempts", "created_at", "available_at", "sent_at")
     list_filter = ("status", TaskFilter)
-    search_fields = ("=id", "=task")
-    search_help_text = _("An exact message id or task name.")
+    search_fields = ("=id", "=task", "=unique_key__key")
+    search_help_text = _("An exact message id, task name or unique key.")
     actions = ("requeue",)
-    readonly_fields = ("args_pretty", "kwargs_pretty")
+    readonly_fields = ("args_pretty", "kwargs_pretty", "unique_key_held")
     fieldsets = (
-        (None, {"fields": ("id", "task", "status", "args_pretty", "kwargs_pretty")}),
+        (
+            None,
+            {
+                "fields": (
+                    "id",
+                    "task",
+                    "status",
+                    "args_pretty",
+                    "kwargs_pretty",
+                    "unique_key_held",
+                )
+            },
+        ),
         (
             _("Sending"),
             {"fields": ("attempts", "last_error", "created_at", "available_at", "sent_at")},
@@ -425,6 +439,18 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         """The keyword arguments, as indented JSON (or as stored)."""
         return _display.render_json(_display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
 
+    @admin.display(description=_("unique key"))
+    def unique_key_held(self, message: OutboxMessage) -> str:
+        """The key of ``enqueue_once`` this message holds, and whether it still holds it."""
+        holder = (
+            OutboxUniqueKey.objects.using(app_settings.DATABASE)
+            .filter(message_id=message.pk)
+            .first()
+        )
+        if holder is None:
+            return "-"
+        return _key_state(holder)
+
     @admin.action(permissions=["requeue"], description=_("Requeue dead messages"))
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         """Make the selected dead messages pending again: due now, attempts back to 0."""
@@ -437,3 +463,57 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         if done < selected:
             message += " " + str(_("The others were not dead, and were left alone."))
         self.message_user(request, message, messages.SUCCESS if done else messages.WARNING)
+
+
+def _held(holder: OutboxUniqueKey) -> str:
+    live = _unique.holds(app_settings.DATABASE, holder, timezone.now())
+    return str(_("held (live)") if live else _("free (its message is no longer live)"))
+
+
+def _key_state(holder: OutboxUniqueKey) -> str:
+    return f"{holder.key} ({holder.unique_until}): {_held(holder)}"
+
+
+if TYPE_CHECKING:
+    _KeyAdmin = admin.ModelAdmin[OutboxUniqueKey]
+else:
+    _KeyAdmin = admin.ModelAdmin
+
+
+@admin.register(OutboxUniqueKey)
+class OutboxUniqueKeyAdmin(ReadOnlyAdminMixin, _KeyAdmin):
+    """View-only: which message holds each key of ``outbox.enqueue_once``, and whether it
+    is still live (a key whose message is not is taken by the next enqueue)."""
+
+    list_display = ("task", "key", "message_link", "unique_until", "held", "created_at")
+    list_filter = ("unique_until",)
+    search_fields = ("=key", "=task", "=message__id")
+    search_help_text = _("An exact key, task name or message id.")
+    fields = (
+        "task",
+        "key",
+        "message_link",
+        "unique_until",
+        "held",
+        "held_until",
+        "finished_at",
+        "created_at",
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxUniqueKey]:
+        return super().get_queryset(request).using(app_settings.DATABASE)
+
+    @admin.display(description=_("message"))
+    def message_link(self, holder: OutboxUniqueKey) -> SafeString:
+        """The message that holds (or last held) the key, linked to its page."""
+        from django.urls import reverse
+        from django.utils.html import format_html
+
+        url = reverse("admin:django_idempotency_outboxmessage_change", args=[holder.message_id])
+        return format_html('<a href="{}">{}</a>', url, holder.message_id)
+
+    @admin.display(description=_("held"))
+    def held(self, holder: OutboxUniqueKey) -> str:
+        """Whether the message still holds the key (it is live), as enqueue_once decides."""
+        return _held(holder)

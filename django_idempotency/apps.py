@@ -33,8 +33,22 @@ class IdempotencyConfig(AppConfig):
         request_started.connect(close_idle, dispatch_uid="django_idempotency.close_idle")
         request_finished.connect(close_idle, dispatch_uid="django_idempotency.close_idle_end")
 
+        if _tasks_framework():
+            # The outbox carries Django's Tasks framework's messages; it imports nothing of
+            # it: the Tasks side registers its tasks and its hand-over.
+            from django_idempotency import tasks_backend
+
+            tasks_backend.register()
+
         if importlib.util.find_spec("prometheus_client") is not None:
             from django_idempotency import metrics  # noqa: F401  (connects the receivers)
 
         if importlib.util.find_spec("drf_spectacular") is not None:
             from django_idempotency import openapi  # noqa: F401  (registers the extension)
+
+
+def _tasks_framework() -> bool:
+    """``django.tasks`` (Django 6) or the ``django-tasks`` backport can be imported."""
+    return any(
+        importlib.util.find_spec(name) is not None for name in ("django.tasks", "django_tasks")
+    )

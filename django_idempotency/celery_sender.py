@@ -6,6 +6,7 @@ sends through the current Celery app (the one the project configures), never a n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from celery import current_app
@@ -18,32 +19,64 @@ from django_idempotency.outbox import UnknownTask
 _loaded: set[int] = set()
 
 
-def send(message: OutboxMessage) -> None:
-    """Send ``message`` with ``apply_async(task_id=str(message.id))``; raise on failure.
+class CelerySender:
+    """The sender ``send``: one message (``send(message)``), or a batch through one
+    producer (``send_batch``), which the relay uses for the messages of a batch."""
 
-    The task is looked up by name in the current app's registry, after importing its task
-    modules (``include``, ``imports``, autodiscovery) the way a worker does: a relay process
-    may not have imported them yet. A name still unknown raises :class:`UnknownTask`, and
-    the message is dead at once.
+    def __call__(self, message: OutboxMessage) -> None:
+        """Send ``message`` with ``apply_async(task_id=str(message.id))``; raise on failure.
 
-    Nothing here waits for the broker: a broker that cannot be reached fails the send at
-    once (no connection retries, ``retry=False``), and the outbox retries it with its own
-    backoff instead of holding the batch's row locks meanwhile.
-    """
-    task = _task(message.task)
-    options: dict[str, Any] = {
-        "args": message.args,
-        "kwargs": message.kwargs,
-        "task_id": str(message.id),
-        "retry": False,
-    }
-    app = task.app
-    if app.conf.task_always_eager:
-        task.apply_async(**options)
-        return
-    with app.producer_or_acquire() as producer:
-        producer.connection.ensure_connection(max_retries=0)
-        task.apply_async(**options, producer=producer)
+        The task is looked up by name in the current app's registry, after importing its
+        task modules (``include``, ``imports``, autodiscovery) the way a worker does: a
+        relay process may not have imported them yet. A name still unknown raises
+        :class:`UnknownTask`, and the message is dead at once.
+
+        Nothing here waits for the broker: a broker that cannot be reached fails the send
+        at once (no connection retries, ``retry=False``), and the outbox retries it with its
+        own backoff instead of holding the batch's row locks meanwhile.
+        """
+        (outcome,) = self.send_batch([message])
+        if outcome is not None:
+            raise outcome
+
+    def send_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
+        """Send each message as ``send`` does, one publish each, all through one producer
+        and one connection check; per message, in order, what its send raised, or ``None``.
+        Never raises: a broker that cannot be reached fails every message not yet sent."""
+        outcomes: list[Exception | None] = []
+        try:
+            app = current_app._get_current_object()  # type: ignore[attr-defined]
+            if app.conf.task_always_eager:
+                for message in messages:
+                    outcomes.append(_published(message, None))
+                return outcomes
+            with app.producer_or_acquire() as producer:
+                producer.connection.ensure_connection(max_retries=0)
+                for message in messages:
+                    outcomes.append(_published(message, producer))
+        except Exception as exc:  # the producer or its connection: the rest fail with it
+            outcomes += [exc] * (len(messages) - len(outcomes))
+        return outcomes
+
+
+def _published(message: OutboxMessage, producer: Any) -> Exception | None:
+    try:
+        options: dict[str, Any] = {
+            "args": message.args,
+            "kwargs": message.kwargs,
+            "task_id": str(message.id),
+            "retry": False,
+        }
+        if producer is not None:
+            options["producer"] = producer
+        _task(message.task).apply_async(**options)
+    except Exception as exc:  # recorded on its message by the relay
+        return exc
+    return None
+
+
+#: ``OUTBOX_SENDER``'s default.
+send = CelerySender()
 
 
 def _task(name: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_idempotency import _check_ids, conf
+from django_idempotency import _check_ids, _database_checks, conf
 
 
 def _warning(name: str, msg: str, hint: str) -> Warning:
@@ -35,7 +35,35 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     if claims and claims != values.get("DATABASE") and "CLAIM_TIMEOUT" in values:
         # (CLAIM_DATABASE naming DATABASE itself is E038's, not a connection to bound.)
         messages += _check_claim_database(values["CLAIM_DATABASE"], values["CLAIM_TIMEOUT"])
+    if claims and "DATABASE" in values:
+        messages += _check_claim_tenant(values["DATABASE"], claims)
     return messages
+
+
+def _check_claim_tenant(alias: str, claims: str) -> Iterable[CheckMessage]:
+    """E038: ``DATABASE``'s backend keeps a tenant schema on the connection (django-tenants'
+    ``set_tenant``) and ``CLAIM_DATABASE``'s cannot take one: a claim would be made in the
+    claim connection's own schema, not in the caller's tenant's."""
+    from django.db.utils import load_backend
+
+    def keeps_a_tenant(name: str) -> bool:
+        try:
+            wrapper = load_backend(settings.DATABASES[name]["ENGINE"]).DatabaseWrapper
+        except Exception:  # an engine that cannot be loaded: the database checks say so
+            return False
+        return callable(getattr(wrapper, "set_tenant", None))
+
+    if keeps_a_tenant(alias) and not keeps_a_tenant(claims):
+        yield _error(
+            "CLAIM_DATABASE",
+            f"IDEMPOTENCY['DATABASE'] ({alias!r}) keeps a tenant schema on its connection, "
+            f"but IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) has an ENGINE that cannot: its "
+            "claims would be made outside the caller's tenant.",
+            hint=(
+                f"Give {claims!r} the ENGINE of {alias!r} (django_tenants.postgresql_backend), "
+                "so that each claim follows the caller's tenant."
+            ),
+        )
 
 
 def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
@@ -129,6 +157,22 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
 
 
 @register(Tags.database)
+def check_database(databases: Iterable[str] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """``check --database <alias>``: the package's tables on ``DATABASE`` (E052), and
+    ``CLAIM_DATABASE`` on the same database as ``DATABASE`` (E051, told from the settings
+    where they differ in engine or SQLite file, without ``--database`` too)."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None:
+        return []  # a wrong setting is reported by check_settings
+    chosen = tuple(databases or ())
+    return [
+        *_database_checks.not_the_same_database(alias, values.get("CLAIM_DATABASE"), chosen),
+        *_database_checks.missing_tables(alias, chosen),
+    ]
+
+
+@register(Tags.database)
 def check_sealed_outcomes(
     databases: Iterable[str] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
@@ -162,6 +206,42 @@ def check_sealed_outcomes(
         )
         for kid, count in sorted(missing.items())
     ]
+
+
+@register(Tags.compatibility)
+def check_tenant_apps(**kwargs: Any) -> list[CheckMessage]:
+    """W030: schemas per tenant (django-tenants' ``SHARED_APPS`` and ``TENANT_APPS``) with
+    the package among the shared apps only. Every tenant's records are then in the public
+    schema's one table, where user 1 of one tenant and user 1 of another are one account:
+    a key sent in one tenant would replay another tenant's outcome."""
+    shared = getattr(settings, "SHARED_APPS", None)
+    tenant = getattr(settings, "TENANT_APPS", None)
+    if not isinstance(shared, (list, tuple)) or not isinstance(tenant, (list, tuple)):
+        return []
+    if not _names_this_app(shared) or _names_this_app(tenant):
+        return []
+    return [
+        _warning(
+            "RECORDS_IN_SHARED_SCHEMA",
+            "django_idempotency is in SHARED_APPS but not in TENANT_APPS: the records of "
+            "every tenant share the public schema's table, and an account that two tenants "
+            "both have (user:1) shares its records between them.",
+            hint=(
+                "Put django_idempotency in TENANT_APPS, so each tenant's schema has its own "
+                "records and outbox (see the scaling page's schemas per tenant); or keep one "
+                "shared table with an ACCOUNT_RESOLVER whose accounts name the tenant, and "
+                "silence this warning."
+            ),
+        )
+    ]
+
+
+def _names_this_app(apps: Iterable[object]) -> bool:
+    return any(
+        isinstance(app, str)
+        and (app == "django_idempotency" or app.startswith("django_idempotency.apps."))
+        for app in apps
+    )
 
 
 #: The recovery policies whose promise a lost claim breaks: the operation must never run twice.

@@ -14,6 +14,7 @@ Errors, one id per setting.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
 import threading
@@ -27,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_idempotency import _check_ids, _validation
+from django_idempotency import _check_ids, _policies, _validation
 from django_idempotency._validation import Invalid
 
 # Never stored, never replayed: they describe one hop or one moment, or carry credentials.
@@ -100,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
         "django_idempotency.fingerprint.default_fingerprint",
         _validation.callable_ref,
     ),
-    Setting("RECOVERY", _validation.RETRY, _validation.recovery),
+    Setting("RECOVERY", _policies.RETRY.name, _validation.recovery),
     Setting("DATABASE", "default", _database),
     Setting("REPLAY_HEADERS", (), _replay_headers),
     Setting("MAX_RESPONSE_BYTES", 1024 * 1024, _validation.optional_positive_int),
@@ -253,6 +254,14 @@ def _cryptography_problems(values: Mapping[str, Any]) -> list[Problem]:
     return []
 
 
+def _did_you_mean(name: object) -> str:
+    """`` Did you mean 'TTL'?`` for a key close to a known one (``difflib``), else ``""``."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name.upper(), DEFAULTS, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
     """Every entry of ``IDEMPOTENCY`` (the current setting unless ``raw`` is given), parsed.
 
@@ -268,7 +277,7 @@ def validate(raw: Any = _MISSING) -> tuple[dict[str, Any], list[Problem]]:
     problems = [
         Problem(
             _check_ids.error("UNKNOWN_KEY"),
-            f"IDEMPOTENCY has an unknown key {name!r}.",
+            f"IDEMPOTENCY has an unknown key {name!r}.{_did_you_mean(name)}",
             f"Check its spelling; the known keys are {', '.join(DEFAULTS)}.",
         )
         for name in sorted(set(raw) - set(DEFAULTS), key=repr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from datetime import datetime
 
 from django.utils import timezone
@@ -44,9 +45,29 @@ class RecordUnreadable(IdempotencyError):
 
 
 class StoreUnavailable(IdempotencyError):
-    """The idempotency store could not record the claim: the database was unreachable, a
-    statement failed, or a claim connection could not be had within ``CLAIM_TIMEOUT``. The
-    operation did not run; retry it with the same key."""
+    """The idempotency store failed the operation: the database was unreachable, a
+    statement failed, or a claim connection could not be had within ``CLAIM_TIMEOUT``.
+
+    ``ran`` says whether the operation's body ran before it failed. ``False``: the claim (or
+    a read before the body) failed, and nothing ran. ``True``: the body ran but its outcome
+    (or a step's) could not be recorded, so its database work was rolled back; a retry with
+    the same key runs it again (or its recovery policy decides). Either way, retry it with
+    the same key.
+    """
+
+    def __init__(self, message: str, ran: bool = False) -> None:
+        super().__init__(message)
+        self.ran = ran
+
+
+class TaskAlreadyQueued(IdempotencyError):
+    """``outbox.enqueue_once(..., on_conflict="raise")`` found the key held by a live
+    message: nothing was written. ``message_id`` is that message's id (a ``uuid.UUID``),
+    also its task id."""
+
+    def __init__(self, message: str, message_id: uuid.UUID) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 class SimulatedCrash(BaseException):

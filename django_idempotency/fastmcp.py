@@ -28,10 +28,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastmcp.decorators import get_fastmcp_meta
+from fastmcp.server.context import Context
 from fastmcp.server.dependencies import get_access_token, get_context
+from fastmcp.server.sessions import UserSession
 from fastmcp.tools.base import ToolResult
 from fastmcp.tools.function_tool import FunctionTool
+from fastmcp.utilities.types import find_kwarg_by_type
 from mcp_types import CallToolResult
+from uncalled_for import get_dependency_parameters  # FastMCP's own dependency engine
 
 from django_idempotency import _tools, _validation
 from django_idempotency._options import ToolOptions
@@ -89,6 +93,13 @@ class _FastMCP(_tools.Framework[ToolResult]):
         except RuntimeError:  # called outside a FastMCP request
             return None, arguments
 
+    def injected(self, func: Callable[..., Any]) -> frozenset[str]:
+        # What FastMCP fills before it calls the tool (its ``without_injected_parameters``
+        # leaves the same out of the tool's schema): its Context, its UserSession, and the
+        # parameters of ``Depends()`` and the other dependencies.
+        found = {find_kwarg_by_type(func, Context), find_kwarg_by_type(func, UserSession)}
+        return frozenset({*get_dependency_parameters(func), *(n for n in found if n)})
+
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         request = getattr(context, "request_context", None)
         return getattr(request, "meta", None) or None
@@ -96,11 +107,38 @@ class _FastMCP(_tools.Framework[ToolResult]):
     def principal(self, context: Any) -> str | None:
         return principal_account(context)
 
+    def bind(self, tool: Callable[..., Any]) -> None:
+        self.tool = tool
+
+    def registration(self) -> Any:
+        """What FastMCP's ``@server.tool(...)`` recorded on the protected tool (its name,
+        its output schema), once it is registered; ``None`` before."""
+        return get_fastmcp_meta(getattr(self, "tool", None))
+
+    def tool_name(self, context: Any) -> str | None:
+        registered = self.registration()
+        return getattr(registered, "name", None) or None
+
     def converter(self, func: Callable[..., Any]) -> Callable[[Any], ToolResult]:
-        # The tool as FastMCP makes it of the function, for its conversion alone: the
-        # stored result is the one FastMCP answers a first call with (its output schema's
-        # wrapping of a non-object return included).
-        return FunctionTool.from_function(func).convert_result
+        # The tool as FastMCP makes it of the function, with the output schema its
+        # registration gave, for its conversion alone: the stored result is the one FastMCP
+        # answers a first call with (its output schema's wrapping of a non-object return
+        # included, or none where the registration said output_schema=None). Made at the
+        # first call: the registration comes after this decorator.
+        made: list[Callable[[Any], ToolResult]] = []
+
+        def convert(value: Any) -> ToolResult:
+            if not made:
+                schema = getattr(self.registration(), "output_schema", ...)
+                tool = (
+                    FunctionTool.from_function(func)
+                    if schema is ...  # FastMCP's NotSet: derived from the return type
+                    else FunctionTool.from_function(func, output_schema=schema)
+                )
+                made.append(tool.convert_result)
+            return made[0](value)
+
+        return convert
 
     def sent(self, result: ToolResult) -> CallToolResult:
         return CallToolResult.model_validate(

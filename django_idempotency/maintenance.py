@@ -19,7 +19,7 @@ from datetime import datetime
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import _once, _outcomes, _recovery, _store, crypto
+from django_idempotency import _once, _outcomes, _policies, _recovery, _store, crypto
 from django_idempotency._claims import Claim
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
@@ -171,7 +171,7 @@ def recover_stale_leases(
     for row in _stale_rows(stale, limit):
         result.found += 1
         policies[row.policy] += 1
-        if row.policy == _recovery.RESUME:
+        if _policies.recovery_policy(row.policy).resumable:
             result.resumable += 1
             continue
         if dry_run:
@@ -203,14 +203,17 @@ def release_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     its recorded steps, and its next attempt would run them again. Returns how many were
     released.
     """
-    return _force(queryset.exclude(recovery_policy=_recovery.RESUME), _recovery.RETRY)
+    resumable = _policies.names_where("resumable")
+    return _force(queryset.exclude(recovery_policy__in=resumable), _policies.RETRY.name)
 
 
 def resumable_stale(queryset: QuerySet[IdempotencyRecord]) -> int:
     """How many records of ``queryset`` are resumable (``"resume"``) with a stale lease:
     what `release_stale` leaves alone."""
     return int(
-        queryset.filter(stale_lease_q(timezone.now()), recovery_policy=_recovery.RESUME).count()
+        queryset.filter(
+            stale_lease_q(timezone.now()), recovery_policy__in=_policies.names_where("resumable")
+        ).count()
     )
 
 
@@ -222,7 +225,7 @@ def mark_failed(queryset: QuerySet[IdempotencyRecord]) -> int:
     its operation must not go on); its recorded steps stay with it until the purge, for
     reconciliation. Returns how many were marked.
     """
-    return _force(queryset, _recovery.FAIL)
+    return _force(queryset, _policies.FAIL.name)
 
 
 def _force(queryset: QuerySet[IdempotencyRecord], policy: str) -> int:

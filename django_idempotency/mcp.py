@@ -109,8 +109,9 @@ class _SDK(_tools.Framework[CallToolResult]):
     def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
         """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has
         the bare function already. Refused where a server in sight shows it: one of the
-        decorating module's, or of the scope the decorator is applied in, or one attribute
-        away from either (``@registry.server.tool()``)."""
+        decorating module's, or of the scope the decorator is applied in, or one step away
+        from either: an attribute of an object or module, or a dict's value (see
+        ``_servers``)."""
         module = inspect.getmodule(func)
         frame = inspect.currentframe()
         applying = frame
@@ -150,6 +151,20 @@ class _SDK(_tools.Framework[CallToolResult]):
             arguments = {n: v for n, v in arguments.items() if n != _CONTEXT_ARGUMENT}
         return context, arguments
 
+    def injected(self, func: Callable[..., Any]) -> frozenset[str]:
+        return frozenset({self.own_context} if self.own_context else ())
+
+    def tool_name(self, context: Any) -> str | None:
+        # The SDK records no registration on the function: the call names its tool.
+        if not isinstance(context, Context):
+            return None
+        try:
+            params = context.request_context.params
+        except ValueError:  # a Context outside a request
+            return None
+        name = params.get("name") if isinstance(params, Mapping) else None
+        return name if isinstance(name, str) and name else None
+
     def meta(self, context: Any) -> Mapping[str, Any] | None:
         if not isinstance(context, Context):
             return None
@@ -187,13 +202,20 @@ class _SDK(_tools.Framework[CallToolResult]):
 
 
 def _servers(values: list[Any]) -> list[MCPServer]:
-    """The servers among ``values`` and among their attributes."""
+    """The servers among ``values``, and one step into each: an attribute of an object or of
+    a module (``@registry.server.tool()``, ``@servers.shop.tool()``), or a value of a
+    ``dict`` (``@SERVERS["shop"].tool()``)."""
     found = []
     for value in values:
         if isinstance(value, MCPServer):
             found.append(value)
-        elif not isinstance(value, type) and not inspect.ismodule(value):
+            continue
+        if isinstance(value, dict):
+            inside = list(value.values())
+        elif isinstance(value, type):
+            continue
+        else:
             attributes = getattr(value, "__dict__", None)
-            if isinstance(attributes, dict):
-                found += [v for v in attributes.values() if isinstance(v, MCPServer)]
+            inside = list(attributes.values()) if isinstance(attributes, dict) else []
+        found += [v for v in inside if isinstance(v, MCPServer)]
     return found

@@ -11,7 +11,7 @@ from django.db.models import Value
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import _purge, states
+from django_idempotency import _policies, _purge, states
 from django_idempotency._purge import PURGED
 from django_idempotency.conf import app_settings
 from django_idempotency.states import expired_q, stale_q
@@ -23,6 +23,7 @@ __all__ = [
     "IdempotencyAuditRecord",
     "IdempotencyRecord",
     "IdempotencyRecordQuerySet",
+    "OutboxUniqueKey",
     "RecordStatus",
     "column",
     "expired_q",
@@ -209,7 +210,7 @@ class IdempotencyRecord(models.Model):
             models.Index(
                 fields=["recovery_policy"],
                 name="idempotency_resumable_idx",
-                condition=models.Q(recovery_policy="resume"),
+                condition=models.Q(recovery_policy=_policies.RESUME.name),
             ),
         ]
 
@@ -376,3 +377,56 @@ class OutboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} {self.id} ({self.status})"
+
+
+class OutboxUniqueKey(models.Model):
+    """Which message holds a key of ``outbox.enqueue_once``: one row per (task, key).
+
+    Written in the enqueue's transaction with its message, so the key is held exactly when
+    that message committed; ``(task, key)`` is unique, so two enqueues racing in two
+    transactions give one message. The row stays after its message stopped being live: the
+    next enqueue of the key finds it free (its message sent and started or finished, dead,
+    or its time up) and points it at the new message. Deleted with its message (the purge).
+    """
+
+    task = models.CharField(max_length=255, help_text=_("The registered name of the task."))
+    key = models.CharField(max_length=255)
+    # No constraint managed by Django: the migration makes it ON DELETE CASCADE on
+    # PostgreSQL and MariaDB, so the purge's raw batches take the key along; elsewhere the
+    # ORM cascades. One key per message: it serves the admin's and the audit's lookups.
+    message = models.OneToOneField(
+        OutboxMessage, on_delete=models.CASCADE, related_name="unique_key", db_constraint=False
+    )
+    unique_until = models.CharField(
+        max_length=16,
+        choices=[(name, name) for name in _policies.UNIQUE_UNTIL],
+        help_text=_("When the message stops holding the key."),
+    )
+    held_until = models.DateTimeField(
+        null=True, blank=True, help_text=_("For a duration: the key is held until then.")
+    )
+    run_ttl = models.DurationField(
+        null=True,
+        blank=True,
+        help_text=_(
+            "How long the worker keeps its record of a run: a message sent longer ago with "
+            "no record of a run no longer holds the key."
+        ),
+    )
+    finished_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=_("When the task's run ended with an error (a success is its record's)."),
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = _("outbox unique key")
+        verbose_name_plural = _("outbox unique keys")
+        db_table = "django_idempotency_outbox_key"
+        constraints = [
+            models.UniqueConstraint(fields=["task", "key"], name="idempotency_outbox_key_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} {self.key} -> {self.message_id}"

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
@@ -25,7 +27,7 @@ from django.db.models import QuerySet
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import _storable
+from django_idempotency import _storable, _unique
 from django_idempotency._relay import (
     MAX_ERROR_CHARS,
     RelayResult,
@@ -54,6 +56,7 @@ __all__ = [
     "RelayResult",
     "Report",
     "Sender",
+    "Target",
     "Undeliverable",
     "UnknownTask",
     "Unreadable",
@@ -61,15 +64,19 @@ __all__ = [
     "configured_sender",
     "drain",
     "enqueue",
+    "enqueue_once",
     "error_text",
     "notify",
     "oldest_pending_seconds",
     "pending_count",
+    "register_task_kind",
     "relay",
     "relay_batch",
     "requeue",
+    "target_of",
     "task_name",
     "write",
+    "write_once",
 ]
 
 
@@ -106,6 +113,80 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     return write(task_name(task), args, kwargs).id
 
 
+def enqueue_once(
+    key: str,
+    task: object,
+    /,
+    *args: Any,
+    unique_until: str | timedelta = "finished",
+    on_conflict: str = "return",
+    **kwargs: Any,
+) -> uuid.UUID:
+    """Enqueue ``task`` as ``enqueue`` does, unless a live message of the same task
+    holds ``key``: then nothing is written and that message's id is returned
+    (``on_conflict="return"``), or ``django_idempotency.TaskAlreadyQueued`` carrying it is
+    raised (``on_conflict="raise"``).
+
+    ``task`` is a Celery task, its registered name, or a task of Django's Tasks framework
+    on ``tasks_backend.OutboxBackend``. The key (1 to 255 printable ASCII characters, as a
+    header key) is scoped by the task's name. A message holds its key while it waits to be
+    sent and then, by ``unique_until``: ``"started"`` until a worker started it,
+    ``"finished"`` until its run succeeded or failed (or its worker died and the run's
+    lease ran out, or the message is dead), a ``timedelta`` for that long after the
+    enqueue. ``"started"`` and ``"finished"`` read the worker's record of the run, so they
+    need the task itself under ``@idempotent_task()`` (keyed by the message, no ``key=``).
+
+    The key is written with the message in the caller's transaction: two enqueues racing
+    in two transactions give one message, and an enqueue rolled back leaves the key free.
+    Returns the id of the new message, or of the live one.
+    """
+    wanted = _unique.unique(key, unique_until, on_conflict)
+    target = target_of(task)
+    if wanted.until.needs_task_record and not _unique.records_by_message(target.function):
+        raise ValueError(
+            f"enqueue_once(unique_until={unique_until!r}) reads the worker's record of each "
+            f"run, so it needs the task itself under @idempotent_task() (without key=); "
+            f"{target.name!r} is not one. Pass the task, not its name, or give a timedelta."
+        )
+    run_ttl = _unique.record_ttl(target.function)
+    written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl)
+    return written.id if isinstance(written, OutboxMessage) else written
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the outbox writes for a task: its name, for a task framework's message the
+    ``delivery`` its sender reads, and the function a worker runs (for ``enqueue_once``)."""
+
+    name: str
+    delivery: dict[str, Any] | None = None
+    function: object = None
+
+
+#: ``recognize(task) -> Target | None``, registered by the task frameworks whose tasks the
+#: outbox carries besides Celery's (``tasks_backend`` registers Django's Tasks framework).
+_KINDS: list[Callable[[object], Target | None]] = []
+
+
+def register_task_kind(recognize: Callable[[object], Target | None]) -> None:
+    """Let :func:`enqueue_once` take another framework's tasks: ``recognize(task)`` answers
+    the :class:`Target` of a task it knows, else ``None``."""
+    if recognize not in _KINDS:
+        _KINDS.append(recognize)
+
+
+def target_of(task: object) -> Target:
+    """The :class:`Target` of ``task``: a registered framework's, a Celery task's (its
+    ``name``, its function ``run``), or a task name's."""
+    for recognize in _KINDS:
+        found = recognize(task)
+        if found is not None:
+            return found
+    return Target(
+        task_name(task), None, None if isinstance(task, str) else getattr(task, "run", None)
+    )
+
+
 def write(
     name: str,
     args: tuple[Any, ...] | list[Any],
@@ -114,6 +195,37 @@ def write(
 ) -> OutboxMessage:
     """The message behind :func:`enqueue` and the Tasks backend's ``enqueue``, written in
     the current transaction of the idempotency database, with the same refusals."""
+    alias, build = _prepared(name, args, kwargs, delivery)
+    message = build()
+    message.save(using=alias, force_insert=True)
+    notify(alias)
+    return message
+
+
+def write_once(
+    name: str,
+    args: tuple[Any, ...] | list[Any],
+    kwargs: dict[str, Any],
+    delivery: dict[str, Any] | None,
+    wanted: _unique.Unique,
+    run_ttl: timedelta | None = None,
+) -> OutboxMessage | uuid.UUID:
+    """:func:`write` holding ``wanted.key``: the new message, or the id of the live message
+    that holds the key (nothing written)."""
+    alias, build = _prepared(name, args, kwargs, delivery)
+    written = _unique.write_once(alias, name, wanted, build, run_ttl)
+    if isinstance(written, OutboxMessage):
+        notify(alias)
+    return written
+
+
+def _prepared(
+    name: str,
+    args: tuple[Any, ...] | list[Any],
+    kwargs: dict[str, Any],
+    delivery: dict[str, Any] | None,
+) -> tuple[str, Callable[[], OutboxMessage]]:
+    # Every refusal before any SQL runs; then what makes the message (unsaved).
     alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:
@@ -124,17 +236,19 @@ def write(
     # Stored as JSON gives them back, so the sender hands on exactly what was checked.
     positional = _storable.json_value(list(args), "the arguments of an outbox message")
     named = _storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
-    now = timezone.now()
-    message = OutboxMessage.objects.using(alias).create(
-        task=name,
-        args=positional,
-        kwargs=named,
-        available_at=now,
-        created_at=now,
-        delivery=delivery or {},
-    )
-    notify(alias)
-    return message
+
+    def build() -> OutboxMessage:
+        now = timezone.now()
+        return OutboxMessage(
+            task=name,
+            args=positional,
+            kwargs=named,
+            available_at=now,
+            created_at=now,
+            delivery=delivery or {},
+        )
+
+    return alias, build
 
 
 def notify(alias: str) -> None:

@@ -22,20 +22,18 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency import _autonomous, _options, _validation, maintenance, outbox
+from django_idempotency import _autonomous, _options, _unique, _validation, maintenance, outbox
 from django_idempotency._once import LeaseTakenOver, call_once
-from django_idempotency._recovery import RETRY
+from django_idempotency._policies import RETRY
+from django_idempotency._unique import TASK_ACCOUNT, task_operation
 from django_idempotency.conf import app_settings
-from django_idempotency.exceptions import InProgress, OutcomeUnknown
+from django_idempotency.exceptions import IdempotencyError, InProgress, OutcomeUnknown
 
 logger = logging.getLogger("django_idempotency")
 
 F = TypeVar("F", bound=Callable[..., Any])
 DeliveryKey = Callable[..., object]
 
-# Task records share the table with request records, in an account of their own: no
-# request's account is ever "task", so the two can never collide.
-TASK_ACCOUNT = "task"
 TASK_FINGERPRINT_VERSION = "task-v1"
 #: The keyword argument that carries an outbox message's id to a task of Django's Tasks
 #: framework under ``@idempotent_task()``; the decorator takes it away before the body.
@@ -168,14 +166,14 @@ def idempotent_task(
                     args,
                     kwargs,
                     account=TASK_ACCOUNT,
-                    operation=f"task:{name}",
+                    operation=task_operation(name),
                     key=str(delivery),
                     ttl=ttl,
                     lease=lease,
                     # Every delivery of a key is the same request: after a worker died, a
                     # redelivery takes its stale lease over and applies the policy
                     # (by default it runs the body again).
-                    recovery=checked["recovery"] or RETRY,
+                    recovery=checked["recovery"] or RETRY.name,
                     # Django's Tasks framework has no retry to come back with: a delivery
                     # that meets another's live lease waits for its outcome, or for the
                     # lease to run out and then takes it over.
@@ -189,6 +187,11 @@ def idempotent_task(
                 return None
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
+            except Exception as exc:
+                if not isinstance(exc, IdempotencyError) and not _retried(exc):
+                    # The run ended with an error: a key of enqueue_once it holds is free.
+                    _run_failed(message if message is not None else _task_id(task))
+                raise
 
         if inspect.iscoroutinefunction(func):
             # The engine is synchronous: the coroutine runs on an event loop from the
@@ -217,6 +220,9 @@ def idempotent_task(
 
             wrapper = sync_wrapper
         wrapper.__dict__[_MARK] = True
+        # Its record is found by the message's id (enqueue_once's "started"/"finished").
+        wrapper.__dict__[_unique.BY_MESSAGE] = delivery_key is None
+        wrapper.__dict__[_unique.RECORD_TTL] = ttl
         return cast(F, wrapper)
 
     return decorate
@@ -283,6 +289,24 @@ def is_idempotent_task(func: Callable[..., Any]) -> bool:
     """Whether ``func`` is under ``@idempotent_task()``: the relay then hands it the
     message's id (``MESSAGE_ARGUMENT``)."""
     return bool(getattr(func, _MARK, False))
+
+
+def _retried(exc: BaseException) -> bool:
+    # Celery's ``self.retry()``: the message comes again, its run has not ended.
+    if not CELERY:
+        return False
+    from celery.exceptions import Retry
+
+    return isinstance(exc, Retry)
+
+
+def _run_failed(message_id: str | None) -> None:
+    if message_id is None:
+        return
+    try:
+        _unique.finished(app_settings.DATABASE, message_id)
+    except Exception:  # the task's own error is what the caller must see
+        logger.exception("could not free the unique key of message %s", message_id)
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from datetime import datetime
+from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core import checks
@@ -36,8 +37,9 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.module_loading import import_string
 
-from django_idempotency import conf, outbox
+from django_idempotency import _senders, conf, outbox
 from django_idempotency._check_ids import error
+from django_idempotency._tasks_bulk import Handed, enqueue_many
 from django_idempotency._tasks_compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -52,7 +54,14 @@ from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from django_idempotency.tasks import MESSAGE_ARGUMENT, is_idempotent_task
 
-__all__ = ["BACKEND_PATH", "DELIVER_TO", "OutboxBackend"]
+__all__ = [
+    "BACKEND_PATH",
+    "DELIVER_TO",
+    "OutboxBackend",
+    "enqueue_once",
+    "outbox_backend",
+    "register",
+]
 
 #: The dotted path of the backend, as ``TASKS`` names it.
 BACKEND_PATH = conf.TASKS_OUTBOX_BACKEND
@@ -143,6 +152,30 @@ class OutboxBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any, Any]:
         """Write the task as an outbox message in the caller's transaction."""
+        message = outbox.write(task.module_path, list(args), dict(kwargs), self.delivery(task))
+        return self._result(task, message)
+
+    def enqueue_once(
+        self,
+        key: str,
+        task: Task[Any, Any],
+        args: Any,
+        kwargs: Any,
+        *,
+        unique_until: str | timedelta = "finished",
+        on_conflict: str = "return",
+    ) -> TaskResult[Any, Any]:
+        """``outbox.enqueue_once`` for a task of this backend: the result of the new
+        message, or of the live message that holds ``key`` (``TaskAlreadyQueued`` with
+        ``on_conflict="raise"``)."""
+        message_id = outbox.enqueue_once(
+            key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+        )
+        return self.get_result(str(message_id))
+
+    def delivery(self, task: Task[Any, Any]) -> dict[str, Any]:
+        """What a message of ``task`` carries for the relay's hand-over (``InvalidTask``
+        for a task the ``DELIVER_TO`` backend cannot run)."""
         self.validate_task(task)
         delivery: dict[str, Any] = {
             "backend": self.alias,
@@ -151,8 +184,7 @@ class OutboxBackend(BaseTaskBackend):
         }
         if task.run_after is not None:
             delivery["run_after"] = task.run_after.isoformat()
-        message = outbox.write(task.module_path, list(args), dict(kwargs), delivery)
-        return self._result(task, message)
+        return delivery
 
     # -- results ---------------------------------------------------------------------------
 
@@ -235,28 +267,123 @@ class OutboxBackend(BaseTaskBackend):
 
     def deliver(self, message: OutboxMessage) -> None:
         """Hand one message to the ``DELIVER_TO`` backend (called by the relay, inside its
-        batch's transaction); raises when the hand-over failed, so the relay records it."""
-        task = import_string(message.task)
-        if not isinstance(task, Task):
-            raise outbox.UnknownTask(f"{message.task} is no task of Django's Tasks framework")
+        batch's transaction); raises when the hand-over failed, so the relay records it.
+        The target's result id goes into ``message.delivery``, which the relay saves when
+        it marks the message sent."""
+        task, args, kwargs = self._handing(message)
+        result = task.enqueue(*args, **kwargs)
+        message.delivery = {**message.delivery, "result_id": str(result.id)}
+
+    def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
+        """Hand a batch of messages to the ``DELIVER_TO`` backend together: one multi-row
+        ``INSERT`` into django-tasks-db's ``DatabaseBackend``, the backend's ``enqueue``
+        task after task into any other. Per message, in order: the exception that makes
+        it unsendable before anything was written (an unknown task, say), else ``None``.
+        Raises when the hand-over itself failed; the relay then rolls it back and hands
+        the messages over one by one, so that the failure is recorded on its own message.
+        """
+        outcomes: list[Exception | None] = []
+        ready: list[tuple[OutboxMessage, Handed]] = []
+        bound: dict[tuple[Any, ...], Task[Any, Any]] = {}
+        for message in messages:
+            try:
+                ready.append((message, self._handing(message, bound)))
+            except Exception as exc:  # recorded on its message by the relay
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        result_ids = enqueue_many(self.target, [handed for _, handed in ready])
+        for (message, _), result_id in zip(ready, result_ids, strict=True):
+            message.delivery = {**message.delivery, "result_id": result_id}
+        return outcomes
+
+    def _handing(
+        self, message: OutboxMessage, bound: dict[tuple[Any, ...], Task[Any, Any]] | None = None
+    ) -> Handed:
+        """The message's task bound to the ``DELIVER_TO`` backend with its delivery
+        options, and the arguments it is enqueued with. ``bound``: the tasks bound so far
+        in this batch, by task and options (messages of a batch mostly share them)."""
         delivery = message.delivery
         run_after = delivery.get("run_after")
-        handed = task.using(
+        options = (message.task, delivery.get("priority"), delivery.get("queue_name"), run_after)
+        handed = bound.get(options) if bound is not None else None
+        if handed is None:
+            handed = self._bind(message.task, delivery, run_after)
+            if bound is not None:
+                bound[options] = handed
+        kwargs = dict(message.kwargs)
+        if is_idempotent_task(handed.func):
+            kwargs[MESSAGE_ARGUMENT] = str(message.id)
+        return handed, list(message.args), kwargs
+
+    def _bind(self, path: str, delivery: dict[str, Any], run_after: Any) -> Task[Any, Any]:
+        task = import_string(path)
+        if not isinstance(task, Task):
+            raise outbox.UnknownTask(f"{path} is no task of Django's Tasks framework")
+        return task.using(
             backend=self.target.alias,
             priority=delivery.get("priority", task.priority),
             queue_name=delivery.get("queue_name", task.queue_name),
             run_after=_moment(run_after) if run_after else None,
         )
-        kwargs = dict(message.kwargs)
-        if is_idempotent_task(task.func):
-            kwargs[MESSAGE_ARGUMENT] = str(message.id)
-        result = handed.enqueue(*message.args, **kwargs)
-        OutboxMessage.objects.using(app_settings.DATABASE).filter(pk=message.pk).update(
-            delivery={**delivery, "result_id": str(result.id)}
-        )
 
 
 _UNDELIVERED = "django_idempotency.outbox.Undeliverable"
+
+
+def enqueue_once(
+    key: str,
+    task: Task[Any, Any],
+    /,
+    *args: Any,
+    unique_until: str | timedelta = "finished",
+    on_conflict: str = "return",
+    **kwargs: Any,
+) -> TaskResult[Any, Any]:
+    """``outbox.enqueue_once`` for a task of Django's Tasks framework, answered as
+    ``task.enqueue`` answers: the ``TaskResult`` of the new message, or of the live one
+    that holds ``key``. The task's backend must be an ``OutboxBackend``."""
+    return _outbox_backend(task).enqueue_once(
+        key, task, args, kwargs, unique_until=unique_until, on_conflict=on_conflict
+    )
+
+
+def _outbox_backend(task: Task[Any, Any]) -> OutboxBackend:
+    backend = task.get_backend()
+    if not isinstance(backend, OutboxBackend):
+        raise TypeError(
+            f"enqueue_once() needs a task on an outbox backend ({BACKEND_PATH}); "
+            f"{task.module_path} is on {task.backend!r}, a {type(backend).__name__}"
+        )
+    return backend
+
+
+def _recognized(task: object) -> outbox.Target | None:
+    # outbox.enqueue_once's view of a task of Django's Tasks framework.
+    if not isinstance(task, Task):
+        return None
+    return outbox.Target(task.module_path, _outbox_backend(task).delivery(task), task.func)
+
+
+def outbox_backend(alias: Any) -> OutboxBackend:
+    """The outbox backend ``alias`` of ``TASKS``, which a message of Django's Tasks
+    framework names; ``UnknownTask`` when there is none. Registered with the relay's
+    sender when the app is ready: it hands such messages to it, one by one
+    (:meth:`OutboxBackend.deliver`) or in batches (``deliver_batch``)."""
+    try:
+        backend = task_backends[alias]
+    except Exception as exc:  # InvalidTaskBackend: no longer in TASKS
+        raise outbox.UnknownTask(f"the Tasks backend {alias!r} cannot be had: {exc}") from exc
+    if not isinstance(backend, OutboxBackend):
+        raise outbox.UnknownTask(f"the Tasks backend {alias!r} is no outbox backend")
+    return backend
+
+
+def register() -> None:
+    """What the outbox needs of Django's Tasks framework: its tasks for ``enqueue_once``,
+    the hand-over of its messages for the relay. Called when the app is ready."""
+    outbox.register_task_kind(_recognized)
+    _senders.register_delivery(outbox_backend)
 
 
 def _moment(text: str) -> datetime:

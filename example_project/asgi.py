@@ -22,6 +22,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "example_project.settings")
 
 django_application = get_asgi_application()  # sets Django up: the tools import models
 
+# --8<-- [start:mount]
 from starlette.applications import Starlette  # noqa: E402
 
 from example_project import fastmcp_tools, mcp_tools  # noqa: E402
@@ -59,3 +60,4 @@ async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await mcp_application(scope, receive, send)
     else:
         await django_application(scope, receive, send)
+    # --8<-- [end:mount]

@@ -13,12 +13,17 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
-from django.db import connection, connections
 
-from tests import live
-from tests.factories import UserFactory
-from tests.helpers import ApiClient, Example, example_server
+# The assertions of the shared helpers show their values when they fail, as the tests' own
+# do: pytest rewrites only the modules it is told of before they are imported.
+pytest.register_assert_rewrite("tests.helpers", "tests.live")
+
+from django.contrib.auth.models import User  # noqa: E402
+from django.db import connection, connections  # noqa: E402
+
+from tests import live  # noqa: E402
+from tests.factories import UserFactory  # noqa: E402
+from tests.helpers import ApiClient, Example, example_server  # noqa: E402
 
 # The fixtures that start a server or a worker process, wherever they are defined: every test
 # that uses one (directly or through another fixture) is marked `servers`. A test that starts

@@ -34,8 +34,13 @@ TESTED_SOURCES = (
     "example_project/celery.py",
     "example_project/__init__.py",
     "example_project/recipes/",
+    # The ASGI app that mounts the MCP servers beside the site: tests/test_mcp_e2e.py serves
+    # it under uvicorn and calls through it.
+    "example_project/asgi.py",
     # The endpoint audit's reports, which tests/test_audit.py compares with its output.
     "tests/audit/",
+    # The apps of schemas per tenant, which make test-tenants runs with.
+    "tests/tenants/settings.py",
 )
 SOURCE_COMMENT = re.compile(r"^<!-- code: ([^\s:]+)(?::([\w-]+))? -->\n", re.M)
 MARKER = re.compile(r"^[ \t]*# --8<-- \[(?:start|end):[\w-]+\]\n", re.M)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -529,3 +530,18 @@ def example_server(database: Path, **extra_env: str) -> Iterator[Example]:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=10)
+
+
+def says_nothing_of_the_server(problem: dict[str, Any]) -> None:
+    """A refusal's body names none of the server's settings, key ids, hosts or SQL: what a
+    client is told is what it can do (the log and ``check`` carry the rest)."""
+    from django_idempotency import conf
+
+    text = json.dumps(problem)
+    told = [name for name in (*conf.DEFAULTS, "IDEMPOTENCY", "DATABASES") if name in text]
+    assert not told, f"the body names the setting(s) {told}: {text}"
+    assert not re.search(r"\b[0-9a-f]{12}\b", problem.get("detail", "")), text  # a key id
+    assert not re.search(r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|WHERE)\b", text), text
+    database = connection.settings_dict
+    for server in (database.get("HOST"), database.get("NAME"), "localhost", "127.0.0.1"):
+        assert not server or str(server) not in text, f"{server!r} in {text}"

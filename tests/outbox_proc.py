@@ -2,6 +2,7 @@
 
     python -m tests.outbox_proc relay '<IDEMPOTENCY as JSON>' [relay_outbox arguments...]
     python -m tests.outbox_proc enqueue-and-die <tag>
+    python -m tests.outbox_proc enqueue-once <key> <dotted path of a task> <tag>
 
 The tests' Celery app is loaded first, so the Celery sender publishes to the broker that
 ``TEST_CELERY_BROKER`` names. With ``OUTBOX_GO_FILE`` set, a relay waits (30 s at most) for
@@ -69,6 +70,25 @@ def enqueue_and_die(tag: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def enqueue_once(key: str, path: str, tag: str) -> None:
+    """At ``OUTBOX_GO_FILE``, ``enqueue_once`` in a transaction that stays open 0.3 s more,
+    so that another process's enqueue of the key overlaps it; prints the id it answered."""
+    from django.db import transaction
+    from django.utils.module_loading import import_string
+
+    from django_idempotency.outbox import enqueue_once
+
+    task = import_string(path)
+    go = Path(os.environ["OUTBOX_GO_FILE"])
+    deadline = time.monotonic() + 30
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with transaction.atomic():
+        message_id = enqueue_once(key, task, tag, 0.5)
+        time.sleep(0.3)
+    print(message_id, flush=True)
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
@@ -82,6 +102,8 @@ def main() -> None:
         relay(rest[0], rest[1:])
     elif command == "enqueue-and-die":
         enqueue_and_die(rest[0])
+    elif command == "enqueue-once":
+        enqueue_once(*rest)
     else:
         raise SystemExit(f"unknown command {command!r}")
 

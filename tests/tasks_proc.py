@@ -9,6 +9,10 @@ through the ``provider`` connection (autocommit), so it outlives the relay's tra
 the relay itself. With ``TASKS_RELAY_DIE=1`` the relay is killed (SIGKILL) right after its
 first hand-over: after handing the message over and before marking it sent.
 
+With ``TASKS_RELAY_TARGET_DATABASE`` set, the database backend's rows are written through that
+connection (a router): a hand-over that commits on its own, before the relay's batch does, as
+into a backend on another database.
+
 With ``OUTBOX_GO_FILE`` set, it waits (30 s at most) for that file before it starts.
 """
 
@@ -45,6 +49,16 @@ def count_hand_overs(die: bool) -> None:
     task_enqueued.connect(counted, weak=False)
 
 
+class TargetRouter:
+    """django-tasks-db's rows through another connection than the relay's."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    def db_for_write(self, model: type[Any], **hints: object) -> str | None:
+        return self.alias if model._meta.app_label == "django_tasks_database" else None
+
+
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
@@ -54,6 +68,11 @@ def main() -> None:
     if command != "relay":
         raise SystemExit(f"unknown command {command!r}")
     count_hand_overs(die=os.environ.get("TASKS_RELAY_DIE") == "1")
+    target = os.environ.get("TASKS_RELAY_TARGET_DATABASE")
+    if target:
+        from django.db import router
+
+        router.routers.insert(0, TargetRouter(target))
     go = os.environ.get("OUTBOX_GO_FILE")
     if go:
         deadline = time.monotonic() + 30

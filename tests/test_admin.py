@@ -92,8 +92,10 @@ def test_changelist_lists_records_with_their_columns(admin_client):
     html = response.content.decode()
     for column in ("key_cell", "account_cell", "operation_cell", "state", "age", "expiry"):
         assert f'column-{column}"' in html, column
-    assert 'title="user:7">user:7<' in html  # cut short to its column, whole in its title
-    assert 'title="charges.create">charges.create<' in html
+    assert 'title="done-1">done-1<' in html  # a key: cut short to its column, whole in its title
+    # Accounts and operations whole (a cut one could read as another), wrapped if need be.
+    assert '<span class="idempotency-whole">user:7</span>' in html
+    assert '<span class="idempotency-whole">charges.create</span>' in html
     assert "completed, 201" in html
     assert "in progress, live, " in html
     assert "in progress, stale for 5" in html

@@ -13,7 +13,7 @@ from django.core.management.base import SystemCheckError
 from django.db import connection, connections
 from django.test import override_settings
 
-from django_idempotency.checks import check_outbox_sender, check_settings
+from django_idempotency.checks import check_outbox_sender, check_settings, check_tenant_apps
 
 
 def messages(**idempotency):
@@ -47,6 +47,18 @@ def test_e002_unknown_key():
     assert message.id == "django_idempotency.E002"
     assert "'TTLL'" in message.msg
     assert "TTL" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("TTLL", "TTL"), ("ttl", "TTL"), ("CLAIM_DATABSE", "CLAIM_DATABASE"), ("LEASES", "LEASE")],
+)
+def test_e002_a_typo_gets_the_key_it_is_closest_to(typo, meant):
+    assert only("E002", **{typo: 5}).endswith(f"Did you mean {meant!r}?")
+
+
+def test_e002_nothing_close_gets_no_guess():
+    assert "Did you mean" not in only("E002", COLOUR="blue")
 
 
 def test_e003_ttl():
@@ -218,6 +230,59 @@ def test_w010_routers_that_keep_writes_on_default():
         DATABASE_ROUTERS=[f"{__name__}.WritesToDefault"], IDEMPOTENCY={"DATABASE": "provider"}
     ):
         assert [m.id for m in check_settings()] == ["django_idempotency.W010"]
+
+
+TENANT_APPS = ["django.contrib.contenttypes", "tests.testapp"]
+
+
+@pytest.mark.parametrize(
+    "app", ["django_idempotency", "django_idempotency.apps.DjangoIdempotencyConfig"]
+)
+def test_w030_records_in_the_shared_schema_only(app):
+    with override_settings(SHARED_APPS=["django_tenants", app], TENANT_APPS=TENANT_APPS):
+        found = check_tenant_apps()
+    assert [m.id for m in found] == ["django_idempotency.W030"]
+    assert "TENANT_APPS" in found[0].hint
+
+
+@pytest.mark.parametrize(
+    ("shared", "tenant"),
+    [
+        (["django_tenants"], [*TENANT_APPS, "django_idempotency"]),  # each tenant's own
+        (["django_tenants", "django_idempotency"], [*TENANT_APPS, "django_idempotency"]),
+        (["django_tenants"], TENANT_APPS),  # not installed under the tenants' apps at all
+        (None, None),  # no schemas per tenant
+    ],
+)
+def test_w030_not_reported_where_each_tenant_has_its_records(shared, tenant):
+    values = {} if shared is None else {"SHARED_APPS": shared, "TENANT_APPS": tenant}
+    with override_settings(**values):
+        assert check_tenant_apps() == []
+
+
+@pytest.mark.parametrize(
+    ("default", "claims", "reported"),
+    [
+        ("django_tenants.postgresql_backend", "django.db.backends.postgresql", True),
+        ("django_tenants.postgresql_backend", "django_tenants.postgresql_backend", False),
+        ("django.db.backends.postgresql", "django_tenants.postgresql_backend", False),
+    ],
+)
+def test_e038_a_claim_database_that_cannot_follow_the_tenant(
+    monkeypatch, default, claims, reported
+):
+    """Where DATABASE's connection keeps a tenant schema (django-tenants), CLAIM_DATABASE's
+    must take one too, or its claims land outside the caller's tenant. (The ENGINE entries
+    are changed in place, read by the check only: no connection is made with them.)"""
+    pytest.importorskip("django_tenants")
+    monkeypatch.setitem(django_settings.DATABASES["default"], "ENGINE", default)
+    monkeypatch.setitem(django_settings.DATABASES["claims"], "ENGINE", claims)
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        found = [m for m in check_settings() if m.id == "django_idempotency.E038"]
+    assert [m.id for m in found] == (["django_idempotency.E038"] if reported else [])
+    if reported:
+        assert "'claims'" in found[0].msg
+        assert "tenant" in found[0].msg
 
 
 def test_check_command_passes_with_defaults():

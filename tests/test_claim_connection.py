@@ -27,7 +27,7 @@ from django.db.backends.signals import connection_created
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, run_once
+from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, _autonomous, run_once
 from django_idempotency._store import ClaimResult, RecordState
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import completed, postgres_only
@@ -469,3 +469,78 @@ def test_on_mariadb_a_claim_refused_at_claim_timeout_leaves_nothing_behind(polic
     assert IdempotencyRecord.objects.count() == 0  # the purge's delete won; no stray claim
     assert run_once(effect, calls, "third", "default", **IDENTITY, key="m-1") == "third"
     assert calls == ["first", "third"]
+
+
+@contextmanager
+def init_command(command: str | None) -> Iterator[None]:
+    """The caller's connection with ``command`` as its OPTIONS["init_command"] (or none),
+    its claim connection made afresh from it."""
+    options = connection.settings_dict["OPTIONS"]
+    before = options.get("init_command")
+    options.pop("init_command", None)
+    if command is not None:
+        options["init_command"] = command
+    forget_claim_connection()
+    try:
+        yield
+    finally:
+        options.pop("init_command", None)
+        if before is not None:
+            options["init_command"] = before
+        forget_claim_connection()
+
+
+def forget_claim_connection() -> None:
+    second = getattr(connection, _autonomous._ATTRIBUTE, None)
+    if second is not None:
+        second.close()
+        setattr(connection, _autonomous._ATTRIBUTE, None)
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's and MySQL's lock wait")
+@pytest.mark.parametrize(
+    ("command", "kept"),
+    [
+        (None, None),
+        ("SET sql_mode = 'STRICT_ALL_TABLES'", ("@@SESSION.sql_mode", "STRICT_ALL_TABLES")),
+        ("set\nsql_mode = 'STRICT_ALL_TABLES';", ("@@SESSION.sql_mode", "STRICT_ALL_TABLES")),
+        (
+            "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            ("@@SESSION.tx_isolation", "READ-COMMITTED"),
+        ),
+        ("SELECT 1", None),
+        ("DO 1", None),
+    ],
+)
+def test_on_mariadb_the_claim_connection_bounds_its_lock_wait_whatever_the_init_command(
+    command, kept
+):
+    """The server gives a claim's lock wait up at CLAIM_TIMEOUT whatever the project's own
+    init_command is (a SET of its own, a statement of another kind), and that command runs
+    on the claim connection as written."""
+    bound = override_settings(IDEMPOTENCY={"CLAIM_TIMEOUT": timedelta(seconds=3)})
+    with init_command(command), bound, transaction.atomic():
+        IdempotencyRecord.objects.count()  # the caller's transaction
+        with _autonomous.claiming("default"):
+            claims = connections["default"]
+            assert claims is not connection  # the claim connection
+            with claims.cursor() as cursor:
+                cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+                assert cursor.fetchone()[0] == 3
+                if kept is not None:
+                    cursor.execute(f"SELECT {kept[0]}")
+                    assert kept[1] in cursor.fetchone()[0]
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's and MySQL's lock wait")
+def test_on_mariadb_claim_database_bounds_its_lock_wait_too():
+    """CLAIM_DATABASE is the project's own alias: the claim bounds the server's lock wait
+    on it as on a claim connection of its own, and follows CLAIM_TIMEOUT when it changes."""
+    for seconds in (3, 4):
+        bound = {"CLAIM_DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=seconds)}
+        with override_settings(IDEMPOTENCY=bound), transaction.atomic():
+            IdempotencyRecord.objects.count()  # the caller's transaction
+            with _autonomous.claiming("default"), connections["default"].cursor() as cursor:
+                cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+                assert cursor.fetchone()[0] == seconds
+    connections["claims"].close()

@@ -17,6 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import _store, states
 from django_idempotency._context import Operation
+from django_idempotency._store import claiming
 from django_idempotency._store.postgres import CLAIM
 from django_idempotency._store.records import from_epoch
 from django_idempotency.models import IdempotencyRecord
@@ -131,7 +132,7 @@ def test_an_operation_name_that_is_not_a_plain_word_is_bound_not_written(name):
     assert first.claimed
     # Every value is bound to the claim's function: its statement is the same for every
     # operation, and no name is ever part of it.
-    assert CLAIM.count("%s") == 10
+    assert CLAIM.count("%s") == 11
     assert "'" not in CLAIM
     again = _store.claim(request, NOW)
     assert not again.claimed
@@ -232,8 +233,6 @@ def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thin
 ):
     """The server's clock is read once: a guarded claim that wrote never also reports that it
     was late (its caller reads the first row only, in whatever order they come)."""
-    from django_idempotency._store import claiming
-
     request = claim_request()
     token = uuid.uuid4()
     now = datetime.now(UTC)
@@ -245,7 +244,7 @@ def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thin
     if statement == "insert":
         sql = CLAIM
         params = [request.account, request.operation, request.key, "a" * 64, "v1", "retry"]
-        params += [now, request.lease, request.ttl, deadline]
+        params += [now, request.lease, request.ttl, deadline, True]
     else:
         sql = claiming._takeover_sql("default", True)
         row = _store.statements.claim_row(request, token, now)
@@ -263,7 +262,9 @@ def test_a_guarded_statement_whose_deadline_passes_while_it_writes_says_one_thin
 def call_claim(cursor: Any, request: Operation, now: datetime) -> list[tuple[Any, ...]]:
     params: list[Any] = [request.account, request.operation, request.key, request.request_hash]
     params += [request.fingerprint_version, request.recovery_policy, now]
-    params += [request.lease, request.ttl, None]
+    # Whether the claim's commit may skip its flush: the policy's declaration says.
+    relaxed = claiming._relaxed_commit(request.recovery_policy)
+    params += [request.lease, request.ttl, None, relaxed]
     cursor.execute(CLAIM, params)
     return list(cursor.fetchall())
 

@@ -1,4 +1,5 @@
-"""The test suite's own selection: TEST_DATABASE_ONLY and TEST_SHARD (tests/conftest.py)."""
+"""The test suite's own machinery: TEST_DATABASE_ONLY and TEST_SHARD (tests/conftest.py),
+the helpers' assertions, the progress line of `make test`."""
 
 from __future__ import annotations
 
@@ -36,3 +37,24 @@ def test_the_halves_split_files_and_cover_the_suite(request):
 def test_a_wrong_shard_is_a_usage_error(value):
     with pytest.raises(pytest.UsageError, match="TEST_SHARD must be k/n"):
         shard_of(value)
+
+
+def test_a_failing_assertion_inside_the_shared_helpers_shows_its_values():
+    """tests/helpers.py is rewritten by pytest (tests/conftest.py registers it): a failing
+    assertion there shows the values it compared, not a bare AssertionError."""
+    from tests.helpers import says_nothing_of_the_server
+
+    with pytest.raises(AssertionError) as failed:
+        says_nothing_of_the_server({"detail": "the TTL ran out"})
+    assert "assert not ['TTL']" in str(failed.value)
+
+
+def test_the_progress_line_reads_each_runs_percentage(tmp_path):
+    from tests.progress import state
+
+    log = tmp_path / "pytest-sqlite.log"
+    assert state(log) == "not started"
+    log.write_text("tests/test_a.py ....  [ 12%]\ntests/test_b.py ..")
+    assert state(log) == "12%"
+    log.write_text("collecting ...")
+    assert state(log) == "collecting ..."

@@ -29,7 +29,7 @@ postgresql_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="PostgreSQL's one-statement claim"
 )
 WAIT = 30
-# PostgreSQL's claim: one call of its function (migration 0010).
+# PostgreSQL's claim: one call of its function (migration 0011).
 CLAIM_CALL = "SELECT * FROM DJANGO_IDEMPOTENCY_RECORD_CLAIM("
 
 

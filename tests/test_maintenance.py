@@ -481,9 +481,15 @@ def test_purge_command():
 
     out = run("purge_idempotency", "--batch-size", "10", "--max-batches", "2", "-v", "2")
     lines = out.splitlines()
-    assert lines[:2] == ["batch 1: 10 rows deleted so far", "batch 2: 20 rows deleted so far"]
-    assert lines[2].startswith("Purged 20 expired idempotency records in 2 batches")
-    assert lines[2].endswith("More remain: --max-batches stopped the run.")
+    # The total first (what --max-batches lets this run delete), then a running count of it.
+    assert lines[:3] == [
+        "20 rows to delete",
+        "batch 1: 10 of 20 rows deleted",
+        "batch 2: 20 of 20 rows deleted",
+    ]
+    assert lines[3].startswith("Purged 20 expired idempotency records in 2 batches")
+    assert lines[3].endswith("More remain: --max-batches stopped the run.")
+    assert IdempotencyRecord.objects.count() == 6  # the count deleted nothing
 
     assert run("purge_idempotency", "--database", "default", "-v", "0") == ""
     assert remaining_keys() == {"young"}

@@ -50,7 +50,7 @@ from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.mcp import idempotent_tool
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import crash, expire_lease, record_for
-from tests.helpers import in_thread, new_key, postgres_only
+from tests.helpers import in_thread, new_key, postgres_only, says_nothing_of_the_server
 from tests.live import ROOT
 from tests.testapp.models import Charge
 
@@ -480,7 +480,9 @@ def test_an_unreadable_stored_outcome_is_refused_and_nothing_runs(kind):
         refused(call(server, args(key)), "idempotency_record_unreadable")
         refused(call(server, args(key)), "idempotency_record_unreadable")
     with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": []}):
-        refused(call(server, args(key)), "idempotency_record_unreadable")
+        says_nothing_of_the_server(
+            refused(call(server, args(key)), "idempotency_record_unreadable")
+        )
     assert effects() == (1, 1, 1)
     with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other, sealing]}):
         replayed(first, call(server, args(key)))
@@ -489,7 +491,9 @@ def test_an_unreadable_stored_outcome_is_refused_and_nothing_runs(kind):
 
 def test_an_unreachable_store_is_refused_and_nothing_runs(kind, unreachable_store):
     server = shop(kind)
-    refused(call(server, args(new_key())), "idempotency_store_unavailable")
+    body = refused(call(server, args(new_key())), "idempotency_store_unavailable")
+    says_nothing_of_the_server(body)
+    assert "not run" in body["detail"]
     assert len(RUNS) == 0
 
 
@@ -962,6 +966,49 @@ def test_the_docs_refund_tool_refunds_once_per_key_and_is_listed_safe_to_retry(d
     key_schema = tools["refund"].input_schema["properties"]["idempotency_key"]
     assert KEY_DESCRIPTION in key_schema["description"].lower()
     assert "idempotency_key" not in tools["send_invoice"].input_schema["properties"]
+
+
+def test_the_docs_fastmcp_refund_tool_refunds_once_per_key(docs_tools):
+    provider = docs_tools.provider
+    alice = token("agent-app", subject="alice", issuer="https://id.example.com")
+    arguments = {"order_id": 7, "amount": 250, "idempotency_key": new_key()}
+    first = call(docs_tools.fast_shop, arguments, token=alice, name="refund_order")
+    ran_once(first)
+    replayed(first, call(docs_tools.fast_shop, arguments, token=alice, name="refund_order"))
+    assert len(provider.calls) == 1
+    refused(
+        call(docs_tools.fast_shop, {**arguments, "amount": 1}, token=alice, name="refund_order"),
+        "idempotency_key_reused",
+    )
+    refused(
+        call(docs_tools.fast_shop, arguments, name="refund_order"),  # no token: no account
+        "idempotency_account_missing",
+    )
+    assert len(provider.calls) == 1
+    (tool,) = list_tools(docs_tools.fast_shop)
+    assert tool.annotations.idempotent_hint is True
+    key_schema = tool.input_schema["properties"]["idempotency_key"]
+    assert KEY_DESCRIPTION in key_schema["description"].lower()
+
+
+def test_one_token_is_one_account_whichever_framework_serves_the_tool(docs_tools):
+    alice = token("agent-app", subject="alice", issuer="https://id.example.com")
+    key = new_key()
+    call(
+        docs_tools.shop,
+        {"order_id": 1, "amount": 2, "idempotency_key": key},
+        token=alice,
+        name="refund",
+    )
+    call(
+        docs_tools.fast_shop,
+        {"order_id": 1, "amount": 2, "idempotency_key": key},
+        token=alice,
+        name="refund_order",
+    )
+    assert set(IdempotencyRecord.objects.values_list("account", flat=True)) == {
+        'mcp:sub:["https://id.example.com", "alice"]'
+    }
 
 
 def test_the_docs_invoice_tool_is_keyed_by_the_host_and_shared_by_an_organisation(docs_tools):

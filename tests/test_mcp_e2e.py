@@ -12,9 +12,12 @@ two users (``demo`` and ``other``) and a token each.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -401,3 +404,69 @@ def test_the_tools_are_listed_as_safe_to_retry(example_url, via):
         assert tool.annotations.idempotent_hint is True
         assert "idempotency_key" in tool.input_schema["properties"]
         assert "idempotency_key" in tool.input_schema.get("required", [])
+
+
+# -- (e) the docs' agent clients, and a server on its own --------------------------------------
+
+
+def test_the_docs_agent_client_retries_a_lost_answer_with_its_key(example_db, example_url, via):
+    """docs/mcp.md's client code, through a proxy that loses the first answer: one refund,
+    and the retry is its replay."""
+    import anyio
+
+    from example_project.docs_examples import agent_client
+
+    refund = (
+        agent_client.refund_with_fastmcp if via == "FastMCP" else agent_client.refund_with_the_sdk
+    )
+    charge = example_db.charge()
+    host, port = example_url.removeprefix("http://").rsplit(":", 1)
+    proxy = mcp_agent.LosingProxy((host, int(port)))
+    try:
+        proxy.armed.set()
+        url = f"{proxy.url}{mcp_agent.SERVERS[via]}"
+        result = anyio.run(refund, url, TOKENS["demo"], charge, 250)
+    finally:
+        proxy.close()
+    assert proxy.lost.is_set()  # the first answer was lost
+    assert not result.is_error, result
+    assert is_replay(result)  # the retry got the refund the agent never heard of
+    assert example_db.refunds(charge) == 1
+
+
+def test_fastmcp_tools_served_on_their_own_refund_once(example_db):
+    """docs/mcp.md's stand-alone FastMCP server (example_project/docs_examples/agent_server.py),
+    without the Django site around it."""
+    import anyio
+
+    from example_project.docs_examples import agent_client
+
+    starting_a_server("the example's FastMCP tools on their own")
+    port = mcp_agent.free_port()
+    env = {**example_db.env, "MCP_PORT": str(port), "FASTMCP_LOG_LEVEL": "WARNING"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "example_project.docs_examples.agent_server"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + WAIT
+        while True:  # until it listens
+            assert process.poll() is None, "the server exited during start-up"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the server did not listen within {WAIT} s"
+                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/mcp"
+        charge = example_db.charge()
+        result = anyio.run(agent_client.refund_with_fastmcp, url, TOKENS["demo"], charge, 125)
+        assert not result.is_error, result
+        assert not is_replay(result)
+        assert example_db.refunds(charge) == 1
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=WAIT)

@@ -25,7 +25,7 @@ from django_idempotency import checks, maintenance, outbox, signals
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from tests.helpers import postgres_only
 from tests.testapp.models import ProviderCall
-from tests.testapp.outbox import BROKEN, UNDELIVERABLE, sends
+from tests.testapp.outbox import BREAKS_THE_BATCH, BROKEN, UNDELIVERABLE, sends
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -254,6 +254,29 @@ def test_an_unknown_task_name_is_dead_with_the_error_and_the_relay_goes_on():
     assert row.last_error == "UnknownTask: no task named 'tests.no_such_task' is registered"
     assert message(known).status == OutboxStatus.SENT
     assert ProviderCall.objects.filter(key="effect:after-unknown").count() == 1
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.batch_record"})
+def test_a_sender_with_send_batch_gets_the_batch_at_once_and_a_failure_stays_on_its_message():
+    first, broken, last = enqueued("tests.a"), enqueued(BROKEN), enqueued("tests.b")
+    result = outbox.relay(once=True)
+    assert (result.sent, result.failed, result.dead) == (2, 1, 0)
+    assert ProviderCall.objects.filter(key__startswith="batch:").count() == 1
+    assert (sends(first), sends(broken), sends(last)) == (1, 0, 1)
+    assert (message(first).status, message(last).status) == (OutboxStatus.SENT,) * 2
+    row = message(broken)
+    assert (row.status, row.attempts) == (OutboxStatus.PENDING, 1)
+    assert row.last_error == "ConnectionError: the broker is down"
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.batch_record"})
+def test_a_send_batch_that_raises_rolls_the_batch_back_and_its_messages_go_one_by_one():
+    ids = [enqueued("tests.a"), enqueued(BREAKS_THE_BATCH), enqueued("tests.b")]
+    result = outbox.relay(once=True)
+    assert (result.sent, result.failed, result.dead) == (3, 0, 0)
+    assert ProviderCall.objects.filter(key__startswith="batch:").count() == 0
+    assert [sends(i) for i in ids] == [1, 1, 1]
+    assert {message(i).status for i in ids} == {OutboxStatus.SENT}
 
 
 # -- requeue and purge --------------------------------------------------------------------------

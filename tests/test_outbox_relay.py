@@ -197,6 +197,28 @@ def test_two_relays_share_400_messages_and_every_consumer_body_runs_once(tmp_pat
     assert ProviderCall.objects.filter(key__startswith="start:pair-").count() == count
 
 
+@pytest.mark.usefixtures("worker", "clean_queue")
+@override_settings(IDEMPOTENCY={})  # the default sender, django_idempotency.celery_sender.send
+def test_the_default_sender_sends_a_batch_each_body_runs_once_and_an_unknown_task_dies_alone():
+    tags = [f"batch-{n}" for n in range(6)]
+    ids = [enqueued(tag) for tag in tags[:3]]
+    with transaction.atomic():
+        unknown = outbox.enqueue("tests.no_such_task", 1)
+    ids += [enqueued(tag) for tag in tags[3:]]
+    result = outbox.relay(once=True, batch_size=10)
+    assert (result.sent, result.failed, result.dead, result.batches) == (6, 0, 1, 1)
+    wait_until(lambda: sum(map(task_effects, tags)) == 6, "the consumers")
+    wait_drained()
+    assert [(task_starts(tag), task_effects(tag)) for tag in tags] == [(1, 1)] * 6
+    # Each published once, with its message id as the task id.
+    keys = IdempotencyRecord.objects.filter(account="task").values_list("key", flat=True)
+    assert sorted(keys) == sorted(str(i) for i in ids)
+    dead = OutboxMessage.objects.get(pk=unknown)
+    assert dead.status == OutboxStatus.DEAD
+    assert dead.last_error == "UnknownTask: no task named 'tests.no_such_task' is registered"
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 6
+
+
 # -- the broker goes away -----------------------------------------------------------------------
 
 

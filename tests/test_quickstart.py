@@ -286,7 +286,7 @@ def test_the_curl_sequence_runs_once_and_replays(project: Project, server: Clien
     key = curl.headers["Idempotency-Key"]
     orders = "SELECT count(*) FROM orders_order"
     records = f"SELECT count(*) FROM django_idempotency_record WHERE key = '{key}'"
-    assert project.count(orders) == 0
+    before = project.count(orders)  # the function views' terminal trial made one
 
     # The first request is held at its INSERT by a lock on the orders table: its claim has
     # committed, so the same request sent meanwhile is answered 409 at once.
@@ -306,7 +306,7 @@ def test_the_curl_sequence_runs_once_and_replays(project: Project, server: Clien
         assert duplicate.status == 409, duplicate.body
         assert duplicate.code() == "idempotency_key_in_use"
         assert duplicate.header("Retry-After")
-        assert project.count(orders) == 0
+        assert project.count(orders) == before
         lock.rollback()
     sender.join(timeout=60)
     assert not sender.is_alive()
@@ -331,7 +331,7 @@ def test_the_curl_sequence_runs_once_and_replays(project: Project, server: Clien
     assert missing.code() == "idempotency_key_missing"
 
     # One order and one record, whatever was sent.
-    assert project.count(orders) == 1
+    assert project.count(orders) == before + 1
     assert project.count(records) == 1
 
 
@@ -360,6 +360,11 @@ def test_the_function_views_run_once_per_key(project: Project, server: Client) -
     paths = re.findall(r'path\("(orders/[^"]+)"', urls)
     orders = "SELECT count(*) FROM orders_order"
     before = project.count(orders)
+    # The README's terminal trial (manage.py shell, run with the project's other commands):
+    # two posts with one key, one order and one record.
+    trial = "SELECT count(*) FROM django_idempotency_record WHERE key = 'try-function-view-1'"
+    assert project.count(trial) == 1
+    assert project.count("SELECT count(*) FROM orders_order WHERE item = 'pen'") == 1
 
     # Anonymous, with a key (and a CSRF token): refused before anything is claimed.
     anonymous = Client(server.base)

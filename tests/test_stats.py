@@ -119,6 +119,7 @@ def test_command_json(table):
     assert data["expired"] == 1
     assert data["oldest_in_progress_seconds"] == pytest.approx(600, abs=5)
     assert set(data) == {
+        "unique_keys",
         "database",
         "rows",
         "by_status",

@@ -31,10 +31,12 @@ if not settings.HAS_DJANGO_TASKS:  # tests/settings.py: django-tasks-db and a Ta
         allow_module_level=True,
     )
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from django_tasks_db.compat import task_enqueued
 from django_tasks_db.management.commands.db_worker import Worker
 from django_tasks_db.models import DBTaskResult
 
@@ -184,6 +186,106 @@ def test_a_message_delivered_twice_runs_its_body_once():
     assert rows[0].return_value == rows[1].return_value
     assert (starts("twice"), effects("twice")) == (1, 1)
     assert IdempotencyRecord.objects.filter(account="task", key=result.id).count() == 1
+
+
+# -- a batch handed over together ---------------------------------------------------------------
+
+TASK_TABLE = DBTaskResult._meta.db_table
+OUTBOX_TABLE = OutboxMessage._meta.db_table
+
+
+def statements(queries: CaptureQueriesContext, verb: str, table: str) -> int:
+    """How many captured statements start with ``verb`` and name ``table`` (SQLite's
+    write lock, an UPDATE of no row, left out)."""
+    return sum(
+        1
+        for query in queries.captured_queries
+        if query["sql"].lstrip().upper().startswith(verb)
+        and table in query["sql"]
+        and "WHERE 1 = 0" not in query["sql"]
+    )
+
+
+def test_a_batch_is_handed_over_in_one_insert_and_marked_sent_in_one_update():
+    tags = [f"batch-{n}" for n in range(5)]
+    with transaction.atomic():
+        ids = [record_effect.enqueue(tag).id for tag in tags]
+    with CaptureQueriesContext(connection) as queries:
+        assert relay().sent == 5
+    assert statements(queries, "INSERT", TASK_TABLE) == 1
+    assert statements(queries, "UPDATE", OUTBOX_TABLE) == 1
+    assert DBTaskResult.objects.count() == 5
+    # Each message knows its task's row: get_result follows it.
+    for message_id in ids:
+        message = OutboxMessage.objects.get(pk=message_id)
+        assert message.status == OutboxStatus.SENT
+        assert DBTaskResult.objects.filter(pk=message.delivery["result_id"]).exists()
+    work()
+    assert [effects(tag) for tag in tags] == [1] * 5
+    result = record_effect.get_result(ids[0])
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == {"tag": "batch-0", "pid": os.getpid()}
+
+
+def test_a_batch_delivered_twice_runs_each_body_once():
+    tags = [f"twice-batch-{n}" for n in range(4)]
+    with transaction.atomic():
+        ids = [record_effect.enqueue(tag).id for tag in tags]
+    assert relay().sent == 4
+    for message_id in ids:
+        pending_again(message_id)
+    assert relay().sent == 4
+    assert DBTaskResult.objects.count() == 8
+    work()
+    assert set(DBTaskResult.objects.values_list("status", flat=True)) == {
+        TaskResultStatus.SUCCESSFUL
+    }
+    assert [(starts(tag), effects(tag)) for tag in tags] == [(1, 1)] * 4
+    assert IdempotencyRecord.objects.filter(account="task").count() == 4
+
+
+def test_a_message_its_task_cannot_be_bound_for_fails_alone_and_the_batch_goes_on():
+    with transaction.atomic():
+        ids = [record_effect.enqueue(f"bound-{n}").id for n in range(3)]
+    # Another program wrote a priority out of range into the middle message's delivery.
+    OutboxMessage.objects.filter(pk=ids[1]).update(
+        delivery={**OutboxMessage.objects.get(pk=ids[1]).delivery, "priority": 10_000}
+    )
+    result = relay()
+    assert (result.sent, result.failed, result.dead) == (2, 1, 0)
+    assert DBTaskResult.objects.count() == 2
+    refused = OutboxMessage.objects.get(pk=ids[1])
+    assert (refused.status, refused.attempts) == (OutboxStatus.PENDING, 1)
+    assert "result_id" not in refused.delivery
+    work()
+    assert [effects(f"bound-{n}") for n in range(3)] == [1, 0, 1]
+
+
+def test_a_batch_whose_hand_over_fails_is_handed_over_one_by_one_and_only_the_culprit_fails():
+    def refuse(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if task_result.args[:1] == ["culprit"]:
+            raise RuntimeError("the backend refused this one")
+
+    with transaction.atomic():
+        ids = [record_effect.enqueue(tag).id for tag in ("first", "culprit", "last")]
+    task_enqueued.connect(refuse)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            result = relay()
+    finally:
+        task_enqueued.disconnect(refuse)
+    assert (result.sent, result.failed, result.dead) == (2, 1, 0)
+    # The batch's INSERT, rolled back to its savepoint, then one per message.
+    assert statements(queries, "INSERT", TASK_TABLE) == 4
+    assert sorted(row.args_kwargs["args"][0] for row in DBTaskResult.objects.all()) == [
+        "first",
+        "last",
+    ]
+    culprit = OutboxMessage.objects.get(pk=ids[1])
+    assert (culprit.status, culprit.attempts) == (OutboxStatus.PENDING, 1)
+    assert culprit.last_error == "RuntimeError: the backend refused this one"
+    work()
+    assert [effects(tag) for tag in ("first", "culprit", "last")] == [1, 0, 1]
 
 
 def test_a_task_that_takes_its_context_runs_once_per_message():

@@ -168,6 +168,64 @@ def test_a_relay_killed_between_the_hand_over_and_marking_it_sent_runs_the_body_
     assert OutboxMessage.objects.get(pk=result.id).status == OutboxStatus.SENT
 
 
+def enqueue_batch(prefix: str, count: int) -> list[str]:
+    with transaction.atomic():
+        return [record_effect.enqueue(f"{prefix}-{n}").id for n in range(count)]
+
+
+def test_a_relay_killed_after_a_batch_insert_and_before_its_mark_hands_the_batch_over_again():
+    tags = [f"batch-killed-{n}" for n in range(5)]
+    ids = enqueue_batch("batch-killed", 5)
+    with db_worker("w-batch-killed"):
+        # Killed at the first task_enqueued: after the batch's one INSERT, before the mark.
+        dying = relay_process("--once", "--batch-size", "10", TASKS_RELAY_DIE="1")
+        dying.communicate(timeout=TIMEOUT)
+        assert dying.returncode == -signal.SIGKILL
+        assert set(OutboxMessage.objects.values_list("status", flat=True)) == {OutboxStatus.PENDING}
+        assert [hand_overs(tag) for tag in tags] == [1, 0, 0, 0, 0]
+        # The INSERT was in the relay's batch transaction: it died with it.
+        settled()
+        assert DBTaskResult.objects.count() == 0
+        assert relay_once("--batch-size", "10") == (5, 0, 0)
+        wait_until(lambda: sum(map(effects, tags)) == 5, "the worker", timeout=TIMEOUT)
+        settled()
+    assert [hand_overs(tag) for tag in tags] == [2, 1, 1, 1, 1]
+    assert [(starts(tag), effects(tag)) for tag in tags] == [(1, 1)] * 5
+    assert DBTaskResult.objects.count() == 5
+    assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 5
+
+
+def test_a_batch_handed_over_for_good_by_a_relay_killed_before_its_mark_runs_each_body_once():
+    tags = [f"batch-twice-{n}" for n in range(5)]
+    ids = enqueue_batch("batch-twice", 5)
+    with db_worker("w-batch-twice"):
+        # The rows commit on a connection of their own, as into a backend on another
+        # database: the relay dies after the hand-over has committed, before its mark.
+        dying = relay_process(
+            "--once",
+            "--batch-size",
+            "10",
+            TASKS_RELAY_DIE="1",
+            TASKS_RELAY_TARGET_DATABASE="provider",
+        )
+        dying.communicate(timeout=TIMEOUT)
+        assert dying.returncode == -signal.SIGKILL
+        assert DBTaskResult.objects.count() == 5
+        assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() == 5
+        assert relay_once("--batch-size", "10") == (5, 0, 0)
+        wait_until(
+            lambda: DBTaskResult.objects.filter(status=TaskResultStatus.SUCCESSFUL).count() == 10,
+            "the worker to run both deliveries of every message",
+            timeout=TIMEOUT,
+        )
+        settled()
+    assert DBTaskResult.objects.count() == 10
+    assert [effects(tag) for tag in tags] == [1] * 5
+    assert all(1 <= starts(tag) <= 2 for tag in tags)
+    assert IdempotencyRecord.objects.filter(account="task", key__in=ids).count() == 5
+    assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 5
+
+
 def _killed_in_the_task(tag: str) -> str:
     """A message whose first run is killed (SIGKILL) inside the task, after its effect."""
     with transaction.atomic():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import time
 import uuid
 from datetime import datetime
@@ -19,9 +20,11 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
+from django.db.models import Case, F, Value, When
+from django.db.models.functions import Length
 from django.utils import timezone
 
-from django_idempotency import _retry, crypto, states
+from django_idempotency import _policies, _retry, crypto, states
 from django_idempotency._context import Operation
 from django_idempotency._store.owner import forget_steps
 from django_idempotency._store.postgres import CLAIM, LATE, ON_TIME, refusal
@@ -37,7 +40,9 @@ from django_idempotency._store.statements import (
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 
-__all__ = ["claim", "complete", "fetch"]
+__all__ = ["adopt_legacy", "claim", "complete", "fetch"]
+
+logger = logging.getLogger("django_idempotency")
 
 # Why a claim bounded by a deadline (see claim) wrote nothing.
 _LATE = "the claim reached the database after CLAIM_TIMEOUT, on the database server's clock"
@@ -64,6 +69,8 @@ def claim(op: Operation, now: datetime, deadline: datetime | None = None) -> Cla
     # retrying()'s loop, kept here: the claim is on every request's path.
     for attempt in range(_retry.ATTEMPTS):
         try:
+            if op.legacy is not None:  # a rare name, which an earlier release spelled so
+                adopt_legacy(op)
             return _claim(op, now, started, deadline)
         except OperationalError as exc:
             _retry.pause_or_raise(exc, attempt)
@@ -136,6 +143,13 @@ class _Held:
         return True
 
 
+@functools.lru_cache(maxsize=64)
+def _relaxed_commit(recovery_policy: str) -> bool:
+    """Whether the claim's commit need not wait for its WAL flush (the policy's claim need
+    not be durable: ``"retry"``, whose claim may be lost only with the work it guards)."""
+    return not _policies.recovery_policy(recovery_policy).durable_claim
+
+
 def _insert_or_existing(
     op: Operation, now: datetime, deadline: datetime | None = None
 ) -> ClaimResult | RecordState | None:
@@ -160,6 +174,7 @@ def _insert_or_existing(
             op.lease,
             op.ttl,
             deadline,
+            _relaxed_commit(op.recovery_policy),
         ]
         with _cursor(op.alias) as statement:
             statement.execute(CLAIM, params)
@@ -319,6 +334,52 @@ def _replace(alias: str, params: dict[str, Any]) -> RecordState | None:
                 return None  # held by another transaction: left to it
         statement.execute(_takeover_sql(alias), params)
     return None
+
+
+# -- a record an earlier release wrote ------------------------------------------------------
+
+
+def adopt_legacy(op: Operation) -> None:
+    """Give the record that an earlier release wrote under ``op.legacy``'s spelling of its
+    names (see ``_storable.legacy_names``) today's spelling, so that the claim finds it as
+    it finds any record: replayed, in progress, or replaced once expired.
+
+    One conditional statement, made only for the names whose spelling changed. The lengths
+    are compared as well: MariaDB's collations pad, and would match ``'t1'`` for ``'t1 '``.
+    A record of today's spelling already in the way (an earlier release's server writing
+    beside this one's) keeps its place, and the other is left to its expiry.
+    """
+    assert op.legacy is not None
+    account, operation = op.legacy[:2]
+    changes: dict[str, Any] = {"account": op.account, "operation": op.operation}
+    if len(op.legacy) > 2:  # the earlier release hashed the request with its spelling
+        changes["request_hash"] = Case(
+            When(request_hash=op.legacy[2], then=Value(op.request_hash)),
+            default=F("request_hash"),
+        )
+    written = (
+        IdempotencyRecord.objects.using(op.alias)
+        .annotate(account_length=Length("account"), operation_length=Length("operation"))
+        .filter(
+            account=account,
+            operation=operation,
+            key=op.key,
+            account_length=len(account),
+            operation_length=len(operation),
+        )
+    )
+    try:
+        with transaction.atomic(using=op.alias):
+            adopted = written.update(**changes)
+    except IntegrityError:
+        logger.warning(
+            "a record of %s written by an earlier release was left under its old spelling: "
+            "a record of today's spelling is in its way",
+            op.operation,
+        )
+        return
+    if adopted:
+        logger.info("adopted a record of %s written by an earlier release", op.operation)
 
 
 # -- reading a record ------------------------------------------------------------------------

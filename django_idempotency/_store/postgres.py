@@ -20,13 +20,13 @@ def refusal(columns: int) -> str:
     return f" UNION ALL SELECT {', '.join('NULL' for _ in range(columns))} FROM late WHERE past"
 
 
-#: The claim: one call of the function migration 0010 created, ``django_idempotency_record_claim``
-#: (its statement: see that migration's docstring), every value bound. The server keeps the
-#: plans of a PL/pgSQL function's statements for the life of its connection, so the claim is
-#: no longer parsed and planned on every request, with no prepared statement in the protocol
-#: (any pooler keeps it). Its rows are those of the statement it runs: the claim's own insert
-#: (its id, NULLs, its lease token, and, under ``"retry"``, the commit relaxed), the record
-#: in the way (``EXISTING_COLUMNS``, its times as seconds since the epoch), and, with a
-#: deadline past on the server's clock, a last row of NULLs that says the claim wrote
-#: nothing (see ``LATE``).
-CLAIM = "SELECT * FROM django_idempotency_record_claim(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+#: The claim: one call of the function migration 0011 created,
+#: ``django_idempotency_record_claim`` (its statement: see that migration's docstring), every
+#: value bound. The server keeps the plans of a PL/pgSQL function's statements for the life
+#: of its connection, so the claim is no longer parsed and planned on every request, with no
+#: prepared statement in the protocol (any pooler keeps it). Its rows are those of the
+#: statement it runs: the claim's own insert (its id, NULLs, its lease token, and, where the
+#: recovery policy's claim need not be durable, the commit relaxed), the record in the way
+#: (``EXISTING_COLUMNS``, its times as seconds since the epoch), and, with a deadline past on
+#: the server's clock, a last row of NULLs that says the claim wrote nothing (see ``LATE``).
+CLAIM = f"SELECT * FROM django_idempotency_record_claim({', '.join(['%s'] * 11)})"

@@ -100,6 +100,12 @@ def cursor(alias: str) -> Any:
     connection.ensure_connection()
     connection.validate_thread_sharing()
     with connection.wrap_database_errors:
+        # What the backend does to the session for each cursor of its own, it does for this
+        # one too: django-tenants sets the tenant's search_path there, without which these
+        # statements would run in the schema of the connection's last cursor, perhaps
+        # another tenant's. (A client-side cursor, closed unused: no round trip of its own.)
+        backend: Any = connection  # _cursor(): Django's hook, which django-stubs leaves out
+        backend._cursor().close()
         return connection.make_cursor(binding_cursor(connection.alias)(connection.connection))
 
 

@@ -92,3 +92,28 @@ def cancel_order(order_id: int, idempotency_key: str) -> dict[str, Any]:
     mail = step("mail", provider.mail, order_id)  # a mail service takes no key
     return {"refund": money["id"], "mail": mail}
     # --8<-- [end:steps-tool]
+
+
+# The same refund tool served by FastMCP (docs/mcp.md, "FastMCP"): the decorator of
+# django_idempotency.fastmcp, beneath FastMCP's @tool.
+
+# --8<-- [start:fastmcp-tool]
+from fastmcp import FastMCP
+
+from django_idempotency.fastmcp import idempotent_tool as idempotent_fastmcp_tool
+
+fast_shop = FastMCP("shop")
+
+
+@fast_shop.tool(annotations=ToolAnnotations(idempotent_hint=True))
+@idempotent_fastmcp_tool(recovery="fail")
+def refund_order(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+    """Refund `amount` (in cents) of an order.
+
+    Make a new idempotency_key for each refund you mean, and send the same one again on
+    every retry of it: after a timeout, an error, an answer that never came.
+    """
+    operation = current()
+    assert operation is not None
+    return provider.refund(order_id, amount, key=operation.downstream_key("psp"))
+    # --8<-- [end:fastmcp-tool]

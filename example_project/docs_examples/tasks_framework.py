@@ -59,3 +59,22 @@ def sign_up(username: str, email: str) -> Any:
         result = send_welcome.enqueue(user.pk)
     return user, result.id
     # --8<-- [end:enqueue]
+
+
+@task()
+@idempotent_task()
+def rebuild_search_index() -> int:
+    """A periodic task of Django's Tasks framework."""
+    return 0
+
+
+# --8<-- [start:enqueue-once]
+from django_idempotency.tasks_backend import enqueue_once
+
+
+def every_minute() -> Any:
+    with transaction.atomic():
+        # The TaskResult of the new message, or of the live one that holds the key.
+        result = enqueue_once("search-index", rebuild_search_index)
+    return result.id
+    # --8<-- [end:enqueue-once]

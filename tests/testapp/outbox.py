@@ -100,3 +100,34 @@ def celery_then_die(message: OutboxMessage) -> None:
     """The Celery sender, counted, then the relay dies before it can mark the message sent."""
     celery_and_record(message)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# In a batch, it makes ``BatchRecord.send_batch`` raise before it sends anything.
+BREAKS_THE_BATCH = "tests.breaks_the_batch"
+
+
+class BatchRecord:
+    """:func:`record`, and ``send_batch``: the batch's messages at once, each as ``record``
+    sends it, its failure returned; every ``send_batch`` that sends is counted as
+    ``batch:<first message id>``. A batch holding ``tests.breaks_the_batch`` raises."""
+
+    def __call__(self, message: OutboxMessage) -> None:
+        record(message)
+
+    def send_batch(self, messages: list[OutboxMessage]) -> list[Exception | None]:
+        if any(message.task == BREAKS_THE_BATCH for message in messages):
+            raise RuntimeError("the batch broke")
+        alias = "default" if connections["default"].vendor == "sqlite" else "provider"
+        ProviderCall.objects.using(alias).create(key=f"batch:{messages[0].id}")
+        outcomes: list[Exception | None] = []
+        for message in messages:
+            try:
+                record(message)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
+
+batch_record = BatchRecord()

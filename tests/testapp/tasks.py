@@ -68,3 +68,33 @@ def fail_once(tag: str) -> str:
     if first:
         raise RuntimeError("first run fails")
     return "ok"
+
+
+# -- one live task per key (tests/test_unique_tasks_servers.py) ---------------------------------
+
+#: Longer than a held run (2 s), so that a live run holds its key for all of it.
+UNIQUE_LEASE_SECONDS = 5
+#: Shorter than the run a test kills, so that the dead run's key frees soon.
+KILLED_LEASE_SECONDS = 2
+
+
+def held(tag: str, hold: float) -> dict[str, Any]:
+    """Every run lingers ``hold`` seconds after it started, then commits its effect."""
+    ProviderCall.objects.using("provider").create(key=f"start:{tag}:{os.getpid()}")
+    time.sleep(hold)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return {"tag": tag}
+
+
+@shared_task(name="tests.hold_unique")
+@idempotent_task(lease=UNIQUE_LEASE_SECONDS)
+def hold_unique(tag: str, hold: float) -> dict[str, Any]:
+    """Runs ``hold`` seconds, every time; its record tells enqueue_once when it ran."""
+    return held(tag, hold)
+
+
+@shared_task(name="tests.hold_unique_short_lease")
+@idempotent_task(lease=KILLED_LEASE_SECONDS)
+def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
+    """As ``hold_unique``, with a lease shorter than a run that is killed."""
+    return held(tag, hold)

@@ -117,3 +117,32 @@ def record_with_context(context: TaskContext, tag: str) -> dict[str, Any]:
     result = _body(tag, 0.0)
     result["attempt"] = context.attempt
     return result
+
+
+# -- one live task per key (tests/test_unique_tasks_servers.py) ---------------------------------
+
+#: Longer than a held run (2 s), so that a live run holds its key for all of it.
+UNIQUE_LEASE_SECONDS = 5
+#: Shorter than the run a test kills, so that the dead run's key frees soon.
+KILLED_LEASE_SECONDS = 2
+
+
+def _held(tag: str, hold: float) -> dict[str, Any]:
+    ProviderCall.objects.using(_counting_alias()).create(key=f"start:{tag}:{os.getpid()}")
+    time.sleep(hold)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return {"tag": tag}
+
+
+@task()
+@idempotent_task(lease=UNIQUE_LEASE_SECONDS)
+def hold_unique(tag: str, hold: float) -> dict[str, Any]:
+    """Runs ``hold`` seconds, every time; its record tells enqueue_once when it ran."""
+    return _held(tag, hold)
+
+
+@task()
+@idempotent_task(lease=KILLED_LEASE_SECONDS)
+def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
+    """As ``hold_unique``, with a lease shorter than a run that is killed."""
+    return _held(tag, hold)

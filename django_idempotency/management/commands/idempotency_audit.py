@@ -9,7 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency import _check_ids
+from django_idempotency import _check_ids, _stats
 from django_idempotency._endpoints import Audit, Endpoint, audit, duration
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
@@ -83,6 +83,11 @@ class Command(BaseCommand):
             help="A table (default) or one JSON object.",
         )
         parser.add_argument(
+            "--unique-keys",
+            action="store_true",
+            help="Also list the keys of enqueue_once, each with the message that holds it.",
+        )
+        parser.add_argument(
             "--exclude",
             action="append",
             default=[],
@@ -107,9 +112,17 @@ class Command(BaseCommand):
                     for operation, shared in found.shared.items()
                 ],
             }
+            if options["unique_keys"]:
+                data["unique_keys"] = _stats.unique_keys(limit=None)
             self.stdout.write(json.dumps(data, indent=2))
         elif options["verbosity"] >= 1:
             self.stdout.write(table(found))
+            if options["unique_keys"]:
+                self.stdout.write("")
+                self.stdout.write("Keys of enqueue_once, each with the message that holds it:")
+                self.stdout.write(
+                    "\n".join(_stats.unique_key_lines(_stats.unique_keys(limit=None)))
+                )
         if options["fail_on_unprotected"] and (found.unprotected or found.shared):
             # An endpoint whose operation another one shares never runs its own view.
             problems = []

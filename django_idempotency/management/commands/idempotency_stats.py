@@ -56,6 +56,14 @@ class Command(BaseCommand):
             help="Database alias to inspect (default: IDEMPOTENCY['DATABASE'], or 'default').",
         )
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+        parser.add_argument(
+            "--unique-keys",
+            type=int,
+            default=20,
+            metavar="N",
+            help="List the N newest keys of enqueue_once with the message holding each "
+            "(default 20; 0 for none).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias = options["database"] or app_settings.DATABASE
@@ -63,8 +71,11 @@ class Command(BaseCommand):
             raise CommandError(f"Unknown database {alias!r}.")
         snapshot = _stats.collect(using=alias)
         messages = _stats.outbox(using=alias, now=snapshot.taken_at)
+        if options["unique_keys"] < 0:
+            raise CommandError("--unique-keys must be 0 or more.")
+        keys = _stats.unique_keys(alias, options["unique_keys"], snapshot.taken_at)
         if options["json"]:
-            data = {**snapshot.as_dict(), "outbox": messages.as_dict()}
+            data = {**snapshot.as_dict(), "outbox": messages.as_dict(), "unique_keys": keys}
             self.stdout.write(json.dumps(data, indent=2))
             return
         rows = [
@@ -98,3 +109,8 @@ class Command(BaseCommand):
         width = max(len(label) for label, _ in rows)
         for label, value in rows:
             self.stdout.write(f"{label.ljust(width)}  {value}")
+        if keys:
+            self.stdout.write("")
+            self.stdout.write("unique keys (newest first): which message holds each")
+            for line in _stats.unique_key_lines(keys):
+                self.stdout.write(f"  {line}")

@@ -66,19 +66,29 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         verbosity = int(options["verbosity"])
+        bounds = {
+            "using": options["database"],
+            "batch_size": options["batch_size"],
+            "max_batches": options["max_batches"],
+        }
+        total = 0
+        if verbosity >= 2 and not options["dry_run"]:
+            # What the run will delete, counted first (one count per table), so that each
+            # batch's line says how far along it is. Rows that expire meanwhile come on top.
+            counted = run_job("purge", maintenance.purge_expired, dry_run=True, **bounds)
+            total = counted.deleted + counted.audit_deleted + counted.outbox_deleted
+            self.stdout.write(f"{total} rows to delete")
 
         def progress(batches: int, rows: int) -> None:
             if verbosity >= 2:
-                self.stdout.write(f"batch {batches}: {rows} rows deleted so far")
+                self.stdout.write(f"batch {batches}: {rows} of {max(total, rows)} rows deleted")
 
         result = run_job(
             "purge",
             maintenance.purge_expired,
-            using=options["database"],
-            batch_size=options["batch_size"],
-            max_batches=options["max_batches"],
             dry_run=options["dry_run"],
             progress=progress,
+            **bounds,
         )
         if verbosity >= 1:
             self.stdout.write(self.summary(result))

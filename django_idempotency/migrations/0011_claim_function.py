@@ -10,8 +10,9 @@ through any pooler; the request sends a one-line call with its values bound.
 The statement inside is the claim as it was: the INSERT runs only when no row holds the key
 (``NOT EXISTS``: a replay or a conflict writes nothing and takes no transaction id), two new
 claims racing for one key meet in ``ON CONFLICT DO NOTHING`` (the unique key picks the
-winner), the row in the way is handed back from the statement's snapshot, and under the
-recovery policy ``"retry"`` the claim's commit does not wait for its WAL flush. With a
+winner), the row in the way is handed back from the statement's snapshot, and under a
+recovery policy whose claim need not be durable (``"retry"``, see ``_policies``: the caller
+says so in ``p_relaxed_commit``) the claim's commit does not wait for its WAL flush. With a
 deadline (a claim a watchdog bounds) the INSERT runs only before it on the server's clock,
 and past it a last row of NULLs says so. Other databases are left as they are.
 """
@@ -29,7 +30,8 @@ CREATE OR REPLACE FUNCTION django_idempotency_record_claim(
     p_created_at timestamptz,
     p_lease interval,
     p_ttl interval,
-    p_deadline timestamptz
+    p_deadline timestamptz,
+    p_relaxed_commit boolean
 ) RETURNS TABLE (
     id bigint,
     status text,
@@ -66,7 +68,7 @@ BEGIN
     )
     SELECT c.id::bigint, NULL::text, NULL::double precision, NULL::double precision,
         NULL::text, NULL::text, NULL::integer, NULL::jsonb, NULL::bytea, c.lease_token,
-        CASE WHEN p_recovery_policy = 'retry'
+        CASE WHEN p_relaxed_commit
             THEN set_config('synchronous_commit', 'off', true) END
     FROM claim AS c
     UNION ALL
@@ -85,7 +87,7 @@ $claim$
 
 DROP_FUNCTION = (
     "DROP FUNCTION IF EXISTS django_idempotency_record_claim("
-    "text, text, text, text, text, text, timestamptz, interval, interval, timestamptz)"
+    "text, text, text, text, text, text, timestamptz, interval, interval, timestamptz, boolean)"
 )
 
 
@@ -101,7 +103,7 @@ def drop(apps, schema_editor):  # type: ignore[no-untyped-def]
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_idempotency", "0009_outbox_delivery"),
+        ("django_idempotency", "0010_outbox_unique_key"),
     ]
 
     operations = [migrations.RunPython(create, drop, elidable=False)]

@@ -1,0 +1,327 @@
+"""One live message per (task, key): the engine behind ``outbox.enqueue_once``.
+
+The key is a row of :class:`~django_idempotency.models.OutboxUniqueKey`, unique over
+``(task, key)``, written in the enqueue's transaction together with its message, inside a
+savepoint: when the insert meets the unique constraint nothing of this enqueue is left.
+The database's constraint picks the winner of two enqueues racing in two transactions (the
+second waits for the first to commit or roll back), so a rolled-back enqueue never holds a
+key. A key row whose message is no longer live is taken over (its row locked, pointed at
+the new message) in the same transaction.
+
+Whether a message is live is decided by its ``unique_until`` (the declared options of
+:mod:`django_idempotency._policies`) from the message's state and, once it was sent, from
+the ``@idempotent_task`` record of its run: a run whose worker died stops holding the key
+when its lease runs out, as a claim's would.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db.models.sql import InsertQuery
+from django.utils import timezone
+
+from django_idempotency import _policies, _storable, _validation, states
+from django_idempotency._policies import UniqueUntil
+from django_idempotency.exceptions import TaskAlreadyQueued
+from django_idempotency.keys import validate_key
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+
+__all__ = [
+    "ON_CONFLICT",
+    "TASK_ACCOUNT",
+    "Unique",
+    "describe_holder",
+    "finished",
+    "holds",
+    "record_identity",
+    "record_ttl",
+    "records_by_message",
+    "task_operation",
+    "unique",
+    "write_once",
+]
+
+#: Set on a function under ``@idempotent_task()`` keyed by the message (tasks.py).
+BY_MESSAGE = "idempotent_task_by_message"
+#: Set on a function under ``@idempotent_task()``: its ``ttl`` (``None``: the ``TTL`` setting).
+RECORD_TTL = "idempotent_task_ttl"
+#: ``on_conflict``: what an enqueue that meets a live message does.
+ON_CONFLICT = ("return", "raise")
+#: The account of every ``@idempotent_task`` record: no request's account is ever "task",
+#: so task records and request records never collide.
+TASK_ACCOUNT = "task"
+# An enqueue that finds the key's row gone, or taken first by another, starts over; this
+# bounds it.
+_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Unique:
+    """A checked request for uniqueness: the key, when it frees, what a conflict does."""
+
+    key: str
+    until: UniqueUntil
+    #: For a duration: how long the key is held after the enqueue.
+    duration: timedelta | None
+    raise_on_conflict: bool
+
+
+def unique(key: object, unique_until: object, on_conflict: object) -> Unique:
+    """Check ``enqueue_once``'s options; ``InvalidKey`` (a ``ValueError``) for a key that is
+    not a valid key, ``ValueError`` for an unknown option or a duration of zero or less,
+    ``TypeError`` for a value of the wrong type."""
+    checked = validate_key(key)
+    if isinstance(unique_until, timedelta):
+        try:
+            duration: timedelta | None = _validation.duration(unique_until)
+        except _validation.Invalid as exc:
+            raise ValueError(f"enqueue_once(): unique_until {exc}") from None
+        until = _policies.DURATION
+    elif isinstance(unique_until, str):
+        words = _policies.UNIQUE_UNTIL_WORDS
+        if unique_until not in words:
+            raise ValueError(
+                "enqueue_once(): unique_until must be "
+                + ", ".join(f'"{word}"' for word in words)
+                + f" or a timedelta; got {unique_until!r}"
+            )
+        until, duration = _policies.UNIQUE_UNTIL[unique_until], None
+    else:
+        raise TypeError(
+            "enqueue_once(): unique_until must be "
+            + ", ".join(f'"{word}"' for word in _policies.UNIQUE_UNTIL_WORDS)
+            + f" or a timedelta; got {_validation.describe(unique_until)}"
+        )
+    if not isinstance(on_conflict, str) or on_conflict not in ON_CONFLICT:
+        raise ValueError(
+            f'enqueue_once(): on_conflict must be "return" or "raise"; got {on_conflict!r}'
+        )
+    return Unique(checked, until, duration, raise_on_conflict=on_conflict == "raise")
+
+
+def write_once(
+    alias: str,
+    task: str,
+    wanted: Unique,
+    build: Callable[[], OutboxMessage],
+    run_ttl: timedelta | None = None,
+) -> OutboxMessage | uuid.UUID:
+    """Write the message ``build()`` makes (unsaved), holding ``(task, wanted.key)``, in the
+    current transaction of ``alias``; or, when a live message holds the key, write nothing and
+    return its id (``TaskAlreadyQueued`` with ``raise_on_conflict``)."""
+    for _attempt in range(_ATTEMPTS):
+        now = timezone.now()
+        fields = {
+            "unique_until": wanted.until.name,
+            "held_until": now + wanted.duration if wanted.duration is not None else None,
+            "finished_at": None,
+            "run_ttl": run_ttl if wanted.until.needs_task_record else None,
+            "created_at": now,
+        }
+        # The periodic case first: a live message holds the key, found by one read that
+        # takes no lock (a beat enqueuing every minute must not queue up behind another's
+        # transaction). Only a takeover locks the row.
+        holder = _holder(alias, task, wanted.key, _PLAIN)
+        if holder is None:
+            message = build()
+            key = OutboxUniqueKey(task=task, key=wanted.key, message_id=message.id, **fields)
+            if _insert_both(alias, message, key):
+                return message
+            # Another enqueue took the key first (the constraint waited for its commit).
+            holder = _holder(alias, task, wanted.key, _FRESH)
+            if holder is None:
+                continue
+        if holds(alias, holder, now):
+            return _conflict(task, holder, wanted)
+        holder = _holder(alias, task, wanted.key, _LOCKED)
+        if holder is None:
+            continue  # its message was deleted meanwhile: the key is free again
+        if holds(alias, holder, now):  # taken over meanwhile by another enqueue
+            return _conflict(task, holder, wanted)
+        message = build()
+        message.save(using=alias, force_insert=True)
+        OutboxUniqueKey.objects.using(alias).filter(pk=holder.pk).update(message=message, **fields)
+        return message
+    raise RuntimeError(f"the key of {task} changed hands {_ATTEMPTS} times during one enqueue")
+
+
+def _insert_both(alias: str, message: OutboxMessage, key: OutboxUniqueKey) -> bool:
+    """Insert the key and its message, or neither when the key is taken: whether they were.
+
+    On PostgreSQL one statement, ``WITH k AS (INSERT <key> ON CONFLICT DO NOTHING RETURNING
+    1) INSERT <message> SELECT ... FROM k`` (the key's foreign key is checked at the end of
+    the statement, when its message is there); elsewhere both inserts in a savepoint, rolled
+    back when the unique constraint refuses the key.
+    """
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        try:
+            with transaction.atomic(using=alias):
+                message.save(using=alias, force_insert=True)
+                key.save(using=alias, force_insert=True)
+        except IntegrityError:
+            return False
+        return True
+    key_sql, key_params = _insert_sql(connection, key)
+    message_sql, message_params = _insert_sql(connection, message)
+    into, values = message_sql.split(" VALUES ", 1)
+    unique = ", ".join(connection.ops.quote_name(c) for c in ("task", "key"))
+    sql = (
+        f"WITH k AS ({key_sql} ON CONFLICT ({unique}) DO NOTHING RETURNING 1) "
+        f"{into} SELECT {values[1:-1]} FROM k"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*key_params, *message_params])
+        inserted: bool = cursor.rowcount == 1
+    if inserted:
+        message._state.adding, message._state.db = False, alias
+    return inserted
+
+
+def _insert_sql(connection: Any, obj: Any) -> tuple[str, list[Any]]:
+    # The ORM's own INSERT of ``obj`` (its values prepared as a save would), one row.
+    fields = [
+        f
+        for f in type(obj)._meta.concrete_fields
+        if not (f.primary_key and getattr(obj, f.attname) is None)
+    ]
+    query = InsertQuery(type(obj))
+    query.insert_values(fields, [obj])
+    ((sql, params),) = query.get_compiler(connection=connection).as_sql()
+    return sql, list(params)
+
+
+def _conflict(task: str, holder: OutboxUniqueKey, wanted: Unique) -> uuid.UUID:
+    if wanted.raise_on_conflict:
+        raise TaskAlreadyQueued(
+            f"a live message of {task} holds this key: {holder.message_id}", holder.message_id
+        )
+    return holder.message_id
+
+
+# How the key's row is read. PostgreSQL and SQLite read the newest committed row with a
+# plain read (READ COMMITTED; one writer). MariaDB's REPEATABLE READ snapshot may be older:
+# after the unique constraint refused an insert (the enqueue holds a shared lock on the
+# row then), the row is read in share mode, which sees the newest and waits for no one
+# else's shared lock; a first read locks nothing (a locking read of a missing row would
+# lock the gap, and two enqueues inserting into it would deadlock).
+_PLAIN, _FRESH, _LOCKED = "plain", "fresh", "locked"
+
+
+def _holder(alias: str, task: str, key: str, read: str) -> OutboxUniqueKey | None:
+    # ``_LOCKED``: two enqueues taking over one freed key take it one after the other.
+    holders = OutboxUniqueKey.objects.using(alias).filter(task=task, key=key)
+    if read == _LOCKED:
+        return holders.select_for_update().first()
+    if read == _FRESH and connections[alias].vendor == "mysql":
+        found = list(_in_share_mode(holders))
+        return found[0] if found else None
+    return holders.first()
+
+
+def _in_share_mode(queryset: Any) -> Any:
+    """``queryset`` read with MariaDB's ``LOCK IN SHARE MODE``: the newest committed rows."""
+    sql, params = queryset.query.get_compiler(queryset.db).as_sql()
+    return queryset.model.objects.raw(f"{sql} LOCK IN SHARE MODE", params, using=queryset.db)
+
+
+def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
+    """Whether ``holder``'s message still holds its key at ``now`` (is live)."""
+    until = _policies.unique_until_of(holder.unique_until)
+    if until.by_time:
+        return holder.held_until is not None and holder.held_until > now
+    if holder.finished_at is not None:
+        return False  # its run ended with an error
+    messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
+    if connections[alias].vendor == "mysql":  # the newest state, not the snapshot's
+        found = [(m.status, m.sent_at) for m in _in_share_mode(messages.only("status", "sent_at"))]
+        status, sent_at = found[0] if found else (None, None)
+    else:
+        status, sent_at = messages.values_list("status", "sent_at").first() or (None, None)
+    if status == OutboxStatus.PENDING:
+        return True  # not sent yet
+    if status == OutboxStatus.DEAD:
+        return not until.frees_at_finish
+    account, operation, key = record_identity(holder.task, holder.message_id)
+    run = (
+        IdempotencyRecord.objects.using(alias)
+        .filter(account=account, operation=operation, key=key)
+        .values("status", "lease_expires_at")
+        .first()
+    )
+    if run is None:
+        # Sent, and no worker started it yet; unless that was longer ago than the worker
+        # keeps its record of a run (the task's ttl): then its record was purged, or the
+        # broker lost the message. (A purged message with a purged record: free.)
+        return sent_at is not None and (holder.run_ttl is None or sent_at + holder.run_ttl > now)
+    if until.frees_at_start:
+        return False
+    # Started: live while it runs under a live lease; finished, or its worker died and
+    # its lease ran out, it no longer holds the key.
+    return states.LIVE_LEASE.test(run, now=now)
+
+
+def records_by_message(func: object) -> bool:
+    """Whether ``func`` is under ``@idempotent_task()`` keyed by the message (no ``key=``):
+    its record then tells when a message's run started and finished."""
+    return bool(getattr(func, BY_MESSAGE, False))
+
+
+def record_ttl(func: object) -> timedelta | None:
+    """How long the worker keeps its record of a run of ``func`` (under
+    ``@idempotent_task()``): its ``ttl``, else the ``TTL`` setting; ``None`` for another."""
+    from django_idempotency.conf import app_settings
+
+    if not hasattr(func, RECORD_TTL):
+        return None
+    ttl: timedelta | None = getattr(func, RECORD_TTL)
+    return ttl or app_settings.TTL
+
+
+def record_identity(task: str, message_id: uuid.UUID) -> tuple[str, str, str]:
+    """The ``(account, operation, key)`` of the ``@idempotent_task`` record of a message's
+    run, as the worker stores it."""
+    return TASK_ACCOUNT, _storable.storable_name(task_operation(task)), str(message_id)
+
+
+def task_operation(task: str) -> str:
+    """The operation of an ``@idempotent_task`` record: ``task:<task name>``."""
+    return f"task:{task}"
+
+
+def finished(alias: str, message_id: object) -> None:
+    """The worker's run of a message ended with an error: its key (if it has one) is free.
+
+    A success needs nothing: its record says so."""
+    try:
+        pk = uuid.UUID(str(message_id))
+    except ValueError:
+        return
+    OutboxUniqueKey.objects.using(alias).filter(message_id=pk, finished_at=None).update(
+        finished_at=timezone.now()
+    )
+
+
+def describe_holder(holder: OutboxUniqueKey, now: datetime | None = None) -> dict[str, Any]:
+    """What the statistics and the audit say of a key: which message holds it, until when,
+    and whether it is live."""
+    alias = holder._state.db or DEFAULT_DB_ALIAS
+    return {
+        "task": holder.task,
+        "key": holder.key,
+        "message": str(holder.message_id),
+        "unique_until": holder.unique_until,
+        "held_until": holder.held_until.isoformat() if holder.held_until else None,
+        "live": holds(alias, holder, now or timezone.now()),
+    }

@@ -1,0 +1,124 @@
+"""The checks that need a connection: ``manage.py check --database <alias>``.
+
+- E051: ``CLAIM_DATABASE`` reaching another database than ``DATABASE`` (claims made there
+  are never completed where the work commits, and run again once per lease);
+- E052: the package's migrations not applied on ``DATABASE`` (every protected request
+  would be refused as if the database were down). ``migrate`` runs the database checks
+  first, and is not stopped by it.
+
+Each test points the alias ``claims`` (the same database, in tests/settings.py) elsewhere
+for its duration: an empty database of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core import checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connection, connections
+from django.test import override_settings
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+E051 = "django_idempotency.E051"
+E052 = "django_idempotency.E052"
+TABLES = (
+    "django_idempotency_audit",
+    "django_idempotency_outbox",
+    "django_idempotency_record",
+    "django_idempotency_step",
+)
+
+
+def found(*ids: str, databases: list[str] | None = None) -> list[Any]:
+    return [m for m in checks.run_checks(databases=databases) if m.id in ids]
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Iterator[str]:
+    """The alias ``claims`` pointed at an empty database of its own; its name."""
+    claims = connections["claims"]
+    saved = dict(claims.settings_dict)
+    name = f"test_idem_elsewhere_{os.getpid()}"
+    if connection.vendor == "sqlite":
+        name = str(tmp_path / "elsewhere.sqlite3")
+    else:
+        with connections["provider"].cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {name}")
+    claims.close()
+    claims.settings_dict["NAME"] = name
+    try:
+        yield name
+    finally:
+        claims.close()
+        claims.settings_dict.clear()
+        claims.settings_dict.update(saved)
+        if connection.vendor != "sqlite":
+            with connections["provider"].cursor() as cursor:
+                cursor.execute(f"DROP DATABASE {name}")
+
+
+def test_e051_a_claim_database_reaching_another_database(elsewhere):
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        (error,) = found(E051, databases=["default"])
+    assert "IDEMPOTENCY['CLAIM_DATABASE'] ('claims')" in error.msg
+    assert "run again" in error.msg
+    assert "same database" in error.hint
+    with (
+        override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}),
+        pytest.raises(SystemCheckError, match="E051"),
+    ):
+        call_command("check", databases=["default"], stdout=StringIO())
+
+
+def test_e051_not_for_a_claim_database_on_the_same_database():
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        assert found(E051, databases=["default"]) == []
+        assert found(E051) == []
+
+
+def test_e051_another_engine_is_told_without_a_connection(elsewhere):
+    claims = connections["claims"]
+    other = "mysql" if connection.vendor != "mysql" else "postgresql"
+    saved = claims.vendor
+    claims.vendor = other  # what the ENGINE of another backend would give
+    try:
+        with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+            (error,) = found(E051)
+    finally:
+        claims.vendor = saved
+    assert f"it is {other}" in error.msg
+
+
+def test_e052_the_packages_tables_missing(elsewhere):
+    with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
+        (error,) = found(E052, databases=["claims"])
+        assert found(E052) == []  # needs --database: a connection tells
+    for table in TABLES:
+        assert table in error.msg
+    assert "0001_initial" in error.msg
+    assert error.hint == "Run: python manage.py migrate django_idempotency --database claims"
+
+
+def test_e052_a_later_migration_not_applied(elsewhere):
+    out = StringIO()
+    call_command("migrate", "django_idempotency", "0008", database="claims", stdout=out)
+    with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
+        (error,) = found(E052, databases=["claims"])
+    assert "0009_outbox_delivery" in error.msg
+    assert "0008" not in error.msg
+    assert "missing" not in error.msg  # its tables are there, one column short
+
+
+def test_migrate_is_not_stopped_by_e052_and_clears_it(elsewhere):
+    with override_settings(IDEMPOTENCY={"DATABASE": "claims"}):
+        call_command("migrate", database="claims", stdout=StringIO())  # runs the checks
+        assert found(E052, databases=["claims"]) == []
+    assert set(TABLES) <= set(connections["claims"].introspection.table_names())

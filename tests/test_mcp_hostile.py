@@ -1,0 +1,571 @@
+"""Attacks on ``idempotent_tool`` of both frameworks, beyond ``test_mcp``: tools written the
+ways users write them (injected parameters, registered names, optional keys, odd return
+values), registration options, mounted servers. Effects are counted as in ``test_mcp``:
+``RUNS`` (tool bodies entered), ``Charge`` rows, ``OUTSIDE`` (provider calls)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+import types
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+pytest.importorskip("fastmcp")
+
+import anyio
+import fastmcp
+import pydantic
+from django.core.exceptions import ImproperlyConfigured
+from fastmcp import FastMCP
+from fastmcp.dependencies import Depends
+from mcp.server.mcpserver import MCPServer
+
+from django_idempotency import fastmcp as fastmcp_adapter
+from django_idempotency import mcp as mcp_adapter
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.helpers import in_thread, new_key, postgres_only
+from tests.test_mcp import (
+    ACCOUNT,
+    OUTSIDE,
+    RUNS,
+    WAIT,
+    _fresh_counters,  # noqa: F401  (the counters start empty in every test)
+    args,
+    call,
+    effects,
+    ran_once,
+    refund_effect,
+    refused,
+    replayed,
+)
+from tests.testapp.models import Charge
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FRAMEWORKS = ["mcpserver", "fastmcp"]
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def framework(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def server_of(framework: str, name: str = "shop") -> Any:
+    return FastMCP(name) if framework == "fastmcp" else MCPServer(name)
+
+
+def protect(framework: str, **options: Any) -> Any:
+    options.setdefault("account", ACCOUNT)
+    adapter = fastmcp_adapter if framework == "fastmcp" else mcp_adapter
+    return adapter.idempotent_tool(**options)
+
+
+# -- injected parameters are not arguments of the call -------------------------------------------
+
+#: How many times the dependency was resolved: once per call.
+RESOLVED = itertools.count()
+
+
+class Session:
+    """What a dependency typically gives a tool: a fresh object per call (a client, a
+    session), with no JSON form and an identity of its own."""
+
+    def __init__(self) -> None:
+        self.number = next(RESOLVED)
+
+
+def session() -> Session:
+    return Session()
+
+
+#: The dependency, as FastMCP's users declare one.
+PSP = Depends(session)
+
+
+def test_a_fastmcp_tool_with_an_injected_dependency_replays_its_retry():
+    server = FastMCP("shop")
+
+    @server.tool
+    @protect("fastmcp")
+    def refund(
+        order_id: int, amount: int, idempotency_key: str, psp: Session = PSP
+    ) -> dict[str, Any]:
+        assert isinstance(psp, Session)
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    first = call(server, args(key))
+    ran_once(first)
+    again = call(server, args(key))
+    # The retry carries the same arguments: the dependency's fresh object is not one of them.
+    replayed(first, again)
+    assert effects() == (1, 1, 1)
+
+
+def test_a_fastmcp_tool_with_an_injected_context_and_a_dependency_replays_its_retry():
+    server = FastMCP("shop")
+
+    @server.tool
+    @protect("fastmcp")
+    async def refund(
+        order_id: int,
+        amount: int,
+        idempotency_key: str,
+        ctx: fastmcp.Context,
+        psp: Session = PSP,
+    ) -> dict[str, Any]:
+        assert isinstance(ctx, fastmcp.Context)
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+    key = new_key()
+    first = call(server, args(key))
+    ran_once(first)
+    replayed(first, call(server, args(key)))
+    assert effects() == (1, 1, 1)
+
+
+# -- one function name, two tools -----------------------------------------------------------------
+
+
+def test_two_tools_registered_under_their_own_names_are_two_operations(framework):
+    """The default operation is ``tool:<registered name>``. A tool factory (one function per
+    currency, registered under ``name=``): each tool is another action, so one key sent to
+    each runs each once; the USD call never replays the EUR refund."""
+    server = server_of(framework)
+
+    for currency in ("eur", "usd"):
+
+        def make(currency: str) -> Any:
+            def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                RUNS.append(f"refund:{currency}")
+                OUTSIDE.append(f"refund:{currency}")
+                Charge.objects.create(account="refund", amount=amount, currency=currency.upper())
+                return {"currency": currency, "amount": amount}
+
+            return refund
+
+        server.tool(name=f"refund_{currency}")(protect(framework)(make(currency)))
+
+    key = new_key()
+    eur = call(server, args(key), name="refund_eur")
+    ran_once(eur)
+    usd = call(server, args(key), name="refund_usd")
+    # The USD refund is another tool: it runs, and answers in USD, not the EUR refund's result.
+    ran_once(usd)
+    assert usd.structured_content is not None
+    assert usd.structured_content["currency"] == "usd", usd
+    assert effects() == (2, 2, 2)
+    assert set(Charge.objects.values_list("currency", flat=True)) == {"EUR", "USD"}
+
+
+# -- the key argument's type and default ----------------------------------------------------------
+
+
+def test_an_optional_key_argument_falls_back_to_meta_and_refuses_without_either(framework):
+    server = server_of(framework)
+
+    @server.tool()
+    @protect(framework)
+    def refund(order_id: int, amount: int, idempotency_key: str | None = None) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    refused(call(server, args(None)), "idempotency_key_missing")
+    assert effects() == (0, 0, 0)
+    key = new_key()
+    first = call(server, args(None), meta={"idempotencyKey": key})
+    ran_once(first)
+    replayed(first, call(server, args(key)))  # the same key, from the argument this time
+    assert effects() == (1, 1, 1)
+
+
+def test_a_key_argument_typed_int_gets_a_code_not_a_generic_error(framework):
+    server = server_of(framework)
+
+    @server.tool()
+    @protect(framework)
+    def refund(order_id: int, amount: int, idempotency_key: int) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    result = call(server, {"order_id": 1, "amount": 5, "idempotency_key": 42})
+    if result.is_error:
+        refused(result, "idempotency_key_invalid")
+        assert effects() == (0, 0, 0)
+    else:
+        replayed(result, call(server, {"order_id": 1, "amount": 5, "idempotency_key": 42}))
+        assert effects() == (1, 1, 1)
+
+
+@pytest.mark.parametrize("key", [True, 1.5, 0, ""], ids=repr)
+def test_meta_keys_of_other_types_are_refused_with_a_code(framework, key):
+    server = server_of(framework)
+
+    @server.tool()
+    @protect(framework)
+    def refund(order_id: int, amount: int) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    refused(call(server, args(None), meta={"idempotencyKey": key}), "idempotency_key_invalid")
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_an_account_callable_that_raises_runs_nothing(framework):
+    server = server_of(framework)
+
+    def broken(context: Any) -> str:
+        raise KeyError("tenant")
+
+    @server.tool()
+    @protect(framework, account=broken)
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    result = call(server, args(new_key()))
+    assert result.is_error is True
+    assert effects() == (0, 0, 0)
+    assert not IdempotencyRecord.objects.exists()
+
+
+# -- what FastMCP tools return ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Receipt:
+    refund: int
+    amount: int
+
+
+class ReceiptModel(pydantic.BaseModel):
+    refund: int
+    amount: int
+
+
+def _receipt(order_id: int, amount: int) -> int:
+    refund_effect(order_id, amount)
+    return order_id * 1000 + amount  # the same answer for the same call
+
+
+RETURNS: dict[str, Any] = {
+    "none": (None, lambda o, a: (_receipt(o, a), None)[1]),
+    "int": (int, _receipt),
+    "str": (str, lambda o, a: f"refund {_receipt(o, a)}"),
+    "bytes": (bytes, lambda o, a: f"refund {_receipt(o, a)}".encode()),
+    "list": (list[int], lambda o, a: [_receipt(o, a)]),
+    "dataclass": (Receipt, lambda o, a: Receipt(_receipt(o, a), a)),
+    "model": (ReceiptModel, lambda o, a: ReceiptModel(refund=_receipt(o, a), amount=a)),
+    "image": (
+        fastmcp.utilities.types.Image,
+        lambda o, a: (_receipt(o, a), fastmcp.utilities.types.Image(data=b"\x89PNG", format="png"))[
+            1
+        ],
+    ),
+    "toolresult": (
+        fastmcp.tools.ToolResult,
+        lambda o, a: fastmcp.tools.ToolResult(
+            content=f"refund {_receipt(o, a)}", structured_content={"amount": a}, meta={"x": 1}
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("returns", list(RETURNS))
+def test_a_fastmcp_tool_answers_the_first_call_as_unprotected_and_replays_it(returns):
+    answers_as_unprotected(returns, {})
+
+
+@pytest.mark.parametrize("returns", ["int", "str", "list"])
+def test_a_fastmcp_tool_registered_without_output_schema_answers_as_unprotected(returns):
+    """FastMCP's ``@server.tool(output_schema=None)``: the adapter converts the return value
+    as that registration does (no ``structuredContent`` wrapping), first call and replay."""
+    answers_as_unprotected(returns, {"output_schema": None})
+
+
+def answers_as_unprotected(returns: str, registration: dict[str, Any]) -> None:
+    annotation, body = RETURNS[returns]
+    plain, guarded = FastMCP("plain"), FastMCP("guarded")
+
+    def tool() -> Any:
+        def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
+            return body(order_id, amount)
+
+        refund.__annotations__["return"] = annotation
+        return refund
+
+    plain.tool(**registration)(tool())
+    guarded.tool(**registration)(protect("fastmcp")(tool()))
+    unprotected = call(plain, args("unused"))
+    key = new_key()
+    first = call(guarded, args(key))
+    ran_once(first)
+    # The protected tool's first answer is the one FastMCP gives the unprotected tool.
+    assert first.content == unprotected.content
+    assert first.structured_content == unprotected.structured_content
+    assert first.is_error == unprotected.is_error
+    replayed(first, call(guarded, args(key)))
+    assert effects() == (2, 2, 2)  # the unprotected call, then the protected one once
+
+
+# -- FastMCP's registration options ----------------------------------------------------------------
+
+
+def test_a_fastmcp_sync_tool_registered_to_run_on_the_event_loop_runs_once():
+    """``@server.tool(run_in_thread=False)`` calls the sync tool on the event loop, where
+    Django refuses the engine's queries (it answered a generic ``SynchronousOnlyOperation``
+    error): the call runs on a thread of its own, once, and its retry replays it."""
+    server = FastMCP("shop")
+
+    @server.tool(run_in_thread=False)
+    @protect("fastmcp")
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    first = call(server, args(key))
+    ran_once(first)
+    replayed(first, call(server, args(key)))
+    assert effects() == (1, 1, 1)
+
+
+def test_a_fastmcp_async_tool_past_its_timeout_completes_and_its_retry_replays():
+    """FastMCP's ``timeout=`` answers the agent an error and cancels the tool's task: the
+    attempt goes on to its end (as for a client that went away), and the retry, on the same
+    living server, gets its outcome: one refund."""
+    server = FastMCP("shop")
+
+    @server.tool(timeout=0.5)
+    @protect("fastmcp")
+    async def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        from asgiref.sync import sync_to_async
+
+        await anyio.sleep(1.5)
+        return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+    key = new_key()
+
+    async def agent() -> tuple[Any, Any]:
+        with anyio.fail_after(WAIT):
+            async with fastmcp.Client(server) as client:
+                first = await client.call_tool("refund", args(key), raise_on_error=False)
+            await anyio.sleep(3)  # the server (this event loop) lives on; the tool ends
+            async with fastmcp.Client(server) as client:
+                again = await client.call_tool("refund", args(key), raise_on_error=False)
+            return first, again
+
+    first, again = anyio.run(agent)
+    assert first.is_error is True  # timed out, from the agent's side
+    assert again.is_error is not True, again
+    assert (again.meta or {}).get("idempotentReplayed") is True, again
+    assert effects() == (1, 1, 1)
+    assert IdempotencyRecord.objects.get(key=key).status == RecordStatus.COMPLETED
+
+
+def test_a_tool_returning_none_answers_its_client(framework):
+    # The annotation as a module without ``from __future__ import annotations`` holds it.
+    cancel_annotation: Any = None
+    """An action tool that answers nothing (``-> None``: a mail sent, an order cancelled): the
+    agent's client gets a result, first and on the retry; the tool ran once."""
+    server = server_of(framework)
+
+    def cancel(order_id: int, idempotency_key: str) -> None:
+        refund_effect(order_id, 0)
+
+    cancel.__annotations__["return"] = cancel_annotation
+    server.tool()(protect(framework)(cancel))
+
+    key = new_key()
+    first = call(server, {"order_id": 1, "idempotency_key": key}, name="cancel")
+    ran_once(first)
+    replayed(first, call(server, {"order_id": 1, "idempotency_key": key}, name="cancel"))
+    assert effects() == (1, 1, 1)
+
+
+def test_one_key_through_both_frameworks_refund_tools_is_one_refund():
+    """The same refund tool served through ``MCPServer`` and through FastMCP (as the example
+    project does) is one operation: one token, one key, one refund, and the other framework's
+    client reads the stored result."""
+    sdk, fast = MCPServer("shop"), FastMCP("shop")
+    for server, framework in ((sdk, "mcpserver"), (fast, "fastmcp")):
+
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+        server.tool()(protect(framework)(refund))
+    for first_server, other in ((sdk, fast), (fast, sdk)):
+        RUNS.clear()
+        OUTSIDE.clear()
+        Charge.objects.all().delete()
+        key = new_key()
+        first = call(first_server, args(key))
+        ran_once(first)
+        again = call(other, args(key))
+        assert again.structured_content == first.structured_content
+        assert (again.meta or {}).get("idempotentReplayed") is True
+        assert effects() == (1, 1, 1)
+
+
+# -- mounted servers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["mount", "mount-prefixed"])
+def test_a_protected_tool_of_a_mounted_fastmcp_runs_once(how):
+    child, parent = FastMCP("child"), FastMCP("parent")
+
+    @child.tool
+    @protect("fastmcp")
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    name = "refund"
+    if how == "mount":
+        parent.mount(child)
+    else:
+        parent.mount(child, namespace="child")
+        name = "child_refund"
+    key = new_key()
+    first = call(parent, args(key), name=name)
+    ran_once(first)
+    replayed(first, call(parent, args(key), name=name))
+    replayed(first, call(child, args(key)))  # the child served on its own: one action
+    assert effects() == (1, 1, 1)
+
+
+def test_the_decorator_above_a_mounted_fastmcps_tool_is_refused():
+    child = FastMCP("child")
+    with pytest.raises(ImproperlyConfigured):
+
+        @protect("fastmcp")
+        @child.tool
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+
+#: A project's module of servers, reached as ``servers.shop`` (``from . import servers``).
+servers = types.ModuleType("servers")
+servers.shop = MCPServer("shop")  # type: ignore[attr-defined]
+#: A project's registry of servers by name.
+SERVERS = {"shop": MCPServer("shop")}
+
+
+@pytest.mark.parametrize("where", ["module attribute", "dict item"])
+def test_the_decorator_above_a_server_of_another_module_or_a_dict_is_refused(where):
+    try:
+        if where == "module attribute":
+
+            @mcp_adapter.idempotent_tool(account=ACCOUNT)
+            @servers.shop.tool()  # type: ignore[attr-defined]
+            def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                return refund_effect(order_id, amount)
+
+        else:
+
+            @mcp_adapter.idempotent_tool(account=ACCOUNT)
+            @SERVERS["shop"].tool()
+            def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                return refund_effect(order_id, amount)
+
+    except ImproperlyConfigured:
+        return  # refused where it is written: nothing served unprotected
+    # Not refused: the server serves the bare function, and a retry runs again.
+    server = servers.shop if where == "module attribute" else SERVERS["shop"]  # type: ignore[attr-defined]
+    key = new_key()
+    call(server, args(key))
+    call(server, args(key))
+    assert effects() == (1, 1, 1), "the decorator above the server's looked protected and was not"
+
+
+@postgres_only
+def test_a_storm_on_a_tool_with_injected_parameters_runs_once_and_every_call_gets_its_result():
+    """Eight agents' identical calls at once, on a FastMCP tool taking its Context and a
+    dependency, with ``wait=``: one refund, and every call answered with its result."""
+    server = FastMCP("shop")
+    entered, leave = threading.Event(), threading.Event()
+
+    @server.tool
+    @protect("fastmcp", wait=timedelta(seconds=WAIT))
+    def refund(
+        order_id: int,
+        amount: int,
+        idempotency_key: str,
+        ctx: fastmcp.Context,
+        psp: Session = PSP,
+    ) -> dict[str, Any]:
+        entered.set()
+        assert leave.wait(WAIT)
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        result = call(server, args(key))
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=in_thread(one)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert entered.wait(WAIT)
+        time.sleep(1)
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(results) == 8
+    (first,) = [r for r in results if not (r.meta or {}).get("idempotentReplayed")]
+    ran_once(first)
+    for result in results:
+        if result is not first:
+            replayed(first, result)
+    assert effects() == (1, 1, 1)
+
+
+def test_an_async_tool_whose_agent_goes_away_mid_call_completes_and_its_retry_replays(framework):
+    """The agent's connection closes while the ``async def`` tool runs: the attempt goes on to
+    its end on the living server, and the retry gets its outcome: one refund."""
+    server = server_of(framework)
+    entered = anyio.Event()
+
+    @server.tool()
+    @protect(framework)
+    async def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        from asgiref.sync import sync_to_async
+
+        entered.set()
+        await anyio.sleep(1)
+        return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+    key = new_key()
+
+    async def once(scope: anyio.CancelScope | None = None) -> Any:
+        if framework == "fastmcp":
+            async with fastmcp.Client(server) as client:
+                return await client.call_tool("refund", args(key), raise_on_error=False)
+        from mcp import Client
+
+        async with Client(server) as client:
+            return await client.call_tool("refund", args(key))
+
+    async def agent() -> Any:
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as group:
+                group.start_soon(once)
+                await entered.wait()
+                group.cancel_scope.cancel()  # the agent goes away
+            await anyio.sleep(2.5)  # the server (this event loop) lives on
+            return await once()
+
+    again = anyio.run(agent)
+    assert again.is_error is not True, again
+    assert (again.meta or {}).get("idempotentReplayed") is True, again
+    assert effects() == (1, 1, 1)

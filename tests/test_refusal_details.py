@@ -1,0 +1,115 @@
+"""What a client is told: a refusal says what the client can do (retry, when, with what),
+never the server's settings, key ids, hosts or SQL, which go to the log and to ``check``.
+``idempotency_store_unavailable`` says that nothing ran only where nothing ran.
+
+Each refusal whose cause is the server's is driven here over HTTP (and, for a tool call,
+through the MCP wrapper), counting the operation's effects beside what the body says.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+from django.db import OperationalError, connection
+from django.test import Client, override_settings
+
+from django_idempotency import _problems
+from django_idempotency.models import IdempotencyRecord
+from tests.helpers import new_key, says_nothing_of_the_server
+from tests.testapp.models import Charge, ProviderCall, ProviderCharge
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+CHARGE = {"amount": 5, "currency": "EUR"}
+
+
+@pytest.fixture
+def post(user: Any) -> Any:
+    client = Client()
+    client.force_login(user)
+
+    def post(key: str, **headers: str) -> Any:
+        return client.post(
+            "/charges/",
+            CHARGE,
+            content_type="application/json",
+            headers={"Idempotency-Key": key, **headers},
+        )
+
+    return post
+
+
+def problem(response: Any, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.content
+    body: dict[str, Any] = json.loads(response.content)
+    assert body["code"] == code
+    says_nothing_of_the_server(body)
+    return body
+
+
+def test_a_response_too_large_to_keep_names_no_setting(post):
+    with override_settings(IDEMPOTENCY={"MAX_RESPONSE_BYTES": 10}):
+        body = problem(post(new_key()), 500, "idempotency_response_not_storable")
+    assert "larger than" in body["detail"]
+    assert Charge.objects.count() == 0  # rolled back
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def failing_completion(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    if sql.lstrip().upper().startswith("UPDATE") and "completed_at" in sql:
+        raise OperationalError(
+            f'UPDATE "django_idempotency_record" SET ... on host {connection.settings_dict["NAME"]}'
+        )
+    return execute(sql, params, many, context)
+
+
+def test_after_the_view_ran_store_unavailable_says_it_ran_and_shows_no_sql(post, caplog):
+    key = new_key()
+    caplog.set_level(logging.ERROR, logger="django_idempotency")
+    with connection.execute_wrapper(failing_completion):
+        body = problem(post(key), 503, "idempotency_store_unavailable")
+    assert body["detail"] == _problems.RAN_NOT_RECORDED
+    assert "not run" not in body["detail"]
+    assert "nothing ran" not in body["detail"]
+    assert ProviderCall.objects.count() == 1  # the view ran: its provider call was made
+    assert Charge.objects.count() == 0  # its database work was rolled back
+    assert "django_idempotency_record" in caplog.text  # the log keeps the cause
+    assert post(key).status_code == 201  # the retry runs it again, as the detail says
+    assert Charge.objects.count() == 1
+
+
+def failing_claim(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    if "INSERT" in sql.upper() and "django_idempotency_record" in sql:
+        raise OperationalError(f"could not connect to server {connection.settings_dict['NAME']}")
+    return execute(sql, params, many, context)
+
+
+def test_a_claim_that_fails_says_nothing_ran(post):
+    with connection.execute_wrapper(failing_claim):
+        body = problem(post(new_key()), 503, "idempotency_store_unavailable")
+    assert body["detail"] == _problems.NOT_RUN
+    assert ProviderCall.objects.count() == 0
+    assert Charge.objects.count() == 0
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's session timeout")
+def test_a_session_the_server_ends_while_the_view_runs_is_a_503_saying_the_view_ran(post):
+    """``idle_in_transaction_session_timeout`` ends the request's session while its view
+    waits inside its transaction: the completion fails after the view ran. The answer says
+    so (never "nothing ran"), and the retry runs the view again, as the docs say; the
+    provider, called with the derived key, charges once."""
+    key = new_key()
+    with connection.cursor() as cursor:
+        cursor.execute("SET idle_in_transaction_session_timeout = 300")
+    ended = post(key, **{"X-Test": "sleep-after-write:1.5"})
+    body = problem(ended, 503, "idempotency_store_unavailable")
+    assert body["detail"] == _problems.RAN_NOT_RECORDED
+    assert ProviderCall.objects.count() == 1  # the view ran
+    assert Charge.objects.count() == 0  # its database work did not survive
+    assert IdempotencyRecord.objects.count() == 0  # released: the retry runs afresh
+    assert post(key).status_code == 201
+    assert ProviderCall.objects.count() == 2  # the view ran a second time, as documented
+    assert ProviderCharge.objects.count() == 1  # the derived key: one charge at the provider
+    assert Charge.objects.count() == 1

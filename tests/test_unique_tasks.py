@@ -1,0 +1,530 @@
+"""One live task per key (``outbox.enqueue_once``) on every database, in one process.
+
+Messages and key rows are counted; a run's state is the ``@idempotent_task`` record the
+worker writes (made here as the worker makes it, or by an eager run). Real workers, relays
+and racing processes: ``tests/test_unique_tasks_servers.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connections, transaction
+from django.db.transaction import TransactionManagementError
+from django.test import override_settings
+from django.utils import timezone
+
+from django_idempotency import InvalidKey, TaskAlreadyQueued, _unique, maintenance, outbox
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+from tests.helpers import postgres_only
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+celery = pytest.importorskip("celery", reason="Celery is an optional dependency")
+
+from tests.test_outbox import eager_celery  # noqa: E402, F401  (a fixture)
+from tests.testapp.tasks import fail_once, record_effect, record_effect_by_tag  # noqa: E402
+
+TASK = "tests.record_effect"
+
+
+def once(key: str = "nightly", task: object = record_effect, *args: Any, **options: Any) -> Any:
+    with transaction.atomic():
+        return outbox.enqueue_once(key, task, *(args or ("tag",)), **options)
+
+
+def messages() -> int:
+    return OutboxMessage.objects.count()
+
+
+def run_record(message_id: uuid.UUID, status: str, lease: timedelta | None = None) -> None:
+    """The worker's record of a message's run, as ``@idempotent_task`` writes it."""
+    account, operation, key = _unique.record_identity(TASK, message_id)
+    now = timezone.now()
+    IdempotencyRecord.objects.create(
+        account=account,
+        operation=operation,
+        key=key,
+        request_hash="-",
+        status=status,
+        lease_token=uuid.uuid4(),
+        lease_expires_at=now + lease if lease is not None else None,
+        expires_at=now + timedelta(days=1),
+    )
+
+
+def sent(message_id: uuid.UUID) -> None:
+    OutboxMessage.objects.filter(pk=message_id).update(
+        status=OutboxStatus.SENT, sent_at=timezone.now()
+    )
+
+
+# -- one live message per key ----------------------------------------------------------------------
+
+
+def test_a_free_key_writes_one_message_and_holds_the_key():
+    first = once()
+    assert messages() == 1
+    holder = OutboxUniqueKey.objects.get()
+    assert (holder.task, holder.key, holder.message_id) == (TASK, "nightly", first)
+    assert holder.unique_until == "finished"
+
+
+def test_a_held_key_returns_the_live_message_and_writes_nothing():
+    first = once()
+    assert [once() for _ in range(5)] == [first] * 5
+    assert messages() == 1
+    assert OutboxUniqueKey.objects.count() == 1
+
+
+def test_on_conflict_raise_carries_the_live_message_id_and_leaves_the_transaction_usable():
+    first = once()
+    with transaction.atomic():
+        with pytest.raises(TaskAlreadyQueued) as caught:
+            outbox.enqueue_once("nightly", record_effect, "tag", on_conflict="raise")
+        # The caller's transaction goes on: its own writes still commit.
+        outbox.enqueue(record_effect, "other work")
+    assert caught.value.message_id == first
+    assert isinstance(caught.value, __import__("django_idempotency").IdempotencyError)
+    assert messages() == 2
+
+
+def test_the_key_is_scoped_by_the_task_name():
+    a = once("k", record_effect)
+    b = once("k", fail_once)
+    c = once("other", record_effect)
+    assert len({a, b, c}) == 3
+    assert messages() == 3
+
+
+def test_keys_compare_exactly():
+    assert once("Nightly") != once("nightly")
+    assert messages() == 2
+
+
+class Undone(Exception):
+    """Rolls the enqueue's transaction back."""
+
+
+def enqueue_then_roll_back(key: str, task: object, *args: Any) -> None:
+    with transaction.atomic():
+        outbox.enqueue_once(key, task, *args)
+        raise Undone
+
+
+def test_an_enqueue_rolled_back_leaves_the_key_free():
+    with pytest.raises(Undone):
+        enqueue_then_roll_back("nightly", record_effect, "tag")
+    assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
+    kept = once()
+    assert OutboxMessage.objects.get().pk == kept
+
+
+def test_two_enqueues_in_one_transaction_give_one_message():
+    with transaction.atomic():
+        a = outbox.enqueue_once("nightly", record_effect, "tag")
+        b = outbox.enqueue_once("nightly", record_effect, "tag")
+    assert a == b
+    assert messages() == 1
+
+
+# -- when a message stops holding its key ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_sent_message_no_worker_started_holds_its_key(until: str):
+    first = once(unique_until=until)
+    sent(first)
+    assert once(unique_until=until) == first
+
+
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_sent_message_without_a_run_for_longer_than_the_tasks_ttl_frees_its_key(until: str):
+    """Its run's record was purged after the task's TTL, or the broker lost the message."""
+    from django_idempotency.conf import app_settings
+
+    first = once(unique_until=until)
+    sent(first)
+    OutboxMessage.objects.filter(pk=first).update(
+        sent_at=timezone.now() - app_settings.TTL + timedelta(minutes=1)
+    )
+    assert once(unique_until=until) == first
+    OutboxMessage.objects.filter(pk=first).update(
+        sent_at=timezone.now() - app_settings.TTL - timedelta(seconds=1)
+    )
+    assert once(unique_until=until) != first
+
+
+def test_started_frees_the_key_once_a_worker_started_the_run():
+    first = once(unique_until="started")
+    sent(first)
+    run_record(first, "in_progress", lease=timedelta(minutes=1))
+    second = once(unique_until="started")
+    assert second != first
+    assert messages() == 2
+    assert OutboxUniqueKey.objects.get().message_id == second
+
+
+def test_finished_holds_the_key_while_the_run_holds_a_live_lease():
+    first = once()
+    sent(first)
+    run_record(first, "in_progress", lease=timedelta(minutes=1))
+    assert once() == first
+
+
+@pytest.mark.parametrize("status", ["completed", "failed"])
+def test_finished_frees_the_key_when_the_run_finished(status: str):
+    first = once()
+    sent(first)
+    run_record(first, status)
+    assert once() != first
+    assert messages() == 2
+
+
+def test_a_dead_workers_run_frees_the_key_when_its_lease_ran_out():
+    first = once()
+    sent(first)
+    run_record(first, "in_progress", lease=timedelta(seconds=-1))
+    assert once() != first
+
+
+def test_a_dead_message_frees_its_key():
+    first = once()
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.DEAD)
+    assert once() != first
+
+
+def test_a_duration_holds_the_key_whatever_the_message_does_then_frees_it():
+    first = once(unique_until=timedelta(minutes=5))
+    sent(first)
+    run_record(first, "completed")
+    assert once(unique_until=timedelta(minutes=5)) == first
+    OutboxUniqueKey.objects.update(held_until=timezone.now() - timedelta(seconds=1))
+    second = once(unique_until=timedelta(minutes=5))
+    assert second != first
+    assert OutboxUniqueKey.objects.get().held_until > timezone.now()
+
+
+def test_a_key_taken_over_keeps_one_row_pointing_at_the_new_message():
+    first = once()
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.DEAD)
+    second = once(unique_until="started")
+    row = OutboxUniqueKey.objects.get()
+    assert (row.message_id, row.unique_until, row.finished_at) == (second, "started", None)
+
+
+@postgres_only  # the task's body writes through a second connection
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_that_ended_with_an_error_frees_its_key():
+    first = once("k", fail_once, "failing")
+    sent(first)
+    with pytest.raises(RuntimeError):
+        fail_once.apply(args=("failing",), task_id=str(first), throw=True)
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    assert once("k", fail_once, "failing") != first
+
+
+@postgres_only
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_that_succeeded_frees_its_key_through_its_record():
+    first = once("k", record_effect, "eager-unique")
+    sent(first)
+    record_effect.apply(args=("eager-unique",), task_id=str(first))
+    assert IdempotencyRecord.objects.get(key=str(first)).status == "completed"
+    assert once("k", record_effect, "eager-unique") != first
+
+
+# -- refusals: nothing written ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["", "a b", "x" * 256, "é", None, 7])
+def test_a_key_that_is_not_a_valid_key_is_refused(key: Any):
+    with pytest.raises(InvalidKey if isinstance(key, str) else (InvalidKey, TypeError)):
+        once(key)
+    assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("Finished", ValueError),
+        ("until_executed", ValueError),
+        ("duration", ValueError),
+        (timedelta(0), ValueError),
+        (timedelta(seconds=-1), ValueError),
+        (timedelta(days=40000), ValueError),
+        (60, TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
+)
+def test_an_unknown_or_empty_unique_until_is_refused(value: Any, error: type[Exception]):
+    with pytest.raises(error, match="unique_until"):
+        once(unique_until=value)
+    assert messages() == 0
+
+
+@pytest.mark.parametrize("value", ["ignore", "RAISE", None, True])
+def test_an_unknown_on_conflict_is_refused(value: Any):
+    with pytest.raises(ValueError, match="on_conflict"):
+        once(on_conflict=value)
+    assert messages() == 0
+
+
+@pytest.mark.parametrize("until", ["started", "finished"])
+@pytest.mark.parametrize("task", [TASK, record_effect_by_tag])
+def test_started_and_finished_need_a_task_whose_runs_are_recorded_by_message(
+    until: str, task: object
+):
+    with pytest.raises(ValueError, match="@idempotent_task"):
+        once(task=task, unique_until=until)
+    assert messages() == 0
+
+
+def test_a_task_name_takes_a_duration():
+    first = once(task=TASK, unique_until=timedelta(minutes=1))
+    assert once(task=TASK, unique_until=timedelta(minutes=1)) == first
+
+
+def test_outside_a_transaction_it_raises_and_writes_nothing():
+    with pytest.raises(TransactionManagementError):
+        outbox.enqueue_once("nightly", record_effect, "tag")
+    assert messages() == 0
+
+
+def test_unstorable_arguments_are_refused_before_the_key_is_taken():
+    with pytest.raises(TypeError):
+        once("nightly", record_effect, "nul\x00")
+    assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
+    assert once() is not None
+
+
+# -- the purge -------------------------------------------------------------------------------------
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
+def test_the_purge_takes_a_sent_messages_key_along():
+    first = once()
+    other = once("other")
+    sent(first)
+    OutboxMessage.objects.filter(pk=first).update(sent_at=timezone.now() - timedelta(days=30))
+    assert maintenance.purge_expired().outbox_deleted == 1
+    assert list(OutboxUniqueKey.objects.values_list("message_id", flat=True)) == [other]
+
+
+# -- two transactions at once ----------------------------------------------------------------------
+
+
+def racing(count: int, enqueue: Callable[[], uuid.UUID]) -> list[uuid.UUID]:
+    """``count`` threads, each with its own connection, enqueue at once; each transaction
+    stays open a moment after its enqueue, so that they overlap."""
+    barrier = threading.Barrier(count)
+    answers: list[uuid.UUID] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            barrier.wait(timeout=10)
+            with transaction.atomic():
+                answers.append(enqueue())
+                threading.Event().wait(0.2)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    return answers
+
+
+@postgres_only
+def test_enqueues_racing_in_several_transactions_give_one_message():
+    answers = racing(4, lambda: outbox.enqueue_once("race", record_effect, "tag"))
+    assert messages() == 1
+    assert set(answers) == {OutboxMessage.objects.get().pk}
+
+
+@postgres_only
+def test_enqueues_racing_for_a_freed_key_give_one_new_message():
+    first = once("race")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.DEAD)
+    answers = racing(4, lambda: outbox.enqueue_once("race", record_effect, "tag"))
+    assert messages() == 2
+    (new,) = set(answers)
+    assert new != first
+    assert OutboxUniqueKey.objects.get().message_id == new
+
+
+# -- Django's Tasks framework through OutboxBackend ------------------------------------------------
+
+needs_tasks = pytest.mark.skipif(
+    not __import__("django.conf").conf.settings.HAS_DJANGO_TASKS,
+    reason="Django's Tasks framework with django-tasks-db is not installed",
+)
+
+
+@needs_tasks
+def test_a_django_task_takes_a_key_through_its_outbox_backend():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    with transaction.atomic():
+        result = tasks_backend.enqueue_once("nightly", django_task, "tag")
+        again = tasks_backend.enqueue_once("nightly", django_task.using(priority=5), "tag")
+        same = outbox.enqueue_once("nightly", django_task, "tag")
+    assert result.id == again.id == str(same)
+    assert result.status.name == "READY"
+    row = OutboxMessage.objects.get()
+    assert (row.task, row.args, row.delivery["backend"]) == (
+        django_task.module_path,
+        ["tag"],
+        "default",
+    )
+    assert OutboxUniqueKey.objects.get().task == django_task.module_path
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        tasks_backend.enqueue_once("nightly", django_task, "tag", on_conflict="raise")
+    assert str(caught.value.message_id) == result.id
+
+
+@needs_tasks
+def test_a_django_task_not_under_idempotent_task_takes_only_a_duration():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with pytest.raises(ValueError, match="@idempotent_task"), transaction.atomic():
+        tasks_backend.enqueue_once("k", record_plain, "tag")
+    with transaction.atomic():
+        hour = timedelta(hours=1)
+        first = tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour)
+        assert tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour).id == first.id
+    assert messages() == 1
+
+
+@needs_tasks
+def test_a_django_task_on_another_backend_is_refused():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    with pytest.raises(TypeError, match="outbox backend"), transaction.atomic():
+        tasks_backend.enqueue_once("k", django_task.using(backend="worker"), "tag")
+    assert messages() == 0
+
+
+# -- which key holds which message: the admin, the statistics, the audit -------------------------
+
+
+def test_the_admin_shows_which_message_holds_each_key(admin_client: Any):
+    live = once("live-key")
+    freed = once("freed-key")
+    OutboxMessage.objects.filter(pk=freed).update(status=OutboxStatus.DEAD)
+    page = admin_client.get("/admin/django_idempotency/outboxuniquekey/").content.decode()
+    assert "live-key" in page
+    assert str(live) in page
+    assert page.count("held (live)") == 1
+    assert page.count("free (its message is no longer live)") == 1
+    holder = OutboxUniqueKey.objects.get(key="live-key")
+    detail = admin_client.get(f"/admin/django_idempotency/outboxuniquekey/{holder.pk}/change/")
+    assert detail.status_code == 200
+    message_page = admin_client.get(f"/admin/django_idempotency/outboxmessage/{live}/change/")
+    assert "live-key (finished): held (live)" in message_page.content.decode()
+    found = admin_client.get("/admin/django_idempotency/outboxmessage/", {"q": "live-key"})
+    assert str(live) in found.content.decode()
+    assert str(freed) not in found.content.decode()
+
+
+def test_stats_and_the_audit_list_each_key_with_its_message():
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    live = once("live-key")
+    out = StringIO()
+    call_command("idempotency_stats", stdout=out)
+    assert any(
+        "live-key" in line and str(live) in line and line.rstrip().endswith("live")
+        for line in out.getvalue().splitlines()
+    ), out.getvalue()
+    out = StringIO()
+    call_command("idempotency_stats", "--json", stdout=out)
+    (row,) = json.loads(out.getvalue())["unique_keys"]
+    assert (row["key"], row["message"], row["live"], row["message_status"]) == (
+        "live-key",
+        str(live),
+        True,
+        "pending",
+    )
+    out = StringIO()
+    call_command("idempotency_audit", "--unique-keys", "--format", "json", stdout=out)
+    assert [k["message"] for k in json.loads(out.getvalue())["unique_keys"]] == [str(live)]
+    out = StringIO()
+    call_command("idempotency_audit", "--unique-keys", stdout=out)
+    assert "live-key" in out.getvalue()
+    assert str(live) in out.getvalue()
+
+
+# -- the shape of the code: policies declared once, an outbox without task frameworks -------------
+
+PACKAGE = __import__("pathlib").Path(__import__("django_idempotency").__file__).parent
+POLICY_WORDS = {"retry", "fail", "resume", "started", "finished", "duration"}
+
+
+def _imports(path: Any) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("module", ["outbox", "_senders", "_relay", "_unique"])
+def test_the_outbox_imports_nothing_of_celery_or_djangos_tasks(module: str):
+    refused = ("celery", "django.tasks", "django_tasks", "kombu")
+    ours = (
+        "django_idempotency._tasks_compat",
+        "django_idempotency.tasks_backend",
+        "django_idempotency.tasks",
+        "django_idempotency.celery_sender",
+    )
+    imported = _imports(PACKAGE / f"{module}.py")
+    assert not [n for n in imported if n.split(".")[0] in refused or n.startswith(refused)]
+    assert not [n for n in imported if n in ours or n.startswith(tuple(f"{o}." for o in ours))]
+
+
+def test_no_module_compares_a_policy_by_its_name():
+    """Readers ask a declared policy for a trait (``_policies``); none compares the word."""
+    import ast
+
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_policies.py" or "migrations" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for side in [node.left, *node.comparators]:
+                values = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                for value in values:
+                    if isinstance(value, ast.Constant) and value.value in POLICY_WORDS:
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found

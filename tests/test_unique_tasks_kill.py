@@ -1,0 +1,62 @@
+"""One live task per key: a worker SIGKILLed mid-task frees its key when its run's lease ran
+out, and the next enqueue runs. Each test starts its own worker and relay (the worker is
+killed); tests/test_unique_tasks_servers.py has the rest.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import ExitStack
+
+import pytest
+from django.utils import timezone
+
+from django_idempotency import _unique
+from django_idempotency.models import IdempotencyRecord, OutboxUniqueKey
+from tests.helpers import postgres_only, stop_process, wait_until
+from tests.testapp.models import ProviderCall
+
+pytest.importorskip("celery", reason="Celery is an optional dependency")
+
+from tests.unique_servers import FRAMEWORKS, effects, enqueue_once, framework_named
+
+pytestmark = [
+    pytest.mark.servers,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+    postgres_only,
+]
+
+TIMEOUT = 30  # seconds: a bound on every wait for a process
+
+
+@pytest.mark.usefixtures("run_queue")
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str):
+    framework = framework_named(name)
+    task, tag = framework.killed_task, f"killed-{framework.name}"
+    with ExitStack() as stack:
+        stack.callback(stop_process, framework.relay())
+        worker = stack.enter_context(framework.worker())
+        first = enqueue_once("k", task, tag, 60)
+        wait_until(
+            lambda: ProviderCall.objects.filter(key__startswith=f"start:{tag}:").exists(),
+            "the run to start",
+            timeout=TIMEOUT,
+        )
+        stop_process(worker, signal.SIGKILL)
+        # The dead run's lease still runs: the key is held.
+        assert enqueue_once("k", task, tag, 0.1) == first
+        account, operation, key = _unique.record_identity(framework.task_name(task), first)
+        record = IdempotencyRecord.objects.get(account=account, operation=operation, key=key)
+        assert record.status == "in_progress"
+        wait_until(
+            lambda: not _unique.holds("default", OutboxUniqueKey.objects.get(), timezone.now()),
+            "the dead run's lease to run out",
+            timeout=TIMEOUT,
+        )
+        second = enqueue_once("k", task, tag, 0.1)
+        assert second != first
+        stack.enter_context(framework.worker())
+        wait_until(lambda: effects(tag) == 1, "the next run", timeout=TIMEOUT)
+    assert effects(tag) == 1  # the killed run's effect rolled back with it
+    assert OutboxUniqueKey.objects.get().message_id == second
