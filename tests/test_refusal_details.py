@@ -81,7 +81,11 @@ def test_after_the_view_ran_store_unavailable_says_it_ran_and_shows_no_sql(post,
 
 
 def failing_claim(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-    if "INSERT" in sql.upper() and "django_idempotency_record" in sql:
+    # The claim: PostgreSQL's server-side function, elsewhere the INSERT of the record.
+    claiming = "django_idempotency_record_claim" in sql or (
+        "INSERT" in sql.upper() and "django_idempotency_record" in sql
+    )
+    if claiming:
         raise OperationalError(f"could not connect to server {connection.settings_dict['NAME']}")
     return execute(sql, params, many, context)
 
