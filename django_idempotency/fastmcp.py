@@ -59,7 +59,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def principal_account(context: Any = None) -> str | None:
     """The default account: the principal of FastMCP's access token for the call, named
-    as :func:`django_idempotency.mcp.principal_account` names the SDK's (the same token
+    as ``django_idempotency.mcp.principal_account`` names the SDK's (the same token
     is the same account whichever framework serves the tool), or ``None``."""
     return _tools.principal_of(get_access_token())
 
@@ -69,7 +69,7 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
 
     Put it beneath ``@server.tool``, with parentheses. The options, the key (the tool's
     ``idempotency_key`` argument, else the call's ``_meta["idempotencyKey"]``), the
-    refusals and the replay are those of :func:`django_idempotency.mcp.idempotent_tool`;
+    refusals and the replay are those of ``django_idempotency.mcp.idempotent_tool``;
     a callable ``account`` takes FastMCP's ``Context``. A wrong option raises
     ``ImproperlyConfigured`` here, when the tool is decorated.
     """

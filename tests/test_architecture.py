@@ -14,6 +14,9 @@ from django.db import connection
 from django.http import HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
 from django.test import RequestFactory
+
+pytest.importorskip("rest_framework")  # the traced request is a DRF create
+
 from rest_framework import viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response

@@ -31,6 +31,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 pytest.importorskip("mcp")
+# FastMCP 4.2.3, which the fastmcp extra needs, runs on Python 3.11 and later.
+pytest.importorskip("fastmcp")
 
 import anyio
 from asgiref.sync import sync_to_async
@@ -74,8 +76,6 @@ def _fresh_counters() -> Iterator[None]:
     RUNS.clear()
     OUTSIDE.clear()
 
-
-pytest.importorskip("fastmcp")
 
 import fastmcp  # noqa: E402
 from fastmcp import FastMCP  # noqa: E402
