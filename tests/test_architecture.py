@@ -141,6 +141,9 @@ def test_the_handoffs_counted_on_the_page_are_those_of_a_traced_request(
     database = {"postgresql": "PostgreSQL", "sqlite": "SQLite"}.get(connection.vendor)
     if database is None:
         pytest.skip(f"the page counts on PostgreSQL and SQLite, not {connection.vendor}")
+    if connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None:
+        # make test-pg16 runs with prepared statements: their cursor is one more hand-off.
+        pytest.skip("the page counts on Django's defaults, without prepared statements")
     post = ENTRIES[entry](UserFactory())
     post("warm-up")  # the statements' text, built once per database
     post("warm-up")
