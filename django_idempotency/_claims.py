@@ -159,14 +159,16 @@ class Claim:
     record_id: int
     token: Any
 
-    def complete(self, outcome: Outcome, now: datetime | None = None) -> None:
-        """Store ``outcome`` on the caller's connection, so that it commits with the work.
+    def complete(self, outcome: Outcome, now: datetime | None = None, commit: bool = False) -> None:
+        """Store ``outcome`` on the caller's connection, so that it commits with the work
+        (``commit``: and send the transaction's ``COMMIT`` with it, see
+        :func:`._store.claiming.complete`).
 
         :class:`LeaseLost` when another attempt owns the record; ``StoreUnavailable`` when
         the statement fails.
         """
         try:
-            stored = self._store(outcome, now)
+            stored = self._store(outcome, now, commit)
         except db.Error as exc:
             raise store_failed(exc) from exc
         if not stored:
@@ -201,7 +203,7 @@ class Claim:
             lambda: _store.give_back(self.alias, self.record_id, self.token, moment), "give back"
         )
 
-    def _store(self, outcome: Outcome, now: datetime | None) -> bool:
+    def _store(self, outcome: Outcome, now: datetime | None, commit: bool = False) -> bool:
         return _store.complete(
             self.alias,
             self.record_id,
@@ -211,6 +213,7 @@ class Claim:
             response_headers=outcome.headers,
             response_body=outcome.body,
             now=now or timezone.now(),
+            commit=commit,
         )
 
     def _at_once(self, statement: Callable[[], object], what: str) -> None:

@@ -96,7 +96,8 @@ def run_fenced(
                     outcome = judge(result)
                     if outcome is None or transaction.get_rollback(using=alias):
                         raise _RolledBack(result, outcome)
-                    claim.complete(outcome)
+                    # Where this block is the only one, its COMMIT rides with the completion.
+                    claim.complete(outcome, commit=True)
             except _RolledBack as rolled_back:
                 if rolled_back.outcome is None:
                     claim.release()

@@ -74,6 +74,15 @@ postgres_only = pytest.mark.skipif(
 )
 
 
+def is_completion(sql: str) -> bool:
+    """Whether ``sql`` is the engine's fenced completion (alone, or carrying the transaction's
+    ``COMMIT`` on PostgreSQL on Django's defaults): an execute wrapper's test for a fault."""
+    plain = sql.replace('"', "").replace("`", "").lstrip()
+    return plain.startswith(
+        ("UPDATE django_idempotency_record", "WITH done AS (UPDATE django_idempotency_record")
+    ) and ("completed_at" in plain)
+
+
 def new_key() -> str:
     return uuid.uuid4().hex
 

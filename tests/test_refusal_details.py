@@ -18,7 +18,7 @@ from django.test import Client, override_settings
 
 from django_idempotency import _problems
 from django_idempotency.models import IdempotencyRecord
-from tests.helpers import new_key, says_nothing_of_the_server
+from tests.helpers import is_completion, new_key, says_nothing_of_the_server
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -58,7 +58,7 @@ def test_a_response_too_large_to_keep_names_no_setting(post):
 
 
 def failing_completion(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-    if sql.lstrip().upper().startswith("UPDATE") and "completed_at" in sql:
+    if is_completion(sql):
         raise OperationalError(
             f'UPDATE "django_idempotency_record" SET ... on host {connection.settings_dict["NAME"]}'
         )

@@ -22,7 +22,7 @@ from django.test import Client, override_settings
 from django_idempotency import StoreUnavailable, _store, run_once
 from django_idempotency._store import statements
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import new_key, postgres_only
+from tests.helpers import is_completion, new_key, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
@@ -77,7 +77,7 @@ def test_a_terminated_backend_inside_a_callers_transaction_is_store_unavailable(
 
 def failing_completion(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
     """An execute wrapper: the engine's fenced completion fails as a lost connection would."""
-    if sql.lstrip().upper().startswith("UPDATE") and "completed_at" in sql:
+    if is_completion(sql):
         raise OperationalError("the server closed the connection during the completion")
     return execute(sql, params, many, context)
 

@@ -19,7 +19,7 @@ from datetime import datetime
 from datetime import timezone as dt_timezone
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, connections, transaction
+from django.db import DataError, IntegrityError, OperationalError, connections, transaction
 from django.db.models import Case, F, Value, When
 from django.db.models.functions import Length
 from django.utils import timezone
@@ -405,6 +405,27 @@ def fetch(op: Operation) -> RecordState | None:
 # statements (the release, the give-back, the steps) are in .owner.
 
 
+def _commits_here(connection: Any) -> bool:
+    """Whether the completion may carry the transaction's ``COMMIT`` (:func:`complete`).
+
+    PostgreSQL through psycopg 3 with client-side binding (Django's default: no
+    ``server_side_binding``, no ``prepare_threshold``), which sends a statement's text with
+    its values and may carry several statements, and whose ``commit()`` sends nothing when
+    the transaction has ended; and one atomic block open, which commits when it ends: inside
+    a caller's transaction (a second block), or with autocommit off, the COMMIT is the
+    caller's.
+    """
+    options = connection.settings_dict["OPTIONS"]
+    return (
+        connection.vendor == "postgresql"
+        and connection.Database.__name__ == "psycopg"
+        and len(connection.atomic_blocks) == 1
+        and connection.commit_on_exit
+        and options.get("prepare_threshold") is None
+        and not options.get("server_side_binding")
+    )
+
+
 def _cursor(alias: str) -> Any:
     # Without OPTIONS["prepare_threshold"] (Django's default) statements.cursor() answers
     # Django's own cursor: taken here at once, on every first request's path.
@@ -425,6 +446,19 @@ def _complete_sql(alias: str) -> str:
     return f"UPDATE {table(alias)} SET {', '.join(assignments)} WHERE {owned_by(q)}"
 
 
+@functools.lru_cache(maxsize=8)
+def _complete_and_commit_sql(alias: str) -> str:
+    # The completion and the transaction's COMMIT in one round trip (_commits_here).
+    # The fence holds as the UPDATE's row count did: when the UPDATE finds no row of this
+    # lease, the division by zero fails the statement before the COMMIT is reached, the
+    # transaction is left aborted, and the atomic block rolls the work back.
+    update = _complete_sql(alias)
+    return f"WITH done AS ({update} RETURNING 1) SELECT 1 / count(*) FROM done; COMMIT"
+
+
+_DIVISION_BY_ZERO = "22012"
+
+
 def complete(
     alias: str,
     record_id: int,
@@ -435,9 +469,16 @@ def complete(
     response_headers: list[list[str]],
     response_body: bytes,
     now: datetime,
+    commit: bool = False,
 ) -> bool:
     """Store the outcome, fenced by the lease token (:func:`.statements.owned_by`), on the
-    caller's connection, in its transaction. ``False``: the lease was lost."""
+    caller's connection, in its transaction. ``False``: the lease was lost.
+
+    ``commit``: where the connection allows it (:func:`_commits_here`: PostgreSQL on
+    Django's defaults, the completion inside the only atomic block), the transaction's
+    ``COMMIT`` goes in the same round trip, and the block finds nothing left to commit when
+    it ends. A lost lease leaves the transaction aborted, for that block to roll back.
+    """
     if app_settings.ENCRYPTION_KEYS:
         headers, body = crypto.seal_response(response_headers, response_body)
     else:
@@ -461,6 +502,16 @@ def complete(
     # The fence's values in owned_by's order: the record, the token, still in progress.
     params.insert(5, record_id)
     params.append(states.IN_PROGRESS)
+    connection = connections[alias]
+    if commit and _commits_here(connection):
+        with connection.cursor() as statement:
+            try:
+                statement.execute(_complete_and_commit_sql(alias), params)
+            except DataError as exc:
+                if getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO:
+                    return False
+                raise
+            return True
     with _cursor(alias) as statement:
         statement.execute(_complete_sql(alias), params)
         return int(statement.rowcount) > 0

@@ -254,7 +254,16 @@ def _is_completion(sql: str) -> bool:
     # Only store.finish writes completed_at on the record table. (Names are quoted with " on
     # PostgreSQL and SQLite, with ` on MySQL/MariaDB.)
     plain = sql.replace("`", "").replace('"', "")
-    return plain.startswith("UPDATE django_idempotency_record") and "completed_at" in plain
+    return plain.startswith(
+        ("UPDATE django_idempotency_record", "WITH done AS (UPDATE django_idempotency_record")
+    ) and ("completed_at" in plain)
+
+
+def _commits(sql: str) -> bool:
+    # The completion that carries the transaction's COMMIT in the same round trip (PostgreSQL
+    # on Django's defaults): there, "between the UPDATE and the COMMIT" is before it is sent,
+    # when the work is as uncommitted as it is after an UPDATE that has not committed.
+    return sql.endswith("; COMMIT")
 
 
 def arm_completion(request: HttpRequest) -> None:
@@ -290,6 +299,10 @@ def arm_completion(request: HttpRequest) -> None:
             db.commit = commit_then_die  # type: ignore[method-assign]
 
     def wrapper(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        if _is_completion(sql) and _commits(sql):
+            disarm()
+            after_update()
+            return execute(sql, params, many, context)
         result = execute(sql, params, many, context)
         if _is_completion(sql):
             disarm()
