@@ -21,6 +21,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -227,6 +228,39 @@ def in_thread(call: Any) -> Any:
             connections.close_all()
 
     return wrapped
+
+
+def storm_while_held(
+    call: Callable[[], Any],
+    count: int,
+    entered: threading.Event,
+    leave: threading.Event,
+    wait: float = 30,
+) -> list[Any]:
+    """``count`` threads make ``call`` at once, each on a connection of its own, while the
+    original is held inside its body (``entered`` set by it, ``leave`` releasing it after a
+    second); every wait bounded by ``wait``. Their answers, in the order they came back."""
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        result = call()
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=in_thread(one)) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert entered.wait(wait)
+        time.sleep(1)
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(wait)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(results) == count
+    return results
 
 
 # -- encryption (tests/test_crypto.py, tests/test_crypto_rotation.py) --------------------------

@@ -52,7 +52,13 @@ from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.mcp import idempotent_tool
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import crash, expire_lease, record_for
-from tests.helpers import in_thread, new_key, postgres_only, says_nothing_of_the_server
+from tests.helpers import (
+    in_thread,
+    new_key,
+    postgres_only,
+    says_nothing_of_the_server,
+    storm_while_held,
+)
 from tests.live import ROOT
 from tests.testapp.models import Charge
 
@@ -895,26 +901,9 @@ def test_wait_lets_a_duplicate_in_flight_get_the_originals_outcome(kind):
 def test_a_storm_of_identical_calls_runs_once(kind):
     server, entered, leave = held_original(kind)
     key = new_key()
-    results: list[CallToolResult] = []
-    lock = threading.Lock()
-
-    def one() -> None:
-        result = call(server, args(key))
-        with lock:
-            results.append(result)
-
-    threads = [threading.Thread(target=in_thread(one)) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    try:
-        assert entered.wait(WAIT)
-        time.sleep(1)
-    finally:
-        leave.set()
-        for thread in threads:
-            thread.join(WAIT)
-    assert not any(thread.is_alive() for thread in threads)
-    assert len(results) == 8
+    results: list[CallToolResult] = storm_while_held(
+        lambda: call(server, args(key)), 8, entered, leave, WAIT
+    )
     (first,) = [
         r for r in results if not r.is_error and not (r.meta or {}).get("idempotentReplayed")
     ]

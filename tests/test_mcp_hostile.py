@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-import time
 import types
 from datetime import timedelta
 from typing import Any
@@ -29,7 +28,7 @@ from mcp.server.mcpserver import MCPServer
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import in_thread, new_key, postgres_only
+from tests.helpers import new_key, postgres_only, storm_while_held
 from tests.test_mcp import (
     ACCOUNT,
     OUTSIDE,
@@ -502,26 +501,7 @@ def test_a_storm_on_a_tool_with_injected_parameters_runs_once_and_every_call_get
         return refund_effect(order_id, amount)
 
     key = new_key()
-    results: list[Any] = []
-    lock = threading.Lock()
-
-    def one() -> None:
-        result = call(server, args(key))
-        with lock:
-            results.append(result)
-
-    threads = [threading.Thread(target=in_thread(one)) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    try:
-        assert entered.wait(WAIT)
-        time.sleep(1)
-    finally:
-        leave.set()
-        for thread in threads:
-            thread.join(WAIT)
-    assert not any(thread.is_alive() for thread in threads)
-    assert len(results) == 8
+    results = storm_while_held(lambda: call(server, args(key)), 8, entered, leave, WAIT)
     (first,) = [r for r in results if not (r.meta or {}).get("idempotentReplayed")]
     ran_once(first)
     for result in results:
