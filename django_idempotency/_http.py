@@ -35,7 +35,7 @@ from django_idempotency._outcomes import (
     response_of,
 )
 from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._storable import storable_name, stored_names
+from django_idempotency._storable import remembered_names, storable_name
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
@@ -90,12 +90,6 @@ def _key_of(request: Any, inner: HttpRequest, options: Options) -> str | HttpRes
 @functools.lru_cache(maxsize=8)
 def _meta_name(header: str) -> str:
     return header_meta_name(header)
-
-
-# An account and an operation as stored, with how an earlier release stored the pair where
-# that differs (see stored_names), remembered: the same few names come back on every
-# request, and a name's stored form never changes.
-_stored_names = functools.lru_cache(maxsize=4096)(stored_names)
 
 
 def handle(
@@ -160,7 +154,7 @@ def protected(
             "The server could not name the caller this key belongs to; nothing was run."
         )
     name = options.operation or (operation if isinstance(operation, str) else operation())
-    stored_account, stored_operation, legacy = _stored_names(account, name)
+    stored_account, stored_operation, legacy = remembered_names(account, name)
     if legacy is None and options.operation is None:
         legacy = _suffix_spelling(inner, stored_account, stored_operation)
     context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)
