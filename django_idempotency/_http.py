@@ -1,7 +1,8 @@
 """The HTTP side of the engine: one protected request, from its key to its answer.
 
-The decorator, the DRF mixin and the ninja decorator all call :func:`handle`; each adapter
-only says how to call the view and what the operation is called. The claim, the fenced
+The decorator calls :func:`handle`; the DRF mixin and the ninja decorator, which decide
+once per request whether the method is protected, call :func:`protected` with their answer.
+Each adapter only says how to call the view and what the operation is called. The claim, the fenced
 execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 :mod:`._execution`, :mod:`._recovery`).
 """
@@ -126,8 +127,8 @@ def protected(
 ) -> HttpResponseBase:
     """:func:`handle` for a request whose method its caller found protected (under
     ``terms``, the view's options with the settings filled in): the DRF mixin decides that
-    once per request, before DRF's authentication. ``operation``: the operation's name, or
-    what names it when the view's options do not."""
+    once per request, before DRF's authentication, and a ninja operation before ninja's.
+    ``operation``: the operation's name, or what names it when the view's options do not."""
     inner = getattr(request, "_request", request)
     inner.idempotency = None
     key = _key_of(request, inner, options)
