@@ -194,8 +194,9 @@ def use(atomic: bool, age: int) -> None:
     connection.settings_dict["CONN_MAX_AGE"] = age
 
 
-def post(handler: Any, path: str) -> int:
-    """One request through the WSGI handler, closed as a server closes it; its status."""
+def post(handler: Any, path: str, key: str | None = None) -> int:
+    """One request through the WSGI handler, closed as a server closes it; its status.
+    ``key``: the key it sends (default: a new one)."""
     environ = {
         "REQUEST_METHOD": "POST",
         "PATH_INFO": path,
@@ -207,7 +208,7 @@ def post(handler: Any, path: str) -> int:
         "CONTENT_LENGTH": str(len(BODY)),
         "HTTP_HOST": "bench",
         "HTTP_X_ACCOUNT": "bench",
-        "HTTP_IDEMPOTENCY_KEY": uuid.uuid4().hex,
+        "HTTP_IDEMPOTENCY_KEY": key or uuid.uuid4().hex,
         "wsgi.input": io.BytesIO(BODY),
         "wsgi.url_scheme": "http",
         "wsgi.errors": io.StringIO(),

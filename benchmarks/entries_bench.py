@@ -7,26 +7,33 @@ renders the same section from its own run).
 One process and one uvicorn server, on the PostgreSQL database
 ``django_idempotency_bench_entries`` (created when missing), Django's defaults otherwise (no
 prepared statements, no pooler; connections kept, ``CONN_MAX_AGE = 600``). Every operation
-is a first one (a new key) whose work is the same single ``INSERT``; each entry point runs
-protected and as its unprotected twin:
+does the same single ``INSERT``; each entry point runs as its unprotected twin, protected
+with a new key (a first operation: the claim, the work's transaction, the completion) and
+protected with a key it has seen (a replay: one indexed read, the work not run):
 
 - ``drf``: ``IdempotencyMixin`` first in a DRF ``APIView`` / the same ``APIView`` (the
   yardstick: every other entry point's ratio should stay at or below it);
-- ``ninja``: a django-ninja operation under ``ninja.idempotent`` / the same operation;
+- ``django-view``: a Django function view under ``@idempotent`` / the same view;
 - ``async-view``: an ``async def`` view under ``@idempotent`` / the same view, served by
   uvicorn (one worker), requests one after another on a kept-alive connection;
+- ``ninja``: a django-ninja operation under ``ninja.idempotent`` / the same operation;
 - ``run-once``: ``run_once(write, ...)`` / ``write()``;
 - ``celery-task``: ``@shared_task`` over ``@idempotent_task()`` / ``@shared_task``, each run
   with ``apply(task_id=...)`` (Celery's eager path: no broker, the worker's own code);
 - ``django-task``: ``@task()`` over ``@idempotent_task()`` / ``@task()`` of Django's Tasks
   framework, enqueued on its ``ImmediateBackend`` (it runs at once), the protected one with
-  the outbox message id a relay hands it.
+  the outbox message id a relay hands it;
+- ``mcp`` and ``fastmcp``: a tool under ``@idempotent_tool(account=...)`` / the same tool
+  unprotected, on the SDK's ``MCPServer`` and on FastMCP, called through each framework's
+  own in-memory client (``Client(server)``) on an event loop in a thread of its own.
 
-The HTTP entry points (drf, ninja) go through Django's WSGI handler in this process, as
+The HTTP entry points (drf, django-view, ninja) go through Django's WSGI handler in this process, as
 ``connections_bench.py`` does. Rounds run every (entry point, protected or not) batch back
 to back, in an order that rotates from round to round; the figures are the median time per
-operation over all rounds, and per entry point the ratio of the protected median to the
-twin's, with the spread of the per-round ratios.
+operation over all rounds, and per entry point the ratio of the protected median (first
+operation, replay) to the twin's, with the spread of the per-round ratios. The work's rows
+are counted at the end of every round: one per twin and per first operation, none per
+replay.
 """
 
 from __future__ import annotations
@@ -53,8 +60,20 @@ from benchmarks.connections_bench import post as wsgi_post
 
 DATABASE = "django_idempotency_bench_entries"
 ROOT = Path(__file__).resolve().parent.parent
-ENTRIES = ("drf", "ninja", "async-view", "run-once", "celery-task", "django-task")
-VARIANTS = ("twin", "ours")
+ENTRIES = (
+    "drf",
+    "django-view",
+    "async-view",
+    "ninja",
+    "run-once",
+    "celery-task",
+    "django-task",
+    "mcp",
+    "fastmcp",
+)
+VARIANTS = ("twin", "ours", "replay")
+#: The key every replay sends (its record made once, before the warm-up).
+SEEN = "entries-bench-seen-key"
 BODY = b'{"amount": 1}'  # as connections_bench.post sends it
 HAS_DJANGO_TASKS = importlib.util.find_spec("django.tasks") is not None
 
@@ -150,6 +169,13 @@ def build() -> None:
     def ninja_ours(request: HttpRequest) -> Any:
         return {"id": write()}
 
+    def view_twin(request: HttpRequest) -> HttpResponse:
+        return JsonResponse({"id": write()}, status=201)
+
+    @idempotent(operation="bench.view")
+    def view_ours(request: HttpRequest) -> HttpResponse:
+        return JsonResponse({"id": write()}, status=201)
+
     async def async_twin(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"id": await sync_to_async(write)()}, status=201)
 
@@ -162,6 +188,8 @@ def build() -> None:
     entries_bench.urlpatterns[:] = [
         path("drf/twin/", TwinView.as_view()),
         path("drf/ours/", OursView.as_view()),
+        path("view/twin/", view_twin),
+        path("view/ours/", view_ours),
         path("ninja/", api.urls),
         path("async/twin/", async_twin),
         path("async/ours/", async_ours),
@@ -182,18 +210,22 @@ def build() -> None:
     def new_key() -> str:
         return uuid.uuid4().hex
 
+    def once(key: str) -> int:
+        return run_once(write, account="bench", operation="bench.run-once", key=key)
+
     CALLS.update(
         {
             "run-once|twin": lambda: write(),
-            "run-once|ours": lambda: run_once(
-                write, account="bench", operation="bench.run-once", key=new_key()
-            ),
+            "run-once|ours": lambda: once(new_key()),
+            "run-once|replay": lambda: once(SEEN),
             "celery-task|twin": lambda: celery_twin.apply((1,), task_id=new_key()).get(),
             "celery-task|ours": lambda: celery_ours.apply((1,), task_id=new_key()).get(),
+            "celery-task|replay": lambda: celery_ours.apply((1,), task_id=SEEN).get(),
             "django-task|twin": lambda: entries_tasks.twin.enqueue(1),
             "django-task|ours": lambda: entries_tasks.ours.enqueue(
                 1, **{MESSAGE_ARGUMENT: new_key()}
             ),
+            "django-task|replay": lambda: entries_tasks.ours.enqueue(1, **{MESSAGE_ARGUMENT: SEEN}),
         }
     )
 
@@ -201,11 +233,116 @@ def build() -> None:
 PATHS = {
     "drf|twin": "/drf/twin/",
     "drf|ours": "/drf/ours/",
+    "django-view|twin": "/view/twin/",
+    "django-view|ours": "/view/ours/",
     "ninja|twin": "/ninja/twin",
     "ninja|ours": "/ninja/ours",
     "async-view|twin": "/async/twin/",
     "async-view|ours": "/async/ours/",
 }
+
+
+class Tools:
+    """The tool entry points: an ``MCPServer`` and a FastMCP server, each with the tool
+    unprotected and protected, and each framework's in-memory client, open on an event loop
+    in a thread of its own for the whole run."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.clients: dict[str, Any] = {}
+        self.closed = asyncio.run_coroutine_threadsafe(self.serve(), self.loop)
+        ready = asyncio.run_coroutine_threadsafe(self.ready(), self.loop)
+        ready.result(timeout=60)
+
+    async def serve(self) -> None:
+        import asyncio
+
+        import fastmcp
+        from mcp import Client
+
+        self.stop = asyncio.Event()
+        async with Client(mcp_server()) as sdk, fastmcp.Client(fastmcp_server()) as fast:
+            self.clients.update({"mcp": sdk, "fastmcp": fast})
+            await self.stop.wait()
+
+    async def ready(self) -> None:
+        import asyncio
+
+        while len(self.clients) < 2:
+            if self.closed.done():
+                self.closed.result()  # the error that ended serve()
+            await asyncio.sleep(0.05)
+
+    def batch(self, framework: str, variant: str, size: int) -> float:
+        """``size`` calls, one after another; microseconds per call."""
+        import asyncio
+
+        timed = asyncio.run_coroutine_threadsafe(self.calls(framework, variant, size), self.loop)
+        return timed.result()
+
+    async def calls(self, framework: str, variant: str, size: int) -> float:
+        from benchmarks.mcp_bench import call_tool
+
+        client = self.clients[framework]
+        began = time.perf_counter()
+        for _ in range(size):
+            arguments: dict[str, Any]
+            if variant == "twin":
+                tool, arguments = "twin", {"amount": 1}
+            else:
+                key = SEEN if variant == "replay" else uuid.uuid4().hex
+                tool, arguments = "ours", {"amount": 1, "idempotency_key": key}
+            await call_tool(client, framework, tool, arguments, f"{framework}|{variant}")
+        return (time.perf_counter() - began) / size * 1e6
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.closed.result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+def mcp_server() -> Any:
+    from mcp.server.mcpserver import MCPServer
+
+    from django_idempotency.mcp import idempotent_tool
+
+    server = MCPServer("bench-entries")
+
+    @server.tool()
+    def twin(amount: int) -> dict[str, int]:
+        return {"id": write()}
+
+    @server.tool()
+    @idempotent_tool(account="bench", operation="bench.mcp")
+    def ours(amount: int, idempotency_key: str) -> dict[str, int]:
+        return {"id": write()}
+
+    return server
+
+
+def fastmcp_server() -> Any:
+    from fastmcp import FastMCP
+
+    from django_idempotency.fastmcp import idempotent_tool
+
+    server = FastMCP("bench-entries")
+
+    @server.tool
+    def twin(amount: int) -> dict[str, int]:
+        return {"id": write()}
+
+    @server.tool
+    @idempotent_tool(account="bench", operation="bench.fastmcp")
+    def ours(amount: int, idempotency_key: str) -> dict[str, int]:
+        return {"id": write()}
+
+    return server
 
 
 def asgi() -> Any:
@@ -263,14 +400,14 @@ class Server:
                     raise RuntimeError("uvicorn did not start") from None
                 time.sleep(0.2)
 
-    def post(self, path: str) -> int:
+    def post(self, path: str, key: str | None = None) -> int:
         response = self.client.post(
             path,
             content=BODY,
             headers={
                 "Content-Type": "application/json",
                 "X-Account": "bench",
-                "Idempotency-Key": uuid.uuid4().hex,
+                "Idempotency-Key": key or uuid.uuid4().hex,
             },
         )
         return response.status_code
@@ -281,17 +418,25 @@ class Server:
         self.process.wait(timeout=30)
 
 
-def batch(kind: str, size: int, handler: Any, server: Server) -> float:
-    """``size`` first operations of ``kind``; microseconds per operation."""
-    entry = kind.split("|")[0]
+def batch(kind: str, size: int, handler: Any, server: Server | None, tools: Tools | None) -> float:
+    """``size`` operations of ``kind``; microseconds per operation (the uvicorn view needs
+    ``server``, the tools ``tools``)."""
+    entry, variant = kind.split("|")
+    path = PATHS.get(f"{entry}|{'twin' if variant == 'twin' else 'ours'}")
+    key = SEEN if variant == "replay" else None
     began = time.perf_counter()
+    if entry in ("mcp", "fastmcp"):
+        assert tools is not None
+        return tools.batch(entry, variant, size)
     if entry == "async-view":
+        assert path is not None
+        assert server is not None
         for _ in range(size):
-            status = server.post(PATHS[kind])
+            status = server.post(path, key)
             assert status == 201, (kind, status)
-    elif kind in PATHS:
+    elif path is not None:
         for _ in range(size):
-            status = wsgi_post(handler, PATHS[kind])
+            status = wsgi_post(handler, path, key)
             assert status in (200, 201), (kind, status)
     else:
         call = CALLS[kind]
@@ -300,31 +445,64 @@ def batch(kind: str, size: int, handler: Any, server: Server) -> float:
     return (time.perf_counter() - began) / size * 1e6
 
 
-def run(rounds: int, size: int) -> dict[str, Any]:
+def analyze() -> None:
+    """The tables' statistics once the warm-up wrote their first rows, as autovacuum would
+    gather them (see benchmarks/README.md)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {TABLE}, django_idempotency_record")
+
+
+def rows() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {TABLE}")
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+def run(rounds: int, size: int, entries: tuple[str, ...] = ENTRIES) -> dict[str, Any]:
     handler = prepare()
     server = Server()
-    kinds = [f"{entry}|{variant}" for entry in ENTRIES for variant in VARIANTS]
+    tools = Tools()
+    # Nothing logged per operation: the frameworks' INFO lines (a task's start and end, the
+    # HTTP client's requests; FastMCP sets up a handler for them) are not what is measured.
+    logging.disable(logging.INFO)
+    kinds = [f"{entry}|{variant}" for entry in entries for variant in VARIANTS]
+    # Each round's work: one row per twin and per first operation, none per replay.
+    expected = size * len(entries) * 2
     try:
+        for entry in entries:  # the records every replay finds
+            batch(f"{entry}|ours", 1, handler, server, tools)
         for kind in kinds:  # warm-up: imports, the views' marks, caches, connections
-            batch(kind, 20, handler, server)
-        reset()
+            batch(kind, 20, handler, server, tools)
+        analyze()
         per_round: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(rounds):
+            before = rows()
             shift = r % len(kinds)
             for kind in kinds[shift:] + kinds[:shift]:
-                per_round[kind].append(batch(kind, size, handler, server))
-            reset()
+                per_round[kind].append(batch(kind, size, handler, server, tools))
+            written = rows() - before
+            if written != expected:
+                raise SystemExit(f"round {r}: {written} rows written, {expected} expected")
     finally:
+        tools.close()
         server.close()
-    ratios: dict[str, dict[str, float]] = {}
-    for entry in ENTRIES:
-        twin, ours = per_round[f"{entry}|twin"], per_round[f"{entry}|ours"]
-        each = [o / t for o, t in zip(ours, twin, strict=True)]
-        ratios[entry] = {
-            "ratio": statistics.median(ours) / statistics.median(twin),
-            "min": min(each),
-            "max": max(each),
-        }
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for entry in entries:
+        twin = per_round[f"{entry}|twin"]
+        ratios[entry] = {}
+        for variant in ("ours", "replay"):
+            ours = per_round[f"{entry}|{variant}"]
+            each = [o / t for o, t in zip(ours, twin, strict=True)]
+            ratios[entry][variant] = {
+                "ratio": statistics.median(ours) / statistics.median(twin),
+                "min": min(each),
+                "max": max(each),
+            }
     return {
         "rounds": rounds,
         "batch": size,
@@ -334,13 +512,73 @@ def run(rounds: int, size: int) -> dict[str, Any]:
     }
 
 
+def profile(kinds: list[str], size: int, top: int) -> None:
+    """cProfile of ``size`` operations of each kind in this process (the in-process entry
+    points: every kind but the uvicorn view's), the package's functions and the driver's
+    wait printed by own and cumulative time per operation."""
+    import cProfile
+    import io
+    import pstats
+
+    handler = prepare()
+    tools = Tools()
+    logging.disable(logging.INFO)
+    try:
+        for entry in {kind.split("|")[0] for kind in kinds}:
+            batch(f"{entry}|ours", 1, handler, None, tools)
+        for kind in kinds:
+            batch(kind, 50, handler, None, tools)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            batch(kind, size, handler, None, tools)
+            profiler.disable()
+            stats = pstats.Stats(profiler)
+            entries = stats.stats  # type: ignore[attr-defined]
+            total = sum(tottime for (_, _, tottime, _, _) in entries.values())
+            wait = sum(
+                tottime
+                for (filename, _, name), (_, _, tottime, _, _) in entries.items()
+                if name in ("wait", "wait_conn") and "psycopg" in filename
+            )
+            print(
+                f"== {kind}: {total / size * 1e3:.2f} ms per operation, of which the driver's "
+                f"wait {wait / size * 1e3:.2f} ms and Python {(total - wait) / size * 1e3:.2f} ms"
+            )
+            if top == 0:
+                continue
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats(order).print_stats(top)
+                print(f"== {kind}: {size} operations, by {order} ==")
+                print(text.getvalue())
+    finally:
+        tools.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--batch", type=int, default=100, help="operations per kind and round")
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--profile",
+        metavar="KINDS",
+        help="cProfile these kinds instead (entry|variant, comma-separated: run-once|ours)",
+    )
+    parser.add_argument("--top", type=int, default=40, help="functions printed per profile")
+    parser.add_argument(
+        "--only", default=",".join(ENTRIES), help="these entry points (comma-separated)"
+    )
     args = parser.parse_args()
-    results = run(args.rounds, args.batch)
+    if args.profile:
+        profile(args.profile.split(","), args.batch, args.top)
+        return 0
+    entries = tuple(args.only.split(","))
+    unknown = set(entries) - set(ENTRIES)
+    if unknown:
+        parser.error(f"unknown entry points {sorted(unknown)}; they are {', '.join(ENTRIES)}")
+    results = run(args.rounds, args.batch, entries)
     print(json.dumps(results))
     if args.write:
         from benchmarks import report

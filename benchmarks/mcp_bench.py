@@ -221,13 +221,20 @@ async def call(client: Any, framework: str, variant: str, calls: int, seen: str)
             key = seen if variant == "replay" else str(uuid.uuid4())
             arguments = {"amount": 1, "idempotency_key": key}
             tool = "protected"
-        if framework == "fastmcp":
-            result = await client.call_tool(tool, arguments, raise_on_error=False)
-        else:
-            result = await client.call_tool(tool, arguments)
-        if result.is_error:
-            raise RuntimeError(f"{framework}.{variant} answered an error: {result}")
+        await call_tool(client, framework, tool, arguments, f"{framework}.{variant}")
     return (time.perf_counter() - started) / calls
+
+
+async def call_tool(
+    client: Any, framework: str, tool: str, arguments: dict[str, Any], name: str
+) -> None:
+    """One call through the framework's client; an error result raises, saying ``name``."""
+    if framework == "fastmcp":
+        result = await client.call_tool(tool, arguments, raise_on_error=False)
+    else:
+        result = await client.call_tool(tool, arguments)
+    if result.is_error:
+        raise RuntimeError(f"{name} answered an error: {result}")
 
 
 def drf(views: tuple[Any, Any], variant: str, calls: int, seen: str) -> float:

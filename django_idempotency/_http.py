@@ -1,7 +1,8 @@
 """The HTTP side of the engine: one protected request, from its key to its answer.
 
-The decorator, the DRF mixin and the ninja decorator all call :func:`handle`; each adapter
-only says how to call the view and what the operation is called. The claim, the fenced
+The decorator calls :func:`handle`; the DRF mixin and the ninja decorator, which decide
+once per request whether the method is protected, call :func:`protected` with their answer.
+Each adapter only says how to call the view and what the operation is called. The claim, the fenced
 execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 :mod:`._execution`, :mod:`._recovery`).
 """
@@ -35,7 +36,7 @@ from django_idempotency._outcomes import (
     response_of,
 )
 from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._storable import storable_name, stored_names
+from django_idempotency._storable import remembered_names, storable_name
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
@@ -92,12 +93,6 @@ def _meta_name(header: str) -> str:
     return header_meta_name(header)
 
 
-# An account and an operation as stored, with how an earlier release stored the pair where
-# that differs (see stored_names), remembered: the same few names come back on every
-# request, and a name's stored form never changes.
-_stored_names = functools.lru_cache(maxsize=4096)(stored_names)
-
-
 def handle(
     request: Any,
     call_view: Callable[[], HttpResponseBase],
@@ -132,8 +127,8 @@ def protected(
 ) -> HttpResponseBase:
     """:func:`handle` for a request whose method its caller found protected (under
     ``terms``, the view's options with the settings filled in): the DRF mixin decides that
-    once per request, before DRF's authentication. ``operation``: the operation's name, or
-    what names it when the view's options do not."""
+    once per request, before DRF's authentication, and a ninja operation before ninja's.
+    ``operation``: the operation's name, or what names it when the view's options do not."""
     inner = getattr(request, "_request", request)
     inner.idempotency = None
     key = _key_of(request, inner, options)
@@ -160,7 +155,7 @@ def protected(
             "The server could not name the caller this key belongs to; nothing was run."
         )
     name = options.operation or (operation if isinstance(operation, str) else operation())
-    stored_account, stored_operation, legacy = _stored_names(account, name)
+    stored_account, stored_operation, legacy = remembered_names(account, name)
     if legacy is None and options.operation is None:
         legacy = _suffix_spelling(inner, stored_account, stored_operation)
     context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)

@@ -7,6 +7,7 @@ completion of the record share one transaction, and a duplicate gets the stored 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
 from django_idempotency._outcomes import Outcome, refuse_unreadable
 from django_idempotency._recovery import recovery_name, resolve_recovery
-from django_idempotency._storable import stored_names
+from django_idempotency._storable import remembered_names
 from django_idempotency._store import RecordState
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
@@ -217,30 +218,24 @@ def call_once(
     record is unreadable).
     """
     # The decorator's rules, through the same code: a wrong value raises before anything runs.
-    where = f"run_once(operation={operation!r})"
-    checked = _options.validated(
-        where,
-        {"operation": operation, "ttl": ttl, "lease": lease, "recovery": recovery},
-        accepted=("operation", "ttl", "lease", "recovery"),
-    )
+    checked = _checked(operation, ttl, lease, recovery)
     if not isinstance(account, str) or not account:
         raise ImproperlyConfigured(
-            f"{where}: account must be a non-empty string naming who the key belongs to, "
-            f"such as 'consumer:shipping'; got {_validation.describe(account)}."
+            f"{_where(operation)}: account must be a non-empty string naming who the key "
+            f"belongs to, such as 'consumer:shipping'; got {_validation.describe(account)}."
         )
-    if operation is None:  # validated() reads None as "the default": there is none here
-        raise ImproperlyConfigured(f"{where}: operation must be a non-empty string; got None.")
-    policy = checked["recovery"] if recovery is not None else app_settings.RECOVERY
-    ttl = checked["ttl"] if ttl is not None else app_settings.TTL
-    lease = checked["lease"] if lease is not None else app_settings.LEASE
+    checked_ttl, checked_lease, checked_policy = checked
+    policy = checked_policy if checked_policy is not None else app_settings.RECOVERY
+    ttl = checked_ttl if checked_ttl is not None else app_settings.TTL
+    lease = checked_lease if checked_lease is not None else app_settings.LEASE
     try:
         request_hash = fingerprint_of(fingerprint)
     except (TypeError, ValueError) as exc:
         raise ImproperlyConfigured(
-            f"{where}: fingerprint must be a string or a JSON-able value; "
+            f"{_where(operation)}: fingerprint must be a string or a JSON-able value; "
             f"got {_validation.describe(fingerprint)} ({exc})."
         ) from None
-    stored_account, stored_operation, legacy = stored_names(account, operation)
+    stored_account, stored_operation, legacy = remembered_names(account, operation)
     op = Operation(
         alias=app_settings.DATABASE,
         account=stored_account,
@@ -299,6 +294,41 @@ def call_once(
             retry_after=retry_after(now_state.lease_expires_at if now_state else None),
         ) from None
     return OnceResult(cast(T, fenced.result), replayed=False)
+
+
+def _where(operation: object) -> str:
+    return f"run_once(operation={operation!r})"
+
+
+Checked = tuple[timedelta | None, timedelta | None, Any]
+
+
+def _checked(operation: str, ttl: Any, lease: Any, recovery: Any) -> Checked:
+    """``ttl``, ``lease`` and ``recovery`` validated as the decorator's (``None``: the
+    setting's), with ``operation``; ``ImproperlyConfigured`` naming the wrong one. The same
+    few values come back on every call of an entry point (a task's, a tool's): each
+    combination is validated once (:func:`_checked_once`), unless a value cannot be
+    remembered (an unhashable recovery callable)."""
+    try:
+        return _checked_once(operation, ttl, lease, recovery)
+    except TypeError:  # unhashable: validated on every call
+        return _validate(operation, ttl, lease, recovery)
+
+
+def _validate(operation: str, ttl: Any, lease: Any, recovery: Any) -> Checked:
+    where = _where(operation)
+    checked = _options.validated(
+        where,
+        {"operation": operation, "ttl": ttl, "lease": lease, "recovery": recovery},
+        accepted=("operation", "ttl", "lease", "recovery"),
+    )
+    if operation is None:  # validated() reads None as "the default": there is none here
+        raise ImproperlyConfigured(f"{where}: operation must be a non-empty string; got None.")
+    return checked["ttl"], checked["lease"], checked["recovery"]
+
+
+# typed: True and 1 are told apart (a boolean duration is refused, a number of seconds not).
+_checked_once = functools.lru_cache(maxsize=1024, typed=True)(_validate)
 
 
 def _unavailable(op: Operation, exc: Exception) -> StoreUnavailable:

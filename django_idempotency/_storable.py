@@ -16,6 +16,7 @@ Stored JSON is read back with :func:`read_json`, which never raises anything but
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -171,6 +172,11 @@ def stored_names(account: str, operation: str) -> tuple[str, str, tuple[str, str
     """``account`` and ``operation`` as stored (:func:`storable_name`), and how release
     0.1.4 stored the pair where that differs (:func:`legacy_names`)."""
     return storable_name(account), storable_name(operation), legacy_names(account, operation)
+
+
+#: :func:`stored_names`, remembered: the same few accounts and operations come back on every
+#: request and call, and a name's stored form never changes.
+remembered_names = functools.lru_cache(maxsize=4096)(stored_names)
 
 
 def legacy_names(account: str, operation: str) -> tuple[str, str] | None:

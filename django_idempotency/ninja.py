@@ -8,7 +8,7 @@ of operations when a router is mounted). A protected request then runs:
 
 1. ninja's authentication and throttles, as ninja would: a refused caller gets ninja's own
    answer and no record is written;
-2. the claim of ``(account, operation, key)``, by :func:`django_idempotency._http.handle`;
+2. the claim of ``(account, operation, key)``, by :func:`django_idempotency._http.protected`;
 3. inside the engine's transaction, the rest of ninja's own ``run``: parameter validation,
    the operation function, the rendering of its result and ninja's exception handlers, so
    what is stored and replayed is the rendered response, byte for byte.
@@ -188,14 +188,30 @@ class _Protected(Operation):
     def _default_operation(self, request: HttpRequest) -> str:
         return self.operation_id or _http.route_operation(request, self.view_func)
 
+    def _protecting(self, request: HttpRequest) -> _options.Terms | None:
+        """The operation's terms when the request's method is protected, else ``None``:
+        decided once per request, and the engine is handed the answer."""
+        terms = self.idempotency_options.terms()
+        method = request.method
+        if method in terms.methods or (method or "").upper() in terms.methods:
+            return terms
+        return None
+
     def _handle(
-        self, request: HttpRequest, call: Callable[[], HttpResponseBase]
+        self,
+        request: HttpRequest,
+        terms: _options.Terms,
+        call: Callable[[], HttpResponseBase],
     ) -> HttpResponseBase:
         # Under ATOMIC_REQUESTS Django has wrapped ninja's view in the request's transaction
         # (ninja's views cannot be taken out of it): the claim then commits on a connection
         # of its own (see django_idempotency._autonomous), and the completion with the request.
-        return _http.handle(
-            request, call, self.idempotency_options, partial(self._default_operation, request)
+        return _http.protected(
+            request,
+            call,
+            self.idempotency_options,
+            terms,
+            partial(self._default_operation, request),
         )
 
 
@@ -203,13 +219,14 @@ class _SyncProtected(_Protected):
     def run(self, request: HttpRequest, **kw: Any) -> HttpResponseBase:
         """ninja's checks, then the claim, then the rest of ninja's run inside the engine."""
         run = super().run
-        if not self.idempotency_options.protects(request.method):
+        terms = self._protecting(request)
+        if terms is None:
             return run(request, **kw)
         error = super()._run_checks(request)
         if error is not None:
             return error
         setattr(request, _CHECKED, True)
-        return self._handle(request, lambda: run(request, **kw))
+        return self._handle(request, terms, lambda: run(request, **kw))
 
     def _run_checks(self, request: HttpRequest) -> Any:
         if getattr(request, _CHECKED, False):
@@ -227,7 +244,8 @@ class _AsyncProtected(_Protected, AsyncOperation):
         same thread, inside the transaction.
         """
         run = super().run
-        if not self.idempotency_options.protects(request.method):
+        terms = self._protecting(request)
+        if terms is None:
             response: HttpResponseBase = await run(request, **kw)
             return response
         error = await super()._run_checks(request)
@@ -236,7 +254,7 @@ class _AsyncProtected(_Protected, AsyncOperation):
         setattr(request, _CHECKED, True)
         sync_run = async_to_sync(run)
         return await _http.run_to_the_end(
-            lambda: self._handle(request, lambda: sync_run(request, **kw))
+            lambda: self._handle(request, terms, lambda: sync_run(request, **kw))
         )
 
     async def _run_checks(self, request: HttpRequest) -> Any:  # type: ignore[override]

@@ -92,3 +92,40 @@ def test_right_values_run_once():
     terms = {"ttl": timedelta(days=7), "lease": 30, "recovery": "fail", "fingerprint": {"a": 1}}
     assert [run_once(effect, **IDENTITY, **terms) for _ in range(3)] == [1, 1, 1]
     assert calls == [1]
+
+
+@pytest.mark.parametrize(("name", "right", "wrong"), [("ttl", 1, True), ("lease", 1, True)])
+def test_a_value_checked_once_lets_no_equal_wrong_value_through(name, right, wrong):
+    # The values are validated once per combination and remembered: a boolean, equal to
+    # the number of seconds it spells (True == 1), is checked as itself.
+    calls: list[int] = []
+    terms = {"ttl": 3600} if name == "lease" else {}
+    run_once(lambda: calls.append(1), **IDENTITY, **terms, **{name: right})
+    for _attempt in range(2):
+        with pytest.raises(ImproperlyConfigured, match=name):
+            run_once(lambda: calls.append(2), **{**IDENTITY, "key": "k-2"}, **{name: wrong})
+    assert calls == [1]
+    assert IdempotencyRecord.objects.count() == 1
+
+
+class _Unhashable:
+    """A recovery callable that cannot be remembered (equality without a hash)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.__qualname__ = "unhashable_recovery"  # the policy's name, as a function's
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Unhashable)
+
+    def __call__(self, record: IdempotencyRecord) -> None:
+        return None
+
+
+def test_an_unhashable_recovery_callable_is_checked_on_every_call():
+    calls: list[int] = []
+    for n in range(3):
+        run_once(lambda: calls.append(1), **{**IDENTITY, "key": f"k-{n}"}, recovery=_Unhashable())
+    assert calls == [1, 1, 1]
+    assert IdempotencyRecord.objects.count() == 3
