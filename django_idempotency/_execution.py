@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from django import db
 from django.db import transaction
 
-from django_idempotency import _retry, _store
+from django_idempotency import _retry, _store, _vendors
 from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
@@ -117,7 +117,7 @@ def run_fenced(
         # The connection itself lost (a server or node gone, a backend terminated), at the
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
-        lost = not failed and isinstance(exc, db.Error) and _retry.is_connection_lost(exc)
+        lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
         if (failed or (lost and started)) and keep_on_store_failure:
             claim.give_back()
         else:

@@ -7,32 +7,17 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from django.db import Error, InterfaceError, OperationalError
+from django.db import OperationalError
+
+from django_idempotency import _vendors
 
 T = TypeVar("T")
 
-# Deadlock and serialization failures: the database rolled the statement back and asks for a
-# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
 ATTEMPTS = 5
 
 
-# The connection itself lost: the server went away (a node killed, a restart, a failover),
-# the backend was terminated, or the session was killed. The transaction on it did not
-# commit, and a retry on a new connection is what the client should do. PostgreSQL:
-# SQLSTATE class 08 (connection exceptions), 57P01-57P03 (administrator, crash or shutdown
-# and "cannot connect now"), and an OperationalError of psycopg's without a SQLSTATE (the
-# server closed the connection). MySQL/MariaDB: 2002 and 2003 (cannot connect), 2006 (gone
-# away), 2013 (lost during a query), 1053 (shutdown in progress), 1927 (connection killed),
-# 4031 (disconnected by the server), and Galera's 1047 (the node is not ready: WSREP has
-# not yet prepared the node for application use).
-_LOST_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
-_LOST_MYSQL_ERRORS = frozenset({2002, 2003, 2006, 2013, 1053, 1927, 4031, 1047})
-
-_LOCK_WAIT_TIMEOUT = 1205
 #: Inside a claim whose waits are bounded (``CLAIM_TIMEOUT``), a lock wait that timed out is
 #: the bound at work, not a victim to run again.
 _bounded: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -51,29 +36,9 @@ def bounded() -> Iterator[None]:
 
 
 def is_retryable(exc: OperationalError) -> bool:
-    """A deadlock or serialization failure, which the database asks the client to retry."""
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    if not args or args[0] not in _RETRYABLE_MYSQL_ERRORS:
-        return False
-    return not (args[0] == _LOCK_WAIT_TIMEOUT and _bounded.get())
-
-
-def is_connection_lost(exc: Error) -> bool:
-    """Whether ``exc`` says that the connection itself was lost (see ``_LOST_SQLSTATES``),
-    rather than that its statement failed: the transaction on it did not commit."""
-    if isinstance(exc, InterfaceError):  # the driver's connection is closed already
-        return True
-    cause = exc.__cause__
-    if hasattr(cause, "sqlstate") or hasattr(cause, "pgcode"):  # psycopg, psycopg2
-        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-        if state is None:
-            return isinstance(exc, OperationalError)
-        return str(state).startswith("08") or state in _LOST_SQLSTATES
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] in _LOST_MYSQL_ERRORS
+    """A deadlock or serialization failure, which the database asks the client to retry
+    (the codes are each vendor's: ``_vendors``)."""
+    return _vendors.retryable(exc, _bounded.get())
 
 
 def retrying(func: Callable[[], T]) -> T:
