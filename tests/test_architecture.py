@@ -79,6 +79,17 @@ def test_no_module_tells_one_database_from_another_outside_the_vendor_seam() -> 
     assert "## Vendors" in PAGE.read_text()
 
 
+def test_every_member_of_the_vendor_interface_is_on_the_page() -> None:
+    """The page's table of the seam is the checklist of a new vendor: every member of
+    ``Vendor``, and nothing else."""
+    from django_idempotency._vendors.base import Vendor
+
+    members = {name for name in vars(Vendor) if not name.startswith("_") and name != "name"}
+    section = PAGE.read_text().split("## Vendors", 1)[1]
+    shown = set(re.findall(r"^\| `(\w+)(?:\(\))?` \|", section, re.M))
+    assert shown == members
+
+
 def handoffs(call: Callable[[], Any]) -> list[tuple[str, str]]:
     """The calls from a function of one module of the package to a function of another
     while ``call`` runs, reads of the settings (``conf``) left out."""

@@ -9,7 +9,7 @@ members are the checklist of a new vendor: a module here with a subclass that an
 of them, registered in :data:`VENDORS`, and the suites run on it.
 
 :func:`of` gives an alias's vendor, looked up once per alias: on the request's path it is
-a hit of ``functools.lru_cache`` (no call of the interpreter's), and the members read there
+a hit of ``functools.lru_cache`` (no Python call: no hand-off), and the members read there
 are plain attributes. Errors are told apart by the driver that raised them
 (:func:`retryable`, :func:`connection_lost`): no alias needed where a loop retries.
 
