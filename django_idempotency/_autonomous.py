@@ -50,6 +50,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency import _retry
 from django_idempotency._policies import recovery_policy
+from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
 
 logger = logging.getLogger("django_idempotency")
@@ -95,8 +96,7 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
                 f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
                 "claims must commit at once. Open no transaction on that alias."
             )
-        if claim.vendor == "mysql":
-            _bound_lock_wait(claim)
+        _bound_lock_wait(claim)
         return claim
     second: BaseDatabaseWrapper | None = getattr(connection, _ATTRIBUTE, None)
     if second is not None and second.settings_dict.get(_BOUND) != app_settings.CLAIM_TIMEOUT:
@@ -130,22 +130,9 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
     within ``CLAIM_TIMEOUT`` where none is set."""
     options = {k: v for k, v in connection.settings_dict["OPTIONS"].items() if k != "pool"}
     seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
-    after_connect: str | None = None
-    if connection.vendor == "postgresql":
-        options.setdefault("connect_timeout", max(2, seconds))  # libpq's least is 2
-    elif connection.vendor == "mysql":
-        for name in ("connect_timeout", "read_timeout", "write_timeout"):
-            options.setdefault(name, seconds + 1)
-        # The server gives up a lock wait too, or it would commit the claim after the
-        # client left (read_timeout ends only the client's wait): a claim that fails closed
-        # leaves nothing behind.
-        # The project's own init_command is left as it wrote it (a SET of its own may not
-        # take another assignment: SET TRANSACTION ...; it may be no SET at all): the
-        # bound then follows it, once per connect (see _bound_lock_wait).
-        if options.get("init_command") is None:
-            options["init_command"] = lock_wait_bound(seconds)
-        else:
-            after_connect = lock_wait_bound(seconds)
+    # Each vendor's bounds: a connect timeout, and on MariaDB the statements' and the
+    # server's lock wait (its after_connect: see _bound_after_connect).
+    after_connect = of(connection.alias).claim_connection_options(options, seconds)
     return {
         **connection.settings_dict,
         "OPTIONS": options,
@@ -154,27 +141,25 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
     }
 
 
-def lock_wait_bound(seconds: int) -> str:
-    """The statement that makes a MariaDB or MySQL session give a lock wait up after
-    ``seconds``."""
-    return f"SET SESSION innodb_lock_wait_timeout = {seconds}"
-
-
 # The (server connection, seconds) a CLAIM_DATABASE connection's lock wait was bounded for.
 _LOCK_WAIT_BOUND = "_django_idempotency_lock_wait_bound"
 
 
 def _bound_lock_wait(claim: BaseDatabaseWrapper) -> None:
     # CLAIM_DATABASE is the project's own alias, connected with its own settings: its lock
-    # wait is bounded once per server connection and CLAIM_TIMEOUT, so that a claim the
+    # wait is bounded (where the vendor needs it: MariaDB's server waits on after the
+    # client left) once per server connection and CLAIM_TIMEOUT, so that a claim the
     # caller gave up on is never committed after it there either.
-    claim.ensure_connection()
     seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
+    bound = of(claim.alias).lock_wait_bound(seconds)
+    if bound is None:
+        return
+    claim.ensure_connection()
     done = getattr(claim, _LOCK_WAIT_BOUND, None)
     if done is not None and done[0] is claim.connection and done[1] == seconds:
         return
     with claim.cursor() as cursor:
-        cursor.execute(lock_wait_bound(seconds))
+        cursor.execute(bound)
     setattr(claim, _LOCK_WAIT_BOUND, (claim.connection, seconds))
 
 
@@ -217,8 +202,7 @@ def _whole_seconds(duration: timedelta) -> int:
 
 def separate(alias: str) -> bool:
     """Whether claim-side statements on ``alias`` go to the second connection now."""
-    connection = connections[alias]
-    return connection.vendor != "sqlite" and in_callers_transaction(connection)
+    return of(alias).separate_claims and in_callers_transaction(connections[alias])
 
 
 def _close_together(connection: BaseDatabaseWrapper) -> None:
@@ -281,7 +265,7 @@ def _bounded(claim: BaseDatabaseWrapper, timeout: timedelta) -> Iterator[datetim
     connection is replaced on its next use. (MySQL and MariaDB bound their statements with
     ``read_timeout``, in :func:`_claim_settings`.)
     """
-    if claim.vendor != "postgresql":
+    if not of(claim.alias).watchdog:
         yield None
         return
     # Aware and in UTC whatever USE_TZ says: it is compared with the server's clock.
@@ -382,7 +366,7 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "and plain @idempotent views are taken out of ATOMIC_REQUESTS; put "
             "@transaction.non_atomic_requests above @api_view)."
         )
-    if connection.vendor == "sqlite" and declared.durable_claim:
+    if not of(alias).separate_claims and declared.durable_claim:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
             f"database {alias!r}. SQLite cannot commit the claim on its own while that "
@@ -390,7 +374,7 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "outside transaction.atomic() (for views: turn ATOMIC_REQUESTS off, or put "
             "@transaction.non_atomic_requests above @api_view), or use PostgreSQL or MariaDB."
         )
-    level = _snapshot_isolation(connection)
+    level = of(alias).snapshot_isolation(connection)
     if level is not None:
         raise ImproperlyConfigured(
             f"{where} runs inside a {level.upper()} transaction on {alias!r}: its snapshot "
@@ -398,23 +382,6 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             "complete. Call it in a READ COMMITTED transaction (Django's default) or "
             "outside transaction.atomic()."
         )
-
-
-def _snapshot_isolation(connection: BaseDatabaseWrapper) -> str | None:
-    """The caller's isolation level where it keeps the claim out of the caller's sight (or,
-    on MariaDB/MySQL, makes the caller's reads lock what the claim must write), else None."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT current_setting('transaction_isolation')")
-            (level,) = cursor.fetchone()
-        return str(level) if level in ("repeatable read", "serializable") else None
-    if connection.vendor == "mysql":
-        # InnoDB's UPDATE reads the latest committed row under REPEATABLE READ; SERIALIZABLE
-        # turns the caller's reads into shared locks that the claim's insert would wait on.
-        # Django sets the level per session from OPTIONS["isolation_level"].
-        level = getattr(connection, "isolation_level", None)
-        return "serializable" if level == "serializable" else None
-    return None
 
 
 def close_idle(**kwargs: Any) -> None:

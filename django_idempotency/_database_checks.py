@@ -16,15 +16,9 @@ from django.core.checks import CheckMessage, Error
 from django.db import DatabaseError, connections
 
 from django_idempotency import _check_ids
+from django_idempotency._vendors import Vendor, of_connection
 
 __all__ = ["missing_tables", "not_the_same_database"]
-
-# What names a database on its server, as seen from a connection to it (through a pooler
-# too: PgBouncer's database name is an alias, the server's is not).
-_IDENTITY_SQL = {
-    "postgresql": "SELECT current_database(), system_identifier FROM pg_control_system()",
-    "mysql": "SELECT DATABASE(), @@hostname, @@port, @@datadir",
-}
 
 
 def missing_tables(alias: str, databases: Iterable[str]) -> list[CheckMessage]:
@@ -79,17 +73,18 @@ def not_the_same_database(
     if claims is None or claims == alias:
         return []
     mine, theirs = connections[alias], connections[claims]
-    if mine.vendor != theirs.vendor:
-        why = f"it is {theirs.vendor}, {alias!r} is {mine.vendor}"
-    elif mine.vendor == "sqlite":
+    vendor, other = of_connection(mine), of_connection(theirs)
+    if vendor.name != other.name:
+        why = f"it is {other.name}, {alias!r} is {vendor.name}"
+    elif vendor.single_file:
         if mine.settings_dict["NAME"] == theirs.settings_dict["NAME"]:
             return []
         why = f"it is the file {theirs.settings_dict['NAME']!r}, not {mine.settings_dict['NAME']!r}"
-    elif alias not in databases or mine.vendor not in _IDENTITY_SQL:
+    elif alias not in databases or vendor.identity_sql is None:
         return []
     else:
         try:
-            ours, claimed = _identity(mine), _identity(theirs)
+            ours, claimed = _identity(mine, vendor), _identity(theirs, vendor)
         except DatabaseError:  # either cannot connect: the first claim says so (503)
             return []
         if ours == claimed:
@@ -113,9 +108,11 @@ def not_the_same_database(
     ]
 
 
-def _identity(connection: Any) -> tuple[Any, ...]:
+def _identity(connection: Any, vendor: Vendor) -> tuple[Any, ...]:
+    # What names a database on its server, as seen from a connection to it (through a
+    # pooler too: PgBouncer's database name is an alias, the server's is not).
     with connection.cursor() as cursor:
-        cursor.execute(_IDENTITY_SQL[connection.vendor])
+        cursor.execute(vendor.identity_sql)
         return tuple(cursor.fetchone())
 
 

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from django import db
 from django.db import transaction
 
-from django_idempotency import _retry, _store
+from django_idempotency import _retry, _store, _vendors
 from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
@@ -83,14 +83,18 @@ def run_fenced(
     the body's transaction as a deadlock or a conflict (a retry is asked for), the work
     rolls back and ``StoreUnavailable`` is raised; the claim is released, or, with
     ``keep_on_store_failure`` (every policy but ``"retry"``: the body's external calls may
-    have happened), its lease is given back, so the policy decides as after a crash.
+    have happened), its lease is given back, so the policy decides as after a crash. The
+    connection lost (the server gone, the backend terminated) is ``StoreUnavailable`` too:
+    before the body started (``ran=False``) the claim is released whatever the policy; once
+    it started, as a failed completion. Any other error of the body's propagates as it is.
     """
     alias = claim.alias
-    completing = False
+    started = completing = False
     try:
         with outside_steps():
             try:
                 with transaction.atomic(using=alias):
+                    started = True
                     result = body()
                     completing = True
                     outcome = judge(result)
@@ -111,16 +115,25 @@ def run_fenced(
         raise
     except (db.Error, StoreUnavailable) as exc:
         failed = completing  # the completion or its commit: the store's, not the body's
-        if failed and keep_on_store_failure:
+        # The connection itself lost (a server or node gone, a backend terminated), at the
+        # transaction's start (a round trip on MariaDB) or in the body: the store's failure
+        # too, never the body's error. Its transaction did not commit.
+        lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
+        if (failed or (lost and started)) and keep_on_store_failure:
             claim.give_back()
         else:
             claim.release()
         if isinstance(exc, StoreUnavailable):
             raise
+        if lost and not started:
+            raise StoreUnavailable(
+                f"nothing ran: the connection was lost before the operation's transaction "
+                f"began, and the claim was released ({exc})"
+            ) from exc
         # The completion's failure, or the database refusing the work's own transaction as
         # a deadlock, a serialization failure or a Galera certification conflict: it asks
         # for a retry, and the work was rolled back.
-        if failed or (isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)):
+        if failed or lost or (isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)):
             raise store_failed(exc) from exc
         raise
     except BaseException:

@@ -22,6 +22,7 @@ from django.db import connections, models, transaction
 from django.db.models import QuerySet
 
 from django_idempotency import _retry, signals
+from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
 
 Progress = Callable[[int, int], None]
@@ -189,13 +190,13 @@ def budgeted_batches(
 def _delete_batch(table: _Table, size: int) -> int:
     candidates = table.candidates
     alias = candidates.db
-    connection = connections[alias]
-    features = connection.features
+    features = connections[alias].features
+    shape = of(alias).purge_batch
     with transaction.atomic(using=alias):
         pick = candidates.select_for_update(
             skip_locked=features.has_select_for_update_skip_locked
         ).order_by(table.order)
-        if connection.vendor == "postgresql":
+        if shape == "statement":
             return _postgres_batch(candidates.model, pick, size, table.archive)
         ids = list(pick.values_list("pk", flat=True)[:size])
         if not ids:
@@ -209,7 +210,7 @@ def _delete_batch(table: _Table, size: int) -> int:
             batch = candidates.filter(pk__in=ids)
         if table.archive is not None:
             table.archive.copy(batch)
-        if connection.vendor == "mysql":
+        if shape == "by key":
             return _mysql_delete(candidates.model, alias, ids)
         # The model's own rows: the ORM's total counts the rows it cascaded to (steps) too.
         _, by_model = batch.delete()

@@ -7,20 +7,17 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from django.db import OperationalError
 
+from django_idempotency import _vendors
+
 T = TypeVar("T")
 
-# Deadlock and serialization failures: the database rolled the statement back and asks for a
-# retry (PostgreSQL SQLSTATEs; MySQL/MariaDB error numbers).
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-_RETRYABLE_MYSQL_ERRORS = frozenset({1213, 1205})
 ATTEMPTS = 5
 
 
-_LOCK_WAIT_TIMEOUT = 1205
 #: Inside a claim whose waits are bounded (``CLAIM_TIMEOUT``), a lock wait that timed out is
 #: the bound at work, not a victim to run again.
 _bounded: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -39,14 +36,9 @@ def bounded() -> Iterator[None]:
 
 
 def is_retryable(exc: OperationalError) -> bool:
-    """A deadlock or serialization failure, which the database asks the client to retry."""
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    args: tuple[Any, ...] = getattr(cause, "args", ())
-    if not args or args[0] not in _RETRYABLE_MYSQL_ERRORS:
-        return False
-    return not (args[0] == _LOCK_WAIT_TIMEOUT and _bounded.get())
+    """A deadlock or serialization failure, which the database asks the client to retry
+    (the codes are each vendor's: ``_vendors``)."""
+    return _vendors.retryable(exc, _bounded.get())
 
 
 def retrying(func: Callable[[], T]) -> T:

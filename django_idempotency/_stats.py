@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from django_idempotency import crypto
 from django_idempotency._policies import names_where
+from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
 from django_idempotency.models import (
     IdempotencyRecord,
@@ -127,14 +128,13 @@ def oldest_in_progress_seconds(
 
 def table_bytes(using: str | None = None) -> int | None:
     """The table's size on disk with its indexes, on PostgreSQL; ``None`` on other databases."""
-    connection = connections[_alias(using)]
-    if connection.vendor != "postgresql":
+    alias = _alias(using)
+    sql = of(alias).table_bytes_sql
+    if sql is None:
         return None
+    connection = connections[alias]
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_total_relation_size(%s::regclass)",
-            [connection.ops.quote_name(IdempotencyRecord._meta.db_table)],
-        )
+        cursor.execute(sql, [connection.ops.quote_name(IdempotencyRecord._meta.db_table)])
         (size,) = cursor.fetchone()
     return int(size)
 
@@ -170,8 +170,7 @@ def operations(using: str | None = None, limit: int = 100) -> list[str]:
     plain query, bounded by ``limit``.
     """
     alias = _alias(using)
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
+    if not of(alias).loose_index_scan:
         names = (
             records(alias)
             .order_by("operation")
@@ -179,6 +178,7 @@ def operations(using: str | None = None, limit: int = 100) -> list[str]:
             .distinct()[:limit]
         )
         return list(names)
+    connection = connections[alias]
     table = connection.ops.quote_name(IdempotencyRecord._meta.db_table)
     sql = f"""
         WITH RECURSIVE ops(operation) AS (

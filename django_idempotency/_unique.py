@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from django_idempotency import _policies, _storable, _validation, states
 from django_idempotency._policies import UniqueUntil
+from django_idempotency._vendors import of
 from django_idempotency.exceptions import TaskAlreadyQueued
 from django_idempotency.keys import validate_key
 from django_idempotency.models import (
@@ -164,8 +165,7 @@ def _insert_both(alias: str, message: OutboxMessage, key: OutboxUniqueKey) -> bo
     the statement, when its message is there); elsewhere both inserts in a savepoint, rolled
     back when the unique constraint refuses the key.
     """
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
+    if not of(alias).insert_on_conflict:
         try:
             with transaction.atomic(using=alias):
                 message.save(using=alias, force_insert=True)
@@ -173,6 +173,7 @@ def _insert_both(alias: str, message: OutboxMessage, key: OutboxUniqueKey) -> bo
         except IntegrityError:
             return False
         return True
+    connection = connections[alias]
     key_sql, key_params = _insert_sql(connection, key)
     message_sql, message_params = _insert_sql(connection, message)
     into, values = message_sql.split(" VALUES ", 1)
@@ -224,16 +225,18 @@ def _holder(alias: str, task: str, key: str, read: str) -> OutboxUniqueKey | Non
     holders = OutboxUniqueKey.objects.using(alias).filter(task=task, key=key)
     if read == _LOCKED:
         return holders.select_for_update().first()
-    if read == _FRESH and connections[alias].vendor == "mysql":
-        found = list(_in_share_mode(holders))
+    fresh = of(alias).fresh_read if read == _FRESH else ""
+    if fresh:
+        found = list(_newest(holders, fresh))
         return found[0] if found else None
     return holders.first()
 
 
-def _in_share_mode(queryset: Any) -> Any:
-    """``queryset`` read with MariaDB's ``LOCK IN SHARE MODE``: the newest committed rows."""
+def _newest(queryset: Any, clause: str) -> Any:
+    """``queryset`` read with ``clause`` (MariaDB's ``LOCK IN SHARE MODE``): the newest
+    committed rows."""
     sql, params = queryset.query.get_compiler(queryset.db).as_sql()
-    return queryset.model.objects.raw(f"{sql} LOCK IN SHARE MODE", params, using=queryset.db)
+    return queryset.model.objects.raw(f"{sql}{clause}", params, using=queryset.db)
 
 
 def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
@@ -244,8 +247,9 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
     if holder.finished_at is not None:
         return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
-    if connections[alias].vendor == "mysql":  # the newest state, not the snapshot's
-        found = [(m.status, m.sent_at) for m in _in_share_mode(messages.only("status", "sent_at"))]
+    fresh = of(alias).fresh_read
+    if fresh:  # the newest state, not the snapshot's
+        found = [(m.status, m.sent_at) for m in _newest(messages.only("status", "sent_at"), fresh)]
         status, sent_at = found[0] if found else (None, None)
     else:
         status, sent_at = messages.values_list("status", "sent_at").first() or (None, None)

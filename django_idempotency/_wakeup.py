@@ -15,6 +15,8 @@ from typing import Any
 
 from django.db import connections
 
+from django_idempotency._vendors import of
+
 logger = logging.getLogger("django_idempotency")
 
 # The PostgreSQL channel that enqueue() notifies and a waiting relay listens on.
@@ -31,8 +33,7 @@ Wait = Callable[[float, Stop], None]
 def listener(alias: str, listen: bool) -> Iterator[Wait]:
     """A wait that a ``NOTIFY`` cuts short, on a dedicated connection (PostgreSQL); a plain
     :func:`sleep` elsewhere or without ``listen``."""
-    connection = connections[alias]
-    if not listen or connection.vendor != "postgresql":
+    if not listen or of(alias).notify_sql is None:
         yield sleep
         return
     listener = Listener(alias)

@@ -263,19 +263,17 @@ def check_synchronous_standby(
         return []
     from django.db import DatabaseError, connections
 
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
+    from django_idempotency._vendors import of
+
+    sql = of(alias).replication_sql
+    if sql is None:
         return []
     policies = _never_twice_policies(values["RECOVERY"])
     if not policies:
         return []
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT current_setting('synchronous_standby_names'),"
-                " current_setting('synchronous_commit'),"
-                " (SELECT count(*) FROM pg_stat_replication)"
-            )
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql)
             names, commit, standbys = cursor.fetchone()
     except DatabaseError:  # unreachable, or a role that may not read the settings
         return []

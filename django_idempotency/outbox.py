@@ -45,6 +45,7 @@ from django_idempotency._senders import (
     Unreadable,
     configured_sender,
 )
+from django_idempotency._vendors import of
 from django_idempotency._wakeup import CHANNEL
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
@@ -253,10 +254,10 @@ def _prepared(
 
 def notify(alias: str) -> None:
     """Wake the listening relays when the current transaction commits (PostgreSQL only)."""
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+    sql = of(alias).notify_sql
+    if sql is not None:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql, [CHANNEL])
 
 
 # -- operator actions ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@ hand-offs it counts on one protected request are those a trace of that request s
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from collections.abc import Callable
@@ -55,6 +56,38 @@ def test_the_module_map_is_the_packages_modules() -> None:
     for name in mapped:
         is_private = any(part.startswith("_") for part in name.split(".")[1:])
         assert f"| `{name}` |" in (private if is_private else public), name
+
+
+def test_no_module_tells_one_database_from_another_outside_the_vendor_seam() -> None:
+    """Every difference between databases is a member of ``django_idempotency._vendors``
+    (docs/architecture.md, "Vendors"): no test of ``connection.vendor`` outside it. The
+    migrations keep theirs: a migration is history, and does the same thing for ever."""
+    seam = PACKAGE / "_vendors"
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if seam in path.parents or "migrations" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = isinstance(node, ast.Attribute) and node.attr == "vendor"
+            spelled = (  # getattr(connection, "vendor")
+                isinstance(node, ast.Constant) and node.value == "vendor"
+            )
+            if named or spelled:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []
+    # And the seam is where the page says it is.
+    assert "## Vendors" in PAGE.read_text()
+
+
+def test_every_member_of_the_vendor_interface_is_on_the_page() -> None:
+    """The page's table of the seam is the checklist of a new vendor: every member of
+    ``Vendor``, and nothing else."""
+    from django_idempotency._vendors.base import Vendor
+
+    members = {name for name in vars(Vendor) if not name.startswith("_") and name != "name"}
+    section = PAGE.read_text().split("## Vendors", 1)[1]
+    shown = set(re.findall(r"^\| `(\w+)(?:\(\))?` \|", section, re.M))
+    assert shown == members
 
 
 def handoffs(call: Callable[[], Any]) -> list[tuple[str, str]]:

@@ -18,8 +18,8 @@ from django.test.utils import CaptureQueriesContext
 from django_idempotency import _store, states
 from django_idempotency._context import Operation
 from django_idempotency._store import claiming
-from django_idempotency._store.postgres import CLAIM
 from django_idempotency._store.records import from_epoch
+from django_idempotency._vendors.postgresql import CLAIM
 from django_idempotency.models import IdempotencyRecord
 from tests.helpers import needs_drf, new_key
 

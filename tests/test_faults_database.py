@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from django_idempotency._problems import store_unavailable_detail
 from tests import poolers
 from tests.helpers import (
     FAIL_PATH,
@@ -197,7 +198,9 @@ def assert_recovers_with_one_charge(server: str, pg: PostgresInstance, caller: C
 def test_backend_terminated(server, pg, signals, stage):
     """Django drops the broken connection when the view's transaction cannot roll back, so
     the release runs on a fresh connection, and the key is free again. The answer is the
-    view's 500 when its own query failed, the store's 503 when the completion's commit did."""
+    store's 503 with Retry-After either way, saying that the view ran: a lost connection is
+    the store's failure, not the view's (its own query failed, or the completion's commit
+    did)."""
     reached, go = signals
     caller = Caller.new()
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -206,9 +209,9 @@ def test_backend_terminated(server, pg, signals, stage):
         terminate(pg, reached)
         go.touch()
         answer = pending.result(timeout=30)
-    assert answer.status == (500 if stage == "after-provider" else 503)
-    if stage == "completion":
-        assert answer.json()["code"] == "idempotency_store_unavailable"
+    assert_problem(answer, 503, "idempotency_store_unavailable")
+    assert answer.headers["retry-after"]
+    assert answer.json()["detail"] == store_unavailable_detail(True)
     assert effects(pg, caller) == (0, 1, 1)
     assert record(pg, caller) is None  # released
     assert_recovers_with_one_charge(server, pg, caller)
@@ -243,8 +246,9 @@ def test_restart_between_a_fail_policy_claim_and_its_retry(server, pg):
 
 def test_database_down_while_a_request_runs(server, pg, signals):
     """While the server is down every protected request fails closed with ``503`` and runs
-    nothing; the request caught mid-view answers ``500`` and cannot release its claim, which
-    the retry recovers once the server is back and the lease has run out."""
+    nothing; the request caught mid-view, whose connection is lost, answers ``503`` too (its
+    view ran) and cannot release its claim, which the retry recovers once the server is back
+    and the lease has run out."""
     reached, go = signals
     caller, bystander = Caller.new(), Caller.new()
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -263,7 +267,8 @@ def test_database_down_while_a_request_runs(server, pg, signals):
             assert down.headers["retry-after"]
         go.touch()
         answer = pending.result(timeout=30)
-    assert answer.status == 500
+    assert_problem(answer, 503, "idempotency_store_unavailable")
+    assert answer.json()["detail"] == store_unavailable_detail(True)
     pg.start()
     assert effects(pg, bystander) == (0, 0, 0)
     assert record(pg, bystander) is None

@@ -4,6 +4,9 @@ leave no record in progress for an attempt that never reached the work.
 - a terminated backend, on the claim (autocommit) and inside a caller's transaction (where
   the isolation check is the first statement);
 - the completion failing after the work ran: the work rolls back, the claim is released;
+- the connection lost after the claim, before the work's transaction or in its first
+  statement (a node of a cluster killed, a backend terminated): ``503``, the claim released
+  when nothing ran (or, once the work started, given back where the policy keeps it);
 - prepared statements through PgBouncer before 1.21 in transaction mode: the engine stops
   preparing on that database, says why once, and no call fails twice.
 """
@@ -23,7 +26,7 @@ from django_idempotency import StoreUnavailable, _store, run_once
 from django_idempotency._store import statements
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import is_completion, new_key, postgres_only
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, ProviderCall
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
 on_postgresql = pytest.mark.skipif(
@@ -39,12 +42,15 @@ def effect(calls: list[str], tag: str) -> str:
 
 
 def terminate(alias: str = "default") -> None:
-    """End the server backend of ``alias``'s connection, as an administrator or a failover."""
+    """End the server backend of ``alias``'s connection, as an administrator or a failover
+    would: ``pg_terminate_backend`` on PostgreSQL, ``KILL`` on MariaDB, from another
+    connection."""
+    mysql = connections[alias].vendor == "mysql"
     with connections[alias].cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
         (pid,) = cursor.fetchone()
     with connections["provider"].cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
 
 
 @on_postgresql
@@ -93,7 +99,8 @@ def test_a_completion_that_fails_rolls_the_work_back_releases_and_is_store_unava
     assert Charge.objects.count() == 1
 
 
-def test_over_http_a_completion_that_fails_is_a_503_and_the_retry_runs(user):
+def charging(user: Any) -> Any:
+    """A logged-in client's POST of one charge to ``/charges/``, with one key throughout."""
     client = Client()
     client.force_login(user)
     key = new_key()
@@ -106,6 +113,11 @@ def test_over_http_a_completion_that_fails_is_a_503_and_the_retry_runs(user):
             headers={"Idempotency-Key": key},
         )
 
+    return post
+
+
+def test_over_http_a_completion_that_fails_is_a_503_and_the_retry_runs(user):
+    post = charging(user)
     with connection.execute_wrapper(failing_completion):
         failed = post()
     assert failed.status_code == 503
@@ -328,3 +340,95 @@ def test_a_conflict_in_the_work_is_store_unavailable_and_the_retry_runs_once():
     assert run_once(effect, calls, "retried", **IDENTITY, key="k-conflict") == "retried"
     assert calls == ["conflicted", "retried"]
     assert Charge.objects.count() == 1
+
+
+# -- the connection lost between the claim and the work --------------------------------------
+
+#: Where the cut connection first fails. MariaDB and MySQL begin the work's transaction with
+#: a round trip (``SET autocommit=0``), which fails before the body starts: nothing ran.
+#: psycopg begins it with the body's first statement, which fails: the body had started.
+BODY_STARTS = connection.vendor == "postgresql"
+
+
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_a_connection_lost_after_the_claim_is_store_unavailable_never_the_works_error(
+    policy, monkeypatch: pytest.MonkeyPatch
+):
+    """The server side of the caller's connection ends right after its claim committed (a
+    Galera node killed, a backend terminated): ``StoreUnavailable``, never the driver's
+    error; the work's transaction did not commit. Where nothing ran, the claim is released
+    whatever the policy, and the next call runs at once; where the body had started, its
+    lease is given back under "fail", whose retry gets the unknown outcome."""
+    from django_idempotency import OutcomeUnknown
+
+    fired = dies_after_the_claim(monkeypatch)
+    calls: list[str] = []
+    with pytest.raises(StoreUnavailable) as refused:
+        run_once(effect, calls, "a", **IDENTITY, key="k-lost", recovery=policy)
+    assert fired == [1]
+    assert refused.value.ran is BODY_STARTS
+    assert calls == (["a"] if BODY_STARTS else [])
+    monkeypatch.undo()
+    connection.close()
+    assert Charge.objects.count() == 0  # the work's transaction never committed
+    if BODY_STARTS and policy == "fail":
+        record = IdempotencyRecord.objects.get()
+        assert record.status == RecordStatus.IN_PROGRESS  # given back, for the policy
+        with pytest.raises(OutcomeUnknown):
+            run_once(effect, calls, "b", **IDENTITY, key="k-lost", recovery=policy)
+        assert calls == ["a"]
+        return
+    assert IdempotencyRecord.objects.count() == 0  # released: no record left in progress
+    assert run_once(effect, calls, "b", **IDENTITY, key="k-lost", recovery=policy) == "b"
+    assert calls == [*(["a"] if BODY_STARTS else []), "b"]
+    assert Charge.objects.count() == 1
+
+
+def test_over_http_a_connection_lost_after_the_claim_is_a_503_and_the_retry_runs_once(
+    user, monkeypatch: pytest.MonkeyPatch
+):
+    """The same over HTTP: ``503 idempotency_store_unavailable`` with ``Retry-After``, never
+    the view's ``500``; the provider was called only where the view had started; the retry
+    charges once."""
+    from django_idempotency import _problems
+
+    fired = dies_after_the_claim(monkeypatch)
+    post = charging(user)
+    lost = post()
+    assert fired == [1]
+    assert lost.status_code == 503
+    assert lost.headers["Retry-After"]
+    assert lost.json()["code"] == "idempotency_store_unavailable"
+    assert lost.json()["detail"] == _problems.store_unavailable_detail(BODY_STARTS)
+    monkeypatch.undo()
+    connection.close()
+    assert ProviderCall.objects.using("provider").count() == (1 if BODY_STARTS else 0)
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0  # released under "retry"
+    assert post().status_code == 201
+    replay = post()
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+    assert ProviderCall.objects.using("provider").count() == (2 if BODY_STARTS else 1)
+
+
+def broken_work(calls: list[str]) -> str:
+    """The work's own statement fails for its own sake (a statement timeout, say): not a
+    lost connection."""
+    effect(calls, "broken")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM no_such_table")
+    return "unreachable"
+
+
+def test_the_works_own_error_stays_its_own():
+    """A failure of the work's statement that is not the connection's stays the work's
+    error (the view's ``500``), its work rolled back and the claim released."""
+    from django.db import ProgrammingError
+
+    calls: list[str] = []
+    with pytest.raises(ProgrammingError):
+        run_once(broken_work, calls, **IDENTITY, key="k-broken")
+    assert calls == ["broken"]
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0

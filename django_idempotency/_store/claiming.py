@@ -27,7 +27,6 @@ from django.utils import timezone
 from django_idempotency import _policies, _retry, crypto, states
 from django_idempotency._context import Operation
 from django_idempotency._store.owner import forget_steps
-from django_idempotency._store.postgres import CLAIM, LATE, ON_TIME, refusal
 from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
 from django_idempotency._store.statements import (
     claim_row,
@@ -37,6 +36,8 @@ from django_idempotency._store.statements import (
     returning,
     table,
 )
+from django_idempotency._vendors import of
+from django_idempotency._vendors.postgresql import CLAIM, LATE, ON_TIME, refusal
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 
@@ -158,8 +159,7 @@ def _insert_or_existing(
     ``None`` when the conflicting record was not visible (committed after the statement's
     snapshot, or released meanwhile).
     """
-    connection = connections[op.alias]
-    if connection.vendor == "postgresql":
+    if of(op.alias).claim_function:
         # One call of the claim's function, its values bound as they are (psycopg adapts
         # them). Its plans are the server's, kept per connection; with prepare_threshold the
         # one-line call is prepared too (_cursor).
@@ -193,6 +193,7 @@ def _insert_or_existing(
     # refused it. In autocommit (the claim's usual place) a refused INSERT leaves nothing to
     # roll back on SQLite or MariaDB, so no transaction is opened for it (on MariaDB that
     # saves three round trips); inside an atomic block a savepoint keeps the block usable.
+    connection = connections[op.alias]
     token = uuid.uuid4()
     row = claim_row(op, token, now)
     try:
@@ -246,8 +247,7 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
     not committed yet, and the claim must never wait for either. Matching nothing, the claim
     reads the record and answers it as it stands (in progress: ``409`` / ``InProgress``).
     """
-    connection = connections[alias]
-    quote = connection.ops.quote_name
+    quote = connections[alias].ops.quote_name
     assignments = [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS]
     # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
     assignments.append(
@@ -258,7 +258,7 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
         f"UPDATE {table(alias)} SET {', '.join(assignments)}"
         f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
     )
-    if connection.vendor == "postgresql":
+    if of(alias).takeover_returning:
         # MySQL refuses a subquery on the table it updates: _replace locks there first.
         sql += (
             f" AND {quote('id')} IN (SELECT {quote('id')} FROM {table(alias)}"
@@ -317,8 +317,7 @@ def _take_over(
 
 
 def _replace(alias: str, params: dict[str, Any]) -> RecordState | None:
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
+    if of(alias).takeover_returning:
         with cursor(alias) as statement:
             statement.execute(_takeover_sql(alias, "deadline" in params), params)
             result = statement.fetchone()
@@ -327,6 +326,7 @@ def _replace(alias: str, params: dict[str, Any]) -> RecordState | None:
         if result[0] is None:  # the guard's row: the takeover reached the server too late
             raise OperationalError(_LATE)
         return RecordState.from_row(result)
+    connection = connections[alias]
     with transaction.atomic(using=alias), connection.cursor() as statement:
         if connection.features.has_select_for_update_skip_locked:
             statement.execute(_lock_free_sql(alias), [params["id"]])
@@ -405,24 +405,27 @@ def fetch(op: Operation) -> RecordState | None:
 # statements (the release, the give-back, the steps) are in .owner.
 
 
+@functools.lru_cache(maxsize=8)
+def _carries_commit(alias: str) -> bool:
+    return of(alias).carries_commit(connections[alias])
+
+
 def _commits_here(connection: Any) -> bool:
     """Whether the completion may carry the transaction's ``COMMIT`` (:func:`complete`).
 
-    PostgreSQL through psycopg 3 with client-side binding (Django's default: no
-    ``server_side_binding``, no ``prepare_threshold``), which sends a statement's text with
-    its values and may carry several statements, and whose ``commit()`` sends nothing when
-    the transaction has ended; and one atomic block open, which commits when it ends: inside
-    a caller's transaction (a second block), or with autocommit off, the COMMIT is the
-    caller's.
+    Where the vendor's driver allows it (:meth:`.Vendor.carries_commit`: PostgreSQL through
+    psycopg 3) and the statements are sent as text with their values (Django's default: no
+    ``server_side_binding``, no ``prepare_threshold``); and with one atomic block open,
+    which commits when it ends: inside a caller's transaction (a second block), or with
+    autocommit off, the COMMIT is the caller's.
     """
     options = connection.settings_dict["OPTIONS"]
     return (
-        connection.vendor == "postgresql"
-        and connection.Database.__name__ == "psycopg"
-        and len(connection.atomic_blocks) == 1
+        len(connection.atomic_blocks) == 1
         and connection.commit_on_exit
         and options.get("prepare_threshold") is None
         and not options.get("server_side_binding")
+        and _carries_commit(connection.alias)
     )
 
 
@@ -441,8 +444,7 @@ def _complete_sql(alias: str) -> str:
     stored = ("status", "response_status", "response_headers", "response_body", "completed_at")
     cleared = ("lease_token", "lease_expires_at")
     assignments = [f"{q(c)} = %s" for c in stored] + [f"{q(c)} = NULL" for c in cleared]
-    if connections[alias].vendor == "postgresql":
-        assignments[2] += "::jsonb"  # the headers come as JSON text
+    assignments[2] += of(alias).headers_cast  # the headers come as JSON text
     return f"UPDATE {table(alias)} SET {', '.join(assignments)} WHERE {owned_by(q)}"
 
 
@@ -483,7 +485,7 @@ def complete(
         headers, body = crypto.seal_response(response_headers, response_body)
     else:
         headers, body = response_headers, response_body
-    if connections[alias].vendor == "postgresql":
+    if of(alias).native_values:
         # As the JSON field would store it (json.dumps), without its per-call preparation;
         # psycopg adapts the rest, the token included, as it is.
         params: list[Any] = [status, response_status, json.dumps(headers), body, now, token]

@@ -22,6 +22,7 @@ from django_idempotency._store.statements import (
     step_table,
     table,
 )
+from django_idempotency._vendors import of
 from django_idempotency.models import IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
@@ -48,8 +49,7 @@ def _owned(
     ``fence``: the token as the driver takes it, where the caller has prepared it."""
     if fence is None:
         # psycopg adapts a UUID as it is; the other drivers take the field's own form of it.
-        native = connections[alias].vendor == "postgresql"
-        fence = token if native else prepared(alias, "lease_token", token)
+        fence = token if of(alias).native_values else prepared(alias, "lease_token", token)
     owner = [record_id, fence, IN_PROGRESS]
     with cursor(alias) as statement:
         statement.execute(sql, [*params, *owner])
@@ -107,9 +107,7 @@ def _record_step_sql(alias: str) -> str:
     connection = connections[alias]
     q = connection.ops.quote_name
     columns = ", ".join(q(c) for c in ("record_id", "name", "result", "created_at"))
-    lock = " FOR SHARE" if connection.features.has_select_for_update else ""
-    if lock and connection.vendor == "mysql":
-        lock = " LOCK IN SHARE MODE"
+    lock = of(alias).share_lock if connection.features.has_select_for_update else ""
     return (
         f"INSERT INTO {step_table(alias)} ({columns})"
         f" SELECT {q('id')}, %s, %s, %s FROM {table(alias)} WHERE {owned_by(q)}{lock}"

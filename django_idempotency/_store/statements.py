@@ -21,6 +21,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 
 from django_idempotency._store.records import STATE_COLUMNS
+from django_idempotency._vendors import of
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
@@ -52,7 +53,7 @@ def prepares(connection: BaseDatabaseWrapper) -> bool:
     """
     return (
         connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None
-        and connection.vendor == "postgresql"
+        and of(connection.alias).prepares
         and not connection.queries_logged
         and connection.alias not in refused
     )

@@ -1,6 +1,6 @@
 """PostgreSQL's claim as a server-side function, ``django_idempotency_record_claim``.
 
-The claim is one statement whatever the key's state (see ``_store.postgres``). Sent as text
+The claim is one statement whatever the key's state (see ``_vendors.postgresql``). Sent as text
 on Django's defaults (no prepared statements, which PgBouncer before 1.21 in transaction
 mode cannot keep), the server parsed and planned it on every request: about half a
 millisecond, as long as running it. A PL/pgSQL function keeps the plans of its statements
