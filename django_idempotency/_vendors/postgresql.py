@@ -76,7 +76,8 @@ class PostgreSQL(Vendor):
 
     def carries_commit(self, connection: BaseDatabaseWrapper) -> bool:
         # psycopg 3 (psycopg2's commit() sends a COMMIT of its own whatever the server's state).
-        return bool(connection.Database.__name__ == "psycopg")
+        driver: Any = connection  # Database: the backend's driver module, which stubs leave out
+        return bool(driver.Database.__name__ == "psycopg")
 
     separate_claims = True
     watchdog = True
