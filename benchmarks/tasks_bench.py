@@ -114,7 +114,10 @@ def reset() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_idempotency_outbox, django_tasks_database_dbtaskresult")
+        cursor.execute(
+            "TRUNCATE django_idempotency_outbox_key, django_idempotency_outbox, "
+            "django_tasks_database_dbtaskresult"
+        )
 
 
 def enqueue(messages: int, path: str = "tasks") -> float:
