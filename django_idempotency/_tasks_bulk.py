@@ -55,6 +55,7 @@ _COLUMNS = (
 )
 _PER_ROW = ("id", "enqueued_at", "args_kwargs")
 _PER_TASK = ("priority", "task_path", "queue_name", "run_after")
+_ID, _ENQUEUED_AT, _ARGS_KWARGS = (_COLUMNS.index(name) for name in _PER_ROW)
 
 _MICROSECOND = timedelta(microseconds=1)
 
@@ -100,31 +101,36 @@ def _database_rows(target: BaseTaskBackend, handed: Sequence[Handed]) -> Any:
     alias = router.db_for_write(DBTaskResult)
     # The defaults of the columns no enqueue sets; a callable one (a list) called per row.
     defaults: dict[str, Any] = {}
-    fresh: dict[str, Callable[[], Any]] = {}
-    for field in fields:
+    fresh: list[tuple[int, Callable[[], Any]]] = []
+    for index, field in enumerate(fields):
         if field.attname in (*_PER_ROW, *_PER_TASK, "backend_name"):
             continue
         if field.has_default() and callable(field.default):
-            fresh[field.attname] = field.default
+            fresh.append((index, field.default))
         else:
             defaults[field.attname] = field.get_default()
     date_max = get_date_max()
-    tasks: dict[int, dict[str, Any]] = {}  # per task of the batch (mostly one): its columns
+    # Per task of the batch (mostly one): a row's values in the model's order.
+    tasks: dict[int, list[Any]] = {}
     rows: list[Any] = []
     kinds: list[int] = []
     previous: datetime | None = None
     for task, args, kwargs in handed:
-        columns = tasks.get(id(task))
-        if columns is None:
+        values = tasks.get(id(task))
+        if values is None:
             target.validate_task(task)
-            columns = tasks[id(task)] = {
+            columns = {
+                **defaults,
                 "priority": task.priority,
                 "task_path": task.module_path,
                 "queue_name": task.queue_name,
                 # What its pre_save receiver does (no pre_save is sent here).
                 "run_after": task.run_after if task.run_after is not None else date_max,
                 "backend_name": target.alias,
+                **dict.fromkeys(_PER_ROW),
             }
+            values = tasks[id(task)] = [columns.get(name) for name in _COLUMNS]
+        values = values.copy()
         result_id = target._get_id()
         if isinstance(result_id, Expression):  # computed by the INSERT: one row at a time
             return None
@@ -134,18 +140,13 @@ def _database_rows(target: BaseTaskBackend, handed: Sequence[Handed]) -> Any:
         if previous is not None and enqueued_at <= previous:
             enqueued_at = previous + _MICROSECOND
         previous = enqueued_at
-        values = {
-            **defaults,
-            **columns,
-            "id": result_id,
-            "enqueued_at": enqueued_at,
-            # The relay's arguments are decoded JSON: normalize_json leaves them as they are.
-            "args_kwargs": {"args": args, "kwargs": kwargs},
-        }
-        for name, default in fresh.items():
-            values[name] = default()
+        values[_ID], values[_ENQUEUED_AT] = result_id, enqueued_at
+        # The relay's arguments are decoded JSON: normalize_json leaves them as they are.
+        values[_ARGS_KWARGS] = {"args": args, "kwargs": kwargs}
+        for index, default in fresh:
+            values[index] = default()
         # As a saved row: from_db takes the values in the model's order.
-        rows.append(DBTaskResult.from_db(alias, _COLUMNS, [values[name] for name in _COLUMNS]))
+        rows.append(DBTaskResult.from_db(alias, _COLUMNS, values))
         kinds.append(id(task))
     return rows, alias, kinds
 
