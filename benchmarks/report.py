@@ -1262,10 +1262,12 @@ def tasks_relay(data: dict[str, Any]) -> str:
     load = " / ".join(f"{v:.2f}" for v in data.get("load_average", []))
     return (
         f"\n## {SECTION_TASKS}\n\n"
-        "`benchmarks/tasks_bench.py`, on its own database: a backlog of "
-        f"{data['messages']:,} messages drained by `outbox.drain` in batches of "
-        f"{data['batch_size']}, by each sender in turn within every round, the order "
-        f"rotating; {data['rounds']} rounds, medians. Into the database backend a batch is one "
+        "`benchmarks/tasks_bench.py`, on its own database: per round "
+        f"{data['messages']:,} messages per sender, written in blocks of a batch "
+        f"({data['batch_size']}) and relayed with `outbox.relay_batch` (one batch of "
+        "`outbox.drain`), the senders taking turns batch after batch, so that each meets the "
+        "machine's load of the same moment (the order rotating, and reversed every other "
+        f"round); {data['rounds']} rounds, medians. Into the database backend a batch is one "
         "multi-row `INSERT` and one `UPDATE` marking it sent, in the batch's transaction; into "
         "Celery, one `apply_async` per message through one producer and the same one "
         "`UPDATE`. Load average "
