@@ -279,6 +279,24 @@ def test_a_batch_writes_the_rows_the_backends_own_enqueue_writes_and_signals_eac
     assert [row.priority for row in handed] == [0, 7, 0, 0, 0]
 
 
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
+def test_a_batch_of_tasks_and_other_messages_marks_each_with_its_own_delivery():
+    with transaction.atomic():
+        tasks = [record_effect.enqueue(f"mixed-{n}").id for n in range(3)]
+        others = [outbox.write("tests.mixed.other", [n], {}).id for n in range(3)]
+    with CaptureQueriesContext(connection) as queries:
+        assert relay().sent == 6
+    assert statements(queries, "UPDATE", OUTBOX_TABLE) == 1
+    assert DBTaskResult.objects.count() == 3
+    for message_id in tasks:
+        delivery = OutboxMessage.objects.get(pk=message_id).delivery
+        assert DBTaskResult.objects.filter(pk=delivery["result_id"]).exists()
+    # The messages of the other sender keep their delivery as written: none.
+    assert [OutboxMessage.objects.get(pk=pk).delivery for pk in others] == [{}] * 3
+    assert set(OutboxMessage.objects.values_list("status", flat=True)) == {OutboxStatus.SENT}
+    assert ProviderCall.objects.filter(key__startswith="sent:").count() == 3
+
+
 def test_a_batch_costs_the_same_statements_whatever_its_size():
     counts = []
     for size in (2, 40):
