@@ -149,7 +149,7 @@ def reset() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_idempotency_outbox")
+        cursor.execute("TRUNCATE django_idempotency_outbox_key, django_idempotency_outbox")
 
 
 def fill(messages: int) -> None:

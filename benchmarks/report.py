@@ -1295,24 +1295,28 @@ def tasks_relay(data: dict[str, Any]) -> str:
             "{:.3f}–{:.3f}".format(*data["tasks_vs_noop_range"]),
         ],
     ]
-    if "celery" in per_s:
+    brokers = data.get("brokers") or {"celery": data.get("broker", "a broker")}
+    for path in (path for path in per_s if path.startswith("celery")):
         rows.append(
             [
-                f"the Celery sender into {data.get('broker', 'a broker')}",
-                f"{per_s['celery']:,}",
-                f"**{data['celery_vs_noop']:.3f}×**",
-                "{:.3f}–{:.3f}".format(*data["celery_vs_noop_range"]),
+                f"the Celery sender into {_broker_name(brokers.get(path, 'a broker'))}",
+                f"{per_s[path]:,}",
+                f"**{data[f'{path}_vs_noop']:.3f}×**",
+                "{:.3f}–{:.3f}".format(*data[f"{path}_vs_noop_range"]),
             ]
         )
     load = " / ".join(f"{v:.2f}" for v in data.get("load_average", []))
     return (
         f"\n## {SECTION_TASKS}\n\n"
-        "`benchmarks/tasks_bench.py`, on its own database: a backlog of "
-        f"{data['messages']:,} messages drained by `outbox.drain` in batches of "
-        f"{data['batch_size']}, by each sender in turn within every round, the order "
-        f"rotating; {data['rounds']} rounds, medians. Into the database backend a batch is one "
+        "`benchmarks/tasks_bench.py`, on its own database: per round "
+        f"{data['messages']:,} messages per sender, written in blocks of a batch "
+        f"({data['batch_size']}) and relayed with `outbox.relay_batch` (one batch of "
+        "`outbox.drain`), the senders taking turns batch after batch, so that each meets the "
+        "machine's load of the same moment (the order rotating, and reversed every other "
+        f"round); {data['rounds']} rounds, medians. Into the database backend a batch is one "
         "multi-row `INSERT` and one `UPDATE` marking it sent, in the batch's transaction; into "
-        "Celery, one publish per message and the same one `UPDATE`. Load average "
+        "Celery, one `apply_async` per message through one producer and the same one "
+        "`UPDATE`. Load average "
         f"{load} at the end.\n\n"
         + table(["sender", "messages/s", "÷ no-op", "per-round spread"], rows)
         + "\n\n"
@@ -1322,6 +1326,14 @@ def tasks_relay(data: dict[str, Any]) -> str:
 
 
 SECTION_TASKS = "Outbox relay: the hand-over in batches"
+
+
+def _broker_name(url: str) -> str:
+    """A broker as the table names it: RabbitMQ for an AMQP URL, the URL without its
+    credentials otherwise."""
+    if url.startswith(("amqp:", "pyamqp:")):
+        return f"RabbitMQ ({url.split('@')[-1]})"
+    return url.split("@")[-1]
 
 
 def tasks_targets(data: dict[str, Any]) -> list[list[str]]:

@@ -664,7 +664,17 @@ def run_steps(plan: Plan) -> dict[str, Any]:
 def run_tasks(plan: Plan) -> dict[str, Any]:
     log("tasks: the relay into django-tasks-db and into Celery against a no-op sender")
     quick = ["--messages", "500", "--rounds", "2"]
-    return run_alone("benchmarks.tasks_bench", ["--celery", *(quick if plan.quick else [])])
+    # RabbitMQ as well where one answers (TASKS_BENCH_AMQP, guest on this machine's by default).
+    amqp = os.environ.get("TASKS_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+    host, _, port = amqp.split("@")[-1].split("/")[0].partition(":")
+    try:
+        socket.create_connection((host, int(port or 5672)), timeout=1).close()
+        brokers = ["--broker", amqp]
+    except OSError:
+        brokers = []
+    return run_alone(
+        "benchmarks.tasks_bench", ["--celery", *brokers, *(quick if plan.quick else [])]
+    )
 
 
 def run_entries(plan: Plan) -> dict[str, Any]:

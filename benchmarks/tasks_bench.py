@@ -1,23 +1,29 @@
 """The outbox relay into Django's Tasks framework: messages/s handed to django-tasks-db.
 
-``python -m benchmarks.tasks_bench [--messages N] [--rounds R] [--batch-size B]`` prints one
-JSON object. It uses the PostgreSQL database ``django_idempotency_bench_tasks`` (created when
-missing) with ``TASKS`` as docs/tasks.md shows it: ``OutboxBackend`` delivering to
-django-tasks-db's ``DatabaseBackend`` on the same database.
+``python -m benchmarks.tasks_bench [--messages N] [--rounds R] [--batch-size B] [--celery]
+[--broker URL]...`` prints one JSON object. It uses the PostgreSQL database
+``django_idempotency_bench_tasks`` (created when missing) with ``TASKS`` as docs/tasks.md
+shows it: ``OutboxBackend`` delivering to django-tasks-db's ``DatabaseBackend`` on the same
+database.
 
-Each round enqueues ``--messages`` tasks with ``task.enqueue()`` in one transaction (timed:
-the cost of the outbox's enqueue), then drains them with ``outbox.drain`` (the function
-behind ``relay_outbox --once``) in one of two ways, in turn (A/B, the order rotating from
-round to round):
+Each round enqueues ``--messages`` messages for each of these ways in one transaction (timed:
+the cost of the outbox's enqueue), in blocks of one batch, and relays them with
+``outbox.relay_batch`` (one batch of ``outbox.drain``, the function behind ``relay_outbox
+--once``), the ways taking turns batch after batch, so that each sees the machine's load of
+the same moment (the order of the ways rotating, and reversed every other round):
 
 - ``tasks``: the relay's default path for these messages, a hand-over to the database
-  backend (one ``INSERT`` of a task row each, in the relay's batch transaction);
+  backend (one multi-row ``INSERT`` of the task rows per batch, in the relay's batch
+  transaction);
 - ``noop``: the same messages, the same relay, a sender that does nothing: the relay's own
   cost, the floor of any sender (the Celery sender adds its broker round trip to it);
 - ``celery`` (with ``--celery``): as many messages written with ``outbox.enqueue`` for a
   Celery task, drained by the default Celery sender into Redis (a private ``redis-server``
   when it is installed, else ``TASKS_BENCH_BROKER``, default ``redis://127.0.0.1:6379/15``),
-  one publish per message; every message is counted in the queue afterwards.
+  one publish per message; every message is counted in the queue afterwards;
+- ``celery-<scheme>`` (with ``--broker URL``, once per broker): the same into that broker,
+  for instance RabbitMQ (``--broker amqp://guest:guest@127.0.0.1:5672//``), each broker
+  with a Celery app of its own, made the current app for its drain.
 
 The figures are medians over the rounds; each ratio is a path's throughput against the no-op
 sender's in the same round, within one interleaved run. Nothing runs the tasks.
@@ -26,6 +32,7 @@ sender's in the same round, within one interleaved run. Nothing runs the tasks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,7 +82,8 @@ def configure() -> None:
 
 
 def celery_app(broker: str) -> Any:
-    """The current Celery app: ``broker``, one queue of this run's own, no result backend."""
+    """A Celery app, made current: ``broker``, one queue of this run's own, no result
+    backend."""
     from celery import Celery
 
     app = Celery("tasks_bench", set_as_current=True)
@@ -100,26 +108,42 @@ def broker() -> Iterator[str]:
         yield private or os.environ.get("TASKS_BENCH_BROKER", "redis://127.0.0.1:6379/15")
 
 
-def queued(app: Any) -> int:
-    """Messages in this run's queue; the queue emptied."""
-    import redis
+def queued(app: Any, expected: int) -> int:
+    """Messages in this run's queue on ``app``'s broker, once ``expected`` are there or
+    after 30 s (a broker may route a publish after the sender has returned); the queue
+    emptied."""
+    deadline = time.monotonic() + 30
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        while True:
+            _, count, _ = channel.queue_declare(queue=QUEUE, passive=True)
+            if count >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        channel.queue_purge(QUEUE)
+    return int(count)
 
-    client = redis.Redis.from_url(app.conf.broker_url)
-    count = int(client.llen(QUEUE))
-    client.delete(QUEUE)
-    return count
+
+def drop_queue(app: Any) -> None:
+    """This run's queue deleted from ``app``'s broker (RabbitMQ keeps a durable one)."""
+    with app.connection_for_write() as connection:
+        connection.default_channel.queue_delete(QUEUE)
 
 
 def reset() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_idempotency_outbox, django_tasks_database_dbtaskresult")
+        cursor.execute(
+            "TRUNCATE django_idempotency_outbox_key, django_idempotency_outbox, "
+            "django_tasks_database_dbtaskresult"
+        )
 
 
-def enqueue(messages: int, path: str = "tasks") -> float:
-    """Seconds to enqueue ``messages`` tasks (Celery tasks for ``path="celery"``) in one
-    transaction."""
+def enqueue(blocks: int, batch_size: int, order: list[str]) -> float:
+    """Seconds to enqueue, in one transaction, ``blocks`` times a batch of messages for
+    each path of ``order`` in turn (Celery tasks for a Celery path, tasks of Django's Tasks
+    framework otherwise): oldest first, the relay takes them back block by block."""
     from django.db import transaction
 
     from benchmarks.tasks_consumer import consume
@@ -127,11 +151,13 @@ def enqueue(messages: int, path: str = "tasks") -> float:
 
     started = time.perf_counter()
     with transaction.atomic():
-        for seq in range(messages):
-            if path == "celery":
-                outbox.enqueue(CELERY_TASK, seq)
-            else:
-                consume.enqueue(seq)
+        for block in range(blocks):
+            for path in order:
+                for seq in range(block * batch_size, (block + 1) * batch_size):
+                    if path.startswith("celery"):
+                        outbox.enqueue(CELERY_TASK, seq)
+                    else:
+                        consume.enqueue(seq)
     return time.perf_counter() - started
 
 
@@ -139,44 +165,64 @@ def noop(message: Any) -> None:
     """A sender that sends nowhere."""
 
 
-def drain(path: str, messages: int, batch_size: int, app: Any = None) -> float:
-    """Messages/s of one drain of the backlog by ``path``."""
+def relay_round(
+    blocks: int, batch_size: int, order: list[str], apps: dict[str, Any]
+) -> dict[str, float]:
+    """Messages/s of each path of ``order``: the backlog ``enqueue`` wrote, relayed batch
+    by batch with ``outbox.relay_batch`` (one batch of ``drain``), the paths taking turns
+    batch after batch, so that each sees the machine's load of the same moment."""
     from django_tasks_db.models import DBTaskResult
 
     from django_idempotency import outbox
+    from django_idempotency._senders import configured_sender
 
-    started = time.perf_counter()
-    if path == "noop":
-        result = outbox.drain(batch_size=batch_size, sender=noop)
-    else:  # the configured sender: the Tasks backend, or Celery
-        result = outbox.drain(batch_size=batch_size)
-    elapsed = time.perf_counter() - started
-    assert (result.sent, result.failed, result.dead) == (messages, 0, 0), result
+    configured = configured_sender()  # the Tasks backend, or Celery: as drain takes it
+    elapsed = dict.fromkeys(order, 0.0)
+    for _ in range(blocks):
+        for path in order:
+            if path in apps:
+                apps[path].set_current()
+            started = time.perf_counter()
+            result = outbox.relay_batch(
+                batch_size=batch_size, sender=noop if path == "noop" else configured
+            )
+            elapsed[path] += time.perf_counter() - started
+            assert (result.sent, result.failed, result.dead) == (batch_size, 0, 0), result
+    messages = blocks * batch_size
     handed = DBTaskResult.objects.count()
-    assert handed == (messages if path == "tasks" else 0), handed
-    if path == "celery":
-        in_queue = queued(app)
-        assert in_queue == messages, in_queue
-    return messages / elapsed
+    assert handed == (messages if "tasks" in order else 0), handed
+    for path, app in apps.items():
+        in_queue = queued(app, messages)
+        assert in_queue == messages, (path, in_queue)
+    return {path: messages / seconds for path, seconds in elapsed.items()}
 
 
-def run(messages: int, rounds: int, batch_size: int, app: Any = None) -> dict[str, Any]:
-    paths = ["tasks", "noop"] + (["celery"] if app is not None else [])
+def run(
+    messages: int, rounds: int, batch_size: int, apps: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``apps``: per Celery path (``celery``, ``celery-<scheme>``), its Celery app."""
+    apps = apps or {}
+    paths = ["tasks", "noop", *apps]
+    blocks = max(messages // batch_size, 1)
     throughput: dict[str, list[float]] = {path: [] for path in paths}
     enqueue_rates: list[float] = []
     ratios: dict[str, list[float]] = {path: [] for path in paths if path != "noop"}
     for round_ in range(rounds):
-        shift = round_ % len(paths)
-        figures = {}
-        for path in paths[shift:] + paths[:shift]:
-            reset()
-            enqueue_rates.append(messages / enqueue(messages, path))
-            figures[path] = drain(path, messages, batch_size, app)
+        # Rotated, and reversed every other round: no way always follows the same one.
+        shift = round_ // 2 % len(paths)
+        order = paths[shift:] + paths[:shift]
+        if round_ % 2:
+            order.reverse()
+        reset()
+        seconds = enqueue(blocks, batch_size, order)
+        enqueue_rates.append(blocks * batch_size * len(order) / seconds)
+        figures = relay_round(blocks, batch_size, order, apps)
+        for path in paths:
             throughput[path].append(figures[path])
         for path, values in ratios.items():
             values.append(figures[path] / figures["noop"])
     results: dict[str, Any] = {
-        "messages": messages,
+        "messages": blocks * batch_size,
         "rounds": rounds,
         "batch_size": batch_size,
         "enqueue_per_s": round(statistics.median(enqueue_rates)),
@@ -195,15 +241,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--celery", action="store_true", help="also the Celery sender, into Redis")
+    parser.add_argument(
+        "--broker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also the Celery sender into this broker (repeatable), e.g. "
+        "amqp://guest:guest@127.0.0.1:5672//",
+    )
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     args = parser.parse_args()
     configure()
-    if not args.celery:
-        results = run(args.messages, args.rounds, args.batch_size)
-    else:
-        with broker() as url:
-            results = run(args.messages, args.rounds, args.batch_size, celery_app(url))
-            results["broker"] = "Redis (a private redis-server)" if "6379" not in url else url
+    with contextlib.ExitStack() as stack:
+        apps: dict[str, Any] = {}
+        brokers: dict[str, str] = {}
+        if args.celery:
+            url = stack.enter_context(broker())
+            apps["celery"] = celery_app(url)
+            brokers["celery"] = "Redis (a private redis-server)" if "6379" not in url else url
+        for url in args.broker:
+            path = f"celery-{url.split(':', 1)[0]}"
+            apps[path], brokers[path] = celery_app(url), url
+        try:
+            results = run(args.messages, args.rounds, args.batch_size, apps)
+        finally:
+            for app in apps.values():
+                drop_queue(app)
+        if brokers:
+            results["brokers"] = brokers
+            results["broker"] = brokers.get("celery", "")
     print(json.dumps(results))
     if args.write:
         from benchmarks import report

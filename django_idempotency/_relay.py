@@ -196,7 +196,14 @@ def _mark_sent(
     sets = f"{quote('status')} = %s, {quote('sent_at')} = %s"
     params: list[Any] = [OutboxStatus.SENT, timezone.now()]
     changed = [message for message in sent if message.delivery != before[message.id]]
-    if changed:
+    if changed and connection.vendor == "postgresql":
+        # PostgreSQL: every changed delivery in one jsonb parameter, by id, rather than
+        # two parameters a message, each quoted by the client in Python.
+        column = quote(delivery.column)
+        sets += f", {column} = COALESCE(%s::jsonb -> {id_column}::text, {column})"
+        by_id = {str(message.pk): message.delivery for message in changed}
+        params.append(delivery.get_db_prep_value(by_id, connection))
+    elif changed:
         column = quote(delivery.column)
         cases = " ".join(["WHEN %s THEN %s"] * len(changed))
         sets += f", {column} = CASE {id_column} {cases} ELSE {column} END"

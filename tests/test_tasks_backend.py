@@ -11,6 +11,7 @@ delivered. Effects are counted; tests/test_tasks_worker.py does the same with re
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -225,6 +226,106 @@ def test_a_batch_is_handed_over_in_one_insert_and_marked_sent_in_one_update():
     result = record_effect.get_result(ids[0])
     assert result.status == TaskResultStatus.SUCCESSFUL
     assert result.return_value == {"tag": "batch-0", "pid": os.getpid()}
+
+
+def row_columns(row: DBTaskResult[Any, Any]) -> dict[str, Any]:
+    """A task row's columns, as read back, but those each enqueue makes its own."""
+    columns = {field.attname: getattr(row, field.attname) for field in DBTaskResult._meta.fields}
+    del columns["id"], columns["enqueued_at"]
+    return columns
+
+
+def test_a_batch_writes_the_rows_the_backends_own_enqueue_writes_and_signals_each_as_it_does():
+    from django_tasks_db.compat import task_backends
+
+    later = timezone.now() + timedelta(hours=1)
+    enqueued = [
+        (record_effect, ["plain-options"], {}),
+        (record_effect.using(priority=7, queue_name="emails"), ["options"], {"hold": 0.0}),
+        (record_effect.using(run_after=later), ["deferred"], {}),
+        (record_plain, ["no-decorator"], {}),
+        (record_effect, ["plain-options-again"], {}),
+    ]
+    with transaction.atomic():
+        ids = [task.enqueue(*args, **kwargs).id for task, args, kwargs in enqueued]
+    signalled: list[Any] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        signalled.append(task_result)
+
+    task_enqueued.connect(receive)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            assert relay().sent == 5
+    finally:
+        task_enqueued.disconnect(receive)
+    assert statements(queries, "INSERT", TASK_TABLE) == 1  # the batch's path, not one by one
+    handed = [
+        DBTaskResult.objects.get(pk=OutboxMessage.objects.get(pk=message_id).delivery["result_id"])
+        for message_id in ids
+    ]
+    # One task_enqueued per message, in the batch's order, each carrying the result that
+    # the row itself gives (as DatabaseBackend.enqueue sends it).
+    assert [str(result.id) for result in signalled] == [str(row.id) for row in handed]
+    assert signalled == [row.task_result for row in handed]
+    # Each row as DatabaseBackend.enqueue writes it for the same task and arguments.
+    worker = task_backends["worker"]
+    with transaction.atomic():
+        own = [worker.enqueue(row.task, *row.args_kwargs.values()).db_result for row in handed]
+    for row, reference in zip(handed, own, strict=True):
+        reference.refresh_from_db()
+        assert row_columns(row) == row_columns(reference)
+    assert [row.run_after == later for row in handed] == [False, False, True, False, False]
+    assert [row.priority for row in handed] == [0, 7, 0, 0, 0]
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
+def test_a_batch_of_tasks_and_other_messages_marks_each_with_its_own_delivery():
+    with transaction.atomic():
+        tasks = [record_effect.enqueue(f"mixed-{n}").id for n in range(3)]
+        others = [outbox.write("tests.mixed.other", [n], {}).id for n in range(3)]
+    with CaptureQueriesContext(connection) as queries:
+        assert relay().sent == 6
+    assert statements(queries, "UPDATE", OUTBOX_TABLE) == 1
+    assert DBTaskResult.objects.count() == 3
+    for message_id in tasks:
+        delivery = OutboxMessage.objects.get(pk=message_id).delivery
+        assert DBTaskResult.objects.filter(pk=delivery["result_id"]).exists()
+    # The messages of the other sender keep their delivery as written: none.
+    assert [OutboxMessage.objects.get(pk=pk).delivery for pk in others] == [{}] * 3
+    assert set(OutboxMessage.objects.values_list("status", flat=True)) == {OutboxStatus.SENT}
+    assert ProviderCall.objects.filter(key__startswith="sent:").count() == 3
+
+
+def test_a_batch_costs_the_same_statements_whatever_its_size():
+    counts = []
+    for size in (2, 40):
+        with transaction.atomic():
+            for n in range(size):
+                record_effect.enqueue(f"size-{size}-{n}")
+        with CaptureQueriesContext(connection) as queries:
+            assert outbox.relay(once=True, batch_size=size + 1).sent == size
+        counts.append(len(queries.captured_queries))
+    assert counts[0] == counts[1]
+    assert DBTaskResult.objects.count() == 42
+
+
+def test_a_batch_hands_its_tasks_over_oldest_first_for_the_worker_to_take_them_so():
+    tags = [f"order-{n}" for n in range(60)]
+    with transaction.atomic():
+        ids = [record_effect.enqueue(tag).id for tag in tags]
+    assert relay().sent == 60
+    rows = {
+        str(message.id): DBTaskResult.objects.get(pk=message.delivery["result_id"])
+        for message in OutboxMessage.objects.all()
+    }
+    enqueued_at = [rows[message_id].enqueued_at for message_id in ids]
+    # Strictly increasing: the worker takes equal priorities by enqueued_at, and a tie
+    # would leave the order of the tied tasks to the database.
+    assert all(a < b for a, b in itertools.pairwise(enqueued_at)), enqueued_at
+    assert list(DBTaskResult.objects.all()) == [  # in the model's ordering, the worker's
+        rows[message_id] for message_id in ids
+    ]
 
 
 def test_a_batch_delivered_twice_runs_each_body_once():
