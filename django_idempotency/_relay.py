@@ -34,6 +34,7 @@ from django_idempotency._senders import (
     groups_of,
     send_together,
 )
+from django_idempotency._vendors import of
 from django_idempotency._wakeup import Stop
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
@@ -196,8 +197,8 @@ def _mark_sent(
     sets = f"{quote('status')} = %s, {quote('sent_at')} = %s"
     params: list[Any] = [OutboxStatus.SENT, timezone.now()]
     changed = [message for message in sent if message.delivery != before[message.id]]
-    if changed and connection.vendor == "postgresql":
-        # PostgreSQL: every changed delivery in one jsonb parameter, by id, rather than
+    if changed and of(alias).json_rows:
+        # Every changed delivery in one jsonb parameter, by id, rather than
         # two parameters a message, each quoted by the client in Python.
         column = quote(delivery.column)
         sets += f", {column} = COALESCE(%s::jsonb -> {id_column}::text, {column})"

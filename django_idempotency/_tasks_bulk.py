@@ -25,6 +25,7 @@ from django.db.models import Expression
 from django.utils import timezone
 
 from django_idempotency._tasks_compat import BaseTaskBackend, Task
+from django_idempotency._vendors import of
 
 # (the task, bound to the backend with its options; its args; its kwargs)
 Handed = tuple[Task[Any, Any], list[Any], dict[str, Any]]
@@ -158,8 +159,8 @@ def _insert(alias: str, rows: list[Any]) -> None:
         return
     connection = connections[alias]
     with transaction.atomic(using=alias, savepoint=False):
-        if connection.vendor == "postgresql":
-            _insert_postgresql(connection, rows)
+        if of(alias).json_rows:
+            _insert_json_rows(connection, rows)
             return
         model = type(rows[0])
         fields = model._meta.concrete_fields
@@ -181,13 +182,13 @@ def _insert(alias: str, rows: list[Any]) -> None:
                 cursor.execute(into + values, params)
 
 
-# -- PostgreSQL ----------------------------------------------------------------------------
+# -- the rows as one JSON parameter (Vendor.json_rows: PostgreSQL) --------------------------
 # One statement for the whole batch, with two parameters whatever its size: the rows'
 # own values as one JSON array (json.dumps, in C), the columns every row shares once.
 # A VALUES list or Django's UNNEST arrays carry one parameter per value, each quoted in
 # Python by the client and parsed by the server: most of a batch's hand-over.
 
-_POSTGRESQL_VALUES = {
+_JSON_VALUES = {
     "id": "(r->>0)::uuid",
     "enqueued_at": "(r->>1)::timestamptz",
     "args_kwargs": "r->2",
@@ -198,14 +199,14 @@ _POSTGRESQL_VALUES = {
 }
 
 
-def _insert_postgresql(connection: Any, rows: list[Any]) -> None:
+def _insert_json_rows(connection: Any, rows: list[Any]) -> None:
     model = type(rows[0])
     quote = connection.ops.quote_name
     columns, values, shared = [], [], []
     for field in model._meta.concrete_fields:
         columns.append(quote(field.column))
-        if field.attname in _POSTGRESQL_VALUES:
-            values.append(_POSTGRESQL_VALUES[field.attname])
+        if field.attname in _JSON_VALUES:
+            values.append(_JSON_VALUES[field.attname])
         else:  # the same in every row
             values.append("%s")
             shared.append(field.get_db_prep_save(getattr(rows[0], field.attname), connection))

@@ -49,6 +49,11 @@ class Vendor:
     #: ``OPTIONS["prepare_threshold"]`` is set (psycopg's prepared statements).
     prepares: bool = False
 
+    #: A statement takes a batch's rows as one JSON parameter (``jsonb_array_elements``,
+    #: ``->``), rather than one parameter a value, each quoted by the client: the relay's
+    #: hand-over into django-tasks-db and the update that marks a batch sent.
+    json_rows: bool = False
+
     def carries_commit(self, connection: BaseDatabaseWrapper) -> bool:
         """Whether the completion may carry its transaction's ``COMMIT`` in the same round
         trip on ``connection``'s driver, when its statements are sent as text with their

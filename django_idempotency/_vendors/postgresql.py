@@ -73,6 +73,7 @@ class PostgreSQL(Vendor):
     takeover_returning = True
     share_lock = " FOR SHARE"
     prepares = True
+    json_rows = True
 
     def carries_commit(self, connection: BaseDatabaseWrapper) -> bool:
         # psycopg 3 (psycopg2's commit() sends a COMMIT of its own whatever the server's state).
