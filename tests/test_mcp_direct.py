@@ -1,0 +1,133 @@
+"""An ``@idempotent_tool`` called as a plain function, outside any server's request.
+
+A script, a management command or a unit test of the tool calls it directly: there is no
+call context (no ``_meta``, no registered name, no principal), so the key comes from the
+tool's ``idempotency_key`` argument and the account from ``account=``; the tool still runs
+once per key, under either framework. Also: what the fingerprint makes of arguments JSON
+has no single spelling for (infinities, dates), and a tool's answer that cannot be stored.
+Effects are counted as ``Charge`` rows.
+"""
+
+from __future__ import annotations
+
+import datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+pytest.importorskip("fastmcp")
+
+from django.core.exceptions import ImproperlyConfigured
+from mcp.server.mcpserver import Context
+from mcp.types import InputRequiredResult
+
+from django_idempotency import fastmcp as fastmcp_adapter
+from django_idempotency import mcp as mcp_adapter
+from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.helpers import new_key
+from tests.testapp.models import Charge
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ADAPTERS = {"mcp": mcp_adapter, "fastmcp": fastmcp_adapter}
+
+
+def charged(account: str) -> int:
+    return Charge.objects.filter(account=account).count()
+
+
+def structured(result: Any) -> dict[str, Any]:
+    content: dict[str, Any] = result.structured_content
+    return content
+
+
+def replayed(result: Any) -> bool:
+    return bool((result.meta or {}).get("idempotentReplayed"))
+
+
+@pytest.fixture(params=sorted(ADAPTERS))
+def adapter(request: pytest.FixtureRequest) -> Any:
+    return ADAPTERS[request.param]
+
+
+def test_a_direct_call_runs_once_per_key(adapter):
+    @adapter.idempotent_tool(account="ops")
+    def refund(order: str, amount: float, idempotency_key: str) -> dict[str, Any]:
+        Charge.objects.create(account="direct", amount=int(amount), currency="EUR")
+        return {"order": order}
+
+    key = new_key()
+    first = refund(order="o-1", amount=5.0, idempotency_key=key)
+    assert (first.is_error, structured(first), replayed(first)) == (False, {"order": "o-1"}, False)
+    # 5 and 5.0 are one amount: the retry replays.
+    again = refund(order="o-1", amount=5, idempotency_key=key)
+    assert (structured(again), replayed(again)) == ({"order": "o-1"}, True)
+    other = refund(order="o-2", amount=5.0, idempotency_key=key)
+    assert (other.is_error, structured(other)["code"]) == (True, "idempotency_key_reused")
+    assert charged("direct") == 1
+    (record,) = IdempotencyRecord.objects.all()
+    assert (record.account, record.operation) == ("ops", "tool:refund")
+
+
+@pytest.mark.parametrize(
+    ("value", "same", "different"),
+    [
+        (float("inf"), float("inf"), float("-inf")),
+        (Decimal("Infinity"), Decimal("Infinity"), Decimal("-Infinity")),
+        (Decimal("1.50"), Decimal("1.5"), Decimal("1.51")),
+        (datetime.date(2026, 12, 6), datetime.date(2026, 12, 6), datetime.date(2026, 12, 7)),
+    ],
+)
+def test_arguments_json_spells_many_ways_are_one_fingerprint(value, same, different):
+    @mcp_adapter.idempotent_tool(account="ops")
+    def book(when: Any, idempotency_key: str) -> str:
+        Charge.objects.create(account="booked", amount=1, currency="EUR")
+        return "booked"
+
+    key = new_key()
+    assert not book(when=value, idempotency_key=key).is_error
+    assert replayed(book(when=same, idempotency_key=key))
+    refused = book(when=different, idempotency_key=key)
+    assert structured(refused)["code"] == "idempotency_key_reused"
+    assert charged("booked") == 1
+
+
+def test_a_context_outside_a_request_names_no_tool_and_carries_no_key():
+    @mcp_adapter.idempotent_tool(account="ops")
+    def ship(order: str, ctx: Context) -> str:
+        Charge.objects.create(account="shipped", amount=1, currency="EUR")
+        return order
+
+    @mcp_adapter.idempotent_tool(account="ops")
+    def pack(order: str) -> str:
+        Charge.objects.create(account="shipped", amount=1, currency="EUR")
+        return order
+
+    for refused in (ship(order="o-1", ctx=Context()), pack(order="o-1")):
+        assert refused.is_error
+        assert structured(refused)["code"] == "idempotency_key_missing"
+    assert "tool:ship" in structured(ship(order="o-1", ctx=Context()))["detail"]
+    assert (charged("shipped"), IdempotencyRecord.objects.count()) == (0, 0)
+
+
+def test_an_answer_that_cannot_be_stored_is_refused_and_rolled_back():
+    @mcp_adapter.idempotent_tool(account="ops")
+    def ask(idempotency_key: str) -> Any:
+        Charge.objects.create(account="asked", amount=1, currency="EUR")
+        return InputRequiredResult(request_state="asked once")
+
+    key = new_key()
+    for _ in range(2):
+        with pytest.raises(TypeError, match="cannot be stored and replayed"):
+            ask(idempotency_key=key)
+    # Each call ran, and its write went with it; no outcome was stored.
+    assert charged("asked") == 0
+    assert not IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).exists()
+
+
+@pytest.mark.parametrize("account", ["", 7])
+def test_an_account_option_that_is_no_account_is_refused_before_any_call(adapter, account):
+    with pytest.raises(ImproperlyConfigured, match="account"):
+        adapter.idempotent_tool(account=account)
