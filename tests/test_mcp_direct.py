@@ -77,6 +77,7 @@ def test_a_direct_call_runs_once_per_key(adapter):
         (float("inf"), float("inf"), float("-inf")),
         (Decimal("Infinity"), Decimal("Infinity"), Decimal("-Infinity")),
         (Decimal("1.50"), Decimal("1.5"), Decimal("1.51")),
+        ((1, 2.0), [1, 2], [2, 1]),
         (datetime.date(2026, 12, 6), datetime.date(2026, 12, 6), datetime.date(2026, 12, 7)),
     ],
 )
