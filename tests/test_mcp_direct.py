@@ -11,6 +11,9 @@ Effects are counted as ``Charge`` rows.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -20,17 +23,19 @@ pytest.importorskip("mcp")
 pytest.importorskip("fastmcp")
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from mcp.server.mcpserver import Context
 from mcp.types import InputRequiredResult
 
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import new_key
+from tests.helpers import in_thread, new_key, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+WAIT = 30
 ADAPTERS = {"mcp": mcp_adapter, "fastmcp": fastmcp_adapter}
 
 
@@ -132,3 +137,63 @@ def test_an_answer_that_cannot_be_stored_is_refused_and_rolled_back():
 def test_an_account_option_that_is_no_account_is_refused_before_any_call(adapter, account):
     with pytest.raises(ImproperlyConfigured, match="account"):
         adapter.idempotent_tool(account=account)
+
+
+@postgres_only  # two callers at once, each on a connection of its own
+def test_a_duplicate_that_waits_runs_the_tool_once_the_first_attempt_failed():
+    entered: list[str] = []
+    started, go = threading.Event(), threading.Event()
+
+    @mcp_adapter.idempotent_tool(account="ops", wait=timedelta(seconds=WAIT))
+    def pay(idempotency_key: str) -> str:
+        entered.append(threading.current_thread().name)
+        if len(entered) == 1:
+            started.set()
+            assert go.wait(WAIT)
+            raise ConnectionError("the provider hung up")
+        Charge.objects.create(account="paid", amount=1, currency="EUR")
+        return "paid"
+
+    key = new_key()
+    outcomes: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        try:
+            outcomes[name] = pay(idempotency_key=key)
+        except ConnectionError as exc:
+            outcomes[name] = exc
+
+    first = threading.Thread(target=in_thread(call), args=("first",), name="first")
+    first.start()
+    assert started.wait(WAIT)
+    duplicate = threading.Thread(target=in_thread(call), args=("duplicate",), name="duplicate")
+    duplicate.start()
+    time.sleep(0.5)  # the duplicate is waiting on the first attempt's record
+    go.set()
+    for thread in (first, duplicate):
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    assert isinstance(outcomes["first"], ConnectionError)
+    assert (outcomes["duplicate"].is_error, replayed(outcomes["duplicate"])) == (False, False)
+    assert entered == ["first", "duplicate"]
+    assert charged("paid") == 1
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+def test_a_tool_called_inside_the_callers_transaction_commits_with_it():
+    @mcp_adapter.idempotent_tool(account="ops", recovery="retry")
+    def note(text: str, idempotency_key: str) -> str:
+        Charge.objects.create(account="noted", amount=1, currency="EUR")
+        return text
+
+    key = new_key()
+    with transaction.atomic():
+        assert not note(text="kept", idempotency_key=key).is_error
+        # The caller's transaction and connection go on after the call.
+        Charge.objects.create(account="caller", amount=1, currency="EUR")
+    assert replayed(note(text="kept", idempotency_key=key))
+    assert (charged("noted"), charged("caller")) == (1, 1)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        note(text="rolled back", idempotency_key=new_key())
+        raise RuntimeError("the caller's work failed")
+    assert charged("noted") == 1
