@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import io
+import json
+
 import pytest
-from django.urls import path
+from django.core.management import call_command
+from django.urls import path, re_path
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -83,6 +87,9 @@ urlpatterns = [
     path("class-key/", ClassKey.as_view()),
     path("own-dispatch/", OwnDispatch.as_view()),
     path("post-only/", PostOnly.as_view()),
+    # Regex routes, as the audit reads them: escapes, nested and escaped groups, "/?".
+    re_path(r"^legacy/(?P<order>[0-9]+(\.[0-9]+)?)\.json/?$", Charging.as_view()),
+    re_path(r"^legacy/(?P<code>\(x\)(y)|z)/(?P<tail>(a\)b))$", Charging.as_view()),
 ]
 
 
@@ -144,3 +151,18 @@ def test_a_protected_method_the_view_does_not_serve_claims_nothing(api, method):
     assert not IdempotencyRecord.objects.exists()
     assert api.post("/post-only/", {}, key=new_key()).status_code == 201
     assert (charges(PostOnly), IdempotencyRecord.objects.count()) == (1, 1)
+
+
+def test_the_audit_names_each_views_operation_and_key_as_the_view_does():
+    out = io.StringIO()
+    call_command("idempotency_audit", "--format", "json", stdout=out)
+    rows = {(e["method"], e["url"]): e for e in json.loads(out.getvalue())["endpoints"]}
+    extending = rows[("POST", "/extending/")]
+    assert extending["protected"] and extending["by"] == "mixin"
+    # Its own get_idempotency_operation() names it: the audit says so, and calls nothing.
+    assert extending["operation"] == "Extending.get_idempotency_operation()"
+    assert rows[("POST", "/instance-key/")]["key"] == "X-Order header"
+    assert {url for _, url in rows if url.startswith("/legacy/")} == {
+        "/legacy/<order>.json/",
+        "/legacy/<code>/<tail>",
+    }
