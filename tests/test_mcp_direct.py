@@ -25,8 +25,9 @@ pytest.importorskip("fastmcp")
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from mcp.server.mcpserver import Context
-from mcp.types import InputRequiredResult
+from mcp.types import CallToolResult, InputRequiredResult, TextContent
 
+from django_idempotency import _tools
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
@@ -197,3 +198,51 @@ def test_a_tool_called_inside_the_callers_transaction_commits_with_it():
         note(text="rolled back", idempotency_key=new_key())
         raise RuntimeError("the caller's work failed")
     assert charged("noted") == 1
+
+
+class Bare(_tools.Framework[CallToolResult]):
+    """The least a new framework says: how a return value becomes its result, and that its
+    results are the protocol's own. Everything else is the contract's defaults: no context,
+    no registered name, no ``_meta``, no principal."""
+
+    name = "Bare"
+
+    def converter(self, func: Any) -> Any:
+        return lambda value: CallToolResult(content=[TextContent(type="text", text=str(value))])
+
+    def sent(self, result: CallToolResult) -> CallToolResult:
+        return result
+
+    def received(self, result: Any) -> CallToolResult:
+        return CallToolResult.model_validate(result.model_dump())
+
+
+def bare_tool(**options: Any) -> Any:
+    accepted = frozenset(mcp_adapter.ToolOptions.__optional_keys__)
+    return _tools.protector(Bare(), options, "tests", accepted)
+
+
+def test_a_framework_that_says_only_the_least_gets_the_whole_contract():
+    @bare_tool(account="ops")
+    def label(parcel: str, idempotency_key: str) -> str:
+        Charge.objects.create(account="labelled", amount=1, currency="EUR")
+        return f"label for {parcel}"
+
+    key = new_key()
+    first = label(parcel="p-1", idempotency_key=key)
+    again = label(parcel="p-1", idempotency_key=key)
+    assert first.content[0].text == again.content[0].text == "label for p-1"
+    assert (replayed(first), replayed(again)) == (False, True)
+    assert structured(label(parcel="p-2", idempotency_key=key))["code"] == "idempotency_key_reused"
+    assert charged("labelled") == 1
+    assert IdempotencyRecord.objects.get().operation == "tool:label"
+
+    @bare_tool()
+    def unscoped(idempotency_key: str) -> str:
+        Charge.objects.create(account="unscoped", amount=1, currency="EUR")
+        return "ran"
+
+    # No principal: refused, nothing ran.
+    refused = unscoped(idempotency_key=new_key())
+    assert structured(refused)["code"] == "idempotency_account_missing"
+    assert charged("unscoped") == 0
