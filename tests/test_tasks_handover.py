@@ -31,7 +31,12 @@ from django_tasks_db.models import DBTaskResult
 
 from django_idempotency import _senders, outbox
 from django_idempotency.models import OutboxMessage, OutboxStatus
-from tests.testapp.tasks_framework import effects, record_effect
+from tests.testapp.tasks_framework import (
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    effects,
+    record_effect,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -147,3 +152,26 @@ def test_a_process_without_the_tasks_framework_sends_none_of_its_messages(monkey
 def test_only_the_configured_sender_hands_messages_over_together():
     with pytest.raises(TypeError, match="only the configured sender"):
         _senders.send_together(print, "a group", [])
+
+
+def test_relay_batch_sends_one_batch_of_the_size_asked():
+    enqueue("batch-1", "batch-2", "batch-3")
+    sizes = [outbox.relay_batch(batch_size=2).sent, outbox.relay_batch(batch_size=2).sent]
+    assert sizes == [2, 1]
+    assert outbox.relay_batch().sent == 0
+    assert tags_delivered() == ["batch-1", "batch-2", "batch-3"]
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        outbox.relay_batch(batch_size=0)
+
+
+def test_get_result_of_an_id_that_is_no_message_and_of_a_task_its_backend_pruned():
+    with pytest.raises(TaskResultDoesNotExist):
+        record_effect.get_result("not-a-message-id")
+    (result_id,) = enqueue("pruned")
+    assert outbox.relay(once=True).sent == 1
+    assert record_effect.get_result(result_id).status == TaskResultStatus.READY
+    # The worker backend pruned its row: the message's own state answers, under its id.
+    assert DBTaskResult.objects.all().delete()[0] == 1
+    result = record_effect.get_result(result_id)
+    assert (result.id, result.args) == (result_id, ["pruned"])
+    assert OutboxMessage.objects.get(pk=result_id).status == OutboxStatus.SENT
