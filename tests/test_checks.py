@@ -419,3 +419,15 @@ def test_no_synchronous_standby_is_not_reported_of_a_server_without_standbys():
 
     assert check_synchronous_standby(databases=["default"]) == []
     assert check_synchronous_standby(databases=[]) == []
+
+
+@pytest.mark.django_db
+@override_settings(IDEMPOTENCY={"RECOVERY": "fail"}, ROOT_URLCONF="tests.no_such_urlconf")
+def test_no_synchronous_standby_survives_a_urlconf_that_does_not_import():
+    """Django's own checks report such a URLconf; W020 still reads RECOVERY, and says
+    nothing of a server without standbys rather than fail the whole check run."""
+    from django_idempotency.checks import check_synchronous_standby
+
+    with pytest.raises(ImportError):
+        __import__("tests.no_such_urlconf")
+    assert check_synchronous_standby(databases=["default"]) == []
