@@ -50,7 +50,7 @@ def test_resume_inside_the_callers_transaction_is_refused_before_anything_runs()
 def test_a_claim_database_inside_a_transaction_is_refused_before_anything_runs():
     calls: list[str] = []
     with transaction.atomic(using="claims"), transaction.atomic():
-        with pytest.raises(ImproperlyConfigured, match="'claims'.*inside a transaction"):
+        with pytest.raises(ImproperlyConfigured, match=r"'claims'.*inside a transaction"):
             run_once(ship, calls, **IDENTITY, key=new_key())
         assert connection.in_atomic_block
     assert calls == []

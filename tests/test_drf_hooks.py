@@ -9,10 +9,9 @@ the ``Charge`` rows the views write and the records stored.
 
 from __future__ import annotations
 
-from typing import Any
-
 import io
 import json
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -106,7 +105,8 @@ def test_hooks_that_extend_the_mixins_own(api, user):
     again = api.post("/extending/", {"amount": 1}, key=key)
     assert (again.status_code, again.content) == (201, first.content)
     assert again.headers["Idempotent-Replayed"] == "true"
-    assert charges(Charging) == 0 and Charge.objects.filter(account="Extending").count() == 1
+    assert charges(Charging) == 0
+    assert Charge.objects.filter(account="Extending").count() == 1
     # The mixin's fingerprint, through the view's hook: another body is refused.
     changed = api.post("/extending/", {"amount": 2}, key=key)
     assert changed.status_code == 422
@@ -158,7 +158,7 @@ def test_the_audit_names_each_views_operation_and_key_as_the_view_does():
     call_command("idempotency_audit", "--format", "json", stdout=out)
     rows = {(e["method"], e["url"]): e for e in json.loads(out.getvalue())["endpoints"]}
     extending = rows[("POST", "/extending/")]
-    assert extending["protected"] and extending["by"] == "mixin"
+    assert (extending["protected"], extending["by"]) == (True, "mixin")
     # Its own get_idempotency_operation() names it: the audit says so, and calls nothing.
     assert extending["operation"] == "Extending.get_idempotency_operation()"
     assert rows[("POST", "/instance-key/")]["key"] == "X-Order header"

@@ -194,9 +194,14 @@ def test_a_tool_called_inside_the_callers_transaction_commits_with_it():
         Charge.objects.create(account="caller", amount=1, currency="EUR")
     assert replayed(note(text="kept", idempotency_key=key))
     assert (charged("noted"), charged("caller")) == (1, 1)
-    with pytest.raises(RuntimeError), transaction.atomic():
-        note(text="rolled back", idempotency_key=new_key())
-        raise RuntimeError("the caller's work failed")
+
+    def caller_fails() -> None:
+        with transaction.atomic():
+            note(text="rolled back", idempotency_key=new_key())
+            raise RuntimeError("the caller's work failed")
+
+    with pytest.raises(RuntimeError):
+        caller_fails()
     assert charged("noted") == 1
 
 

@@ -59,8 +59,13 @@ def test_the_migrations_undo_their_own_sql_and_do_it_again():
         call_command("migrate", "django_idempotency", verbosity=0)
     assert schema() == migrated
     calls: list[str] = []
+
+    def work() -> str:
+        calls.append("ran")
+        return "done"
+
     key = new_key()
     for _ in range(2):
-        run_once(lambda: calls.append("ran") or "done", account="a", operation="op", key=key)
+        assert run_once(work, account="a", operation="op", key=key) == "done"
     assert calls == ["ran"]
     assert IdempotencyRecord.objects.count() == 1

@@ -71,7 +71,9 @@ def tags_delivered() -> list[str]:
     return sorted(row.args_kwargs["args"][0] for row in DBTaskResult.objects.all())
 
 
-@override_settings(TASKS=outbox_to("dummy", {"BACKEND": "django_tasks.backends.dummy.DummyBackend"}))
+@override_settings(
+    TASKS=outbox_to("dummy", {"BACKEND": "django_tasks.backends.dummy.DummyBackend"})
+)
 def test_a_backend_that_is_no_database_backend_gets_each_task_through_its_own_enqueue():
     ids = enqueue("dummy-1", "dummy-2", "dummy-3")
     result = outbox.relay(once=True)
