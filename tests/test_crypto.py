@@ -376,9 +376,7 @@ def test_staff_without_the_permission_sees_the_size_and_content_type_not_the_bod
         ((OLD,), "not in ENCRYPTION_KEYS: it cannot be read"),
     ],
 )
-def test_the_detail_says_where_the_sealing_key_stands_in_encryption_keys(
-    sealed_record, held, said
-):
+def test_the_detail_says_where_the_sealing_key_stands_in_encryption_keys(sealed_record, held, said):
     with keys(*held):
         html = detail(staff("view_idempotencyrecord"), sealed_record)
     assert f"sealed with key {crypto.key_id(NEW)} ({said})" in html
