@@ -61,6 +61,14 @@ def test_e002_nothing_close_gets_no_guess():
     assert "Did you mean" not in only("E002", COLOUR="blue")
 
 
+def test_e002_a_key_that_is_no_string_is_named_and_gets_no_guess():
+    with override_settings(IDEMPOTENCY={7: "TTL"}):
+        (message,) = check_settings()
+    assert message.id == "django_idempotency.E002"
+    assert "7" in message.msg
+    assert "Did you mean" not in message.msg
+
+
 def test_e003_ttl():
     assert "IDEMPOTENCY['TTL'] must be a timedelta" in only("E003", TTL=0)
 
