@@ -104,6 +104,14 @@ def test_changelist_lists_records_with_their_columns(admin_client):
     assert "total)" not in html
 
 
+def test_a_finished_record_without_a_response_shows_its_status_alone(admin_client):
+    # A record the "fail" policy closed: it stores no response.
+    make(key="failed-1", status=RecordStatus.FAILED, response_status=None)
+    make(key="done-2")
+    html = admin_client.get(URL).content.decode()
+    assert sorted(re.findall(r'class="field-state">([^<]*)<', html)) == ["completed, 201", "failed"]
+
+
 def test_only_indexed_columns_are_sortable(admin_client):
     make()
     html = admin_client.get(URL).content.decode()

@@ -61,6 +61,14 @@ def test_e002_nothing_close_gets_no_guess():
     assert "Did you mean" not in only("E002", COLOUR="blue")
 
 
+def test_e002_a_key_that_is_no_string_is_named_and_gets_no_guess():
+    with override_settings(IDEMPOTENCY={7: "TTL"}):
+        (message,) = check_settings()
+    assert message.id == "django_idempotency.E002"
+    assert "7" in message.msg
+    assert "Did you mean" not in message.msg
+
+
 def test_e003_ttl():
     assert "IDEMPOTENCY['TTL'] must be a timedelta" in only("E003", TTL=0)
 
@@ -419,3 +427,15 @@ def test_no_synchronous_standby_is_not_reported_of_a_server_without_standbys():
 
     assert check_synchronous_standby(databases=["default"]) == []
     assert check_synchronous_standby(databases=[]) == []
+
+
+@pytest.mark.django_db
+@override_settings(IDEMPOTENCY={"RECOVERY": "fail"}, ROOT_URLCONF="tests.no_such_urlconf")
+def test_no_synchronous_standby_survives_a_urlconf_that_does_not_import():
+    """Django's own checks report such a URLconf; W020 still reads RECOVERY, and says
+    nothing of a server without standbys rather than fail the whole check run."""
+    from django_idempotency.checks import check_synchronous_standby
+
+    with pytest.raises(ImportError):
+        __import__("tests.no_such_urlconf")
+    assert check_synchronous_standby(databases=["default"]) == []

@@ -115,6 +115,22 @@ def test_bounded_wait_turns_the_409_into_a_replay(live_server, user):
     assert Charge.objects.count() == 1
 
 
+@override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
+def test_a_duplicate_waiting_on_an_original_that_failed_runs_the_view_itself(live_server, user):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    failing = {**headers, "X-Test": "sleep-after-write:1,raise-after-write"}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, failing)
+        time.sleep(0.3)
+        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+        assert original.result(timeout=30).status == 500
+    # The original's claim was released when it failed: the waiting duplicate claimed and ran.
+    assert duplicate.status == 201
+    assert not duplicate.replayed
+    assert Charge.objects.count() == 1  # the original's write was rolled back
+    assert request(live_server.url, "POST", "/charges/", CHARGE, headers).replayed
+
+
 @override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 0.5})
 def test_bounded_wait_never_exceeds_its_bound(live_server, user):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}

@@ -369,6 +369,20 @@ def test_staff_without_the_permission_sees_the_size_and_content_type_not_the_bod
     assert f"sealed with key {crypto.key_id(NEW)}" in html
 
 
+@pytest.mark.parametrize(
+    ("held", "said"),
+    [
+        ((OLD, NEW), "in ENCRYPTION_KEYS, not the first: rotate_idempotency_encryption reseals it"),
+        ((OLD,), "not in ENCRYPTION_KEYS: it cannot be read"),
+    ],
+)
+def test_the_detail_says_where_the_sealing_key_stands_in_encryption_keys(sealed_record, held, said):
+    with keys(*held):
+        html = detail(staff("view_idempotencyrecord"), sealed_record)
+    assert f"sealed with key {crypto.key_id(NEW)} ({said})" in html
+    assert "Ada Lovelace" not in html
+
+
 @pytest.mark.parametrize("who", ["permitted staff", "superuser"])
 def test_a_user_with_the_permission_sees_the_body_and_headers_opened(sealed_record, who):
     client = (

@@ -279,6 +279,19 @@ def test_a_send_batch_that_raises_rolls_the_batch_back_and_its_messages_go_one_b
     assert {message(i).status for i in ids} == {OutboxStatus.SENT}
 
 
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.short_batch"})
+def test_a_send_batch_that_answers_too_few_outcomes_is_rolled_back_and_sent_one_by_one():
+    ids = [enqueued("tests.a"), enqueued("tests.b"), enqueued("tests.c")]
+    result = outbox.relay(once=True)
+    assert (result.sent, result.failed, result.dead) == (3, 0, 0)
+    # Which messages the short answer covers cannot be told: the batch rolled back, and each
+    # message was handed over again on its own (what the broker took already, it keeps).
+    handed = ProviderCall.objects.filter(key__startswith="batch:").count()
+    assert [sends(i) for i in ids] == [1 + handed] * 3
+    assert {message(i).status for i in ids} == {OutboxStatus.SENT}
+    assert {message(i).attempts for i in ids} == {0}
+
+
 # -- requeue and purge --------------------------------------------------------------------------
 
 

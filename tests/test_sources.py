@@ -141,6 +141,18 @@ def test_fixed_source() -> None:
 
 
 @pytest.mark.parametrize(
+    ("source", "spelled"),
+    [
+        (sources.header("X-Order-Id"), "sources.header('X-Order-Id')"),
+        (sources.json("data.object.id"), "sources.json('data.object.id')"),
+        (sources.form("order"), "sources.form('order')"),
+    ],
+)
+def test_each_source_is_spelled_as_it_was_made(source: Any, spelled: str) -> None:
+    assert repr(source) == spelled
+
+
+@pytest.mark.parametrize(
     ("make", "argument"),
     [
         (sources.header, ""),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import uuid
 from typing import Any
@@ -18,6 +19,7 @@ from unittest import mock
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
+from django.http import StreamingHttpResponse
 from django.test import AsyncClient, Client, TestCase, override_settings
 from django.utils import timezone
 
@@ -106,6 +108,29 @@ def test_assert_idempotent_passes_on_every_adapter(user, provider, path):
     assert check.refused.status_code == 422
     assert (len(provider.calls), len(provider.effects)) == (1, 1)
     assert Charge.objects.count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("encoded", [json.dumps, lambda charge: json.dumps(charge).encode()])
+def test_assert_idempotent_sends_a_payload_already_encoded_as_it_is(user, provider, encoded):
+    path = "/charges/"
+    check = assert_idempotent(
+        logged_in(user, path), path, encoded(CHARGE), changed=encoded({**CHARGE, "amount": 5})
+    )
+    assert (check.first.status_code, check.refused.status_code) == (201, 422)
+    assert (len(provider.calls), Charge.objects.count()) == (1, 1)
+
+
+def test_an_answer_of_a_streamed_response_and_of_a_problem_that_is_no_json():
+    streamed = Answer.of(StreamingHttpResponse([b'{"a":', b" 1}"], content_type="text/plain"))
+    assert (streamed.status, streamed.json()) == (200, {"a": 1})
+    problem = {"content-type": "application/problem+json"}
+    assert Answer(400, problem, b'{"code": "idempotency_key_missing"}').problem_code() == (
+        "idempotency_key_missing"
+    )
+    assert Answer(400, problem, b"not json").problem_code() is None
+    assert Answer(400, problem, b'["a list"]').problem_code() is None
+    assert Answer(400, problem, b'{"code": 7}').problem_code() is None
 
 
 @needs_drf

@@ -131,3 +131,13 @@ class BatchRecord:
 
 
 batch_record = BatchRecord()
+
+
+class ShortBatch(BatchRecord):
+    """A ``send_batch`` that answers one outcome too few: a defect of the sender's."""
+
+    def send_batch(self, messages: list[OutboxMessage]) -> list[Exception | None]:
+        return super().send_batch(messages)[:-1]
+
+
+short_batch = ShortBatch()
