@@ -144,7 +144,11 @@ def recovery_name(recovery: str | Callable[..., Any]) -> str:
     """How a recovery policy is stored on the record, so the recovery job can apply it."""
     if isinstance(recovery, str):
         return recovery
-    return f"{recovery.__module__}.{recovery.__qualname__}"
+    name = getattr(recovery, "__qualname__", None)
+    if name is None:  # an instance with __call__: named after its class, as no path imports it
+        kind = type(recovery)
+        return f"{kind.__module__}.{kind.__qualname__}()"
+    return f"{recovery.__module__}.{name}"
 
 
 def resolve_recovery(recovery: str | Callable[..., Any]) -> Any:

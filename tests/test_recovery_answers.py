@@ -61,3 +61,38 @@ def test_an_answer_that_cannot_be_stored_leaves_the_record_for_the_next_attempt(
     assert answers == [{"shipped": "by hand"}] * 2
     assert (runs, CALLS) == (["ran"], {"unstorable": 2, "storable": 1})
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+class AskTheProvider:
+    """A recovery policy written as an instance with ``__call__``."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __call__(self, record: IdempotencyRecord) -> Any:
+        self.asked += 1
+        return {"shipped": "per the provider"}
+
+
+def test_a_callable_instance_is_a_recovery_policy():
+    """Accepted as any callable is (it had no ``__qualname__`` to be stored by): the crashed
+    attempt's record is closed by it, and the body runs once."""
+    runs: list[str] = []
+    key = new_key()
+    policy = AskTheProvider()
+
+    def ship() -> str:
+        runs.append("ran")
+        crash()
+        return "shipped"
+
+    with pytest.raises(SimulatedCrash):
+        run_once(ship, **IDENTITY, key=key, recovery=policy)
+    record = IdempotencyRecord.objects.get()
+    # Stored under its class's name, which no path imports: the recovery job says so.
+    assert record.recovery_policy == f"{__name__}.AskTheProvider()"
+    expire_lease(record)
+    assert run_once(ship, **IDENTITY, key=key, recovery=policy) == {"shipped": "per the provider"}
+    assert policy.asked == 1
+    assert runs == ["ran"]
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
