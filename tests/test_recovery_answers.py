@@ -81,7 +81,7 @@ def test_a_callable_instance_is_a_recovery_policy():
     key = new_key()
     policy = AskTheProvider()
 
-    def ship() -> str:
+    def ship() -> Any:
         runs.append("ran")
         crash()
         return "shipped"
