@@ -295,12 +295,19 @@ def test_messages_wait_while_the_broker_is_down_then_all_are_delivered():
 # -- waking up and stopping ---------------------------------------------------------------------
 
 
-def listening() -> bool:
+def listening(name: str | None = None) -> bool:
+    """Whether a relay listens on this test database (another run's relay, on another
+    database of the same server, is not this test's); ``name``: the relay whose
+    ``application_name`` it is."""
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE query = %s AND datname = current_database()"
+    )
+    params = [f"LISTEN {outbox.CHANNEL}"]
+    if name is not None:
+        query += " AND application_name = %s"
+        params.append(name)
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE query = %s",
-            [f"LISTEN {outbox.CHANNEL}"],
-        )
+        cursor.execute(query, params)
         (n,) = cursor.fetchone()
     return bool(n)
 
@@ -368,7 +375,7 @@ def test_a_relay_whose_connections_are_killed_carries_on():
     settings = {"OUTBOX_SENDER": "tests.testapp.outbox.record", "OUTBOX_POLL_INTERVAL": 0.2}
     relay = relay_process(settings, extra_env={"PGAPPNAME": name})
     try:
-        wait_until(listening, "the relay to listen", timeout=30)
+        wait_until(lambda: listening(name), "the relay to listen", timeout=30)
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
@@ -379,7 +386,7 @@ def test_a_relay_whose_connections_are_killed_carries_on():
         assert killed >= 2  # its own connection and the one that listens (and "provider")
         message_id = enqueued("after-the-kill")
         wait_until(lambda: sends(message_id) == 1, "the relay to send again", timeout=20)
-        wait_until(listening, "the relay to listen again", timeout=20)
+        wait_until(lambda: listening(name), "the relay to listen again", timeout=20)
     finally:
         relay.send_signal(signal.SIGTERM)
         out = finished(relay, timeout=10)
