@@ -39,9 +39,10 @@ class Fenced(Generic[T]):
 
 
 class _RolledBack(Exception):
-    def __init__(self, result: Any, outcome: Outcome | None) -> None:
+    def __init__(self, result: Any, outcome: Outcome | None, raw: Any = None) -> None:
         self.result = result
         self.outcome = outcome
+        self.raw = raw  # the driver's connection the block ran on
 
 
 def run_owned(
@@ -99,13 +100,20 @@ def run_fenced(
                     completing = True
                     outcome = judge(result)
                     if outcome is None or transaction.get_rollback(using=alias):
-                        raise _RolledBack(result, outcome)
+                        raise _RolledBack(result, outcome, db.connections[alias].connection)
                     # Where this block is the only one, its COMMIT rides with the completion.
                     claim.complete(outcome, commit=True)
             except _RolledBack as rolled_back:
                 if rolled_back.outcome is None:
                     claim.release()
                     return Fenced(rolled_back.result, stored=False)
+                if db.connections[alias].connection is not rolled_back.raw:
+                    # The block's rollback found its connection broken, and Django replaced
+                    # it: the body caught the loss of its connection and answered. The
+                    # answer of a transaction the store lost is never stored as final.
+                    raise db.OperationalError(
+                        "the connection was lost during the operation's transaction"
+                    ) from None
                 claim.complete(rolled_back.outcome)
                 return Fenced(rolled_back.result, stored=True)
         return Fenced(result, stored=True)
@@ -119,7 +127,10 @@ def run_fenced(
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
         lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
-        if (failed or (lost and started)) and keep_on_store_failure:
+        # The database refusing the work's own transaction as a deadlock, a serialization
+        # failure or a Galera certification conflict: it asks for a retry.
+        refused = isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)
+        if (failed or refused or (lost and started)) and keep_on_store_failure:
             claim.give_back()
         else:
             claim.release()
@@ -130,10 +141,9 @@ def run_fenced(
                 f"nothing ran: the connection was lost before the operation's transaction "
                 f"began, and the claim was released ({exc})"
             ) from exc
-        # The completion's failure, or the database refusing the work's own transaction as
-        # a deadlock, a serialization failure or a Galera certification conflict: it asks
-        # for a retry, and the work was rolled back.
-        if failed or lost or (isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)):
+        # The completion's failure, the connection lost, or the work's transaction refused:
+        # the work was rolled back.
+        if failed or lost or refused:
             raise store_failed(exc) from exc
         raise
     except BaseException:
