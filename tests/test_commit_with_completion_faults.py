@@ -289,3 +289,64 @@ def test_backend_terminated_while_the_merged_statement_waits(policy):
         assert len(records) == 1
         assert records[0].status == RecordStatus.IN_PROGRESS
     assert run_once(lambda: "again", **IDENTITY, key="k-2") == "again"
+
+
+def test_two_attempts_race_on_a_takeover_while_the_first_one_runs():
+    """The first attempt outlives its lease; a second takes the record over and completes.
+    The first one's completion (the COMMIT carried) finds no row of its lease: nothing of
+    its work commits, and the second one's outcome stands."""
+    from django_idempotency import InProgress
+
+    calls: list[str] = []
+    taken_over = threading.Event()
+    errors: list[BaseException] = []
+    states: list[tuple[bool, bool, int]] = []
+
+    def first() -> str:
+        calls.append("first")
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        assert taken_over.wait(20)
+        return "first"
+
+    def second() -> str:
+        calls.append("second")
+        Charge.objects.create(account="consumer", amount=2, currency="EUR")
+        return "second"
+
+    def run_first() -> None:
+        try:
+            run_once(first, **IDENTITY, key="k-1", lease=1)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            states.append(
+                (
+                    connection.in_atomic_block,
+                    connection.needs_rollback,
+                    connection.connection.info.transaction_status,
+                )
+            )
+            connection.close()
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            assert run_once(second, **IDENTITY, key="k-1", lease=30) == "second"
+            break
+        except InProgress:
+            continue
+    taken_over.set()
+    thread.join(30)
+    assert calls == ["first", "second"]
+    assert len(errors) == 1
+    assert isinstance(errors[0], InProgress)
+    assert states == [(False, False, 0)]
+    assert committed_charges() == 1
+    assert list(Charge.objects.values_list("amount", flat=True)) == [2]
+    record = IdempotencyRecord.objects.get()
+    assert record.status == RecordStatus.COMPLETED
+    assert run_once(second, **IDENTITY, key="k-1") == "second"
+    assert calls == ["first", "second"]
