@@ -20,8 +20,10 @@ from tests.testapp.models import Charge, ProviderCall
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases="__all__"),
     postgres_only,
-    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's SQLSTATEs"),
 ]
+on_postgresql = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="PostgreSQL's SQLSTATEs and pg_sleep"
+)
 IDENTITY = {"account": "consumer:mail", "operation": "mail.send"}
 
 
@@ -53,6 +55,7 @@ def reconcile(record: Any) -> None:
     return None  # a callable policy that cannot tell: retry
 
 
+@on_postgresql
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
 @pytest.mark.parametrize("policy", ["fail", reconcile], ids=["fail", "callable"])
 def test_a_refused_transaction_under_a_keeping_policy_never_runs_the_body_again(
@@ -68,6 +71,7 @@ def test_a_refused_transaction_under_a_keeping_policy_never_runs_the_body_again(
     assert record.lease_expires_at <= timezone.now()
 
 
+@on_postgresql
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
 def test_a_refused_transaction_under_retry_releases(sqlstate: str) -> None:
     with pytest.raises(StoreUnavailable):
@@ -83,11 +87,12 @@ def test_a_view_that_catches_the_lost_connection_and_answers(policy: str) -> Non
 
     def body() -> str:
         ProviderCall.objects.using("provider").create(key="charge")
+        mysql = connection.vendor == "mysql"
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_backend_pid()")
+            cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
             (pid,) = cursor.fetchone()
         with connections["provider"].cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+            cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
         try:
             Charge.objects.create(account="consumer", amount=1, currency="EUR")
         except OperationalError:
@@ -108,6 +113,7 @@ def test_a_view_that_catches_the_lost_connection_and_answers(policy: str) -> Non
         assert records[0].lease_expires_at <= timezone.now()
 
 
+@on_postgresql
 def test_a_caught_statement_timeout_still_stores_the_answer() -> None:
     """The body's own error, caught and answered on a connection that still works: its
     answer is stored (its transaction rolled back), and replayed."""
