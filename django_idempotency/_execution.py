@@ -91,11 +91,13 @@ def run_fenced(
     """
     alias = claim.alias
     started = completing = False
+    raw = None  # the driver's connection the block runs on
     try:
         with outside_steps():
             try:
                 with transaction.atomic(using=alias):
                     started = True
+                    raw = db.connections[alias].connection
                     result = body()
                     completing = True
                     outcome = judge(result)
@@ -127,6 +129,11 @@ def run_fenced(
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
         lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
+        if lost and started and isinstance(exc, db.InterfaceError):
+            # The driver's refusal of a closed cursor (the body's own) or of a closed
+            # connection: only the latter fails the block's rollback, and Django then
+            # replaces the connection.
+            lost = db.connections[alias].connection is not raw
         # The database refusing the work's own transaction as a deadlock, a serialization
         # failure or a Galera certification conflict: it asks for a retry.
         refused = isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)

@@ -350,3 +350,30 @@ def test_two_attempts_race_on_a_takeover_while_the_first_one_runs():
     assert record.status == RecordStatus.COMPLETED
     assert run_once(second, **IDENTITY, key="k-1") == "second"
     assert calls == ["first", "second"]
+
+
+def test_an_operation_run_from_an_on_commit_callback_of_another():
+    """A callback of the first operation's commit runs a second operation (its own
+    transaction, its COMMIT carried too): each body once, both records completed, once."""
+    calls: list[str] = []
+
+    def second() -> str:
+        calls.append("second")
+        Charge.objects.create(account="consumer", amount=2, currency="EUR")
+        return "second"
+
+    def first() -> str:
+        calls.append("first")
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        transaction.on_commit(lambda: run_once(second, **IDENTITY, key="k-2"))
+        return "first"
+
+    assert run_once(first, **IDENTITY, key="k-1") == "first"
+    clean_connection()
+    assert calls == ["first", "second"]
+    assert committed_charges() == 2
+    statuses = set(IdempotencyRecord.objects.values_list("status", flat=True))
+    assert statuses == {RecordStatus.COMPLETED}
+    assert IdempotencyRecord.objects.count() == 2
+    assert run_once(first, **IDENTITY, key="k-1") == "first"
+    assert calls == ["first", "second"]

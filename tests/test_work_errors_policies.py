@@ -136,3 +136,29 @@ def test_a_caught_statement_timeout_still_stores_the_answer() -> None:
     assert calls == ["x"]
     assert committed_charges() == 0
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_a_closed_cursor_in_the_body_is_the_bodys_error_not_a_lost_connection(
+    policy: str,
+) -> None:
+    """The driver's InterfaceError for a cursor the body closed itself, on a connection that
+    works: the body's own error (it propagates, the claim released), never the store's
+    503 with its lease given back."""
+    from django.db import InterfaceError, ProgrammingError
+
+    calls: list[str] = []
+
+    def body() -> str:
+        calls.append("x")
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        with connection.cursor() as cursor:
+            pass
+        cursor.execute("SELECT 1")
+        return "unreachable"
+
+    with pytest.raises((InterfaceError, ProgrammingError)):  # psycopg's, MySQLdb's
+        run_once(body, **IDENTITY, key="k-1", recovery=policy)
+    assert committed_charges() == 0
+    assert IdempotencyRecord.objects.count() == 0  # released: the retry runs afresh
+    assert calls == ["x"]
