@@ -377,3 +377,35 @@ def test_an_operation_run_from_an_on_commit_callback_of_another():
     assert IdempotencyRecord.objects.count() == 2
     assert run_once(first, **IDENTITY, key="k-1") == "first"
     assert calls == ["first", "second"]
+
+
+def test_with_server_side_binding_the_completion_is_sent_alone():
+    """OPTIONS["server_side_binding"]: the statements go through the extended protocol,
+    which takes one statement at a time: the completion is sent alone, the block commits."""
+    from tests.helpers import is_completion
+
+    options = connection.settings_dict["OPTIONS"]
+    connection.close()
+    options["server_side_binding"] = True
+    sent: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if is_completion(sql):
+            sent.append(sql)
+        return execute(sql, params, many, context)
+
+    def body() -> str:
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        return "ok"
+
+    try:
+        with connection.execute_wrapper(wrapper):
+            assert run_once(body, **IDENTITY, key="k-1") == "ok"
+        assert type(connection.connection.cursor()).__name__ == "ServerBindingCursor"
+    finally:
+        connection.close()
+        del options["server_side_binding"]
+    assert len(sent) == 1
+    assert not sent[0].rstrip().endswith("COMMIT")
+    assert committed_charges() == 1
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
