@@ -128,12 +128,7 @@ def run_fenced(
         # The connection itself lost (a server or node gone, a backend terminated), at the
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
-        lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
-        if lost and started and isinstance(exc, db.InterfaceError):
-            # The driver's refusal of a closed cursor (the body's own) or of a closed
-            # connection: only the latter fails the block's rollback, and Django then
-            # replaces the connection.
-            lost = db.connections[alias].connection is not raw
+        lost = not failed and isinstance(exc, db.Error) and _lost(exc, alias, raw, started)
         # The database refusing the work's own transaction as a deadlock, a serialization
         # failure or a Galera certification conflict: it asks for a retry.
         refused = isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)
@@ -158,6 +153,19 @@ def run_fenced(
         raise
 
 
+def _lost(exc: db.Error, alias: str, raw: Any, started: bool = True) -> bool:
+    """Whether ``exc`` says that the connection of ``alias`` was lost. An
+    ``InterfaceError`` once the body started is the driver's refusal of a closed cursor
+    (the body's own error) or of a closed connection: only the latter fails the rollback
+    of an atomic block, and Django then replaces the connection (``raw`` was the
+    driver's connection before)."""
+    if not _vendors.connection_lost(exc):
+        return False
+    if started and isinstance(exc, db.InterfaceError):
+        return db.connections[alias].connection is not raw
+    return True
+
+
 def run_resumable(
     claim: Claim,
     body: Callable[[], T],
@@ -172,18 +180,27 @@ def run_resumable(
     over one keeps its steps and gives its lease back). When the body raises (or ``judge``
     has nothing to store: a 5xx), the recorded steps are kept and the lease is given back at
     once, so the next attempt resumes at once. ``LeaseLost`` when another attempt owns the
-    record now: at a step, or at the completion.
+    record now: at a step, or at the completion. The connection lost in the body (in a
+    step, or between them) is ``StoreUnavailable`` (``ran``), the lease given back.
     """
     try:
         recorded = _store.recorded_steps(claim.alias, claim.record_id)
     except db.Error as exc:
         claim.release() if fresh else claim.give_back()
         raise store_failed(exc, ran=False) from exc
+    raw = db.connections[claim.alias].connection
     try:
         with recording(claim, recorded):
             result = body()
             outcome = judge(result)
     except KEEP_CLAIM:
+        raise
+    except db.Error as exc:
+        claim.give_back()
+        if _lost(exc, claim.alias, raw):
+            # The connection lost in a step (or between them): the store's failure, as in
+            # one transaction (run_fenced); the steps recorded before it are kept.
+            raise store_failed(exc) from exc
         raise
     except BaseException:
         claim.give_back()

@@ -162,3 +162,38 @@ def test_a_closed_cursor_in_the_body_is_the_bodys_error_not_a_lost_connection(
     assert committed_charges() == 0
     assert IdempotencyRecord.objects.count() == 0  # released: the retry runs afresh
     assert calls == ["x"]
+
+
+def test_under_resume_a_step_whose_connection_is_lost_is_store_unavailable() -> None:
+    """A resumable operation's step loses its connection (the backend terminated under
+    it): the store's failure, as in one transaction (503 / StoreUnavailable, ran), the
+    steps recorded before it kept, the lease given back; never the body's own error."""
+    from django_idempotency import step
+
+    def first() -> str:
+        ProviderCall.objects.using("provider").create(key="first")
+        return "one"
+
+    def second() -> str:
+        mysql = connection.vendor == "mysql"
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+        with connections["provider"].cursor() as cursor:
+            cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        return "two"
+
+    def body() -> str:
+        step("first", first)
+        step("second", second)
+        return "done"
+
+    with pytest.raises(StoreUnavailable) as refused:
+        run_once(body, **IDENTITY, key="k-1", recovery="resume")
+    assert refused.value.ran
+    assert provider_calls() == 1
+    assert committed_charges() == 0
+    record = IdempotencyRecord.objects.get()
+    assert record.status == RecordStatus.IN_PROGRESS
+    assert record.lease_expires_at <= timezone.now()
