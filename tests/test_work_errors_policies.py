@@ -51,6 +51,17 @@ def refused_as(sqlstate: str) -> Any:
     return body
 
 
+def cut_own_connection() -> None:
+    """End the server side of the default connection from another one, as an administrator
+    or a failover would (``pg_terminate_backend``; ``KILL`` on MariaDB)."""
+    mysql = connection.vendor == "mysql"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    with connections["provider"].cursor() as cursor:
+        cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
+
+
 def reconcile(record: Any) -> None:
     return None  # a callable policy that cannot tell: retry
 
@@ -87,12 +98,7 @@ def test_a_view_that_catches_the_lost_connection_and_answers(policy: str) -> Non
 
     def body() -> str:
         ProviderCall.objects.using("provider").create(key="charge")
-        mysql = connection.vendor == "mysql"
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
-            (pid,) = cursor.fetchone()
-        with connections["provider"].cursor() as cursor:
-            cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
+        cut_own_connection()
         try:
             Charge.objects.create(account="consumer", amount=1, currency="EUR")
         except OperationalError:
@@ -175,12 +181,7 @@ def test_under_resume_a_step_whose_connection_is_lost_is_store_unavailable() -> 
         return "one"
 
     def second() -> str:
-        mysql = connection.vendor == "mysql"
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
-            (pid,) = cursor.fetchone()
-        with connections["provider"].cursor() as cursor:
-            cursor.execute("KILL %s" if mysql else "SELECT pg_terminate_backend(%s)", [pid])
+        cut_own_connection()
         Charge.objects.create(account="consumer", amount=1, currency="EUR")
         return "two"
 
