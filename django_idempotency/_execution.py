@@ -39,9 +39,10 @@ class Fenced(Generic[T]):
 
 
 class _RolledBack(Exception):
-    def __init__(self, result: Any, outcome: Outcome | None) -> None:
+    def __init__(self, result: Any, outcome: Outcome | None, raw: Any = None) -> None:
         self.result = result
         self.outcome = outcome
+        self.raw = raw  # the driver's connection the block ran on
 
 
 def run_owned(
@@ -90,22 +91,31 @@ def run_fenced(
     """
     alias = claim.alias
     started = completing = False
+    raw = None  # the driver's connection the block runs on
     try:
         with outside_steps():
             try:
                 with transaction.atomic(using=alias):
                     started = True
+                    raw = db.connections[alias].connection
                     result = body()
                     completing = True
                     outcome = judge(result)
                     if outcome is None or transaction.get_rollback(using=alias):
-                        raise _RolledBack(result, outcome)
+                        raise _RolledBack(result, outcome, db.connections[alias].connection)
                     # Where this block is the only one, its COMMIT rides with the completion.
                     claim.complete(outcome, commit=True)
             except _RolledBack as rolled_back:
                 if rolled_back.outcome is None:
                     claim.release()
                     return Fenced(rolled_back.result, stored=False)
+                if db.connections[alias].connection is not rolled_back.raw:
+                    # The block's rollback found its connection broken, and Django replaced
+                    # it: the body caught the loss of its connection and answered. The
+                    # answer of a transaction the store lost is never stored as final.
+                    raise db.OperationalError(
+                        "the connection was lost during the operation's transaction"
+                    ) from None
                 claim.complete(rolled_back.outcome)
                 return Fenced(rolled_back.result, stored=True)
         return Fenced(result, stored=True)
@@ -118,8 +128,11 @@ def run_fenced(
         # The connection itself lost (a server or node gone, a backend terminated), at the
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
-        lost = not failed and isinstance(exc, db.Error) and _vendors.connection_lost(exc)
-        if (failed or (lost and started)) and keep_on_store_failure:
+        lost = not failed and isinstance(exc, db.Error) and _lost(exc, alias, raw, started)
+        # The database refusing the work's own transaction as a deadlock, a serialization
+        # failure or a Galera certification conflict: it asks for a retry.
+        refused = isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)
+        if (failed or refused or (lost and started)) and keep_on_store_failure:
             claim.give_back()
         else:
             claim.release()
@@ -130,15 +143,27 @@ def run_fenced(
                 f"nothing ran: the connection was lost before the operation's transaction "
                 f"began, and the claim was released ({exc})"
             ) from exc
-        # The completion's failure, or the database refusing the work's own transaction as
-        # a deadlock, a serialization failure or a Galera certification conflict: it asks
-        # for a retry, and the work was rolled back.
-        if failed or lost or (isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)):
+        # The completion's failure, the connection lost, or the work's transaction refused:
+        # the work was rolled back.
+        if failed or lost or refused:
             raise store_failed(exc) from exc
         raise
     except BaseException:
         claim.release()
         raise
+
+
+def _lost(exc: db.Error, alias: str, raw: Any, started: bool = True) -> bool:
+    """Whether ``exc`` says that the connection of ``alias`` was lost. An
+    ``InterfaceError`` once the body started is the driver's refusal of a closed cursor
+    (the body's own error) or of a closed connection: only the latter fails the rollback
+    of an atomic block, and Django then replaces the connection (``raw`` was the
+    driver's connection before)."""
+    if not _vendors.connection_lost(exc):
+        return False
+    if started and isinstance(exc, db.InterfaceError):
+        return db.connections[alias].connection is not raw
+    return True
 
 
 def run_resumable(
@@ -155,18 +180,27 @@ def run_resumable(
     over one keeps its steps and gives its lease back). When the body raises (or ``judge``
     has nothing to store: a 5xx), the recorded steps are kept and the lease is given back at
     once, so the next attempt resumes at once. ``LeaseLost`` when another attempt owns the
-    record now: at a step, or at the completion.
+    record now: at a step, or at the completion. The connection lost in the body (in a
+    step, or between them) is ``StoreUnavailable`` (``ran``), the lease given back.
     """
     try:
         recorded = _store.recorded_steps(claim.alias, claim.record_id)
     except db.Error as exc:
         claim.release() if fresh else claim.give_back()
         raise store_failed(exc, ran=False) from exc
+    raw = db.connections[claim.alias].connection
     try:
         with recording(claim, recorded):
             result = body()
             outcome = judge(result)
     except KEEP_CLAIM:
+        raise
+    except db.Error as exc:
+        claim.give_back()
+        if _lost(exc, claim.alias, raw):
+            # The connection lost in a step (or between them): the store's failure, as in
+            # one transaction (run_fenced); the steps recorded before it are kept.
+            raise store_failed(exc) from exc
         raise
     except BaseException:
         claim.give_back()

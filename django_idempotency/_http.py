@@ -422,8 +422,8 @@ class _Owner:
             and response.status_code not in app_settings.TRANSIENT_STATUSES
         ):
             return _problems.RESPONSE_NOT_STORABLE.response(
-                "The response could not be kept for replay (streamed, or larger than the "
-                "server keeps), so the request was rolled back."
+                "The response could not be kept for replay (streamed, larger than the "
+                "server keeps, or a header it cannot store), so the request was rolled back."
             )
         return response
 

@@ -146,7 +146,11 @@ def outcome_of(response: Any) -> Outcome | None:
     response = rendered(response)
     if not isinstance(response, HttpResponse) or not is_storable(response):
         return None
-    return _outcome(response, COMPLETED)
+    outcome = _outcome(response, COMPLETED)
+    for _name, value in outcome.headers:
+        if "\x00" in value:  # a NUL no JSON column of PostgreSQL's holds: never replayable
+            return None
+    return outcome
 
 
 def response_of(outcome: Outcome) -> HttpResponse:

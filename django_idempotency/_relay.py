@@ -298,6 +298,8 @@ class _SenderQueries:
         self.alias = alias
         self.savepoint: str | None = None
         self.opening = False
+        # Whether the batch's block was marked for rollback before this send.
+        self.marked = transaction.get_rollback(using=alias)
 
     def __call__(
         self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
@@ -317,8 +319,15 @@ class _SenderQueries:
 
     def roll_back(self) -> None:
         if self.savepoint is not None:
+            # As an inner atomic block does: the mark the ORM left (a save that failed)
+            # cleared first, else Django refuses the ROLLBACK TO SAVEPOINT itself; then
+            # the batch's transaction is usable again.
+            transaction.set_rollback(False, using=self.alias)
             transaction.savepoint_rollback(self.savepoint, using=self.alias)
-            # As an inner atomic block would: the batch's transaction is usable again.
+        elif not self.marked:
+            # The send failed before its first statement reached the database (a value
+            # the ORM could not prepare), but the ORM marked the batch's block for
+            # rollback: nothing of the send's is in the transaction, which is usable.
             transaction.set_rollback(False, using=self.alias)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.core import checks
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -390,4 +391,6 @@ def _moment(text: str) -> datetime:
     moment = parse_datetime(text)
     if moment is None:
         raise outbox.Unreadable(f"the stored run_after is no moment: {text!r}")
+    if not settings.USE_TZ:  # as Django's DateTimeField takes it: naive, local time
+        return timezone.make_naive(moment) if timezone.is_aware(moment) else moment
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment)

@@ -149,6 +149,13 @@ def django_db_setup(
             await_other_sessions()
 
 
+_OTHER_SESSIONS = (
+    "SELECT pid, application_name, state, backend_start, left(query, 200)"
+    " FROM pg_stat_activity WHERE datname = current_database()"
+    " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+)
+
+
 def await_other_sessions(seconds: float = 15) -> None:
     """Wait until no other session is on the test database: the backend of a server or
     worker process that a test stopped may take a moment to exit. One that stays is a
@@ -157,14 +164,26 @@ def await_other_sessions(seconds: float = 15) -> None:
 
     deadline = time.monotonic() + seconds
     others: list[tuple[Any, ...]] = []
+    if connection.settings_dict["OPTIONS"].get("pool"):
+        # Through Django's pool the check would open a pool again, whose own connections
+        # (min_size, opened in the background) it would then find.
+        import psycopg
+
+        params = connection.get_connection_params()
+        params.pop("pool", None)
+        with psycopg.connect(**params, autocommit=True) as raw:
+            while True:
+                others = raw.execute(_OTHER_SESSIONS).fetchall()
+                if not others or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        if others:
+            pytest.fail(f"sessions left on the test database after {seconds} s: {others}")
+        return
     try:
         with connection.cursor() as cursor:
             while True:
-                cursor.execute(
-                    "SELECT pid, application_name, state, backend_start, left(query, 200)"
-                    " FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-                )
+                cursor.execute(_OTHER_SESSIONS)
                 others = cursor.fetchall()
                 if not others or time.monotonic() > deadline:
                     break

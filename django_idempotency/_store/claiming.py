@@ -459,6 +459,8 @@ def _complete_and_commit_sql(alias: str) -> str:
 
 
 _DIVISION_BY_ZERO = "22012"
+# psycopg's pq.TransactionStatus.INERROR: a statement failed inside the transaction.
+_ABORTED = 3
 
 
 def complete(
@@ -510,7 +512,14 @@ def complete(
             try:
                 statement.execute(_complete_and_commit_sql(alias), params)
             except DataError as exc:
-                if getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO:
+                # The fence's division by zero leaves the transaction aborted (the COMMIT
+                # skipped). The same error from the COMMIT itself (a deferred trigger of
+                # the work's) ends the transaction: that is the commit failing, not a lost
+                # lease.
+                if (
+                    getattr(exc.__cause__, "sqlstate", None) == _DIVISION_BY_ZERO
+                    and connection.connection.info.transaction_status == _ABORTED
+                ):
                     return False
                 raise
             return True
