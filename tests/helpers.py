@@ -75,6 +75,18 @@ postgres_only = pytest.mark.skipif(
 )
 
 
+def assert_released_or_given_back(policy: str) -> None:
+    """After a store failure under ``policy``: ``"retry"`` released its claim (no record);
+    a policy that keeps it gave its lease back (one record, in progress, stale at once)."""
+    records = list(IdempotencyRecord.objects.all())
+    if policy == "retry":
+        assert records == []
+    else:
+        assert len(records) == 1
+        assert records[0].status == RecordStatus.IN_PROGRESS
+        assert records[0].lease_expires_at <= django_timezone.now()
+
+
 def is_completion(sql: str) -> bool:
     """Whether ``sql`` is the engine's fenced completion (alone, or carrying the transaction's
     ``COMMIT`` on PostgreSQL on Django's defaults): an execute wrapper's test for a fault."""

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
-from django.utils import timezone
 
 from django_idempotency import StoreUnavailable, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
+from tests.helpers import assert_released_or_given_back
 from tests.testapp.models import Charge
 
 pytestmark = [
@@ -76,13 +76,7 @@ def test_deferred_unique_failing_at_commit_is_503_nothing_committed(deferred_tab
     clean_connection()
     assert calls == ["x"]
     assert committed_charges() == 0
-    records = list(IdempotencyRecord.objects.all())
-    if policy == "retry":
-        assert records == []
-    else:
-        assert len(records) == 1
-        assert records[0].status == RecordStatus.IN_PROGRESS
-        assert records[0].lease_expires_at <= timezone.now()  # given back: stale at once
+    assert_released_or_given_back(policy)
 
 
 @pytest.mark.parametrize("policy", ["retry", "fail"])
@@ -95,12 +89,7 @@ def test_deferred_trigger_dividing_by_zero_at_commit_is_not_a_lost_lease(deferre
         run_once(insert_twice, calls, (0, 5), **IDENTITY, key="k-1", recovery=policy)
     clean_connection()
     assert committed_charges() == 0
-    records = list(IdempotencyRecord.objects.all())
-    if policy == "retry":
-        assert records == []
-    else:
-        assert len(records) == 1
-        assert records[0].lease_expires_at <= timezone.now()
+    assert_released_or_given_back(policy)
 
 
 def test_on_commit_callbacks_run_once_after_the_commit():

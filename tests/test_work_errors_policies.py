@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from django_idempotency import StoreUnavailable, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import postgres_only
+from tests.helpers import assert_released_or_given_back, postgres_only
 from tests.testapp.models import Charge, ProviderCall
 
 pytestmark = [
@@ -111,12 +111,7 @@ def test_a_view_that_catches_the_lost_connection_and_answers(policy: str) -> Non
     assert not connection.in_atomic_block
     assert provider_calls() == 1
     assert committed_charges() == 0
-    records = list(IdempotencyRecord.objects.all())
-    if policy == "retry":
-        assert records == []
-    else:
-        assert len(records) == 1
-        assert records[0].lease_expires_at <= timezone.now()
+    assert_released_or_given_back(policy)
 
 
 @on_postgresql
