@@ -97,14 +97,21 @@ def run_fenced(
             try:
                 with transaction.atomic(using=alias):
                     started = True
-                    raw = db.connections[alias].connection
-                    result = body()
-                    completing = True
-                    outcome = judge(result)
-                    if outcome is None or transaction.get_rollback(using=alias):
-                        raise _RolledBack(result, outcome, db.connections[alias].connection)
-                    # Where this block is the only one, its COMMIT rides with the completion.
-                    claim.complete(outcome, commit=True)
+                    connection = db.connections[alias]
+                    raw = connection.connection
+                    # Where this block is the only one, its BEGIN rides with its first
+                    # statement, and its COMMIT with the completion.
+                    rider = _store.begin_riding(connection)
+                    try:
+                        result = body()
+                        completing = True
+                        outcome = judge(result)
+                        if outcome is None or transaction.get_rollback(using=alias):
+                            raise _RolledBack(result, outcome, connection.connection)
+                        claim.complete(outcome, commit=True)
+                    finally:
+                        if rider is not None and rider in connection.execute_wrappers:
+                            connection.execute_wrappers.remove(rider)  # no statement took it
             except _RolledBack as rolled_back:
                 if rolled_back.outcome is None:
                     claim.release()

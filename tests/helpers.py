@@ -21,6 +21,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -94,6 +95,39 @@ def is_completion(sql: str) -> bool:
     return plain.startswith(
         ("UPDATE django_idempotency_record", "WITH done AS (UPDATE django_idempotency_record")
     ) and ("completed_at" in plain)
+
+
+def committed_charges() -> int:
+    """Charges as another connection sees them: committed ones only."""
+    with connections["provider"].cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {Charge._meta.db_table}")
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+@contextmanager
+def libpq_trace() -> Iterator[list[str]]:
+    """The messages the default connection (PostgreSQL) sends and receives while the block
+    runs, one line each (a statement's text may go on over lines of its own), from libpq's
+    protocol trace: every ``ReadyForQuery`` ends a round trip."""
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    lines: list[str] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        try:
+            yield lines
+        finally:
+            pgconn.untrace()
+            trace.seek(0)
+            lines.extend(trace.read().splitlines())
+
+
+def simple_queries(lines: list[str]) -> list[str]:
+    """The text (its first line, quoted) of each simple query in a :func:`libpq_trace`."""
+    return [
+        line.split("\t")[-1].strip() for line in lines if "\tF\t" in line and "\tQuery\t" in line
+    ]
 
 
 def new_key() -> str:

@@ -271,25 +271,6 @@ def call_claim(cursor: Any, request: Operation, now: datetime) -> list[tuple[Any
 
 @postgresql_only
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("policy", ["retry", "fail", "resume"])
-def test_only_a_retry_claim_commits_without_waiting_for_its_flush(policy):
-    """The function relaxes the commit of a new "retry" claim only, and of nothing else: a
-    replay of any policy leaves the transaction's setting as it was."""
-    request = claim_request(recovery_policy=policy)
-    settings = []
-    with connection.cursor() as cursor:
-        for _ in range(2):  # the new claim, then the record in the way
-            cursor.execute("BEGIN")
-            call_claim(cursor, request, NOW)
-            cursor.execute("SHOW synchronous_commit")
-            settings.append(cursor.fetchone()[0])
-            cursor.execute("COMMIT")
-    assert settings == (["off", "on"] if policy == "retry" else ["on", "on"])
-    assert IdempotencyRecord.objects.filter(key=request.key).count() == 1
-
-
-@postgresql_only
-@pytest.mark.django_db(transaction=True)
 def test_a_claim_through_the_function_takes_a_transaction_id_only_when_it_inserts():
     """A replay or a conflict writes nothing: no transaction id, not even for the call of the
     function around the statement."""

@@ -19,7 +19,7 @@ from django.db import connection, connections, transaction
 
 from django_idempotency import InProgress, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import is_completion
+from tests.helpers import committed_charges, is_completion
 from tests.testapp.models import Charge
 
 pytestmark = [
@@ -47,14 +47,6 @@ def completions() -> Iterator[list[str]]:
 
     with connection.execute_wrapper(wrapper):
         yield seen
-
-
-def committed_charges() -> int:
-    """Charges as another connection sees them: committed ones only."""
-    with connections["provider"].cursor() as cursor:
-        cursor.execute(f"SELECT count(*) FROM {Charge._meta.db_table}")
-        (count,) = cursor.fetchone()
-    return int(count)
 
 
 def charge(calls: list[str], tag: str) -> str:

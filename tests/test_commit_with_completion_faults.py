@@ -13,7 +13,7 @@ from django.db import connection, connections, transaction
 
 from django_idempotency import StoreUnavailable, run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import assert_released_or_given_back
+from tests.helpers import assert_released_or_given_back, committed_charges
 from tests.testapp.models import Charge
 
 pytestmark = [
@@ -21,13 +21,6 @@ pytestmark = [
     pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's"),
 ]
 IDENTITY = {"account": "consumer:mail", "operation": "mail.send"}
-
-
-def committed_charges() -> int:
-    with connections["provider"].cursor() as cursor:
-        cursor.execute(f"SELECT count(*) FROM {Charge._meta.db_table}")
-        (count,) = cursor.fetchone()
-    return int(count)
 
 
 def clean_connection() -> None:

@@ -29,8 +29,10 @@ postgresql_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="PostgreSQL's one-statement claim"
 )
 WAIT = 30
-# PostgreSQL's claim: one call of its function (migration 0011).
+# PostgreSQL's claim: one call of its function (migration 0011), or, a server connection's
+# first claim, the function's statement as text (tests/test_claim_text.py).
 CLAIM_CALL = "SELECT * FROM DJANGO_IDEMPOTENCY_RECORD_CLAIM("
+CLAIM_TEXT = "WITH LATE AS MATERIALIZED ("
 
 
 def record_statements(queries: CaptureQueriesContext) -> list[str]:
@@ -43,7 +45,7 @@ def test_a_first_request_claims_and_completes_with_one_statement_each(api):
         assert api.post("/charges/", CHARGE, key=new_key()).status_code == 201
     statements = record_statements(queries)
     assert len(statements) == 2, statements
-    assert statements[0].lstrip().upper().startswith((CLAIM_CALL, "INSERT INTO"))
+    assert statements[0].lstrip().upper().startswith((CLAIM_CALL, CLAIM_TEXT, "INSERT INTO"))
     options = connection.settings_dict["OPTIONS"]
     if connection.vendor == "postgresql" and options.get("prepare_threshold") is None:
         # The completion carries the transaction's COMMIT (tests/test_commit_with_completion.py).

@@ -19,7 +19,7 @@ more. Its parts:
 
 from __future__ import annotations
 
-from django_idempotency._store.claiming import claim, complete, fetch
+from django_idempotency._store.claiming import begin_riding, claim, complete, fetch
 from django_idempotency._store.owner import (
     count_attempt,
     forget_steps,
@@ -33,6 +33,7 @@ from django_idempotency._store.records import ClaimResult, RecordState
 __all__ = [
     "ClaimResult",
     "RecordState",
+    "begin_riding",
     "claim",
     "complete",
     "count_attempt",

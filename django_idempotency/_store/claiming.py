@@ -15,6 +15,8 @@ import json
 import logging
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from datetime import datetime
 from datetime import timezone as dt_timezone
 from typing import Any
@@ -37,11 +39,18 @@ from django_idempotency._store.statements import (
     table,
 )
 from django_idempotency._vendors import of
-from django_idempotency._vendors.postgresql import CLAIM, LATE, ON_TIME, refusal
+from django_idempotency._vendors.postgresql import (
+    CLAIM,
+    CLAIM_ARGUMENTS,
+    LATE,
+    ON_TIME,
+    claim_text,
+    refusal,
+)
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyRecord
 
-__all__ = ["adopt_legacy", "claim", "complete", "fetch"]
+__all__ = ["adopt_legacy", "begin_riding", "claim", "complete", "fetch"]
 
 logger = logging.getLogger("django_idempotency")
 
@@ -144,6 +153,16 @@ class _Held:
         return True
 
 
+#: The driver's connections whose first claim was sent (as text, :func:`claim_text`): the
+#: next ones call the claim's function, whose plans the server keeps for the connection.
+_function_called: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _prepares(connection: Any) -> bool:
+    # With prepared statements (a connection kept for many requests) the call is prepared.
+    return connection.settings_dict["OPTIONS"].get("prepare_threshold") is not None
+
+
 @functools.lru_cache(maxsize=64)
 def _relaxed_commit(recovery_policy: str) -> bool:
     """Whether the claim's commit need not wait for its WAL flush (the policy's claim need
@@ -176,8 +195,17 @@ def _insert_or_existing(
             deadline,
             _relaxed_commit(op.recovery_policy),
         ]
+        connection = connections[op.alias]
         with _cursor(op.alias) as statement:
-            statement.execute(CLAIM, params)
+            raw = connection.connection
+            if raw in _function_called or _prepares(connection):
+                statement.execute(CLAIM, params)
+            else:
+                # The server connection's first claim: the function's statement as text
+                # (claim_text), which spares a connection that serves one request (Django's
+                # default CONN_MAX_AGE = 0, ASGI) loading PL/pgSQL and compiling the function.
+                statement.execute(claim_text(), dict(zip(CLAIM_ARGUMENTS, params, strict=True)))
+                _function_called.add(raw)
             row = statement.fetchone()
         if row is None:
             return None
@@ -429,11 +457,88 @@ def _commits_here(connection: Any) -> bool:
     )
 
 
+def begin_riding(connection: Any) -> Any:
+    """Where the completion will carry the ``COMMIT`` (:func:`_commits_here`), have the
+    block's ``BEGIN`` ride with its first statement (:class:`_BeginRider`, installed among
+    the connection's execute wrappers): a first request's transaction then takes the round
+    trips of its statements only. Returns the rider, which the caller removes from
+    ``connection.execute_wrappers`` if it is still there when the block ends (the block
+    sent no statement), or ``None``."""
+    if not _commits_here(connection):
+        return None
+    rider = _BeginRider(connection)
+    connection.execute_wrappers.append(rider)
+    return rider
+
+
+class _BeginRider:
+    """Django's execute wrapper that sends a transaction's ``BEGIN`` with its first
+    statement, as one text of two statements (psycopg sends a text without parameters by
+    the simple query protocol, which takes several), instead of a round trip of its own.
+
+    It wraps one statement, the first of the block, and then leaves the connection's
+    wrappers. It does nothing (psycopg then sends its ``BEGIN`` alone, as it always does)
+    for ``executemany``, a server-side cursor, a statement not given as text, inside
+    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they come after this one, and would see
+    the ``BEGIN`` in the statement's text; the wrappers installed before the block see
+    the statement as Django sends it).
+
+    psycopg sends no ``BEGIN`` of its own while its connection is in autocommit: the
+    connection is put there for the statement, and left there while the transaction the
+    statement began is open (psycopg refuses the change inside a transaction; its
+    ``commit()`` and ``rollback()`` end the transaction all the same, and Django's atomic
+    block puts the connection back in autocommit when it ends). A statement that never
+    reached the server (refused by the client) leaves the connection as it found it.
+    """
+
+    __slots__ = ("begin", "connection")
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        raw = connection.connection
+        begin = "BEGIN"
+        # The BEGIN psycopg itself would send: the connection's transaction characteristics.
+        if raw.isolation_level is not None:
+            begin += f" ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}"
+        if raw.read_only is not None:
+            begin += " READ ONLY" if raw.read_only else " READ WRITE"
+        if raw.deferrable is not None:
+            begin += " DEFERRABLE" if raw.deferrable else " NOT DEFERRABLE"
+        self.begin = f"{begin}; "
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        wrappers = self.connection.execute_wrappers
+        last = wrappers[-1] is self if wrappers else False
+        if self in wrappers:  # the first statement only (a wrapper may run it again)
+            wrappers.remove(self)
+        raw: Any = self.connection.connection
+        cursor = context["cursor"].cursor
+        if (
+            not last
+            or many
+            or sql.__class__ is not str
+            or cursor.__class__ is not raw.cursor_factory
+            or raw.pgconn.transaction_status != _IDLE
+            or raw.pgconn.pipeline_status  # psycopg's pipeline mode: one statement a query
+        ):
+            return execute(sql, params, many, context)
+        raw.autocommit = True
+        try:
+            result = execute(self.begin + sql, params, many, context)
+        finally:
+            if raw.pgconn.transaction_status == _IDLE:
+                raw.autocommit = False  # the BEGIN never reached the server
+        cursor.nextset()  # the statement's own result, after the BEGIN's
+        return result
+
+
 def _cursor(alias: str) -> Any:
     # Without OPTIONS["prepare_threshold"] (Django's default) statements.cursor() answers
     # Django's own cursor: taken here at once, on every first request's path.
     connection = connections[alias]
-    if connection.settings_dict["OPTIONS"].get("prepare_threshold") is None:
+    if not _prepares(connection):
         return connection.cursor()
     return cursor(alias)
 
@@ -459,7 +564,8 @@ def _complete_and_commit_sql(alias: str) -> str:
 
 
 _DIVISION_BY_ZERO = "22012"
-# psycopg's pq.TransactionStatus.INERROR: a statement failed inside the transaction.
+# psycopg's pq.TransactionStatus: no transaction open; a statement failed inside one.
+_IDLE = 0
 _ABORTED = 3
 
 

@@ -59,7 +59,10 @@ class Vendor:
         trip on ``connection``'s driver, when its statements are sent as text with their
         values (no prepared statements, no server-side binding): the driver sends several
         statements in one, and its ``commit()`` sends nothing once the transaction has
-        ended, so that Django's atomic block ends as usual. Asked once per alias."""
+        ended, so that Django's atomic block ends as usual; and, in the same cases, the
+        transaction's ``BEGIN`` may ride with its first statement (``_store.claiming``'s
+        rider): the driver sends no ``BEGIN`` of its own while in autocommit, and leaves a
+        statement's several results to be stepped through. Asked once per alias."""
         return False
 
     # -- the claim connection (a claim inside a caller's transaction) -----------------------

@@ -4,6 +4,9 @@ watchdog bounds; and its answers to the checklist of :class:`.base.Vendor`."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import re
 from typing import Any
 
 from django.db import Error, OperationalError
@@ -11,7 +14,16 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency._vendors.base import Vendor
 
-__all__ = ["CLAIM", "LATE", "ON_TIME", "PostgreSQL", "refusal"]
+__all__ = [
+    "CLAIM",
+    "CLAIM_ARGUMENTS",
+    "CLAIM_MIGRATION",
+    "LATE",
+    "ON_TIME",
+    "PostgreSQL",
+    "claim_text",
+    "refusal",
+]
 
 # The guard of a claim that a watchdog bounds (see _autonomous._bounded): its write runs only
 # before %(deadline)s on the server's clock, and past it a last row without an id says so
@@ -37,6 +49,48 @@ def refusal(columns: int) -> str:
 #: (``EXISTING_COLUMNS``, its times as seconds since the epoch), and, with a deadline past on
 #: the server's clock, a last row of NULLs that says the claim wrote nothing (see ``LATE``).
 CLAIM = f"SELECT * FROM django_idempotency_record_claim({', '.join(['%s'] * 11)})"
+
+#: The migration whose ``CLAIM_FUNCTION`` defines the claim's function as it is now.
+CLAIM_MIGRATION = "django_idempotency.migrations.0011_claim_function"
+
+
+@functools.lru_cache(maxsize=1)
+def claim_text() -> str:
+    """The statement the claim's function runs, as text with named parameters (one per
+    argument of the function, ``%(p_key)s``, each cast to its type): the first claim of a
+    server connection sends it (see ``_store.claiming``).
+
+    A function's first call on a server connection loads PL/pgSQL and compiles the function,
+    about a millisecond more than the statement sent as text; a connection per request
+    (Django's default ``CONN_MAX_AGE = 0``, and every request under ASGI) would pay it on
+    every claim. It is read from the function's definition in its migration, never written
+    twice: the same statement, the same rows.
+    """
+    definition: str = importlib.import_module(CLAIM_MIGRATION).CLAIM_FUNCTION
+    arguments = definition[definition.index("(") + 1 : definition.index(") RETURNS")]
+    types = dict(argument.split(None, 1) for argument in map(str.strip, arguments.split(",")))
+    body = definition.split("RETURN QUERY", 1)[1].rsplit("END", 1)[0].strip().rstrip(";")
+    return re.sub(
+        r"\bp_[a-z_]+\b",
+        lambda name: f"(%({name.group()})s::{types[name.group()]})",
+        body.replace("%", "%%"),
+    )
+
+
+#: The names of the claim function's arguments, in their order (``claim_text``'s parameters).
+CLAIM_ARGUMENTS = (
+    "p_account",
+    "p_operation",
+    "p_key",
+    "p_request_hash",
+    "p_fingerprint_version",
+    "p_recovery_policy",
+    "p_created_at",
+    "p_lease",
+    "p_ttl",
+    "p_deadline",
+    "p_relaxed_commit",
+)
 
 
 # Deadlocks and serialization failures: the server rolled the transaction back and asks for
