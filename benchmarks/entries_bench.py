@@ -4,9 +4,10 @@
 object; ``--write`` also puts its section into ``benchmarks/RESULTS.md`` (``make bench``
 renders the same section from its own run).
 
-One process and one uvicorn server, on the PostgreSQL database
-``django_idempotency_bench_entries`` (created when missing), Django's defaults otherwise (no
-prepared statements, no pooler; connections kept, ``CONN_MAX_AGE = 600``). Every operation
+One process and two uvicorn servers (Django's defaults, and Django's pool), on the
+PostgreSQL database ``django_idempotency_bench_entries`` (created when missing), Django's
+defaults otherwise (no prepared statements, no pooler; connections kept, ``CONN_MAX_AGE =
+600``). Every operation
 does the same single ``INSERT``; each entry point runs as its unprotected twin, protected
 with a new key (a first operation: the claim, the work's transaction, the completion) and
 protected with a key it has seen (a replay: one indexed read, the work not run):
@@ -15,7 +16,11 @@ protected with a key it has seen (a replay: one indexed read, the work not run):
   yardstick: every other entry point's ratio should stay at or below it);
 - ``django-view``: a Django function view under ``@idempotent`` / the same view;
 - ``async-view``: an ``async def`` view under ``@idempotent`` / the same view, served by
-  uvicorn (one worker), requests one after another on a kept-alive connection;
+  uvicorn (one worker), requests one after another on a kept-alive connection; under ASGI
+  Django opens a PostgreSQL session per request whatever ``CONN_MAX_AGE`` says;
+- ``async-view-pool``: the same two views on a second uvicorn whose Django keeps its
+  sessions in its connection pool (``OPTIONS["pool"]``, what docs/deployment.md
+  recommends under ASGI);
 - ``ninja``: a django-ninja operation under ``ninja.idempotent`` / the same operation;
 - ``run-once``: ``run_once(write, ...)`` / ``write()``;
 - ``celery-task``: ``@shared_task`` over ``@idempotent_task()`` / ``@shared_task``, each run
@@ -64,6 +69,7 @@ ENTRIES = (
     "drf",
     "django-view",
     "async-view",
+    "async-view-pool",
     "ninja",
     "run-once",
     "celery-task",
@@ -76,6 +82,8 @@ VARIANTS = ("twin", "ours", "replay")
 SEEN = "entries-bench-seen-key"
 BODY = b'{"amount": 1}'  # as connections_bench.post sends it
 HAS_DJANGO_TASKS = importlib.util.find_spec("django.tasks") is not None
+#: Set in the environment of the uvicorn server whose Django pools its connections.
+POOLED = "ENTRIES_BENCH_POOLED"
 
 
 def configure() -> None:
@@ -101,8 +109,11 @@ def configure() -> None:
         if HAS_DJANGO_TASKS
         else "django_tasks.backends.immediate.ImmediateBackend"
     )
+    database = postgres_database(DATABASE)
+    if os.environ.get(POOLED) == "1":  # the uvicorn server of "async-view-pool"
+        database.update(CONN_MAX_AGE=0, OPTIONS={"pool": {"min_size": 1, "max_size": 4}})
     settings.configure(
-        DATABASES={"default": postgres_database(DATABASE)},
+        DATABASES={"default": database},
         INSTALLED_APPS=apps,
         ROOT_URLCONF="benchmarks.entries_bench",
         ALLOWED_HOSTS=["*"],
@@ -239,6 +250,8 @@ PATHS = {
     "ninja|ours": "/ninja/ours",
     "async-view|twin": "/async/twin/",
     "async-view|ours": "/async/ours/",
+    "async-view-pool|twin": "/async/twin/",
+    "async-view-pool|ours": "/async/ours/",
 }
 
 
@@ -372,15 +385,16 @@ def prepare() -> Any:
 
 
 class Server:
-    """uvicorn serving :func:`asgi` on a free port, and a kept-alive client to it."""
+    """uvicorn serving :func:`asgi` on a free port, and a kept-alive client to it
+    (``pooled``: its Django keeps its connections in its pool)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pooled: bool = False) -> None:
         import httpx
 
         from benchmarks.run import free_port
 
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), POOLED: "1" if pooled else "0"}
         self.process = subprocess.Popen(
             [
                 *(sys.executable, "-m", "uvicorn", "--factory", "benchmarks.entries_bench:asgi"),
@@ -418,9 +432,11 @@ class Server:
         self.process.wait(timeout=30)
 
 
-def batch(kind: str, size: int, handler: Any, server: Server | None, tools: Tools | None) -> float:
-    """``size`` operations of ``kind``; microseconds per operation (the uvicorn view needs
-    ``server``, the tools ``tools``)."""
+def batch(
+    kind: str, size: int, handler: Any, servers: dict[str, Server], tools: Tools | None
+) -> float:
+    """``size`` operations of ``kind``; microseconds per operation (the uvicorn views need
+    their server in ``servers``, by entry point; the tools ``tools``)."""
     entry, variant = kind.split("|")
     path = PATHS.get(f"{entry}|{'twin' if variant == 'twin' else 'ours'}")
     key = SEEN if variant == "replay" else None
@@ -428,9 +444,9 @@ def batch(kind: str, size: int, handler: Any, server: Server | None, tools: Tool
     if entry in ("mcp", "fastmcp"):
         assert tools is not None
         return tools.batch(entry, variant, size)
-    if entry == "async-view":
+    if entry in servers:
         assert path is not None
-        assert server is not None
+        server = servers[entry]
         for _ in range(size):
             status = server.post(path, key)
             assert status == 201, (kind, status)
@@ -465,7 +481,11 @@ def rows() -> int:
 
 def run(rounds: int, size: int, entries: tuple[str, ...] = ENTRIES) -> dict[str, Any]:
     handler = prepare()
-    server = Server()
+    servers: dict[str, Server] = {
+        entry: Server(pooled=entry == "async-view-pool")
+        for entry in ("async-view", "async-view-pool")
+        if entry in entries
+    }
     tools = Tools()
     # Nothing logged per operation: the frameworks' INFO lines (a task's start and end, the
     # HTTP client's requests; FastMCP sets up a handler for them) are not what is measured.
@@ -475,22 +495,23 @@ def run(rounds: int, size: int, entries: tuple[str, ...] = ENTRIES) -> dict[str,
     expected = size * len(entries) * 2
     try:
         for entry in entries:  # the records every replay finds
-            batch(f"{entry}|ours", 1, handler, server, tools)
+            batch(f"{entry}|ours", 1, handler, servers, tools)
         for kind in kinds:  # warm-up: imports, the views' marks, caches, connections
-            batch(kind, 20, handler, server, tools)
+            batch(kind, 20, handler, servers, tools)
         analyze()
         per_round: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(rounds):
             before = rows()
             shift = r % len(kinds)
             for kind in kinds[shift:] + kinds[:shift]:
-                per_round[kind].append(batch(kind, size, handler, server, tools))
+                per_round[kind].append(batch(kind, size, handler, servers, tools))
             written = rows() - before
             if written != expected:
                 raise SystemExit(f"round {r}: {written} rows written, {expected} expected")
     finally:
         tools.close()
-        server.close()
+        for server in servers.values():
+            server.close()
     ratios: dict[str, dict[str, dict[str, float]]] = {}
     for entry in entries:
         twin = per_round[f"{entry}|twin"]
@@ -525,12 +546,12 @@ def profile(kinds: list[str], size: int, top: int) -> None:
     logging.disable(logging.INFO)
     try:
         for entry in {kind.split("|")[0] for kind in kinds}:
-            batch(f"{entry}|ours", 1, handler, None, tools)
+            batch(f"{entry}|ours", 1, handler, {}, tools)
         for kind in kinds:
-            batch(kind, 50, handler, None, tools)
+            batch(kind, 50, handler, {}, tools)
             profiler = cProfile.Profile()
             profiler.enable()
-            batch(kind, size, handler, None, tools)
+            batch(kind, size, handler, {}, tools)
             profiler.disable()
             stats = pstats.Stats(profiler)
             entries = stats.stats  # type: ignore[attr-defined]

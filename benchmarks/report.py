@@ -1175,6 +1175,7 @@ ENTRY_NAMES = {
     "drf": "DRF `APIView` with `IdempotencyMixin` / plain (the yardstick)",
     "django-view": "Django view under `@idempotent` / plain",
     "async-view": "`async def` view under `@idempotent` / plain, uvicorn",
+    "async-view-pool": 'the same, uvicorn with Django\'s pool (`OPTIONS["pool"]`)',
     "ninja": "django-ninja operation under `ninja.idempotent` / plain",
     "run-once": "`run_once(write, ...)` / `write()`",
     "celery-task": "Celery task under `@idempotent_task()` / plain (`apply`)",
@@ -1210,7 +1211,7 @@ def entries(data: dict[str, Any]) -> str:
     load = " / ".join(f"{v:.2f}" for v in data["load_average"])
     return (
         f"\n## {SECTION_ENTRIES}\n\n"
-        "`benchmarks/entries_bench.py`, in one process and one uvicorn server on its own "
+        "`benchmarks/entries_bench.py`, in one process and two uvicorn servers on its own "
         "database, on Django's defaults (no prepared statements, no pooler; connections kept): "
         "each entry point as its unprotected twin, protected with a new key (a first "
         "operation) and protected with a key it has seen (a replay), the work the same single "
@@ -1218,7 +1219,10 @@ def entries(data: dict[str, Any]) -> str:
         "none per replay). The Django, DRF and ninja views go through Django's WSGI handler in "
         "the process; the `async def` view is served by uvicorn and called one request after "
         "another on a kept-alive connection; Celery's task runs on its eager path (`apply`, "
-        "the worker's own code without a broker); Django's task is enqueued on "
+        "the worker's own code without a broker); under ASGI Django opens a PostgreSQL session "
+        "per request, so the `async def` views are measured twice: on Django's defaults, and "
+        "on a second uvicorn whose Django keeps its sessions in its pool; Django's task is "
+        "enqueued on "
         "`ImmediateBackend`, the protected one with the outbox message id a relay hands it; "
         "the tools are called through each framework's in-memory client. Every (entry point, "
         "variant) batch runs in every round, in an order that rotates. "
