@@ -479,9 +479,9 @@ class _BeginRider:
     It wraps one statement, the first of the block, and then leaves the connection's
     wrappers. It does nothing (psycopg then sends its ``BEGIN`` alone, as it always does)
     for ``executemany``, a server-side cursor, a statement not given as text, inside
-    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they come after this one, and would see
-    the ``BEGIN`` in the statement's text; the wrappers installed before the block see
-    the statement as Django sends it).
+    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they
+    come after this one, and would see the ``BEGIN`` in the statement's text; the wrappers
+    installed before the block see the statement as Django sends it).
 
     psycopg sends no ``BEGIN`` of its own while its connection is in autocommit: the
     connection is put there for the statement, and left there while the transaction the
