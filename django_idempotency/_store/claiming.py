@@ -466,6 +466,9 @@ def begin_riding(connection: Any) -> Any:
     sent no statement), or ``None``."""
     if not _commits_here(connection):
         return None
+    raw = connection.connection
+    if getattr(raw, "_autocommit", None) is not raw.autocommit:
+        return None  # a psycopg that keeps its flag elsewhere (see _BeginRider): its BEGIN
     rider = _BeginRider(connection)
     connection.execute_wrappers.append(rider)
     return rider
@@ -479,16 +482,21 @@ class _BeginRider:
     It wraps one statement, the first of the block, and then leaves the connection's
     wrappers. It does nothing (psycopg then sends its ``BEGIN`` alone, as it always does)
     for ``executemany``, a server-side cursor, a statement not given as text, inside
-    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they come after this one, and would see
-    the ``BEGIN`` in the statement's text; the wrappers installed before the block see
-    the statement as Django sends it).
+    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they
+    come after this one, and would see the ``BEGIN`` in the statement's text; the wrappers
+    installed before the block see the statement as Django sends it).
 
     psycopg sends no ``BEGIN`` of its own while its connection is in autocommit: the
-    connection is put there for the statement, and left there while the transaction the
-    statement began is open (psycopg refuses the change inside a transaction; its
-    ``commit()`` and ``rollback()`` end the transaction all the same, and Django's atomic
-    block puts the connection back in autocommit when it ends). A statement that never
-    reached the server (refused by the client) leaves the connection as it found it.
+    connection is put there for the statement only. Once the statement has begun the
+    transaction, the connection is left as psycopg's own ``BEGIN`` leaves it, out of
+    autocommit: psycopg's setter refuses the change inside a transaction, so the flag is
+    set where the setter keeps it (:func:`begin_riding` rides only where that is
+    ``_autocommit``). Left in autocommit, Django would declare the block's server-side
+    cursors ``WITH HOLD`` (PostgreSQL refuses one ``FOR UPDATE``, and runs one still open
+    to its end at the ``COMMIT``), and psycopg would autocommit every statement after a
+    rollback on the driver (a caller's wrapper retrying a statement) inside the still open
+    block. A statement that never reached the server (refused by the client, or a text the
+    server cannot parse) leaves the connection as it found it.
     """
 
     __slots__ = ("begin", "connection")
@@ -530,6 +538,10 @@ class _BeginRider:
         finally:
             if raw.pgconn.transaction_status == _IDLE:
                 raw.autocommit = False  # the BEGIN never reached the server
+            else:
+                # The transaction is open (or the connection lost): out of autocommit, as
+                # psycopg's own BEGIN leaves it.
+                raw._autocommit = False
         cursor.nextset()  # the statement's own result, after the BEGIN's
         return result
 
