@@ -308,6 +308,26 @@ def test_a_first_update_counts_its_own_rows() -> None:
     assert Charge.objects.get(pk=existing.pk).amount == 7
 
 
+def test_an_isolation_level_the_body_sets_before_its_first_statement() -> None:
+    """psycopg's BEGIN carries the isolation level its connection has when the transaction
+    begins: a body that asks the driver for SERIALIZABLE before its first statement gets
+    it, the BEGIN riding or not."""
+    from psycopg import IsolationLevel
+
+    def serializable() -> str:
+        connection.connection.isolation_level = IsolationLevel.SERIALIZABLE
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            return str(cursor.fetchone()[0])
+
+    connection.ensure_connection()
+    raw = connection.connection
+    try:
+        assert once(serializable) == "serializable"
+    finally:
+        raw.isolation_level = None
+
+
 def _succeeds() -> int:
     return charge()
 

@@ -497,22 +497,15 @@ class _BeginRider:
     rollback on the driver (a caller's wrapper retrying a statement) inside the still open
     block. A statement that never reached the server (refused by the client, or a text the
     server cannot parse) leaves the connection as it found it.
+
+    The ``BEGIN`` carries the transaction characteristics (isolation level, read only,
+    deferrable) psycopg's connection has when the statement is sent, as psycopg's own would.
     """
 
-    __slots__ = ("begin", "connection")
+    __slots__ = ("connection",)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        raw = connection.connection
-        begin = "BEGIN"
-        # The BEGIN psycopg itself would send: the connection's transaction characteristics.
-        if raw.isolation_level is not None:
-            begin += f" ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}"
-        if raw.read_only is not None:
-            begin += " READ ONLY" if raw.read_only else " READ WRITE"
-        if raw.deferrable is not None:
-            begin += " DEFERRABLE" if raw.deferrable else " NOT DEFERRABLE"
-        self.begin = f"{begin}; "
 
     def __call__(
         self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
@@ -532,9 +525,19 @@ class _BeginRider:
             or raw.pgconn.pipeline_status  # psycopg's pipeline mode: one statement a query
         ):
             return execute(sql, params, many, context)
+        # The BEGIN psycopg itself would send now: the transaction characteristics the
+        # connection has when the transaction begins (a body may set them before its first
+        # statement), not those it had when the block was entered.
+        begin = "BEGIN"
+        if raw.isolation_level is not None:
+            begin += f" ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}"
+        if raw.read_only is not None:
+            begin += " READ ONLY" if raw.read_only else " READ WRITE"
+        if raw.deferrable is not None:
+            begin += " DEFERRABLE" if raw.deferrable else " NOT DEFERRABLE"
         raw.autocommit = True
         try:
-            result = execute(self.begin + sql, params, many, context)
+            result = execute(f"{begin}; {sql}", params, many, context)
         finally:
             if raw.pgconn.transaction_status == _IDLE:
                 raw.autocommit = False  # the BEGIN never reached the server
