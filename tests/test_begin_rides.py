@@ -181,6 +181,10 @@ def test_executemany_first_gets_psycopgs_own_begin() -> None:
     assert_connection_as_before()
 
 
+@pytest.mark.skipif(
+    bool(connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")),
+    reason="QuerySet.iterator() without a server-side cursor (PgBouncer's settings)",
+)
 def test_a_server_side_cursor_first_gets_psycopgs_own_begin() -> None:
     Charge.objects.create(account="before", amount=1, currency="EUR")
 
