@@ -314,18 +314,20 @@ def test_an_isolation_level_the_body_sets_before_its_first_statement() -> None:
     it, the BEGIN riding or not."""
     from psycopg import IsolationLevel
 
+    changed: list[Any] = []
+
     def serializable() -> str:
+        changed.append(connection.connection)
         connection.connection.isolation_level = IsolationLevel.SERIALIZABLE
         with connection.cursor() as cursor:
             cursor.execute("SHOW transaction_isolation")
             return str(cursor.fetchone()[0])
 
-    connection.ensure_connection()
-    raw = connection.connection
     try:
         assert once(serializable) == "serializable"
     finally:
-        raw.isolation_level = None
+        for raw in changed:  # never left to the next user of a pooled connection
+            raw.isolation_level = None
 
 
 def _succeeds() -> int:
@@ -435,6 +437,9 @@ def test_an_isolation_level_in_options_rides_with_the_begin() -> None:
             assert once(isolation) == "serializable"
     finally:
         del options["isolation_level"]
+        if connection.connection is not None:
+            # Django's pool keeps a connection's level when OPTIONS no longer name one.
+            connection.connection.isolation_level = None
         connection.close()
     assert simple_queries(lines)[1].startswith('"BEGIN ISOLATION LEVEL SERIALIZABLE; SHOW')
 
@@ -446,13 +451,15 @@ def test_a_fresh_connections_text_claim_takes_over_as_the_function_does(expired:
     from datetime import timedelta
 
     from django_idempotency import _store
+    from django_idempotency._store import claiming
     from tests.test_claim_statement import NOW, claim_request
 
     request = claim_request()
     first = _store.claim(request, NOW)
     assert first.claimed
     later = NOW + (request.lease if expired == "lease" else request.ttl) + timedelta(seconds=1)
-    connection.close()  # the next claim is its server connection's first: text
+    # The next claim as its server connection's first (text), Django's pool or not.
+    claiming._function_called.discard(connection.connection)
     with libpq_trace() as lines:
         taken = _store.claim(request, later)
         again = _store.claim(request, later)
