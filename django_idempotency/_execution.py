@@ -99,10 +99,11 @@ def run_fenced(
                     started = True
                     connection = db.connections[alias]
                     raw = connection.connection
-                    # Where this block is the only one, its BEGIN rides with its first
-                    # statement, and its COMMIT with the completion.
-                    rider = _store.begin_riding(connection)
+                    rider = None
                     try:
+                        # Where this block is the only one, its BEGIN rides with its first
+                        # statement, and its COMMIT with the completion.
+                        rider = _store.begin_riding(connection)
                         result = body()
                         completing = True
                         outcome = judge(result)

@@ -130,6 +130,17 @@ def simple_queries(lines: list[str]) -> list[str]:
     ]
 
 
+def begins_alone(lines: list[str]) -> bool:
+    """Whether psycopg sent a ``BEGIN`` of its own (a simple query, or a parsed one)."""
+    sent = [line.split("\t", 4)[3:] for line in lines if "\tF\t" in line]
+    return any(
+        (message[0] == "Query" and message[1].strip() == '"BEGIN"')
+        or (message[0] == "Parse" and message[1].strip().startswith('"" "BEGIN"'))
+        for message in sent
+        if len(message) == 2
+    )
+
+
 def new_key() -> str:
     return uuid.uuid4().hex
 

@@ -19,7 +19,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import run_once
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import committed_charges, libpq_trace, simple_queries
+from tests.helpers import begins_alone, committed_charges, libpq_trace, simple_queries
 from tests.testapp.models import Charge
 
 pytestmark = [
@@ -40,19 +40,8 @@ def round_trips(lines: list[str]) -> int:
     return sum("\tReadyForQuery\t" in line for line in lines)
 
 
-def begins_alone(lines: list[str]) -> bool:
-    """Whether psycopg sent a ``BEGIN`` of its own (a simple query, or a parsed one)."""
-    sent = [line.split("\t", 4)[3:] for line in lines if "\tF\t" in line]
-    return any(
-        (message[0] == "Query" and message[1].strip() == '"BEGIN"')
-        or (message[0] == "Parse" and message[1].strip().startswith('"" "BEGIN"'))
-        for message in sent
-        if len(message) == 2
-    )
-
-
-def charge() -> int:
-    return Charge.objects.create(account="consumer", amount=1, currency="EUR").pk
+def charge(amount: int = 1) -> int:
+    return Charge.objects.create(account="consumer", amount=amount, currency="EUR").pk
 
 
 def assert_connection_as_before() -> None:
@@ -181,6 +170,10 @@ def test_executemany_first_gets_psycopgs_own_begin() -> None:
     assert_connection_as_before()
 
 
+@pytest.mark.skipif(
+    bool(connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")),
+    reason="QuerySet.iterator() without a server-side cursor (PgBouncer's settings)",
+)
 def test_a_server_side_cursor_first_gets_psycopgs_own_begin() -> None:
     Charge.objects.create(account="before", amount=1, currency="EUR")
 

@@ -113,6 +113,7 @@ def test_each_form_relaxes_the_commit_of_a_new_retry_claim_only(form: str, polic
             settings.append(cursor.fetchone()[0])
             cursor.execute("COMMIT")
     assert settings == (["off", "on"] if policy == "retry" else ["on", "on"])
+    assert IdempotencyRecord.objects.filter(key=request.key).count() == 1
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -466,6 +466,9 @@ def begin_riding(connection: Any) -> Any:
     sent no statement), or ``None``."""
     if not _commits_here(connection):
         return None
+    raw = connection.connection
+    if getattr(raw, "_autocommit", None) is not raw.autocommit:
+        return None  # a psycopg that keeps its flag elsewhere (see _BeginRider): its BEGIN
     rider = _BeginRider(connection)
     connection.execute_wrappers.append(rider)
     return rider
@@ -479,32 +482,33 @@ class _BeginRider:
     It wraps one statement, the first of the block, and then leaves the connection's
     wrappers. It does nothing (psycopg then sends its ``BEGIN`` alone, as it always does)
     for ``executemany``, a server-side cursor, a statement not given as text, inside
-    psycopg's pipeline mode, or when the body installed execute wrappers of its own (they
-    come after this one, and would see the ``BEGIN`` in the statement's text; the wrappers
-    installed before the block see the statement as Django sends it).
+    psycopg's pipeline mode, while Django logs its queries (``DEBUG``,
+    ``CaptureQueriesContext``: the log reads the text psycopg sent), outside an atomic
+    block (a rider an interrupted block left behind), or when the body installed execute
+    wrappers of its own (they come after this one, and would see the ``BEGIN`` in the
+    statement's text; the wrappers installed before the block see the statement as Django
+    sends it).
 
     psycopg sends no ``BEGIN`` of its own while its connection is in autocommit: the
-    connection is put there for the statement, and left there while the transaction the
-    statement began is open (psycopg refuses the change inside a transaction; its
-    ``commit()`` and ``rollback()`` end the transaction all the same, and Django's atomic
-    block puts the connection back in autocommit when it ends). A statement that never
-    reached the server (refused by the client) leaves the connection as it found it.
+    connection is put there for the statement only. Once the statement has begun the
+    transaction, the connection is left as psycopg's own ``BEGIN`` leaves it, out of
+    autocommit: psycopg's setter refuses the change inside a transaction, so the flag is
+    set where the setter keeps it (:func:`begin_riding` rides only where that is
+    ``_autocommit``). Left in autocommit, Django would declare the block's server-side
+    cursors ``WITH HOLD`` (PostgreSQL refuses one ``FOR UPDATE``, and runs one still open
+    to its end at the ``COMMIT``), and psycopg would autocommit every statement after a
+    rollback on the driver (a caller's wrapper retrying a statement) inside the still open
+    block. A statement that never reached the server (refused by the client, or a text the
+    server cannot parse) leaves the connection as it found it.
+
+    The ``BEGIN`` carries the transaction characteristics (isolation level, read only,
+    deferrable) psycopg's connection has when the statement is sent, as psycopg's own would.
     """
 
-    __slots__ = ("begin", "connection")
+    __slots__ = ("connection",)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        raw = connection.connection
-        begin = "BEGIN"
-        # The BEGIN psycopg itself would send: the connection's transaction characteristics.
-        if raw.isolation_level is not None:
-            begin += f" ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}"
-        if raw.read_only is not None:
-            begin += " READ ONLY" if raw.read_only else " READ WRITE"
-        if raw.deferrable is not None:
-            begin += " DEFERRABLE" if raw.deferrable else " NOT DEFERRABLE"
-        self.begin = f"{begin}; "
 
     def __call__(
         self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
@@ -517,6 +521,8 @@ class _BeginRider:
         cursor = context["cursor"].cursor
         if (
             not last
+            or not self.connection.in_atomic_block  # left behind by an interrupted block
+            or self.connection.queries_logged  # the log reads the text psycopg sent
             or many
             or sql.__class__ is not str
             or cursor.__class__ is not raw.cursor_factory
@@ -524,12 +530,26 @@ class _BeginRider:
             or raw.pgconn.pipeline_status  # psycopg's pipeline mode: one statement a query
         ):
             return execute(sql, params, many, context)
+        # The BEGIN psycopg itself would send now: the transaction characteristics the
+        # connection has when the transaction begins (a body may set them before its first
+        # statement), not those it had when the block was entered.
+        begin = "BEGIN"
+        if raw.isolation_level is not None:
+            begin += f" ISOLATION LEVEL {raw.isolation_level.name.replace('_', ' ')}"
+        if raw.read_only is not None:
+            begin += " READ ONLY" if raw.read_only else " READ WRITE"
+        if raw.deferrable is not None:
+            begin += " DEFERRABLE" if raw.deferrable else " NOT DEFERRABLE"
         raw.autocommit = True
         try:
-            result = execute(self.begin + sql, params, many, context)
+            result = execute(f"{begin}; {sql}", params, many, context)
         finally:
             if raw.pgconn.transaction_status == _IDLE:
                 raw.autocommit = False  # the BEGIN never reached the server
+            else:
+                # The transaction is open (or the connection lost): out of autocommit, as
+                # psycopg's own BEGIN leaves it.
+                raw._autocommit = False
         cursor.nextset()  # the statement's own result, after the BEGIN's
         return result
 
