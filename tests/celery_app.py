@@ -2,7 +2,9 @@
 
 Workers started by ``tests.test_tasks`` run ``celery -A tests.celery_app worker``. Each test
 run gets a queue of its own (``TEST_CELERY_QUEUE``), so runs never take each other's
-messages.
+messages, and its own set of unacknowledged messages (``UNACKED``), so that a run waiting for
+its queue to drain never waits on another run's worker (CI runs two suites side by side on
+one broker), and no run's restore sweep hands back another's messages.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ QUEUE = os.environ.setdefault("TEST_CELERY_QUEUE", f"django-idempotency-tests-{o
 # An unacknowledged message (its worker was killed) is handed out again this long after its
 # delivery; the restore sweep runs every second so a new worker finds it promptly.
 VISIBILITY_TIMEOUT = 8
+UNACKED = f"unacked-{QUEUE}"
 
 app = Celery("tests", include=["django_idempotency.tasks", "tests.testapp.tasks"])
 app.conf.update(
@@ -25,6 +28,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     broker_transport_options={
         "visibility_timeout": VISIBILITY_TIMEOUT,
+        "unacked_key": UNACKED,
+        "unacked_index_key": f"{UNACKED}-index",
+        "unacked_mutex_key": f"{UNACKED}-mutex",
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },

@@ -227,14 +227,17 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Example]:
 
 @pytest.fixture(scope="module")
 def run_queue() -> Iterator[None]:
-    """This run's Celery queue; its routing keys are removed from Redis after the last test."""
+    """This run's Celery queue; its routing keys and its unacknowledged set are removed from
+    Redis after the last test."""
     from tests import celery_app
     from tests.helpers import broker
 
     yield
     client = broker()
     queue = celery_app.QUEUE
+    unacked = celery_app.UNACKED
     client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    client.delete(unacked, f"{unacked}-index", f"{unacked}-mutex")
 
 
 @pytest.fixture

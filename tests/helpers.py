@@ -483,7 +483,7 @@ def drained() -> bool:
     from tests import celery_app
 
     client = broker()
-    return not client.llen(celery_app.QUEUE) and not client.hlen("unacked")
+    return not client.llen(celery_app.QUEUE) and not client.hlen(celery_app.UNACKED)
 
 
 def wait_drained() -> None:
