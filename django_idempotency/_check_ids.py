@@ -60,6 +60,7 @@ WARNINGS: dict[str, int] = {
     "CLAIM_CONNECT_MAY_WAIT": 11,
     "NO_SYNCHRONOUS_STANDBY": 20,  # a database check: check --database
     "RECORDS_IN_SHARED_SCHEMA": 30,  # schemas per tenant: SHARED_APPS / TENANT_APPS
+    "SMALL_PACKET": 40,  # a database check: check --database
 }
 
 

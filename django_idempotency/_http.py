@@ -39,7 +39,7 @@ from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency._storable import remembered_names, storable_name
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
-from django_idempotency.exceptions import RecordUnreadable, StoreUnavailable
+from django_idempotency.exceptions import OutcomeTooLarge, RecordUnreadable, StoreUnavailable
 from django_idempotency.keys import (
     BARE_KEY,
     InvalidKey,
@@ -414,6 +414,11 @@ class _Owner:
             # back, and the claim released (under "retry") or its lease given back.
             logger.error("idempotency store failed after the view was claimed: %s", failure)
             return self.protected.store_unavailable(ran=failure.ran)
+        except OutcomeTooLarge as refused:
+            # Larger than the database takes in one statement: rolled back and released
+            # before anything was sent, as a response over MAX_RESPONSE_BYTES is.
+            logger.error("%s: %s", self.protected.context.operation, refused)
+            return _not_storable()
         response: HttpResponseBase = fenced.result
         if fenced.stored:
             return response
@@ -421,11 +426,15 @@ class _Owner:
             response.status_code < 500
             and response.status_code not in app_settings.TRANSIENT_STATUSES
         ):
-            return _problems.RESPONSE_NOT_STORABLE.response(
-                "The response could not be kept for replay (streamed, larger than the "
-                "server keeps, or a header it cannot store), so the request was rolled back."
-            )
+            return _not_storable()
         return response
+
+
+def _not_storable() -> HttpResponse:
+    return _problems.RESPONSE_NOT_STORABLE.response(
+        "The response could not be kept for replay (streamed, larger than the server "
+        "keeps, or a header it cannot store), so the request was rolled back."
+    )
 
 
 async def run_to_the_end(run: Callable[[], T], *, thread_sensitive: bool = True) -> T:

@@ -39,6 +39,7 @@ from django_idempotency.conf import app_settings
 from django_idempotency.exceptions import (
     InProgress,
     KeyReused,
+    OutcomeTooLarge,
     OutcomeUnknown,
     RecordUnreadable,
     StoreUnavailable,
@@ -359,6 +360,13 @@ class _Tool:
             return self.refused(_problems.KEY_IN_USE, str(exc), retry_after=exc.retry_after)
         except OutcomeUnknown as exc:
             return self.refused(_problems.OUTCOME_UNKNOWN, str(exc))
+        except OutcomeTooLarge as exc:  # the server's limit is in the log, not for the agent
+            logger.error("%s: %s", operation, exc)
+            return self.refused(
+                _problems.RESPONSE_NOT_STORABLE,
+                "The result could not be kept for replay (larger than the server keeps), "
+                "so the call was rolled back.",
+            )
         except RecordUnreadable:  # why (a key id, a setting) is in the log, not for the agent
             return self.refused(_problems.RECORD_UNREADABLE, _problems.UNREADABLE)
         except StoreUnavailable as exc:  # the database's error text is in the log

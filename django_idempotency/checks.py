@@ -296,6 +296,49 @@ def check_synchronous_standby(
     ]
 
 
+@register(Tags.database)
+def check_statement_size(
+    databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``check --database <alias>`` on MariaDB and MySQL: a ``max_allowed_packet`` below
+    1 MiB (W040). The engine reads the server's limit before a completion only for an
+    outcome that would not fit in 1 MiB; below that, a smaller outcome could be refused by
+    the server, which drops the connection, and its request would answer 503 and run again
+    on every retry."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None or alias not in (databases or ()):
+        return []
+    from django.db import DatabaseError, connections
+
+    from django_idempotency._vendors import of
+    from django_idempotency._vendors.mysql import ANY_SERVER
+
+    sql = of(alias).packet_limit_sql
+    if sql is None:
+        return []
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql)
+            limit = int(cursor.fetchone()[0])
+    except DatabaseError:  # unreachable: the first request says so (503)
+        return []
+    if limit >= ANY_SERVER:
+        return []
+    return [
+        _warning(
+            "SMALL_PACKET",
+            f"{alias!r} takes statements of at most {limit} bytes (max_allowed_packet): a "
+            "response or result whose completion is larger is refused by the server, which "
+            "drops the connection; such a request answers 503 and runs again on every retry.",
+            hint=(
+                f"Set max_allowed_packet to at least {ANY_SERVER} bytes (MariaDB's default "
+                "is 16 MiB), and MAX_RESPONSE_BYTES below half of it."
+            ),
+        )
+    ]
+
+
 def _never_twice_policies(default: Any) -> list[str]:
     """What uses ``"fail"`` or ``"resume"``: the ``RECOVERY`` setting, and the operations
     the URL audit finds with such a policy of their own."""

@@ -44,6 +44,22 @@ class RecordUnreadable(IdempotencyError):
         self.key_id = key_id
 
 
+class OutcomeTooLarge(IdempotencyError):
+    """The operation's outcome (its result, or its response and headers) is larger than
+    the database takes in one statement (MariaDB's and MySQL's ``max_allowed_packet``): it
+    was not stored, the operation's database work was rolled back and its claim released.
+    A step's result (``recovery="resume"``) too: that step's work rolled back, and the
+    operation ends as when its body raises (its earlier steps kept, its lease given back).
+    Every retry would end the same way: make the outcome smaller, or raise the server's
+    limit. ``size`` is the outcome's size as it would be sent, ``limit`` the server's, in
+    bytes."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 class StoreUnavailable(IdempotencyError):
     """The idempotency store failed the operation: the database was unreachable, a
     statement failed, or a claim connection could not be had within ``CLAIM_TIMEOUT``.

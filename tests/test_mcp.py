@@ -37,6 +37,7 @@ pytest.importorskip("fastmcp")
 import anyio
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 from django.test import override_settings
 from mcp import Client
 from mcp.server.auth.middleware.auth_context import auth_context_var
@@ -362,6 +363,20 @@ def test_an_error_result_the_tool_returned_is_stored_and_replayed(kind):
 
 
 # -- refusals: nothing runs --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's max_allowed_packet")
+def test_a_result_larger_than_the_database_takes_is_refused_and_rolled_back(kind):
+    def huge(order_id: int, amount: int) -> dict[str, Any]:
+        refund_effect(order_id, amount)
+        return {"blob": "x" * (17 * 1024 * 1024)}  # the tests' server takes 16 MiB
+
+    server = shop(kind, huge)
+    body = refused(call(server, args(new_key())), "idempotency_response_not_storable")
+    says_nothing_of_the_server(body)
+    assert "max_allowed_packet" not in body["detail"]
+    assert effects() == (1, 0, 1)  # ran, its row rolled back: the provider's call stays
+    assert not IdempotencyRecord.objects.exists()  # released
 
 
 def test_a_call_without_a_key_is_refused_and_nothing_runs(kind):

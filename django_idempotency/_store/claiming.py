@@ -28,7 +28,7 @@ from django.utils import timezone
 
 from django_idempotency import _policies, _retry, crypto, states
 from django_idempotency._context import Operation
-from django_idempotency._store.owner import forget_steps
+from django_idempotency._store.owner import forget_steps, refuse_too_large
 from django_idempotency._store.records import STATE_COLUMNS, ClaimResult, RecordState
 from django_idempotency._store.statements import (
     claim_row,
@@ -613,7 +613,10 @@ def complete(
         headers, body = crypto.seal_response(response_headers, response_body)
     else:
         headers, body = response_headers, response_body
-    if of(alias).native_values:
+    vendor = of(alias)
+    if vendor.packet_limit_sql is not None:  # a server that caps a statement's size
+        refuse_too_large(alias, body, json.dumps(headers))
+    if vendor.native_values:
         # As the JSON field would store it (json.dumps), without its per-call preparation;
         # psycopg adapts the rest, the token included, as it is.
         params: list[Any] = [status, response_status, json.dumps(headers), body, now, token]

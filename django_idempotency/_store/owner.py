@@ -23,6 +23,7 @@ from django_idempotency._store.statements import (
     table,
 )
 from django_idempotency._vendors import of
+from django_idempotency.exceptions import OutcomeTooLarge
 from django_idempotency.models import IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
@@ -32,6 +33,7 @@ __all__ = [
     "give_back",
     "record_step",
     "recorded_steps",
+    "refuse_too_large",
     "release",
 ]
 
@@ -114,12 +116,30 @@ def _record_step_sql(alias: str) -> str:
     )
 
 
+def refuse_too_large(alias: str, body: bytes, text: str) -> None:
+    """``OutcomeTooLarge`` before a statement carrying ``body`` and ``text`` (an outcome's
+    body and its headers as JSON; a step's result) that the server would refuse for its
+    size (:meth:`.Vendor.statement_limit`)."""
+    limit = of(alias).statement_limit(connections[alias], body, text)
+    if limit is not None:
+        size = len(body) + len(text.encode())
+        raise OutcomeTooLarge(
+            f"the outcome ({size} bytes) is larger than the idempotency database takes in "
+            f"one statement ({limit} bytes: max_allowed_packet); it was not stored, and "
+            "the work was rolled back",
+            size=size,
+            limit=limit,
+        )
+
+
 def record_step(
     alias: str, record_id: int, token: uuid.UUID, name: str, result: str, now: datetime
 ) -> bool:
     """Record a step's result for the record this attempt owns; ``False``: the lease was lost."""
     created = IdempotencyStep._meta.get_field("created_at")
     assert isinstance(created, Field)
+    if of(alias).packet_limit_sql is not None:  # a server that caps a statement's size
+        refuse_too_large(alias, b"", result)
     params = [name, result, created.get_db_prep_save(now, connections[alias])]
     return _owned(alias, _record_step_sql(alias), params, record_id, token)
 

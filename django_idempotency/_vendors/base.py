@@ -65,6 +65,17 @@ class Vendor:
         statement's several results to be stepped through. Asked once per alias."""
         return False
 
+    def statement_limit(
+        self, connection: BaseDatabaseWrapper, body: bytes, headers: str
+    ) -> int | None:
+        """The server's limit on the size of one statement, in bytes, where a completion
+        carrying ``body`` and ``headers`` (as stored: JSON text) would pass it; else
+        ``None``. Such a completion is refused before it is sent (``OutcomeTooLarge``): the
+        server would refuse it every time (MariaDB drops the connection), and a retry would
+        run the operation again for nothing. ``None`` where one value may take a gigabyte
+        (PostgreSQL, SQLite)."""
+        return None
+
     # -- the claim connection (a claim inside a caller's transaction) -----------------------
 
     #: A second connection can commit a claim while the caller's transaction is open
@@ -148,3 +159,6 @@ class Vendor:
     #: the number of streaming standbys, for W020 (a claim that a failover may lose), or
     #: ``None`` where the database has no such replication to ask about.
     replication_sql: str | None = None
+    #: The statement that gives the largest statement the session accepts, in bytes, for
+    #: :meth:`statement_limit` and W040, or ``None`` where one value may take a gigabyte.
+    packet_limit_sql: str | None = None

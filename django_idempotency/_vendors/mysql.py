@@ -19,6 +19,7 @@ Galera's differences, and where they are met:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from django.db import Error
@@ -26,7 +27,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency._vendors.base import Vendor
 
-__all__ = ["MySQL"]
+__all__ = ["ANY_SERVER", "MySQL"]
 
 # InnoDB's deadlock (and Galera's certification conflict), and a lock wait that timed out.
 _DEADLOCK, _LOCK_WAIT_TIMEOUT = 1213, 1205
@@ -35,6 +36,15 @@ _DEADLOCK, _LOCK_WAIT_TIMEOUT = 1213, 1205
 # shutting down), 1927 (the connection was killed), 4031 (disconnected by the server for
 # inactivity), and Galera's 1047 (the node is not ready for application use).
 _LOST = frozenset({2002, 2003, 2006, 2013, 1053, 1927, 4031, 1047})
+
+
+# A completion's statement without its body and headers: its SQL and its other values.
+_STATEMENT_ROOM = 16 * 1024
+# A statement every server takes: max_allowed_packet starts at 16 MiB on MariaDB and 64 MiB
+# on MySQL 8, and check --database reports a server set below this (W040).
+ANY_SERVER = 1024 * 1024
+# Each driver connection's max_allowed_packet, read the first time an outcome may not fit.
+_packet_limits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _error_number(exc: Error) -> int | None:
@@ -83,7 +93,31 @@ class MySQL(Vendor):
     def connection_lost(self, exc: Error) -> bool:
         return _error_number(exc) in _LOST
 
+    def statement_limit(
+        self, connection: BaseDatabaseWrapper, body: bytes, headers: str
+    ) -> int | None:
+        # mysqlclient sends a statement with its values quoted into it, each byte that
+        # needs it escaped (two bytes for one at most). Below ANY_SERVER nothing is asked;
+        # above it the session's max_allowed_packet is read once per connection, and the
+        # values are escaped to be counted only where twice their size would not fit.
+        sent = (body, headers.encode())
+        most = 2 * sum(len(value) for value in sent) + _STATEMENT_ROOM
+        if most <= ANY_SERVER:
+            return None
+        raw = connection.connection
+        limit = _packet_limits.get(raw)
+        if limit is None:
+            with connection.cursor() as cursor:
+                cursor.execute(self.packet_limit_sql)
+                limit = int(cursor.fetchone()[0])
+            _packet_limits[raw] = limit
+        if most <= limit:
+            return None
+        needed = sum(len(raw.escape_string(bytes(value))) for value in sent) + _STATEMENT_ROOM
+        return limit if needed > limit else None
+
     purge_batch = "by key"
     fresh_read = " LOCK IN SHARE MODE"
 
     identity_sql = "SELECT DATABASE(), @@hostname, @@port, @@datadir"
+    packet_limit_sql = "SELECT @@max_allowed_packet"

@@ -1,0 +1,161 @@
+"""An outcome larger than the database takes in one statement (MariaDB's and MySQL's
+``max_allowed_packet``, 16 MiB on the tests' server): refused before its completion is
+sent (``OutcomeTooLarge``; a view answers ``500 idempotency_response_not_storable``), its
+work rolled back and its claim released, never answered ``503`` as a lost connection that a
+retry would run again. An outcome that fits only once its escaping is counted is kept.
+The other databases take any outcome this size: the same requests are stored there."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connection
+from django.test import override_settings
+
+from django_idempotency import OutcomeTooLarge, run_once, step
+from django_idempotency._vendors.mysql import MySQL
+from django_idempotency.models import IdempotencyRecord, IdempotencyStep
+from tests.helpers import new_key
+from tests.testapp.models import Charge
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+mysql_only = pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's max_allowed_packet")
+
+MIB = 1024 * 1024
+UNLIMITED = override_settings(IDEMPOTENCY={"MAX_RESPONSE_BYTES": None})
+
+
+def not_storable(response: object) -> None:
+    assert response.status_code == 500  # type: ignore[attr-defined]
+    assert response["Content-Type"] == "application/problem+json"  # type: ignore[index]
+    assert response.json()["code"] == "idempotency_response_not_storable"  # type: ignore[attr-defined]
+
+
+def packet() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@max_allowed_packet")
+        return int(cursor.fetchone()[0])
+
+
+@mysql_only
+@UNLIMITED
+def test_a_response_larger_than_the_server_takes_is_refused_not_sent_and_not_run_again(api):
+    size = packet() + MIB
+    key = new_key()
+    for _ in range(2):  # the retry ends the same way: refused, never a 503 to retry
+        response = api.post("/outcome/", {"size": size}, key=key)
+        not_storable(response)
+        assert "max_allowed_packet" not in response.content.decode()
+        assert Charge.objects.count() == 0  # rolled back, both times
+        assert not IdempotencyRecord.objects.filter(key=key).exists()  # released
+    # Nothing too large was sent: the server kept the connection, and the next request on
+    # it is stored as usual.
+    raw = connection.connection
+    ok = api.post("/outcome/", {"size": 10}, key=new_key())
+    assert ok.status_code == 200
+    assert connection.connection is raw
+    assert Charge.objects.count() == 1
+
+
+@mysql_only
+@UNLIMITED
+def test_a_response_that_fits_only_counted_byte_by_byte_is_kept(api):
+    # Over half the packet: twice its size would not fit, its escaped size does.
+    size = packet() * 3 // 4
+    key = new_key()
+    first = api.post("/outcome/", {"size": size}, key=key)
+    assert first.status_code == 200
+    assert len(IdempotencyRecord.objects.get(key=key).response_body) == size
+    again = api.post("/outcome/", {"size": size}, key=key)
+    assert again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+
+
+@mysql_only
+@UNLIMITED
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=None)
+def test_a_response_that_fits_but_not_once_escaped_is_refused(api):
+    # Each quote is sent escaped, two bytes: three quarters of the packet become one and a half.
+    quotes = "'" * (packet() * 3 // 4)
+    key = new_key()
+    response = api.post("/outcome/", {"body": quotes}, key=key)
+    not_storable(response)
+    assert Charge.objects.count() == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@mysql_only
+def test_run_once_raises_outcome_too_large_and_commits_nothing():
+    limit = packet()
+    calls = []
+
+    def charge() -> str:
+        calls.append(1)
+        Charge.objects.create(account="large", amount=1, currency="EUR")
+        return "x" * (limit + MIB)
+
+    key = new_key()
+    for attempt in (1, 2):
+        with pytest.raises(OutcomeTooLarge) as raised:
+            run_once(charge, account="a", operation="large", key=key)
+        assert raised.value.limit == limit
+        assert raised.value.size > limit
+        assert len(calls) == attempt
+        assert Charge.objects.count() == 0
+        assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@mysql_only
+def test_a_step_result_too_large_rolls_the_step_back_and_keeps_the_steps_before_it():
+    limit = packet()
+    ran: list[str] = []
+
+    def ship() -> str:
+        ran.append("ship")
+        Charge.objects.create(account="shipped", amount=1, currency="EUR")
+        return "label"
+
+    def manifest() -> str:
+        ran.append("manifest")
+        Charge.objects.create(account="manifest", amount=1, currency="EUR")
+        return "x" * (limit + MIB)
+
+    def order() -> str:
+        step("ship", ship)
+        return step("manifest", manifest)
+
+    key = new_key()
+    for attempt in (1, 2):
+        with pytest.raises(OutcomeTooLarge):
+            run_once(order, account="a", operation="steps", key=key, recovery="resume")
+        # The first step ran once and stays recorded; the second ran each time, rolled back.
+        assert ran.count("ship") == 1
+        assert ran.count("manifest") == attempt
+        assert list(Charge.objects.values_list("account", flat=True)) == ["shipped"]
+        assert IdempotencyStep.objects.filter(name="ship").count() == 1
+        assert not IdempotencyStep.objects.filter(name="manifest").exists()
+
+
+@pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
+@UNLIMITED
+def test_elsewhere_a_response_this_large_is_stored(api):
+    size = 17 * MIB
+    key = new_key()
+    first = api.post("/outcome/", {"size": size}, key=key)
+    assert first.status_code == 200
+    assert len(IdempotencyRecord.objects.get(key=key).response_body) == size
+    assert Charge.objects.count() == 1
+
+
+@mysql_only
+def test_check_database_warns_of_a_server_that_takes_less_than_a_mebibyte(monkeypatch):
+    check = ("check", "--database", "default", "--tag", "database", "--fail-level", "WARNING")
+    call_command(*check)  # 16 MiB: quiet
+    # The same check, reading a limit as a server set to 64 KiB answers it.
+    monkeypatch.setattr(MySQL, "packet_limit_sql", "SELECT 65536")
+    with pytest.raises(SystemCheckError, match=r"django_idempotency\.W040") as raised:
+        call_command(*check)
+    assert "65536 bytes (max_allowed_packet)" in str(raised.value)
