@@ -12,6 +12,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.test import override_settings
+from django.utils import timezone
 
 from django_idempotency import OutcomeTooLarge, run_once, step
 from django_idempotency._vendors.mysql import MySQL
@@ -137,6 +138,32 @@ def test_a_step_result_too_large_rolls_the_step_back_and_keeps_the_steps_before_
         assert list(Charge.objects.values_list("account", flat=True)) == ["shipped"]
         assert IdempotencyStep.objects.filter(name="ship").count() == 1
         assert not IdempotencyStep.objects.filter(name="manifest").exists()
+
+
+@mysql_only
+def test_a_resumable_result_too_large_gives_its_lease_back_and_keeps_its_steps():
+    limit = packet()
+    ran: list[str] = []
+
+    def ship() -> str:
+        ran.append("ship")
+        return "label"
+
+    def order() -> str:
+        step("ship", ship)
+        ran.append("body")
+        return "x" * (limit + MIB)
+
+    key = new_key()
+    for attempt in (1, 2):
+        # The retry resumes at once (never InProgress for a whole lease) and ends the same.
+        with pytest.raises(OutcomeTooLarge):
+            run_once(order, account="a", operation="resume-large", key=key, recovery="resume")
+        assert (ran.count("ship"), ran.count("body")) == (1, attempt)
+        record = IdempotencyRecord.objects.get(key=key)
+        assert record.status == "in_progress"
+        assert record.lease_expires_at <= timezone.now()  # given back
+        assert IdempotencyStep.objects.filter(record=record, name="ship").count() == 1
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
