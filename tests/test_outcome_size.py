@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import OutcomeTooLarge, run_once, step
+from django_idempotency import OutcomeTooLarge, outbox, run_once, step
 from django_idempotency._vendors.mysql import MySQL
-from django_idempotency.models import IdempotencyRecord, IdempotencyStep
+from django_idempotency.models import IdempotencyRecord, IdempotencyStep, OutboxMessage
 from tests.helpers import new_key
 from tests.testapp.models import Charge
 
@@ -164,6 +164,22 @@ def test_a_resumable_result_too_large_gives_its_lease_back_and_keeps_its_steps()
         assert record.status == "in_progress"
         assert record.lease_expires_at <= timezone.now()  # given back
         assert IdempotencyStep.objects.filter(record=record, name="ship").count() == 1
+
+
+@mysql_only
+def test_an_outbox_message_too_large_for_the_database_is_refused_and_the_transaction_goes_on():
+    # Sent, it would make the server drop the connection: inside a protected body, a 503
+    # whose retry runs the body again (the server's answer is a lost connection when the
+    # write loses the race).
+    connection.ensure_connection()
+    raw = connection.connection
+    with transaction.atomic():
+        with pytest.raises(TypeError, match="too large"):
+            outbox.enqueue("tests.record_effect", "x" * (packet() + MIB))
+        Charge.objects.create(account="after", amount=1, currency="EUR")
+    assert connection.connection is raw
+    assert not OutboxMessage.objects.exists()
+    assert Charge.objects.filter(account="after").count() == 1
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
