@@ -14,10 +14,11 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import OutcomeTooLarge, outbox, run_once, step
+from django_idempotency import OutcomeTooLarge, crypto, outbox, run_once, step
 from django_idempotency._vendors.mysql import MySQL
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, OutboxMessage
-from tests.helpers import new_key
+from tests.factories import RecordFactory
+from tests.helpers import NEW, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -180,6 +181,24 @@ def test_an_outbox_message_too_large_for_the_database_is_refused_and_the_transac
     assert connection.connection is raw
     assert not OutboxMessage.objects.exists()
     assert Charge.objects.filter(account="after").count() == 1
+
+
+@mysql_only
+def test_a_clear_response_too_large_once_sealed_is_left_clear_and_the_rotation_goes_on():
+    pytest.importorskip("cryptography.fernet")
+    # Kept in the clear (its escaped size fits); sealed, its bytes are random, 7 in 256 of
+    # them escaped: no longer.
+    size = packet() - 32 * 1024
+    big = RecordFactory(response_headers=[], response_body=b"x" * size, completed_at=timezone.now())
+    small = RecordFactory(response_headers=[], response_body=b"y", completed_at=timezone.now())
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [NEW]}):
+        for _ in range(2):  # stopped at nothing, and run again: the same
+            result = crypto.rotate(using="default")
+            assert (result.records, result.too_large) == (0 if _ else 1, 1)
+            stored = dict(IdempotencyRecord.objects.values_list("pk", "response_headers"))
+            assert crypto.sealed_with(stored[small.pk]) is not None
+            assert stored[big.pk] == []  # in the clear, as it was
+        assert bytes(IdempotencyRecord.objects.get(pk=big.pk).response_body) == b"x" * size
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
