@@ -16,10 +16,16 @@ from django.utils import timezone
 
 from django_idempotency import OutcomeTooLarge, crypto, outbox, run_once, step
 from django_idempotency._vendors.mysql import MySQL
-from django_idempotency.models import IdempotencyRecord, IdempotencyStep, OutboxMessage
+from django_idempotency.models import (
+    IdempotencyRecord,
+    IdempotencyStep,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
 from tests.factories import RecordFactory
 from tests.helpers import NEW, new_key
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -199,6 +205,25 @@ def test_a_clear_response_too_large_once_sealed_is_left_clear_and_the_rotation_g
             assert crypto.sealed_with(stored[small.pk]) is not None
             assert stored[big.pk] == []  # in the clear, as it was
         assert bytes(IdempotencyRecord.objects.get(pk=big.pk).response_body) == b"x" * size
+
+
+@mysql_only
+def test_a_task_whose_result_is_too_large_ends_with_an_error_and_frees_its_unique_key():
+    pytest.importorskip("celery")
+    from tests.testapp.tasks import large_result
+
+    size = packet() + MIB
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", large_result, size)
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    with pytest.raises(OutcomeTooLarge):
+        large_result.apply(args=(size,), task_id=str(first), throw=True)
+    assert not ProviderCall.objects.exists()  # rolled back
+    # Every run of it ends the same way: as any run that ended with an error, it no longer
+    # holds its key (its record released, the key would be held for the task's TTL).
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    with transaction.atomic():
+        assert outbox.enqueue_once("k", large_result, 1) != first
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
