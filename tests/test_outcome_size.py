@@ -23,9 +23,10 @@ from django_idempotency.models import (
     OutboxStatus,
     OutboxUniqueKey,
 )
+from django_idempotency.testing import crash_after, expire_lease
 from tests.factories import RecordFactory
 from tests.helpers import NEW, new_key
-from tests.testapp.models import Charge, ProviderCall
+from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -224,6 +225,23 @@ def test_a_task_whose_result_is_too_large_ends_with_an_error_and_frees_its_uniqu
     assert OutboxUniqueKey.objects.get().finished_at is not None
     with transaction.atomic():
         assert outbox.enqueue_once("k", large_result, 1) != first
+
+
+@mysql_only
+@UNLIMITED
+def test_a_recovery_answer_too_large_is_refused_and_the_view_never_runs_again(api):
+    key = "huge-" + new_key()
+    with crash_after("tests.testapp.provider.charge"):
+        api.post("/charges/callable-policy/", {"amount": 5, "currency": "EUR"}, key=key)
+    for _ in range(2):  # the policy asked again, its answer refused again
+        expire_lease(key)
+        response = api.post("/charges/callable-policy/", {"amount": 5, "currency": "EUR"}, key=key)
+        not_storable(response)
+        assert ProviderCharge.objects.count() == 1  # the crashed attempt's call only
+        assert Charge.objects.count() == 0
+        record = IdempotencyRecord.objects.get(key=key)
+        assert record.status == "in_progress"
+        assert record.lease_expires_at <= timezone.now()  # given back
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")
