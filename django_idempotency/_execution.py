@@ -22,7 +22,7 @@ from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
 from django_idempotency._steps import outside_steps, recording
-from django_idempotency.exceptions import StoreUnavailable
+from django_idempotency.exceptions import OutcomeTooLarge, StoreUnavailable
 
 __all__ = ["Fenced", "run_fenced", "run_owned", "run_resumable"]
 
@@ -222,7 +222,9 @@ def run_resumable(
     except db.Error as exc:  # the commit
         claim.give_back()
         raise store_failed(exc) from exc
-    except StoreUnavailable:
+    except (StoreUnavailable, OutcomeTooLarge):
+        # OutcomeTooLarge: refused before it was sent; the recorded steps are kept, and
+        # the lease given back as when the body raises.
         claim.give_back()
         raise
     return Fenced(result, stored=True)

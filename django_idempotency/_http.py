@@ -360,6 +360,12 @@ class _Owner:
         except StoreUnavailable:
             self.claim.give_back()
             return self.protected.store_unavailable(ran=False)
+        except OutcomeTooLarge as refused:
+            # The policy's answer, larger than the database takes in one statement: never
+            # stored, and the view not run; the next retry asks the policy again.
+            self.claim.give_back()
+            logger.error("%s: the recovery policy's answer: %s", context.operation, refused)
+            return _not_storable()
         except Exception:
             # The policy could not decide: the lease is given back, so the next retry asks
             # again at once rather than after a whole new lease.

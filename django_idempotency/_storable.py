@@ -55,6 +55,11 @@ def json_value(value: Any, what: str) -> Any:
     Raises ``TypeError`` naming ``what`` when it is not JSON or not storable everywhere;
     never touches the database.
     """
+    return json_checked(value, what)[0]
+
+
+def json_checked(value: Any, what: str) -> tuple[Any, str]:
+    """:func:`json_value`, and its JSON text as a JSON column is sent it."""
     try:
         text = json.dumps(value, allow_nan=False)
         decoded = json.loads(text)
@@ -67,7 +72,7 @@ def json_value(value: Any, what: str) -> Any:
     problem = _unstorable(decoded)
     if problem is not None:
         raise TypeError(f"{what} cannot be stored in a JSON column: {problem}")
-    return decoded
+    return decoded, text
 
 
 def _unstorable(value: Any) -> str | None:

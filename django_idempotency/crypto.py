@@ -40,6 +40,7 @@ from django.db.models.functions import Cast, Substr
 
 from django_idempotency import _storable
 from django_idempotency._purge import budgeted_batches
+from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
 from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
 from django_idempotency.states import IN_PROGRESS
@@ -251,6 +252,9 @@ class RotationResult:
     #: Replaced, completed anew or deleted between the batch's read and its write: left to
     #: whoever changed them (a new completion is sealed with the first key already).
     changed: int = 0
+    #: Larger, once sealed, than one statement the database takes (MariaDB's and MySQL's
+    #: ``max_allowed_packet``): left as they are, readable.
+    too_large: int = 0
     batches: int = 0
     longest_batch_seconds: float = 0.0
     dry_run: bool = False
@@ -273,7 +277,9 @@ class _Walk:
     tally: dict[str, int] = field(default_factory=dict)
 
     def batch(self, size: int) -> int:
-        self.tally = dict.fromkeys(("current", "unreadable", "changed", self.counter), 0)
+        self.tally = dict.fromkeys(
+            ("current", "unreadable", "changed", "too_large", self.counter), 0
+        )
         alias = self.rows.db
         with transaction.atomic(using=alias):
             page = self.rows.filter(pk__gt=self.last).order_by("pk")
@@ -326,10 +332,22 @@ class _Walk:
                     self.tally["unreadable"] += 1
                     continue
             sealed_headers, sealed_body = _seal(self.keys, headers, bytes(body))
+            if self._too_large(sealed_headers, sealed_body):
+                # Its sealed bytes escape to more than its clear ones did: sent, the update
+                # would make the server drop the connection, and every run stop here.
+                self.tally["too_large"] += 1
+                continue
             updated = manager.filter(pk=pk, **dict(zip(self.fence, version, strict=True))).update(
                 response_headers=sealed_headers, response_body=sealed_body
             )
             self.tally[self.counter if updated else "changed"] += 1
+
+    def _too_large(self, headers: str, body: bytes) -> bool:
+        vendor = of(self.rows.db)
+        if vendor.packet_limit_sql is None:  # a server that caps a statement's size
+            return False
+        connection = connections[self.rows.db]
+        return vendor.statement_limit(connection, body, json.dumps(headers)) is not None
 
 
 def rotate(

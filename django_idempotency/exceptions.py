@@ -48,11 +48,12 @@ class OutcomeTooLarge(IdempotencyError):
     """The operation's outcome (its result, or its response and headers) is larger than
     the database takes in one statement (MariaDB's and MySQL's ``max_allowed_packet``): it
     was not stored, the operation's database work was rolled back and its claim released.
-    A step's result (``recovery="resume"``) too: that step's work rolled back, and the
-    operation ends as when its body raises (its earlier steps kept, its lease given back).
-    Every retry would end the same way: make the outcome smaller, or raise the server's
-    limit. ``size`` is the outcome's size as it would be sent, ``limit`` the server's, in
-    bytes."""
+    Under ``recovery="resume"`` (a step's result, or the operation's own), the work not
+    yet committed is rolled back and the operation ends as when its body raises (its
+    earlier steps kept, its lease given back). Every retry would end the same way: make
+    the outcome smaller, or raise the server's limit. ``size`` is the outcome's size in
+    bytes (its body, and its headers as JSON) before the escaping that sending adds (up
+    to as much again), ``limit`` the server's, in bytes."""
 
     def __init__(self, message: str, size: int, limit: int) -> None:
         super().__init__(message)

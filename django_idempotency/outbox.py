@@ -103,7 +103,8 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
 
     ``task`` is a Celery task or its registered name; ``args`` and ``kwargs`` must be JSON
     that every supported database stores unchanged (no NUL character, no lone surrogate,
-    integers within 64 bits, at most 31 levels of nesting); otherwise
+    integers within 64 bits, at most 31 levels of nesting; on MariaDB and MySQL, within
+    one statement the server takes: ``max_allowed_packet``); otherwise
     ``TypeError`` before any SQL runs, nothing written, the transaction intact. Outside
     ``transaction.atomic`` on the ``DATABASE`` alias it raises
     ``TransactionManagementError``: a message written in autocommit would be sent even if
@@ -235,8 +236,19 @@ def _prepared(
             "message commits or rolls back with the work it belongs to"
         )
     # Stored as JSON gives them back, so the sender hands on exactly what was checked.
-    positional = _storable.json_value(list(args), "the arguments of an outbox message")
-    named = _storable.json_value(dict(kwargs), "the keyword arguments of an outbox message")
+    positional, sent = _storable.json_checked(list(args), "the arguments of an outbox message")
+    named, more = _storable.json_checked(dict(kwargs), "the keyword arguments of an outbox message")
+    vendor = of(alias)
+    if vendor.packet_limit_sql is not None:  # a server that caps a statement's size
+        # Sent, the message would make the server drop the connection: in a protected
+        # body, a lost connection that a retry runs again.
+        limit = vendor.statement_limit(connection, b"", sent + more)
+        if limit is not None:
+            raise TypeError(
+                f"the arguments of an outbox message ({len(sent) + len(more)} bytes as "
+                f"JSON) are too large for one statement the idempotency database takes "
+                f"({limit} bytes: max_allowed_packet)"
+            )
 
     def build() -> OutboxMessage:
         now = timezone.now()

@@ -27,7 +27,12 @@ from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency._policies import RETRY
 from django_idempotency._unique import TASK_ACCOUNT, task_operation
 from django_idempotency.conf import app_settings
-from django_idempotency.exceptions import IdempotencyError, InProgress, OutcomeUnknown
+from django_idempotency.exceptions import (
+    IdempotencyError,
+    InProgress,
+    OutcomeTooLarge,
+    OutcomeUnknown,
+)
 
 logger = logging.getLogger("django_idempotency")
 
@@ -188,7 +193,9 @@ def idempotent_task(
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
             except Exception as exc:
-                if not isinstance(exc, IdempotencyError) and not _retried(exc):
+                # A result too large to store ends every run of it the same way: an error.
+                ended = isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
+                if ended and not _retried(exc):
                     # The run ended with an error: a key of enqueue_once it holds is free.
                     _run_failed(message if message is not None else _task_id(task))
                 raise

@@ -10,14 +10,23 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
+from django.utils import timezone
 
-from django_idempotency import OutcomeTooLarge, run_once, step
+from django_idempotency import OutcomeTooLarge, crypto, outbox, run_once, step
 from django_idempotency._vendors.mysql import MySQL
-from django_idempotency.models import IdempotencyRecord, IdempotencyStep
-from tests.helpers import new_key
-from tests.testapp.models import Charge
+from django_idempotency.models import (
+    IdempotencyRecord,
+    IdempotencyStep,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+from django_idempotency.testing import crash_after, expire_lease
+from tests.factories import RecordFactory
+from tests.helpers import NEW, new_key
+from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -137,6 +146,102 @@ def test_a_step_result_too_large_rolls_the_step_back_and_keeps_the_steps_before_
         assert list(Charge.objects.values_list("account", flat=True)) == ["shipped"]
         assert IdempotencyStep.objects.filter(name="ship").count() == 1
         assert not IdempotencyStep.objects.filter(name="manifest").exists()
+
+
+@mysql_only
+def test_a_resumable_result_too_large_gives_its_lease_back_and_keeps_its_steps():
+    limit = packet()
+    ran: list[str] = []
+
+    def ship() -> str:
+        ran.append("ship")
+        return "label"
+
+    def order() -> str:
+        step("ship", ship)
+        ran.append("body")
+        return "x" * (limit + MIB)
+
+    key = new_key()
+    for attempt in (1, 2):
+        # The retry resumes at once (never InProgress for a whole lease) and ends the same.
+        with pytest.raises(OutcomeTooLarge):
+            run_once(order, account="a", operation="resume-large", key=key, recovery="resume")
+        assert (ran.count("ship"), ran.count("body")) == (1, attempt)
+        record = IdempotencyRecord.objects.get(key=key)
+        assert record.status == "in_progress"
+        assert record.lease_expires_at <= timezone.now()  # given back
+        assert IdempotencyStep.objects.filter(record=record, name="ship").count() == 1
+
+
+@mysql_only
+def test_an_outbox_message_too_large_for_the_database_is_refused_and_the_transaction_goes_on():
+    # Sent, it would make the server drop the connection: inside a protected body, a 503
+    # whose retry runs the body again (the server's answer is a lost connection when the
+    # write loses the race).
+    connection.ensure_connection()
+    raw = connection.connection
+    with transaction.atomic():
+        with pytest.raises(TypeError, match="too large"):
+            outbox.enqueue("tests.record_effect", "x" * (packet() + MIB))
+        Charge.objects.create(account="after", amount=1, currency="EUR")
+    assert connection.connection is raw
+    assert not OutboxMessage.objects.exists()
+    assert Charge.objects.filter(account="after").count() == 1
+
+
+@mysql_only
+def test_a_clear_response_too_large_once_sealed_is_left_clear_and_the_rotation_goes_on():
+    pytest.importorskip("cryptography.fernet")
+    # Kept in the clear (its escaped size fits); sealed, its bytes are random, 7 in 256 of
+    # them escaped: no longer.
+    size = packet() - 32 * 1024
+    big = RecordFactory(response_headers=[], response_body=b"x" * size, completed_at=timezone.now())
+    small = RecordFactory(response_headers=[], response_body=b"y", completed_at=timezone.now())
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [NEW]}):
+        for _ in range(2):  # stopped at nothing, and run again: the same
+            result = crypto.rotate(using="default")
+            assert (result.records, result.too_large) == (0 if _ else 1, 1)
+            stored = dict(IdempotencyRecord.objects.values_list("pk", "response_headers"))
+            assert crypto.sealed_with(stored[small.pk]) is not None
+            assert stored[big.pk] == []  # in the clear, as it was
+        assert bytes(IdempotencyRecord.objects.get(pk=big.pk).response_body) == b"x" * size
+
+
+@mysql_only
+def test_a_task_whose_result_is_too_large_ends_with_an_error_and_frees_its_unique_key():
+    pytest.importorskip("celery")
+    from tests.testapp.tasks import large_result
+
+    size = packet() + MIB
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", large_result, size)
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    with pytest.raises(OutcomeTooLarge):
+        large_result.apply(args=(size,), task_id=str(first), throw=True)
+    assert not ProviderCall.objects.exists()  # rolled back
+    # Every run of it ends the same way: as any run that ended with an error, it no longer
+    # holds its key (its record released, the key would be held for the task's TTL).
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    with transaction.atomic():
+        assert outbox.enqueue_once("k", large_result, 1) != first
+
+
+@mysql_only
+@UNLIMITED
+def test_a_recovery_answer_too_large_is_refused_and_the_view_never_runs_again(api):
+    key = "huge-" + new_key()
+    with crash_after("tests.testapp.provider.charge"):
+        api.post("/charges/callable-policy/", {"amount": 5, "currency": "EUR"}, key=key)
+    for _ in range(2):  # the policy asked again, its answer refused again
+        expire_lease(key)
+        response = api.post("/charges/callable-policy/", {"amount": 5, "currency": "EUR"}, key=key)
+        not_storable(response)
+        assert ProviderCharge.objects.count() == 1  # the crashed attempt's call only
+        assert Charge.objects.count() == 0
+        record = IdempotencyRecord.objects.get(key=key)
+        assert record.status == "in_progress"
+        assert record.lease_expires_at <= timezone.now()  # given back
 
 
 @pytest.mark.skipif(connection.vendor == "mysql", reason="the others' limit is a gigabyte")

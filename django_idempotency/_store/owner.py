@@ -124,9 +124,9 @@ def refuse_too_large(alias: str, body: bytes, text: str) -> None:
     if limit is not None:
         size = len(body) + len(text.encode())
         raise OutcomeTooLarge(
-            f"the outcome ({size} bytes) is larger than the idempotency database takes in "
-            f"one statement ({limit} bytes: max_allowed_packet); it was not stored, and "
-            "the work was rolled back",
+            f"the outcome ({size} bytes before escaping) would make a statement larger "
+            f"than the idempotency database takes ({limit} bytes: max_allowed_packet); it "
+            "was not stored, and the work was rolled back",
             size=size,
             limit=limit,
         )

@@ -98,3 +98,11 @@ def hold_unique(tag: str, hold: float) -> dict[str, Any]:
 def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
     """As ``hold_unique``, with a lease shorter than a run that is killed."""
     return held(tag, hold)
+
+
+@shared_task(name="tests.large_result")
+@idempotent_task()
+def large_result(size: int) -> str:
+    """Writes its effect and returns ``size`` characters (tests/test_outcome_size.py)."""
+    ProviderCall.objects.create(key="effect:large")
+    return "x" * size

@@ -128,6 +128,8 @@ def recover_by_asking_provider(record):  # type: ignore[no-untyped-def]
         return JsonResponse({"recovered": record.key}, status=200)
     if record.key.startswith("down-"):
         return JsonResponse({"provider": "unreachable"}, status=503)
+    if record.key.startswith("huge-"):  # larger than the tests' MariaDB takes (16 MiB)
+        return HttpResponse(b"x" * (17 * 1024 * 1024), content_type="text/plain")
     return None
 
 

@@ -74,6 +74,11 @@ class Command(BaseCommand):
             )
         if result.changed:
             line += f" {result.changed} changed meanwhile and were left to that change."
+        if result.too_large:
+            line += (
+                f" {result.too_large} would be larger sealed than one statement the database"
+                " takes (max_allowed_packet): they were left in the clear."
+            )
         if not result.dry_run:
             line += f" Longest batch: {result.longest_batch_seconds:.3f} s."
         return line
