@@ -23,7 +23,7 @@ from django.db import connection, connections  # noqa: E402
 
 from tests import live  # noqa: E402
 from tests.factories import UserFactory  # noqa: E402
-from tests.helpers import ApiClient, Example, example_server  # noqa: E402
+from tests.helpers import ApiClient, Example, capped_vendor, example_server  # noqa: E402
 
 # The fixtures that start a server or a worker process, wherever they are defined: every test
 # that uses one (directly or through another fixture) is marked `servers`. A test that starts
@@ -250,6 +250,14 @@ def clean_queue(run_queue: None) -> Iterator[None]:
     client.delete(celery_app.QUEUE)
     yield
     client.delete(celery_app.QUEUE)
+
+
+@pytest.fixture
+def capped() -> Iterator[None]:
+    """The database's limit on one statement: MariaDB's own, elsewhere a vendor that declares
+    one (``tests.helpers.capped_vendor``)."""
+    with capped_vendor():
+        yield
 
 
 @pytest.fixture

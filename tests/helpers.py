@@ -645,3 +645,53 @@ def says_nothing_of_the_server(problem: dict[str, Any]) -> None:
     database = connection.settings_dict
     for server in (database.get("HOST"), database.get("NAME"), "localhost", "127.0.0.1"):
         assert not server or str(server) not in text, f"{server!r} in {text}"
+
+
+# -- a database's limit on one statement (tests/test_outcome_size.py) --------------------------
+
+#: The limit a capped vendor declares where the server has none of its own (PostgreSQL and
+#: SQLite take a gigabyte a value); MariaDB's own is ``max_allowed_packet``.
+CAP = 256 * 1024
+#: The room that vendor keeps for the rest of a statement, as MariaDB's does.
+ROOM = 16 * 1024
+
+
+def packet() -> int:
+    """The largest statement the server takes (under :func:`capped_vendor`, what it
+    declares)."""
+    if connection.vendor != "mysql":
+        return CAP
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@max_allowed_packet")
+        return int(cursor.fetchone()[0])
+
+
+@contextmanager
+def capped_vendor() -> Iterator[None]:
+    """On MariaDB, the server's own limit; elsewhere, the alias's vendor declaring ``CAP``
+    (read from the server as a ``SELECT``, the values counted as they are), so that the
+    engine's refusal of an outcome too large runs on every database."""
+    from django_idempotency._vendors import VENDORS, of
+
+    if connection.vendor == "mysql":
+        yield
+        return
+    real = VENDORS[connection.vendor]
+
+    class Capped(type(real)):  # type: ignore[misc]
+        packet_limit_sql = f"SELECT {CAP}"
+
+        def statement_limit(self, connection: Any, body: bytes, headers: str) -> int | None:
+            with connection.cursor() as cursor:
+                cursor.execute(self.packet_limit_sql)
+                limit = int(cursor.fetchone()[0])
+            needed = len(body) + len(headers.encode()) + ROOM
+            return limit if needed > limit else None
+
+    VENDORS[connection.vendor] = Capped()
+    of.cache_clear()
+    try:
+        yield
+    finally:
+        VENDORS[connection.vendor] = real
+        of.cache_clear()

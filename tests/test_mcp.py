@@ -37,7 +37,6 @@ pytest.importorskip("fastmcp")
 import anyio
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
 from django.test import override_settings
 from mcp import Client
 from mcp.server.auth.middleware.auth_context import auth_context_var
@@ -56,6 +55,7 @@ from django_idempotency.testing import crash, expire_lease, record_for
 from tests.helpers import (
     in_thread,
     new_key,
+    packet,
     postgres_only,
     says_nothing_of_the_server,
     storm_while_held,
@@ -365,11 +365,11 @@ def test_an_error_result_the_tool_returned_is_stored_and_replayed(kind):
 # -- refusals: nothing runs --------------------------------------------------------------------
 
 
-@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's max_allowed_packet")
+@pytest.mark.usefixtures("capped")
 def test_a_result_larger_than_the_database_takes_is_refused_and_rolled_back(kind):
     def huge(order_id: int, amount: int) -> dict[str, Any]:
         refund_effect(order_id, amount)
-        return {"blob": "x" * (17 * 1024 * 1024)}  # the tests' server takes 16 MiB
+        return {"blob": "x" * (packet() + 1024 * 1024)}
 
     server = shop(kind, huge)
     body = refused(call(server, args(new_key())), "idempotency_response_not_storable")
