@@ -104,6 +104,7 @@ class MySQL(Vendor):
         most = 2 * sum(len(value) for value in sent) + _STATEMENT_ROOM
         if most <= ANY_SERVER:
             return None
+        connection.ensure_connection()
         raw = connection.connection
         limit = _packet_limits.get(raw)
         if limit is None:
