@@ -261,8 +261,6 @@ def check_synchronous_standby(
     alias = values.get("DATABASE")
     if problems or alias is None or alias not in (databases or ()):
         return []
-    from django.db import DatabaseError, connections
-
     from django_idempotency._vendors import of
 
     sql = of(alias).replication_sql
@@ -271,12 +269,10 @@ def check_synchronous_standby(
     policies = _never_twice_policies(values["RECOVERY"])
     if not policies:
         return []
-    try:
-        with connections[alias].cursor() as cursor:
-            cursor.execute(sql)
-            names, commit, standbys = cursor.fetchone()
-    except DatabaseError:  # unreachable, or a role that may not read the settings
+    row = _server_row(alias, sql)
+    if row is None:
         return []
+    names, commit, standbys = row
     if not standbys or (names and commit not in ("local", "off")):
         return []
     why = f"synchronous_commit is {commit!r}" if names else "synchronous_standby_names is empty"
@@ -309,20 +305,16 @@ def check_statement_size(
     alias = values.get("DATABASE")
     if problems or alias is None or alias not in (databases or ()):
         return []
-    from django.db import DatabaseError, connections
-
     from django_idempotency._vendors import of
     from django_idempotency._vendors.mysql import ANY_SERVER
 
     sql = of(alias).packet_limit_sql
     if sql is None:
         return []
-    try:
-        with connections[alias].cursor() as cursor:
-            cursor.execute(sql)
-            limit = int(cursor.fetchone()[0])
-    except DatabaseError:  # unreachable: the first request says so (503)
+    row = _server_row(alias, sql)
+    if row is None:
         return []
+    limit = int(row[0])
     if limit >= ANY_SERVER:
         return []
     return [
@@ -337,6 +329,21 @@ def check_statement_size(
             ),
         )
     ]
+
+
+def _server_row(alias: str, sql: str) -> tuple[Any, ...] | None:
+    """The row a database check's statement reads from the server of ``alias``; ``None``
+    where it cannot be read (unreachable: the first request says so, ``503``; or a role
+    that may not read those settings)."""
+    from django.db import DatabaseError, connections
+
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql)
+            row: tuple[Any, ...] = cursor.fetchone()
+    except DatabaseError:
+        return None
+    return row
 
 
 def _never_twice_policies(default: Any) -> list[str]:
