@@ -49,6 +49,7 @@ logger = logging.getLogger("django_idempotency")
 
 __all__ = [
     "IdempotencyDatabase",
+    "atomic_requests",
     "mark_protected_views",
     "request_finished",
     "request_method",
@@ -72,7 +73,7 @@ def request_started(
         alias = app_settings.DATABASE
     except ImproperlyConfigured:
         return  # a protected request refuses to run; the others are none of ours
-    if not connections.settings[alias].get("ATOMIC_REQUESTS"):
+    if not atomic_requests(alias):
         return
     # Under ASGI this runs in a task of its own (Signal.asend): the value does not reach the
     # request, which finds None there, as it should.
@@ -159,10 +160,15 @@ def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> Ht
     Protected views are exempted from ``ATOMIC_REQUESTS`` so that the claim commits on its
     own; requests that turn out not to be protected get the project's transaction back.
     """
-    if connections[alias].settings_dict.get("ATOMIC_REQUESTS"):
+    if atomic_requests(alias):
         with transaction.atomic(using=alias):
             return call()
     return call()
+
+
+def atomic_requests(alias: str) -> bool:
+    """Whether ``ATOMIC_REQUESTS`` is on for the database ``alias``."""
+    return bool(connections.settings[alias].get("ATOMIC_REQUESTS"))
 
 
 #: The method of the request being handled, set when it starts (where ``ATOMIC_REQUESTS`` is

@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
 from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
-from django_idempotency._atomic_requests import with_atomic_requests
+from django_idempotency._atomic_requests import atomic_requests, with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
@@ -104,18 +104,40 @@ def handle(
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
     and returns its (possibly unrendered) response.
     """
-    # The view's terms as Options.terms() last worked them out, while the settings are the
-    # same (as the DRF mixin reads them): no call per request.
-    cached = options.cached_terms
-    terms = (
-        cached[1] if cached is not None and cached[0] is app_settings.loaded() else options.terms()
-    )
+    terms = terms_of(options)
     inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
-    method = inner.method
-    if method not in terms.methods and (method or "").upper() not in terms.methods:
+    if not protects(terms, inner.method):
         inner.idempotency = None
         return with_atomic_requests(terms.database, call_view)
     return protected(request, call_view, options, terms, default_operation)
+
+
+def terms_of(options: Options) -> Terms:
+    """The view's terms as ``Options.terms()`` last worked them out, while the settings are
+    the same (as the DRF mixin reads them): no call per request."""
+    cached = options.cached_terms
+    if cached is not None and cached[0] is app_settings.loaded():
+        return cached[1]
+    return options.terms()
+
+
+def protects(terms: Terms, method: str | None) -> bool:
+    """Whether a request of ``method`` reaches the claim under ``terms``."""
+    return method in terms.methods or (method or "").upper() in terms.methods
+
+
+def passes_by(request: HttpRequest, options: Options) -> bool:
+    """Whether an ``async def`` view's ``request`` is one :func:`handle` would only hand to
+    the view: a method the view does not protect, with no ``ATOMIC_REQUESTS`` transaction
+    to open for it. Its ``idempotency`` is then ``None``, and the caller awaits the view on
+    the event loop as it stands, with no hop into the engine's thread and back."""
+    terms = terms_of(options)
+    if protects(terms, request.method):
+        return False
+    if atomic_requests(terms.database):
+        return False  # the engine opens that transaction, in its thread (handle)
+    request.idempotency = None  # type: ignore[attr-defined]
+    return True
 
 
 def protected(

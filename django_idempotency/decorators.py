@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.views import View
 
@@ -161,6 +162,13 @@ def idempotent(
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+                if (
+                    isinstance(request, HttpRequest)
+                    and not _is_drf_request(request)
+                    and _http.passes_by(request, chosen)
+                ):
+                    response: HttpResponseBase = await func(request, *args, **kwargs)
+                    return response
                 return await _http.run_to_the_end(lambda: handle(request, args, kwargs, sync_view))
 
             wrapper = async_wrapper

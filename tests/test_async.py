@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connections
+from django.db import connection, connections
 from django.test import AsyncClient
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import needs_ninja, new_key, postgres_only
 from tests.live import request, uvicorn
+from tests.testapp import views
 from tests.testapp.models import Charge, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -92,6 +94,51 @@ def test_async_view_5xx_rolls_back_its_async_writes(async_client, path, payload)
     assert response.status_code == 500
     assert Charge.objects.count() == 0  # the acreate() ran inside the engine's transaction
     assert not IdempotencyRecord.objects.exists()
+
+
+def where(async_client, method, key=None):
+    """``method`` on the ``async def`` view that notes its task; its answer and whether it
+    ran in the caller's own task (the test's)."""
+    views.ASYNC_TASKS.clear()
+
+    async def scenario():
+        headers = {"Idempotency-Key": key} if key else {}
+        response = await getattr(async_client, method)("/async/where/", headers=headers)
+        return response, asyncio.current_task()
+
+    response, task = run(scenario())
+    assert len(views.ASYNC_TASKS) == 1
+    return response, views.ASYNC_TASKS[0] is task
+
+
+def test_an_unprotected_method_of_an_async_view_stays_in_its_task(async_client):
+    # A GET is none of the engine's: the view runs as it would undecorated, in the caller's
+    # task, with no hop into the engine's thread and back, and outside any transaction.
+    response, in_its_task = where(async_client, "get")
+    assert response.status_code == 200
+    assert json.loads(response.content) == {"atomic": False}
+    assert in_its_task
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_a_protected_method_of_an_async_view_runs_in_the_engines_transaction(async_client):
+    response, in_its_task = where(async_client, "post", key=new_key())
+    assert response.status_code == 201
+    assert json.loads(response.content) == {"atomic": True}
+    assert not in_its_task  # run from the engine's thread, back on the event loop
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+def test_an_unprotected_method_of_an_async_view_keeps_atomic_requests(async_client):
+    # Under ATOMIC_REQUESTS the engine runs an unprotected request in the project's
+    # transaction, as it does for a sync view (Django itself wraps no async view).
+    connection.settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        response, _ = where(async_client, "get")
+    finally:
+        connection.settings_dict["ATOMIC_REQUESTS"] = False
+    assert response.status_code == 200
+    assert json.loads(response.content) == {"atomic": True}
 
 
 @pytest.fixture(scope="module")

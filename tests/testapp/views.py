@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -233,6 +234,20 @@ async def async_charges(request: HttpRequest) -> HttpResponse:
 @idempotent(operation="async.charges-short-lease", lease=1, ttl=60)
 async def async_charges_short_lease(request: HttpRequest) -> HttpResponse:
     return await make_async_charge(request)
+
+
+#: The task each request of :func:`async_where` ran in (tests/test_async.py).
+ASYNC_TASKS: list[asyncio.Task[object] | None] = []
+
+
+@idempotent(operation="async.where")
+async def async_where(request: HttpRequest) -> HttpResponse:
+    """Where an ``async def`` view runs: its task, and whether in a transaction."""
+    from asgiref.sync import sync_to_async
+
+    ASYNC_TASKS.append(asyncio.current_task())
+    atomic = await sync_to_async(lambda: connection.in_atomic_block)()
+    return JsonResponse({"atomic": atomic}, status=201 if request.method == "POST" else 200)
 
 
 # -- fault injection and hostile input (tests/test_faults_*.py, test_hostile_input.py, ...) --
