@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -149,8 +150,9 @@ def test_a_storm_on_one_key_runs_the_view_once_with_prepared_statements(user, th
 @pytest.mark.parametrize("threshold", [0], indirect=True)
 def test_a_column_changed_under_a_prepared_claim_is_prepared_anew(api, threshold):
     # A migration changes the type of a column the claim returns while this connection holds
-    # the claim prepared: PostgreSQL refuses it there ("cached plan must not change result
-    # type"), every time, for the connection's life. The claim prepares it anew instead.
+    # the claim prepared. The claim's function casts what it returns, so its result type
+    # stays, and the answers stay as they were (a statement that returns the column as it is
+    # meets PostgreSQL's refusal: the next test).
     key = new_key()
     first = api.post("/charges/", CHARGE, key=key)
     assert first.status_code == 201
@@ -172,3 +174,58 @@ def test_a_column_changed_under_a_prepared_claim_is_prepared_anew(api, threshold
     assert all(r.content == first.content for r in replays)
     assert fresh.status_code == 201
     assert Charge.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("threshold", [0], indirect=True)
+def test_a_read_prepared_before_its_column_changed_is_prepared_anew(api, threshold):
+    # The claim's function casts what it returns, so a changed column leaves its result type
+    # as it was; the record's read (a duplicate's wait, a lost lease's Retry-After) returns
+    # the columns as they are. A migration changes one while this connection holds the read
+    # prepared: PostgreSQL refuses it there ("cached plan must not change result type") for
+    # the connection's life. Outside a transaction the read is prepared anew and answers;
+    # inside one, the transaction is lost either way and the error is Django's.
+    from django.db import NotSupportedError, transaction
+
+    from django_idempotency._context import Operation
+    from django_idempotency._store import fetch
+
+    key = new_key()
+    assert api.post("/charges/", CHARGE, key=key).status_code == 201
+    record = IdempotencyRecord.objects.get(key=key)
+    op = Operation(
+        alias="default",
+        account=record.account,
+        operation=record.operation,
+        key=key,
+        request_hash=record.request_hash,
+        fingerprint_version=record.fingerprint_version,
+        recovery_policy=record.recovery_policy,
+        lease=timedelta(seconds=30),
+        ttl=timedelta(days=1),
+    )
+    before = fetch(op)
+    assert before is not None
+    assert before.response_status == 201
+    assert fetch(op) == before
+    table = IdempotencyRecord._meta.db_table
+    read = [text for text in prepared_here() if text.startswith("SELECT") and table in text]
+    assert read, prepared_here()
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN response_status TYPE integer')
+        after = [fetch(op) for _ in range(3)]
+        # Prepared anew for the new type; the column changed back, inside a transaction.
+        with other.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN response_status TYPE smallint')
+        with pytest.raises(NotSupportedError), transaction.atomic():
+            fetch(op)
+        assert fetch(op) == before  # the rollback made psycopg drop what it had prepared
+    finally:
+        connection.close()
+        with other.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN response_status TYPE smallint')
+        other.close()
+    assert after == [before] * 3
+    assert Charge.objects.count() == 1
