@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 from django.test import AsyncClient
 
@@ -96,14 +97,17 @@ def test_async_view_5xx_rolls_back_its_async_writes(async_client, path, payload)
     assert not IdempotencyRecord.objects.exists()
 
 
-def where(async_client, method, key=None):
-    """``method`` on the ``async def`` view that notes its task; its answer and whether it
+WHERE = ["/async/where/", "/async/where/class/"]  # a function view; a class's dispatch
+
+
+def where(async_client, method, key=None, path="/async/where/"):
+    """``method`` on an ``async def`` view that notes its task; its answer and whether it
     ran in the caller's own task (the test's)."""
     views.ASYNC_TASKS.clear()
 
     async def scenario():
         headers = {"Idempotency-Key": key} if key else {}
-        response = await getattr(async_client, method)("/async/where/", headers=headers)
+        response = await getattr(async_client, method)(path, headers=headers)
         return response, asyncio.current_task()
 
     response, task = run(scenario())
@@ -111,34 +115,64 @@ def where(async_client, method, key=None):
     return response, views.ASYNC_TASKS[0] is task
 
 
-def test_an_unprotected_method_of_an_async_view_stays_in_its_task(async_client):
+@pytest.mark.parametrize("path", WHERE)
+def test_an_unprotected_method_of_an_async_view_stays_in_its_task(async_client, path):
     # A GET is none of the engine's: the view runs as it would undecorated, in the caller's
-    # task, with no hop into the engine's thread and back, and outside any transaction.
-    response, in_its_task = where(async_client, "get")
+    # task, with no hop into the engine's thread and back, and outside any transaction. It
+    # finds request.idempotency None, as the docs say of an unprotected request.
+    response, in_its_task = where(async_client, "get", path=path)
     assert response.status_code == 200
-    assert json.loads(response.content) == {"atomic": False}
+    assert json.loads(response.content) == {"atomic": False, "context": None}
     assert in_its_task
     assert not IdempotencyRecord.objects.exists()
 
 
-def test_a_protected_method_of_an_async_view_runs_in_the_engines_transaction(async_client):
-    response, in_its_task = where(async_client, "post", key=new_key())
+@pytest.mark.parametrize("path", WHERE)
+def test_a_key_on_an_unprotected_method_claims_nothing(async_client, path):
+    response, in_its_task = where(async_client, "get", key=new_key(), path=path)
+    assert response.status_code == 200
+    assert json.loads(response.content) == {"atomic": False, "context": None}
+    assert in_its_task
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.parametrize("path", WHERE)
+def test_a_protected_method_of_an_async_view_runs_in_the_engines_transaction(async_client, path):
+    response, in_its_task = where(async_client, "post", key=new_key(), path=path)
     assert response.status_code == 201
-    assert json.loads(response.content) == {"atomic": True}
+    assert json.loads(response.content) == {"atomic": True, "context": "set"}
     assert not in_its_task  # run from the engine's thread, back on the event loop
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
 
 
-def test_an_unprotected_method_of_an_async_view_keeps_atomic_requests(async_client):
+@pytest.mark.parametrize("path", WHERE)
+def test_an_unprotected_method_of_an_async_view_keeps_atomic_requests(async_client, path):
     # Under ATOMIC_REQUESTS the engine runs an unprotected request in the project's
     # transaction, as it does for a sync view (Django itself wraps no async view).
     connection.settings_dict["ATOMIC_REQUESTS"] = True
     try:
-        response, _ = where(async_client, "get")
+        response, _ = where(async_client, "get", path=path)
     finally:
         connection.settings_dict["ATOMIC_REQUESTS"] = False
     assert response.status_code == 200
-    assert json.loads(response.content) == {"atomic": True}
+    assert json.loads(response.content) == {"atomic": True, "context": None}
+
+
+@pytest.mark.urls("tests.testapp.misdecorated_urls")
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_idempotent_straight_on_an_async_handler_is_refused_when_it_is_called(async_client, method):
+    # The decorator on a handler of a class-based view, not through method_decorator: the
+    # wrapper's first argument is the view, not a request. An unprotected GET as well as a
+    # POST is refused with the message that says how to write it, and the handler never runs.
+    async def scenario():
+        return await getattr(async_client, method)(
+            "/misdecorated/", headers={"Idempotency-Key": new_key()}
+        )
+
+    with pytest.raises(ImproperlyConfigured, match=r"method_decorator\(idempotent"):
+        run(scenario())
+    assert not Charge.objects.exists()
+    assert not IdempotencyRecord.objects.exists()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ urlpatterns = [
     path("async/charges/", views.async_charges),
     path("async/charges/short-lease/", views.async_charges_short_lease),
     path("async/where/", views.async_where),
+    path("async/where/class/", views.AsyncWhereView.as_view()),
     path("faults/charges/", views.fault_charges),
     path("faults/charges/fail-policy/", views.fault_charges_fail_policy),
     path("faults/charges/short-ttl/", views.fault_charges_short_ttl),

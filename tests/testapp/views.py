@@ -236,18 +236,39 @@ async def async_charges_short_lease(request: HttpRequest) -> HttpResponse:
     return await make_async_charge(request)
 
 
-#: The task each request of :func:`async_where` ran in (tests/test_async.py).
+#: The task each request of :func:`async_where` (and :class:`AsyncWhereView`) ran in
+#: (tests/test_async.py).
 ASYNC_TASKS: list[asyncio.Task[object] | None] = []
 
 
-@idempotent(operation="async.where")
-async def async_where(request: HttpRequest) -> HttpResponse:
-    """Where an ``async def`` view runs: its task, and whether in a transaction."""
+async def where_it_runs(request: HttpRequest) -> HttpResponse:
+    """Where an ``async def`` view runs: its task, whether in a transaction, and what it
+    finds in ``request.idempotency`` (``"absent"`` when nothing set it)."""
     from asgiref.sync import sync_to_async
 
     ASYNC_TASKS.append(asyncio.current_task())
     atomic = await sync_to_async(lambda: connection.in_atomic_block)()
-    return JsonResponse({"atomic": atomic}, status=201 if request.method == "POST" else 200)
+    context = getattr(request, "idempotency", "absent")
+    return JsonResponse(
+        {"atomic": atomic, "context": context if context in (None, "absent") else "set"},
+        status=201 if request.method == "POST" else 200,
+    )
+
+
+@idempotent(operation="async.where")
+async def async_where(request: HttpRequest) -> HttpResponse:
+    return await where_it_runs(request)
+
+
+@method_decorator(idempotent(operation="async.where-class"), name="dispatch")
+class AsyncWhereView(View):
+    """:func:`async_where` as a class-based view, the decorator on ``dispatch``."""
+
+    async def get(self, request: HttpRequest) -> HttpResponse:
+        return await where_it_runs(request)
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return await where_it_runs(request)
 
 
 # -- fault injection and hostile input (tests/test_faults_*.py, test_hostile_input.py, ...) --
