@@ -34,7 +34,7 @@ import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -51,6 +51,7 @@ __all__ = [
     "IdempotencyDatabase",
     "atomic_requests",
     "mark_protected_views",
+    "marks_of",
     "request_finished",
     "request_method",
     "request_started",
@@ -154,21 +155,42 @@ def _protects(table: dict[str, _options.Options]) -> Callable[[str], bool]:
     return protects
 
 
-def with_atomic_requests(alias: str, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+def with_atomic_requests(
+    alias: str, call: Callable[[], HttpResponseBase], marks: Container[str] | None = None
+) -> HttpResponseBase:
     """Run an unprotected request in the transaction ``ATOMIC_REQUESTS`` asked for.
 
     Protected views are exempted from ``ATOMIC_REQUESTS`` so that the claim commits on its
-    own; requests that turn out not to be protected get the project's transaction back.
+    own; requests that turn out not to be protected get the project's transaction back,
+    unless the view itself is out of it (``marks``, see :func:`atomic_requests`).
     """
-    if atomic_requests(alias):
+    if atomic_requests(alias, marks):
         with transaction.atomic(using=alias):
             return call()
     return call()
 
 
-def atomic_requests(alias: str) -> bool:
-    """Whether ``ATOMIC_REQUESTS`` is on for the database ``alias``."""
-    return bool(connections.settings[alias].get("ATOMIC_REQUESTS"))
+def marks_of(request: Any, default: Container[str] | None = None) -> Container[str] | None:
+    """The ``_non_atomic_requests`` of the view function Django resolved ``request`` to, the
+    marks Django itself read (an opt-out around the view in the URLconf included); else
+    ``default`` (a view called without Django's resolver)."""
+    view = getattr(getattr(request, "resolver_match", None), "func", None)
+    marks: Container[str] | None = getattr(view, "_non_atomic_requests", default)
+    return marks
+
+
+def atomic_requests(alias: str, marks: Container[str] | None = None) -> bool:
+    """Whether a request gets a transaction on the database ``alias``: ``ATOMIC_REQUESTS``
+    on for it, and the view not out of it by its own ``@transaction.non_atomic_requests``.
+
+    ``marks``: the view's ``_non_atomic_requests``. Of an :class:`IdempotencyDatabase`, only
+    the aliases the view itself names count (it holds the idempotency database's alias for
+    the requests it protects as well, which is not the view's own choice)."""
+    if not connections.settings[alias].get("ATOMIC_REQUESTS"):
+        return False
+    if marks is None:
+        return True
+    return not (set.__contains__(marks, alias) if isinstance(marks, set) else alias in marks)
 
 
 #: The method of the request being handled, set when it starts (where ``ATOMIC_REQUESTS`` is

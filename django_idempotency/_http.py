@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
 from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
-from django_idempotency._atomic_requests import atomic_requests, with_atomic_requests
+from django_idempotency._atomic_requests import atomic_requests, marks_of, with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, Operation, running
 from django_idempotency._execution import run_owned
@@ -98,17 +98,21 @@ def handle(
     call_view: Callable[[], HttpResponseBase],
     options: Options,
     default_operation: Callable[[], str],
+    marks: Container[str] | None = None,
 ) -> HttpResponseBase:
     """Run ``call_view`` at most once per ``(account, operation, key)`` and replay its outcome.
 
     ``request`` is a Django ``HttpRequest`` or a DRF ``Request``; ``call_view`` runs the view
-    and returns its (possibly unrendered) response.
+    and returns its (possibly unrendered) response. ``marks``: the view's
+    ``_non_atomic_requests``, which a request the view does not protect keeps (those of the
+    view function Django resolved the request to, where there is one).
     """
     terms = terms_of(options)
     inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
-    if not protects(terms, inner.method):
+    method = inner.method  # Terms.protects, inline: no call on every request's path
+    if method not in terms.methods and (method or "").upper() not in terms.methods:
         inner.idempotency = None
-        return with_atomic_requests(terms.database, call_view)
+        return with_atomic_requests(terms.database, call_view, marks_of(inner, marks))
     return protected(request, call_view, options, terms, default_operation)
 
 
@@ -121,20 +125,16 @@ def terms_of(options: Options) -> Terms:
     return options.terms()
 
 
-def protects(terms: Terms, method: str | None) -> bool:
-    """Whether a request of ``method`` reaches the claim under ``terms``."""
-    return method in terms.methods or (method or "").upper() in terms.methods
-
-
-def passes_by(request: HttpRequest, options: Options) -> bool:
+def passes_by(request: HttpRequest, options: Options, marks: Container[str]) -> bool:
     """Whether an ``async def`` view's ``request`` is one :func:`handle` would only hand to
     the view: a method the view does not protect, with no ``ATOMIC_REQUESTS`` transaction
-    to open for it. Its ``idempotency`` is then ``None``, and the caller awaits the view on
-    the event loop as it stands, with no hop into the engine's thread and back."""
+    to open for it (``marks``: the view's ``_non_atomic_requests``). Its ``idempotency`` is
+    then ``None``, and the caller awaits the view on the event loop as it stands, with no
+    hop into the engine's thread and back."""
     terms = terms_of(options)
-    if protects(terms, request.method):
+    if terms.protects(request.method):
         return False
-    if atomic_requests(terms.database):
+    if atomic_requests(terms.database, marks_of(request, marks)):
         return False  # the engine opens that transaction, in its thread (handle)
     request.idempotency = None  # type: ignore[attr-defined]
     return True

@@ -44,6 +44,8 @@ def _refuse_unprotectable(view: Any) -> None:
             'method_decorator(idempotent, name="dispatch") for a Django view, or put '
             "IdempotencyMixin first in a DRF view's bases."
         )
+    if _a_method(view):
+        raise ImproperlyConfigured(_on_a_method(view))
     drf_view = getattr(view, "cls", None)
     if isinstance(drf_view, type) and any(
         k.__module__ == "rest_framework.views" and k.__name__ == "APIView" for k in drf_view.__mro__
@@ -59,6 +61,29 @@ def _refuse_unprotectable(view: Any) -> None:
             f"@idempotent on the DRF view {name}: {where}, so that the claim follows DRF's "
             "authentication, permission and throttle checks."
         )
+
+
+def _a_method(func: Any) -> bool:
+    """Whether ``func`` is a function written in a class's body whose first parameter is
+    ``self``: a handler of a class-based view (or a viewset's action), whose first argument
+    would be the view, not a request. (``method_decorator`` hands the decorator the method
+    bound to its view, a ``functools.partial``, and a function of its own to copy names
+    from, written in a function's body: neither is one.)"""
+    if not inspect.isfunction(func):
+        return False
+    where = func.__qualname__.split(".")
+    if len(where) < 2 or where[-2] == "<locals>":
+        return False
+    first = next(iter(inspect.signature(func).parameters), None)
+    return first == "self"
+
+
+def _on_a_method(func: Any) -> str:
+    return (
+        f"@idempotent on the method {_validation.name_of(func)} of a class-based view: use "
+        'method_decorator(idempotent, name="dispatch") (or on the handler) for a Django '
+        "view, or IdempotencyMixin first in a DRF view's bases."
+    )
 
 
 def _dispatch_of_an_async_view(func: Any) -> bool:
@@ -127,16 +152,17 @@ def idempotent(
 
     def decorate(func: ViewFunc) -> ViewFunc:
         _refuse_unprotectable(func)
+        # The view's _non_atomic_requests (set on the wrapper below): the aliases the view is
+        # out of ATOMIC_REQUESTS for, its own (@transaction.non_atomic_requests, beneath or
+        # above) and, for the requests it protects, the idempotency database's.
+        marks = _atomic_requests.IdempotencyDatabase(getattr(func, "_non_atomic_requests", ()))
 
         def handle(request: Any, args: Any, kwargs: Any, view: Any) -> HttpResponseBase:
             if isinstance(request, View):
-                # A method of a class-based view, decorated as it stands: its first argument
-                # is the view, and no request reaches the claim.
-                raise ImproperlyConfigured(
-                    f"@idempotent on the method {_validation.name_of(func)} of a class-based "
-                    "view: use method_decorator(idempotent, ...) for a Django view, or "
-                    "IdempotencyMixin first in a DRF view's bases."
-                )
+                # A method of a class-based view, decorated as it stands, that _a_method did
+                # not know for one (its first parameter is not called self): its first
+                # argument is the view, and no request reaches the claim.
+                raise ImproperlyConfigured(_on_a_method(func))
             if _is_drf_request(request):
                 from django_idempotency.drf import drf_call
 
@@ -148,7 +174,11 @@ def idempotent(
                     return response
 
             return _http.handle(
-                request, call, chosen, functools.partial(_http.route_operation, request, func)
+                request,
+                call,
+                chosen,
+                functools.partial(_http.route_operation, request, func),
+                marks,
             )
 
         wrapper: Callable[..., Any]
@@ -165,7 +195,7 @@ def idempotent(
                 if (
                     isinstance(request, HttpRequest)
                     and not _is_drf_request(request)
-                    and _http.passes_by(request, chosen)
+                    and _http.passes_by(request, chosen, marks)
                 ):
                     response: HttpResponseBase = await func(request, *args, **kwargs)
                     return response
@@ -182,8 +212,7 @@ def idempotent(
 
         # The claim must commit before the view runs, so the view may not be wrapped in
         # ATOMIC_REQUESTS' transaction; the engine opens its own.
-        existing: set[str] = getattr(func, "_non_atomic_requests", set())
-        wrapper.__dict__["_non_atomic_requests"] = _atomic_requests.IdempotencyDatabase(existing)
+        wrapper.__dict__["_non_atomic_requests"] = marks
         # How manage.py idempotency_audit knows the view is protected, and with what options.
         wrapper.__dict__["idempotency_options"] = chosen
         if _has_spectacular() and "schema" not in wrapper.__dict__:

@@ -121,9 +121,12 @@ class IdempotencyMixin:
         commit before the handler runs. The mixin's ``dispatch`` gives the request's
         transaction back to the methods it does not protect."""
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
+        # Marks of the view function's own: as_view() copied the class's dispatch's onto it,
+        # one object for every view of the class (and of every class under the mixin), which
+        # @transaction.non_atomic_requests around one view in the URLconf would add to. Only
+        # the aliases a dispatch itself names are kept (see atomic_requests).
         existing: set[str] = getattr(view, "_non_atomic_requests", set())
-        if not isinstance(existing, _atomic_requests.IdempotencyDatabase):
-            view._non_atomic_requests = _atomic_requests.IdempotencyDatabase(existing)
+        view._non_atomic_requests = _atomic_requests.IdempotencyDatabase(set(existing))
         return view
 
     def get_idempotency_account(self, request: Request) -> str | None:
@@ -272,7 +275,7 @@ class IdempotencyMixin:
         # "Is this method protected?" is decided here, once per request: initial() reads the
         # answer (the terms, or None) rather than asking again.
         terms = self._idempotency_terms()
-        method = request.method
+        method = request.method  # Terms.protects, inline: no call on every request's path
         protects = method in terms.methods or (method or "").upper() in terms.methods
         self.__dict__["_idempotency_protects"] = terms if protects else None
         dispatch = super().dispatch  # type: ignore[misc]
@@ -280,7 +283,9 @@ class IdempotencyMixin:
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
         return _atomic_requests.with_atomic_requests(
-            terms.database, lambda: dispatch(request, *args, **kwargs)
+            terms.database,
+            lambda: dispatch(request, *args, **kwargs),
+            _atomic_requests.marks_of(request),
         )
 
     # Copied onto the view function by as_view(): Django then leaves it out of

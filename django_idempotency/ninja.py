@@ -192,10 +192,7 @@ class _Protected(Operation):
         """The operation's terms when the request's method is protected, else ``None``:
         decided once per request, and the engine is handed the answer."""
         terms = self.idempotency_options.terms()
-        method = request.method
-        if method in terms.methods or (method or "").upper() in terms.methods:
-            return terms
-        return None
+        return terms if terms.protects(request.method) else None
 
     def _handle(
         self,

@@ -253,6 +253,16 @@ def clean_queue(run_queue: None) -> Iterator[None]:
 
 
 @pytest.fixture
+def atomic_requests() -> Iterator[None]:
+    """``ATOMIC_REQUESTS`` on for the default database, for one test."""
+    connection.settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        yield
+    finally:
+        connection.settings_dict["ATOMIC_REQUESTS"] = False
+
+
+@pytest.fixture
 def capped() -> Iterator[None]:
     """The database's limit on one statement: MariaDB's own, elsewhere a vendor that declares
     one (``tests.helpers.capped_vendor``)."""

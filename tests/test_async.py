@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 from django.test import AsyncClient
 
@@ -156,23 +155,6 @@ def test_an_unprotected_method_of_an_async_view_keeps_atomic_requests(async_clie
         connection.settings_dict["ATOMIC_REQUESTS"] = False
     assert response.status_code == 200
     assert json.loads(response.content) == {"atomic": True, "context": None}
-
-
-@pytest.mark.urls("tests.testapp.misdecorated_urls")
-@pytest.mark.parametrize("method", ["get", "post"])
-def test_idempotent_straight_on_an_async_handler_is_refused_when_it_is_called(async_client, method):
-    # The decorator on a handler of a class-based view, not through method_decorator: the
-    # wrapper's first argument is the view, not a request. An unprotected GET as well as a
-    # POST is refused with the message that says how to write it, and the handler never runs.
-    async def scenario():
-        return await getattr(async_client, method)(
-            "/misdecorated/", headers={"Idempotency-Key": new_key()}
-        )
-
-    with pytest.raises(ImproperlyConfigured, match=r"method_decorator\(idempotent"):
-        run(scenario())
-    assert not Charge.objects.exists()
-    assert not IdempotencyRecord.objects.exists()
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.db import connection
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.helpers import needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
-
-
-@pytest.fixture
-def atomic_requests():
-    connection.settings_dict["ATOMIC_REQUESTS"] = True
-    try:
-        yield
-    finally:
-        connection.settings_dict["ATOMIC_REQUESTS"] = False
 
 
 def test_claim_is_committed_before_the_view_runs(api, atomic_requests):

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection, connections
+from django.db import connections
 from django.db.backends.signals import connection_created
 from django.test import AsyncClient, Client
 
@@ -40,15 +40,6 @@ ENTRIES = [
     pytest.param("api-view", marks=needs_drf),
     pytest.param("ninja/sync", marks=needs_ninja),
 ]
-
-
-@pytest.fixture
-def atomic_requests() -> Iterator[None]:
-    connection.settings_dict["ATOMIC_REQUESTS"] = True
-    try:
-        yield
-    finally:
-        connection.settings_dict["ATOMIC_REQUESTS"] = False
 
 
 @contextmanager

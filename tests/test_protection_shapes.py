@@ -109,20 +109,34 @@ def test_idempotent_on_a_class_is_refused():
 
 
 @needs_drf
-@pytest.mark.django_db
-def test_idempotent_straight_on_a_viewset_method_is_refused_when_it_is_called(rf):
-    from rest_framework import permissions, viewsets
+def test_idempotent_straight_on_a_viewset_method_is_refused_where_it_is_written():
+    from rest_framework import viewsets
     from rest_framework.response import Response
 
-    class Charges(viewsets.ViewSet):
-        authentication_classes: list[Any] = []
-        permission_classes = [permissions.AllowAny]
+    with pytest.raises(ImproperlyConfigured, match="IdempotencyMixin first") as refused:
 
-        @idempotent(operation="charges.create")
-        def create(self, request: Any) -> Response:
-            return Response({}, status=201)
+        class Charges(viewsets.ViewSet):
+            @idempotent(operation="charges.create")
+            def create(self, request: Any) -> Response:
+                return Response({}, status=201)
 
-    view = Charges.as_view({"post": "create"})
+    assert "Charges.create" in str(refused.value)
+
+
+@pytest.mark.django_db
+def test_idempotent_on_a_handler_whose_view_is_not_called_self_is_refused_when_called(rf):
+    # A handler whose first parameter has another name is not known for one when it is
+    # decorated: its first argument, the view, is refused when it arrives, and the handler
+    # never runs.
+    ran = []
+
+    class Create(View):
+        @idempotent
+        def post(this, request: HttpRequest) -> HttpResponse:
+            ran.append(request)
+            return JsonResponse({}, status=201)
+
     request = rf.post("/", {}, content_type="application/json", headers={"Idempotency-Key": "k"})
-    with pytest.raises(ImproperlyConfigured, match="method_decorator"):
-        view(request)
+    with pytest.raises(ImproperlyConfigured, match=r"method_decorator\(idempotent"):
+        Create.as_view()(request)
+    assert ran == []
