@@ -269,7 +269,9 @@ def _class_rows(callback: Callable[..., Any], view_class: type) -> list[Row]:
     onto the view function by ``as_view``) or on the method itself."""
     rows: list[Row] = []
     for method in class_methods(view_class):
-        found = options_of(getattr(view_class, method.lower())) or marker(callback)
+        # The decorator on dispatch (or around the view function) runs first: where the
+        # handler is decorated too, the outer layer's claim is the one that protects.
+        found = marker(callback) or options_of(getattr(view_class, method.lower()))
         protection = _Protection("decorator", found, _ROUTE_OPERATION) if found else None
         if _wanted(method, protection):
             rows.append((method, _class_name(view_class), protection))
@@ -299,8 +301,9 @@ def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
             protection = _mixin_protection(cls, initkwargs, action)
         else:
             handler = getattr(cls, method.lower(), None)
+            # Not the view function's mark: the decorator on a DRF view's dispatch is
+            # refused (it would claim before DRF's authentication), never a protection.
             found = options_of(handler) if handler is not None else None
-            found = found or marker(callback)
             by = (
                 "@api_view"
                 if getattr(handler, "__module__", "") == "rest_framework.decorators"

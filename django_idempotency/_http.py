@@ -24,7 +24,7 @@ from django.http.response import HttpResponseBase
 from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
 from django_idempotency._atomic_requests import atomic_requests, marks_of, with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
-from django_idempotency._context import IdempotencyContext, Operation, running
+from django_idempotency._context import IdempotencyContext, Operation, current, running
 from django_idempotency._execution import run_owned
 from django_idempotency._options import Options, Terms
 from django_idempotency._outcomes import (
@@ -152,6 +152,9 @@ def protected(
     once per request, before DRF's authentication, and a ninja operation before ninja's.
     ``operation``: the operation's name, or what names it when the view's options do not."""
     inner = getattr(request, "_request", request)
+    # An outer layer of this package already protecting this request (the mixin with the
+    # decorator on its handler, the decorator on dispatch and on the handler): its context.
+    outer = inner.__dict__.get("idempotency")
     inner.idempotency = None
     key = _key_of(request, inner, options)
     if key is None:
@@ -178,6 +181,16 @@ def protected(
         )
     name = options.operation or (operation if isinstance(operation, str) else operation())
     stored_account, stored_operation, legacy = remembered_names(account, name)
+    if (
+        isinstance(outer, IdempotencyContext)
+        and outer is current()
+        and (outer.key, outer.operation, outer.account) == (key, stored_operation, stored_account)
+    ):
+        # The outer layer holds this very record for this request and runs this call inside
+        # its claim and transaction: claiming it again would meet that claim (409 on every
+        # request). The call is protected already.
+        inner.idempotency = outer
+        return call_view()
     if legacy is None and options.operation is None:
         legacy = _suffix_spelling(inner, stored_account, stored_operation)
     context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)

@@ -46,6 +46,15 @@ def _refuse_unprotectable(view: Any) -> None:
         )
     if _a_method(view):
         raise ImproperlyConfigured(_on_a_method(view))
+    if _dispatch_of_a_drf_view(view):
+        owner = _validation.name_of(type(view.func.__self__))
+        raise ImproperlyConfigured(
+            f"@idempotent on the dispatch of the DRF view {owner}: the claim would come "
+            "before DRF's authentication, permission and throttle "
+            "checks (a caller DRF authenticates by a header would be refused on every "
+            "request). Put IdempotencyMixin first in the view's bases instead, or "
+            "method_decorator(idempotent) on its handler."
+        )
     drf_view = getattr(view, "cls", None)
     if isinstance(drf_view, type) and any(
         k.__module__ == "rest_framework.views" and k.__name__ == "APIView" for k in drf_view.__mro__
@@ -61,6 +70,18 @@ def _refuse_unprotectable(view: Any) -> None:
             f"@idempotent on the DRF view {name}: {where}, so that the claim follows DRF's "
             "authentication, permission and throttle checks."
         )
+
+
+def _dispatch_of_a_drf_view(func: Any) -> bool:
+    """Whether ``func`` is ``method_decorator(idempotent, name="dispatch")``'s bound
+    ``dispatch`` of a DRF view (a ``functools.partial`` of it): called with Django's request,
+    before DRF authenticates the caller."""
+    bound = getattr(func, "func", None)
+    view = getattr(bound, "__self__", None)
+    return getattr(bound, "__name__", None) == "dispatch" and any(
+        k.__module__ == "rest_framework.views" and k.__name__ == "APIView"
+        for k in type(view).__mro__
+    )
 
 
 def _a_method(func: Any) -> bool:
