@@ -300,7 +300,9 @@ def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
             action = actions[method.lower()] if actions is not None else None
             protection = _mixin_protection(cls, initkwargs, action)
         else:
-            handler = getattr(cls, method.lower(), None)
+            # A viewset's action (a router's pattern) or the view's handler of the method.
+            name = actions[method.lower()] if actions is not None else method.lower()
+            handler = getattr(cls, name, None)
             # Not the view function's mark: the decorator on a DRF view's dispatch is
             # refused (it would claim before DRF's authentication), never a protection.
             found = options_of(handler) if handler is not None else None

@@ -21,6 +21,7 @@ setting in force then is the one documented).
 from __future__ import annotations
 
 import http.client
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
@@ -105,6 +106,14 @@ def idempotent(
     chosen = _options.Options.of(where, given)
 
     def decorate(func: OperationFunc) -> OperationFunc:
+        if _applied_by_ninja():
+            raise ImproperlyConfigured(
+                f"ninja @idempotent on {_validation.name_of(func)} was applied by ninja "
+                "itself (a router's or the API's add_decorator, or decorate_view): ninja "
+                "applies those to the copy of the operation it serves, after the operation "
+                "was built, where @idempotent cannot protect it. Put @idempotent beneath "
+                "each operation's route decorator instead."
+            )
         built = getattr(func, "_ninja_operation", None)
         if isinstance(built, Operation):
             # Above the route decorator: ninja has built the operation already.
@@ -116,6 +125,17 @@ def idempotent(
     if func is not None:
         return decorate(func)
     return decorate
+
+
+def _applied_by_ninja() -> bool:
+    """Whether the decorator is being applied by ninja's own code (the first frame outside
+    this module is one of ninja's): a router's ``add_decorator`` hands it the function of an
+    operation ninja has copied already, or (``mode="view"``) the copy's ``run``."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back  # type: ignore[assignment]
+    module = str(frame.f_globals.get("__name__", "")) if frame is not None else ""
+    return module == "ninja" or module.startswith("ninja.")
 
 
 def _protect(operation: Operation, options: _options.Options) -> None:

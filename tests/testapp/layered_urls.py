@@ -11,7 +11,9 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.routers import SimpleRouter
 from rest_framework.views import APIView
+from rest_framework.viewsets import ViewSet
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
@@ -47,8 +49,20 @@ class DrfDispatch(APIView):
         return Response(written("drf_dispatch"), status=201)
 
 
+@method_decorator(idempotent, name="create")
+class DecoratedAction(ViewSet):
+    """A viewset without the mixin, the decorator on its action (after DRF's checks)."""
+
+    def create(self, request: Request) -> Response:
+        return Response(written("decorated_action"), status=201)
+
+
+router = SimpleRouter()
+router.register("decorated-action", DecoratedAction, basename="decorated-action")
+
 urlpatterns = [
     path("mixin-and-decorator/", MixinAndDecorator.as_view()),
     path("dispatch-and-handler/", DispatchAndHandler.as_view()),
     path("drf-dispatch/", DrfDispatch.as_view()),
+    *router.urls,
 ]
