@@ -21,7 +21,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.test import AsyncClient, Client, RequestFactory
+from django.test import AsyncClient, Client, RequestFactory, override_settings
 from django.urls import path
 from django.utils.decorators import method_decorator
 from django.views import View
@@ -108,6 +108,25 @@ def test_a_views_own_non_atomic_requests_is_kept_for_its_unprotected_requests(
     assert posted.json() == {"atomic": True}
     assert Charge.objects.count() == 2
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+@override_settings(IDEMPOTENCY={"REQUIRED": False})
+@pytest.mark.parametrize(
+    ("url", "atomic"), [("/out-beneath/", False), ("/out-above/", False), ("/kept/", True)]
+)
+def test_a_request_without_a_key_where_keys_are_optional_runs_as_undecorated(
+    atomic_requests, user, url, atomic
+):
+    # A POST without a key, keys optional: no claim, the view runs as it would undecorated,
+    # out of the request's transaction where the view opted out. Once a defect: the engine
+    # opened the ATOMIC_REQUESTS transaction for it all the same.
+    client = Client()
+    client.force_login(user)
+    posted = client.post(url)
+    assert posted.status_code == 201
+    assert posted.json() == {"atomic": atomic}
+    assert Charge.objects.count() == 1
+    assert not IdempotencyRecord.objects.exists()
 
 
 def test_a_view_that_does_not_opt_out_keeps_the_requests_transaction(atomic_requests):
