@@ -188,9 +188,22 @@ def beneath_another() -> type[View]:
     return MisdecoratedAboveAnother
 
 
+def beneath_classmethod() -> type:
+    class Views:
+        # Its first argument would be the class: every request answered 500 (an
+        # AttributeError in the engine) while the audit listed the endpoint protected.
+        @classmethod
+        @idempotent
+        def create(cls, request: HttpRequest) -> HttpResponse:
+            return answer(request)
+
+    return Views
+
+
 @pytest.mark.parametrize(
     ("shape", "name"),
     [
+        (beneath_classmethod, "Views.create"),
         (sync_handler, "Misdecorated.post"),
         (async_handler, "AsyncMisdecorated.post"),
         (with_arguments, "MisdecoratedWithArguments.post"),
