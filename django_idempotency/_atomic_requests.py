@@ -7,8 +7,8 @@ need a second connection: two per request, a pool sized to the server's threads 
 in a burst. So protected requests are left out of it, and the engine runs the view, its
 rendering and the completion in a transaction of its own: the cost is the view's own.
 
-- ``@idempotent`` marks the function it returns, the mixin its ``dispatch`` (which
-  ``as_view()`` copies onto the view function): those are marked when they are made.
+- ``@idempotent`` marks the function it returns, the mixin's ``as_view()`` each view
+  function it returns: those are marked when they are made.
 - DRF's ``@api_view`` builds its view function after ``@idempotent`` ran beneath it, a
   class-based view with ``method_decorator(idempotent)`` on one method gets no mark on its
   view function, and django-ninja builds one view function per path: none of these can be

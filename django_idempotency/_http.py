@@ -113,7 +113,7 @@ def handle(
     if method not in terms.methods and (method or "").upper() not in terms.methods:
         inner.idempotency = None
         return with_atomic_requests(terms.database, call_view, marks_of(inner, marks))
-    return protected(request, call_view, options, terms, default_operation)
+    return protected(request, call_view, options, terms, default_operation, marks)
 
 
 def terms_of(options: Options) -> Terms:
@@ -146,11 +146,14 @@ def protected(
     options: Options,
     terms: Terms,
     operation: str | Callable[[], str],
+    marks: Container[str] | None = None,
 ) -> HttpResponseBase:
     """:func:`handle` for a request whose method its caller found protected (under
     ``terms``, the view's options with the settings filled in): the DRF mixin decides that
     once per request, before DRF's authentication, and a ninja operation before ninja's.
-    ``operation``: the operation's name, or what names it when the view's options do not."""
+    ``operation``: the operation's name, or what names it when the view's options do not.
+    ``marks``: as for :func:`handle`, kept by a request without a key where keys are
+    optional (no claim: the view runs as undecorated)."""
     inner = getattr(request, "_request", request)
     # An outer layer of this package already protecting this request (the mixin with the
     # decorator on its handler, the decorator on dispatch and on the handler): its context.
@@ -165,7 +168,7 @@ def protected(
                 else getattr(options.key, "description", "idempotency key")
             )
             return _problems.KEY_MISSING.response(f"{inner.method} requests need the {where}.")
-        return with_atomic_requests(terms.database, call_view)
+        return with_atomic_requests(terms.database, call_view, marks_of(inner, marks))
     if isinstance(key, HttpResponse):
         return key
     account = terms.account(request)

@@ -86,24 +86,34 @@ def _dispatch_of_a_drf_view(func: Any) -> bool:
 
 def _a_method(func: Any) -> bool:
     """Whether ``func`` is a function written in a class's body whose first parameter is
-    ``self``: a handler of a class-based view (or a viewset's action), whose first argument
-    would be the view, not a request. (``method_decorator`` hands the decorator the method
-    bound to its view, a ``functools.partial``, and a function of its own to copy names
-    from, written in a function's body: neither is one.)"""
+    ``self`` or ``cls``: a handler of a class-based view (or a viewset's action), or a
+    classmethod, whose first argument would be the view or its class, not a request.
+    (``method_decorator`` hands the decorator the method bound to its view, a
+    ``functools.partial``, and a function of its own to copy names from, written in a
+    function's body: neither is one.)
+
+    The function as written is the end of its ``__wrapped__`` chain of functions: a
+    decorator beneath ``@idempotent`` in ``method_decorator``'s list wraps the bound
+    partial, and ``functools.wraps`` gives its function the method's name and, through the
+    partial, the method's signature; that chain ends at the partial, and is no method."""
     if not inspect.isfunction(func):
         return False
-    where = func.__qualname__.split(".")
+    written = inspect.unwrap(func, stop=lambda f: not inspect.isfunction(f))
+    if not inspect.isfunction(written):
+        return False
+    where = written.__qualname__.split(".")
     if len(where) < 2 or where[-2] == "<locals>":
         return False
-    first = next(iter(inspect.signature(func).parameters), None)
-    return first == "self"
+    first = next(iter(inspect.signature(written, follow_wrapped=False).parameters), None)
+    return first in ("self", "cls")
 
 
 def _on_a_method(func: Any) -> str:
     return (
         f"@idempotent on the method {_validation.name_of(func)} of a class-based view: use "
         'method_decorator(idempotent, name="dispatch") (or on the handler) for a Django '
-        "view, or IdempotencyMixin first in a DRF view's bases."
+        "view, or IdempotencyMixin first in a DRF view's bases. (A function view in a "
+        "class's body: a @staticmethod taking the request first.)"
     )
 
 

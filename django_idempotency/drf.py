@@ -121,10 +121,10 @@ class IdempotencyMixin:
         commit before the handler runs. The mixin's ``dispatch`` gives the request's
         transaction back to the methods it does not protect."""
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        # Marks of the view function's own: as_view() copied the class's dispatch's onto it,
-        # one object for every view of the class (and of every class under the mixin), which
-        # @transaction.non_atomic_requests around one view in the URLconf would add to. Only
-        # the aliases a dispatch itself names are kept (see atomic_requests).
+        # Marks of the view function's own: as_view() copied the class's dispatch's onto it
+        # (those of a dispatch the view decorated), one object for every view of the class,
+        # which @transaction.non_atomic_requests around one view in the URLconf would add
+        # to. Only the aliases a dispatch itself names are kept (see atomic_requests).
         existing: set[str] = getattr(view, "_non_atomic_requests", set())
         view._non_atomic_requests = _atomic_requests.IdempotencyDatabase(set(existing))
         return view
@@ -288,9 +288,10 @@ class IdempotencyMixin:
             _atomic_requests.marks_of(request),
         )
 
-    # Copied onto the view function by as_view(): Django then leaves it out of
-    # ATOMIC_REQUESTS, so the claim can commit before the view's own transaction.
-    dispatch._non_atomic_requests = _atomic_requests.IdempotencyDatabase()  # type: ignore[attr-defined]
+    # No _non_atomic_requests on the mixin's dispatch: as_view() gives each view function
+    # its own. One here would be copied over a view's opt-out by
+    # method_decorator(transaction.non_atomic_requests, name="dispatch"), which copies the
+    # decorated method's attributes after its decorators'.
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("rest_framework")  # the mixin is DRF's (tox's core env has no DRF)
 
 from django.db import connection, transaction
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import path
 from django.utils.decorators import method_decorator
 from rest_framework.request import Request
@@ -50,10 +50,17 @@ class OwnDispatch(Charges):
         return super().dispatch(request, *args, **kwargs)
 
 
+@method_decorator(transaction.non_atomic_requests, name="dispatch")
+class OutByName(Charges):
+    """The mixin's dispatch, decorated by name: method_decorator copies the attributes of
+    the method it decorates last, over those its decorators set."""
+
+
 urlpatterns = [
     path("out/", transaction.non_atomic_requests(Charges.as_view())),
     path("kept/", Charges.as_view()),
     path("own-dispatch/", OwnDispatch.as_view()),
+    path("out-by-name/", OutByName.as_view()),
 ]
 
 
@@ -64,7 +71,7 @@ def client(user: Any) -> Client:
     return client
 
 
-@pytest.mark.parametrize("url", ["/out/", "/own-dispatch/"])
+@pytest.mark.parametrize("url", ["/out/", "/own-dispatch/", "/out-by-name/"])
 def test_a_mixin_views_own_non_atomic_requests_is_kept_for_its_unprotected_requests(
     atomic_requests, client, url
 ):
@@ -81,3 +88,19 @@ def test_one_views_opt_out_is_not_anothers(atomic_requests, client):
     # URLconf, and the plain one, which keeps the request's transaction.
     assert client.get("/kept/").json() == {"atomic": True}
     assert client.get("/out/").json() == {"atomic": False}
+
+
+@override_settings(IDEMPOTENCY={"REQUIRED": False})
+@pytest.mark.parametrize(
+    ("url", "atomic"), [("/out/", False), ("/own-dispatch/", False), ("/kept/", True)]
+)
+def test_a_request_without_a_key_where_keys_are_optional_runs_as_without_the_mixin(
+    atomic_requests, client, url, atomic
+):
+    # No key, keys optional: no claim, and the view's own choice stands (the engine opened
+    # the ATOMIC_REQUESTS transaction for it all the same, once).
+    posted = client.post(url)
+    assert posted.status_code == 201
+    assert posted.json() == {"atomic": atomic}
+    assert Charge.objects.count() == 1
+    assert not IdempotencyRecord.objects.exists()
