@@ -226,6 +226,19 @@ class IdempotencyDatabase(set[str]):
         self.protects = protects
         self.unknown = unknown
 
+    def add(self, alias: str) -> None:
+        """Refused, with the ``AttributeError`` on which Django's
+        ``@transaction.non_atomic_requests`` gives the one function it decorates a set of its
+        own (``{alias}``). Added here, the alias would reach every function that shares
+        these marks: each wrapper of the view (``functools.wraps`` copies them), each view
+        function ``as_view()`` makes of a class whose ``dispatch`` is decorated. The
+        request-time marking (:func:`_mark`) takes the idempotency database's requests back
+        out of ``ATOMIC_REQUESTS`` where that set replaced these."""
+        raise AttributeError(
+            f"the marks of a protected view are shared by its wrappers; {alias!r} is not "
+            "added to them (Django's non_atomic_requests sets the view's own instead)"
+        )
+
     def __contains__(self, alias: object) -> bool:
         if super().__contains__(alias):
             return True

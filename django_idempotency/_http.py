@@ -125,7 +125,7 @@ def terms_of(options: Options) -> Terms:
     return options.terms()
 
 
-def passes_by(request: HttpRequest, options: Options, marks: Container[str]) -> bool:
+def passes_by(request: HttpRequest, options: Options, marks: Container[str] | None) -> bool:
     """Whether an ``async def`` view's ``request`` is one :func:`handle` would only hand to
     the view: a method the view does not protect, with no ``ATOMIC_REQUESTS`` transaction
     to open for it (``marks``: the view's ``_non_atomic_requests``). Its ``idempotency`` is

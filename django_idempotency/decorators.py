@@ -184,8 +184,9 @@ def idempotent(
     def decorate(func: ViewFunc) -> ViewFunc:
         _refuse_unprotectable(func)
         # The view's _non_atomic_requests (set on the wrapper below): the aliases the view is
-        # out of ATOMIC_REQUESTS for, its own (@transaction.non_atomic_requests, beneath or
-        # above) and, for the requests it protects, the idempotency database's.
+        # out of ATOMIC_REQUESTS for, its own (@transaction.non_atomic_requests beneath) and,
+        # for the requests it protects, the idempotency database's. Read from the wrapper
+        # when a request comes: one above replaces them there (IdempotencyDatabase.add).
         marks = _atomic_requests.IdempotencyDatabase(getattr(func, "_non_atomic_requests", ()))
 
         def handle(request: Any, args: Any, kwargs: Any, view: Any) -> HttpResponseBase:
@@ -209,7 +210,7 @@ def idempotent(
                 call,
                 chosen,
                 functools.partial(_http.route_operation, request, func),
-                marks,
+                wrapper.__dict__.get("_non_atomic_requests"),
             )
 
         wrapper: Callable[..., Any]
@@ -226,7 +227,9 @@ def idempotent(
                 if (
                     isinstance(request, HttpRequest)
                     and not _is_drf_request(request)
-                    and _http.passes_by(request, chosen, marks)
+                    and _http.passes_by(
+                        request, chosen, wrapper.__dict__.get("_non_atomic_requests")
+                    )
                 ):
                     response: HttpResponseBase = await func(request, *args, **kwargs)
                     return response

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +59,24 @@ def examples(count: int) -> int:
 
 
 # -- requests and keys -------------------------------------------------------------------------
+
+
+@contextmanager
+def opened() -> Iterator[Counter[str]]:
+    """How many database connections were opened meanwhile, per alias."""
+    from django.db.backends.signals import connection_created
+
+    counts: Counter[str] = Counter()
+
+    def count(sender: Any, connection: Any, **kwargs: Any) -> None:
+        counts[connection.alias] += 1
+
+    connection_created.connect(count)
+    try:
+        yield counts
+    finally:
+        connection_created.disconnect(count)
+
 
 needs_drf = pytest.mark.skipif(
     not settings.HAS_DRF,

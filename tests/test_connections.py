@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
-from django.db.backends.signals import connection_created
 from django.test import AsyncClient, Client
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import needs_drf, needs_ninja, new_key
+from tests.helpers import needs_drf, needs_ninja, new_key, opened
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -40,21 +36,6 @@ ENTRIES = [
     pytest.param("api-view", marks=needs_drf),
     pytest.param("ninja/sync", marks=needs_ninja),
 ]
-
-
-@contextmanager
-def opened() -> Iterator[Counter[str]]:
-    """How many connections were opened meanwhile, per alias."""
-    counts: Counter[str] = Counter()
-
-    def count(sender: Any, connection: Any, **kwargs: Any) -> None:
-        counts[connection.alias] += 1
-
-    connection_created.connect(count)
-    try:
-        yield counts
-    finally:
-        connection_created.disconnect(count)
 
 
 def client(user: Any) -> Client:
