@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -23,14 +22,13 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
-from django.db.backends.signals import connection_created
 from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import IdempotencyError, InProgress, StoreUnavailable, _autonomous, run_once
 from django_idempotency._store import ClaimResult, RecordState
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import completed, postgres_only
+from tests.helpers import completed, opened, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
@@ -45,20 +43,6 @@ def effect(calls: list[str], tag: str, using: str) -> str:
     calls.append(tag)
     Charge.objects.using(using).create(account="consumer", amount=1, currency="EUR")
     return tag
-
-
-@contextmanager
-def opened() -> Iterator[Counter[str]]:
-    counts: Counter[str] = Counter()
-
-    def count(sender: Any, connection: Any, **kwargs: Any) -> None:
-        counts[connection.alias] += 1
-
-    connection_created.connect(count)
-    try:
-        yield counts
-    finally:
-        connection_created.disconnect(count)
 
 
 @pytest.fixture
