@@ -166,6 +166,9 @@ def idempotent(
     callable ``request -> str | None``, its dotted path, or a helper of
     ``django_idempotency.sources`` (``sources.json("id")``).
     """
+    if isinstance(view, classmethod):
+        # Above @classmethod: a class's method, whose first argument would not be a request.
+        raise ImproperlyConfigured(_on_a_method(view.__func__))
     if view is not None and not callable(view):
         raise ImproperlyConfigured(
             f"@idempotent at {_validation.caller()}: its arguments are keyword arguments "

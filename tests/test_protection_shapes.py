@@ -140,3 +140,16 @@ def test_idempotent_on_a_handler_whose_view_is_not_called_self_is_refused_when_c
     with pytest.raises(ImproperlyConfigured, match=r"method_decorator\(idempotent"):
         Create.as_view()(request)
     assert ran == []
+
+
+def test_idempotent_above_classmethod_is_refused_as_a_method():
+    # Not "its arguments are keyword arguments": a classmethod object is not callable.
+    with pytest.raises(ImproperlyConfigured, match=r"method_decorator\(idempotent") as refused:
+
+        class Views(View):
+            @idempotent  # type: ignore[arg-type]
+            @classmethod
+            def create(cls, request: HttpRequest) -> HttpResponse:
+                return JsonResponse({}, status=201)
+
+    assert "Views.create" in str(refused.value)
