@@ -52,6 +52,7 @@ ERRORS: dict[str, int] = {
     "CLAIM_DATABASE_ELSEWHERE": 51,  # check --database where a connection tells
     "TABLES_MISSING": 52,  # a database check: check --database
     "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
+    "DECORATOR_ON_DRF_DISPATCH": 61,  # a URL check: it would claim before DRF's checks
 }
 
 WARNINGS: dict[str, int] = {

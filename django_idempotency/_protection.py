@@ -13,7 +13,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from django.urls import URLResolver, get_resolver
 
@@ -155,7 +155,7 @@ def class_methods(view_class: type) -> list[str]:
     return in_order([m for m in names if hasattr(view_class, m)])
 
 
-def is_drf_view(cls: Any) -> bool:
+def is_drf_view(cls: Any) -> TypeGuard[type]:
     if importlib.util.find_spec("rest_framework") is None:
         return False
     from rest_framework.views import APIView

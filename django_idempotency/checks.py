@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_idempotency import _check_ids, _database_checks, conf
+from django_idempotency import _check_ids, _database_checks, _validation, conf
 
 
 def _warning(name: str, msg: str, hint: str) -> Warning:
@@ -153,6 +153,34 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
             ),
         )
         for operation, endpoints in shared.items()
+    ]
+
+
+@register(Tags.urls)
+def check_drf_dispatch(**kwargs: Any) -> list[CheckMessage]:
+    """E061: ``method_decorator(idempotent, name="dispatch")`` on a DRF view. The claim would
+    come before DRF's authentication, permissions and throttles: the view refuses its first
+    request (``ImproperlyConfigured``), and the audit lists it unprotected."""
+    from django_idempotency import _protection
+
+    views: set[str] = set()
+    for callback in _protection.callbacks():
+        view = getattr(callback, "cls", None)  # DRF's as_view() names its class so
+        if _protection.marker(callback) is not None and _protection.is_drf_view(view):
+            views.add(_validation.name_of(view))
+    return [
+        _error(
+            "DECORATOR_ON_DRF_DISPATCH",
+            f"@idempotent on the dispatch of the DRF view {name}: its claim would come before "
+            "DRF's authentication, permission and throttle checks, so the view refuses "
+            "every request.",
+            hint=(
+                "Put IdempotencyMixin first in the view's bases, or "
+                'method_decorator(idempotent, name="post") on its handler (a viewset\'s '
+                'action: name="create").'
+            ),
+        )
+        for name in sorted(views)
     ]
 
 

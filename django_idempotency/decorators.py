@@ -15,7 +15,7 @@ from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.views import View
 
-from django_idempotency import _atomic_requests, _http, _options, _validation
+from django_idempotency import _atomic_requests, _http, _options, _protection, _validation
 from django_idempotency._options import ViewOptions
 
 if TYPE_CHECKING:
@@ -56,9 +56,7 @@ def _refuse_unprotectable(view: Any) -> None:
             "method_decorator(idempotent) on its handler."
         )
     drf_view = getattr(view, "cls", None)
-    if isinstance(drf_view, type) and any(
-        k.__module__ == "rest_framework.views" and k.__name__ == "APIView" for k in drf_view.__mro__
-    ):
+    if _protection.is_drf_view(drf_view):
         # DRF's as_view(): the claim would come before DRF's authentication, permissions
         # and throttles, and a refused caller's answer would be stored.
         where = (
@@ -78,10 +76,7 @@ def _dispatch_of_a_drf_view(func: Any) -> bool:
     before DRF authenticates the caller."""
     bound = getattr(func, "func", None)
     view = getattr(bound, "__self__", None)
-    return getattr(bound, "__name__", None) == "dispatch" and any(
-        k.__module__ == "rest_framework.views" and k.__name__ == "APIView"
-        for k in type(view).__mro__
-    )
+    return getattr(bound, "__name__", None) == "dispatch" and _protection.is_drf_view(type(view))
 
 
 def _a_method(func: Any) -> bool:

@@ -143,3 +143,30 @@ def test_a_viewsets_decorated_action_runs_once_and_the_audit_says_so(user):
     assert Charge.objects.filter(account="decorated_action").count() == 1
     row = _audit()["/decorated-action/"]
     assert (row["protected"], row["by"]) == (True, "decorator")
+
+
+def test_the_decorator_on_a_drf_views_dispatch_is_a_check_error():
+    # Refused where the project is checked (runserver, migrate, the test runner), not only
+    # at the view's first request.
+    from django.core.checks import run_checks
+
+    from django_idempotency import _check_ids
+
+    errors = [
+        m
+        for m in run_checks(tags=["urls"])
+        if m.id == _check_ids.error("DECORATOR_ON_DRF_DISPATCH")
+    ]
+    assert [e.level for e in errors] == [40]  # Error
+    assert "tests.testapp.layered_urls.DrfDispatch" in errors[0].msg
+    assert "IdempotencyMixin" in errors[0].hint
+
+
+@pytest.mark.urls("tests.testapp.urls")
+def test_no_other_shape_of_the_test_project_is_reported_as_the_decorator_on_dispatch():
+    from django.core.checks import run_checks
+
+    from django_idempotency import _check_ids
+
+    ids = {m.id for m in run_checks(tags=["urls"])}
+    assert _check_ids.error("DECORATOR_ON_DRF_DISPATCH") not in ids
