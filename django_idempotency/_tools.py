@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import copy
 import decimal
 import functools
 import inspect
@@ -76,7 +77,9 @@ class Framework(Generic[R]):
     """What the adapter needs of one tool framework; ``R`` is its result type.
 
     Each member is the checklist of a new framework: the defaults here are for a framework
-    that hands the adapter nothing of its own (no context, no token, no ``_meta``).
+    that hands the adapter nothing of its own (no context, no token, no ``_meta``). Every
+    tool gets a shallow copy of the object its decorator was made with, so a member may keep
+    what it learns of its tool (``signature``, ``bind``) on ``self``.
     """
 
     #: How the framework is named in messages ("MCPServer", "FastMCP").
@@ -205,7 +208,8 @@ def protector(
     framework: Framework[Any], options: Mapping[str, Any], where: str, accepted: frozenset[str]
 ) -> Callable[[F], F]:
     """The decorator ``@idempotent_tool(**options)`` of ``framework``, its options checked
-    here (``ImproperlyConfigured`` at ``where``, before any call)."""
+    here (``ImproperlyConfigured`` at ``where``, before any call). Each tool it decorates
+    gets a shallow copy of ``framework``, which may keep that tool's state on itself."""
     checked = _options.validated(
         f"@idempotent_tool(...) at {where}",
         options,
@@ -219,8 +223,12 @@ def protector(
                 f"@idempotent_tool at {where} decorates {_validation.describe(func)}: put "
                 "it, with its parentheses, on the tool's function, beneath the server's @tool"
             )
-        framework.refuse_registered(func, where)
-        return cast(F, _Tool(framework, func, checked).wrapper())
+        # One framework object per tool: its members keep what they learn of the tool they
+        # serve (its Context argument, its registration), and one decorator kept and put on
+        # several tools must not let the last one speak for all of them.
+        own = copy.copy(framework)
+        own.refuse_registered(func, where)
+        return cast(F, _Tool(own, func, checked).wrapper())
 
     return decorate
 

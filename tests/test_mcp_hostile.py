@@ -165,6 +165,84 @@ def test_two_tools_registered_under_their_own_names_are_two_operations(framework
     assert set(Charge.objects.values_list("currency", flat=True)) == {"EUR", "USD"}
 
 
+# -- one decorator kept and put on several tools ------------------------------------------------
+
+#: The annotation of a tool's own context parameter, set per framework before the tool is made
+#: (annotations are strings in this module, resolved from its globals).
+ToolContext: Any = None
+
+
+def test_one_decorator_on_two_named_tools_keeps_them_two_operations(framework):
+    """``once = idempotent_tool(...)`` written once and put on several tools, as a project
+    keeps one set of options: each tool is still its own operation, under the name it is
+    registered by. One key sent to each runs each once; the cancel never answers with the
+    refund's stored result."""
+    server = server_of(framework)
+    once = protect(framework)
+
+    @server.tool(name="refund_order")
+    @once
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return {"done": "refund", **refund_effect(order_id, amount)}
+
+    @server.tool(name="cancel_order")
+    @once
+    def cancel(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return {"done": "cancel", **refund_effect(order_id, amount)}
+
+    key = new_key()
+    ran_once(call(server, args(key), name="refund_order"))
+    cancelled = call(server, args(key), name="cancel_order")
+    ran_once(cancelled)
+    assert cancelled.structured_content is not None
+    assert cancelled.structured_content["done"] == "cancel", cancelled
+    assert effects() == (2, 2, 2)
+    assert set(IdempotencyRecord.objects.values_list("operation", flat=True)) == {
+        "tool:refund_order",
+        "tool:cancel_order",
+    }
+
+
+def test_one_decorator_on_a_tool_with_a_context_and_one_without_gives_each_its_own(framework):
+    """The same kept decorator on a tool that takes the call's ``Context`` and on one that does
+    not: the first still gets its context, its key from ``_meta`` and its account callable
+    the context, whichever tool was decorated last."""
+    global ToolContext
+    ToolContext = fastmcp.Context if framework == "fastmcp" else mcp_context_type()
+    server = server_of(framework)
+    given: list[str] = []
+
+    def account(context: Any) -> str | None:
+        given.append(type(context).__name__)
+        return ACCOUNT if context is not None else None
+
+    once = protect(framework, account=account)
+
+    @server.tool()
+    @once
+    def refund(order_id: int, amount: int, ctx: ToolContext) -> dict[str, Any]:
+        assert isinstance(ctx, ToolContext)
+        return refund_effect(order_id, amount)
+
+    @server.tool()
+    @once
+    def cancel(order_id: int, amount: int) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    key = new_key()
+    first = call(server, args(None), meta={"idempotencyKey": key})
+    ran_once(first)
+    replayed(first, call(server, args(None), meta={"idempotencyKey": key}))
+    assert effects() == (1, 1, 1)
+    assert given == ["Context", "Context"]
+
+
+def mcp_context_type() -> type:
+    from mcp.server.mcpserver import Context
+
+    return Context
+
+
 # -- the key argument's type and default ----------------------------------------------------------
 
 
