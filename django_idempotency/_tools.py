@@ -125,8 +125,9 @@ class Framework(Generic[R]):
         :func:`principal_of`)."""
         return None
 
-    def converter(self, func: Callable[..., Any]) -> Callable[[Any], R]:
-        """How the framework turns ``func``'s return value into its result."""
+    def converter(self, func: Callable[..., Any]) -> Callable[[Any, Any], R]:
+        """How the framework turns ``func``'s return value into its result: called with the
+        call's context (the registration the call reached may decide) and the value."""
         raise NotImplementedError
 
     def sent(self, result: R) -> Any:
@@ -332,7 +333,7 @@ class _Tool:
                 return self.refused(
                     _problems.KEY_MISSING, f"{operation} needs an idempotency key: {where}"
                 )
-            return self.convert(body(**arguments))
+            return self.convert(context, body(**arguments))
         account = self.account_of(context)
         if account is None:
             return self.refused(
@@ -343,7 +344,7 @@ class _Tool:
         started = time.monotonic()
         try:
             once = call_once(
-                lambda: self.convert(body(**arguments)),
+                lambda: self.convert(context, body(**arguments)),
                 (),
                 {},
                 account=account,

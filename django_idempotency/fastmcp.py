@@ -119,7 +119,7 @@ class _FastMCP(_tools.Framework[ToolResult]):
         registered = self.registration()
         return getattr(registered, "name", None) or None
 
-    def converter(self, func: Callable[..., Any]) -> Callable[[Any], ToolResult]:
+    def converter(self, func: Callable[..., Any]) -> Callable[[Any, Any], ToolResult]:
         # The tool as FastMCP makes it of the function, with the output schema its
         # registration gave, for its conversion alone: the stored result is the one FastMCP
         # answers a first call with (its output schema's wrapping of a non-object return
@@ -127,7 +127,7 @@ class _FastMCP(_tools.Framework[ToolResult]):
         # first call: the registration comes after this decorator.
         made: list[Callable[[Any], ToolResult]] = []
 
-        def convert(value: Any) -> ToolResult:
+        def convert(context: Any, value: Any) -> ToolResult:
             if not made:
                 schema = getattr(self.registration(), "output_schema", ...)
                 tool = (

@@ -177,13 +177,17 @@ class _SDK(_tools.Framework[CallToolResult]):
     def principal(self, context: Any) -> str | None:
         return principal_account(context)
 
-    def converter(self, func: Callable[..., Any]) -> Callable[[Any], CallToolResult]:
+    def converter(self, func: Callable[..., Any]) -> Callable[[Any, Any], CallToolResult]:
         # How the SDK turns the tool's return value into a result, computed as the SDK
-        # does, so that the stored result is the one a first call answers.
-        convert = func_metadata(func, skip_names=[self.context_argument]).convert_result
+        # does, so that the stored result is the one a first call answers: by the tool the
+        # call reached, as its registration made it (@server.tool(structured_output=False)
+        # sends no structured content), else as the default registration would.
+        default = func_metadata(func, skip_names=[self.context_argument]).convert_result
         name = func.__name__
 
-        def result(value: Any) -> CallToolResult:
+        def result(context: Any, value: Any) -> CallToolResult:
+            registered = self.registered(context)
+            convert = registered.fn_metadata.convert_result if registered else default
             converted = convert(value)
             if not isinstance(converted, CallToolResult):
                 raise TypeError(
@@ -193,6 +197,17 @@ class _SDK(_tools.Framework[CallToolResult]):
             return converted
 
         return result
+
+    def registered(self, context: Any) -> Any:
+        """The SDK's ``Tool`` the call reached (its server's, by the name the call gave), or
+        ``None`` outside a request."""
+        name = self.tool_name(context)
+        if name is None:
+            return None
+        server: Any = context.mcp_server
+        # The SDK keeps a server's tools in its tool manager (no public lookup is sync).
+        manager = getattr(server, "_tool_manager", None)
+        return manager.get_tool(name) if manager is not None else None
 
     def sent(self, result: CallToolResult) -> CallToolResult:
         return result

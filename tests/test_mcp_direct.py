@@ -213,7 +213,9 @@ class Bare(_tools.Framework[CallToolResult]):
     name = "Bare"
 
     def converter(self, func: Any) -> Any:
-        return lambda value: CallToolResult(content=[TextContent(type="text", text=str(value))])
+        return lambda context, value: CallToolResult(
+            content=[TextContent(type="text", text=str(value))]
+        )
 
     def sent(self, result: CallToolResult) -> CallToolResult:
         return result

@@ -390,6 +390,33 @@ def answers_as_unprotected(returns: str, registration: dict[str, Any]) -> None:
     assert effects() == (2, 2, 2)  # the unprotected call, then the protected one once
 
 
+@pytest.mark.parametrize("returns", ["int", "list"])
+def test_an_sdk_tool_registered_without_structured_output_answers_as_unprotected(returns):
+    """The SDK's ``@server.tool(structured_output=False)``: the unprotected tool answers its
+    content alone; the protected one, converted as if registered with the default, added a
+    ``structuredContent`` the tool's listing does not announce."""
+    annotation, body = RETURNS[returns]
+    plain, guarded = MCPServer("plain"), MCPServer("guarded")
+
+    def tool() -> Any:
+        def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
+            return body(order_id, amount)
+
+        refund.__annotations__["return"] = annotation
+        return refund
+
+    plain.tool(structured_output=False)(tool())
+    guarded.tool(structured_output=False)(protect("mcpserver")(tool()))
+    unprotected = call(plain, args("unused"))
+    key = new_key()
+    first = call(guarded, args(key))
+    ran_once(first)
+    assert first.content == unprotected.content
+    assert first.structured_content == unprotected.structured_content
+    replayed(first, call(guarded, args(key)))
+    assert effects() == (2, 2, 2)  # the unprotected call, then the protected one once
+
+
 # -- FastMCP's registration options ----------------------------------------------------------------
 
 
