@@ -106,3 +106,34 @@ def large_result(size: int) -> str:
     """Writes its effect and returns ``size`` characters (tests/test_outcome_size.py)."""
     ProviderCall.objects.create(key="effect:large")
     return "x" * size
+
+
+# -- functions under @idempotent_task() called inside a Celery task (test_task_deliveries.py) --
+
+
+@idempotent_task(key=lambda tag: f"item:{tag}")
+def ship_item(tag: str) -> str:
+    """Not a task: a function under ``@idempotent_task(key=...)`` the tasks below call."""
+    ProviderCall.objects.create(key=f"effect:ship:{tag}")
+    return f"shipped {tag}"
+
+
+@idempotent_task(key=lambda tag: f"item:{tag}")
+def bill_item(tag: str) -> str:
+    """Another function with the same key: another operation, which must run on its own."""
+    ProviderCall.objects.create(key=f"effect:bill:{tag}")
+    return f"billed {tag}"
+
+
+@shared_task(name="tests.ship_and_bill")
+def ship_and_bill(tag: str) -> list[str]:
+    """Not deduplicated itself: ships and bills one item."""
+    return [ship_item(tag), bill_item(tag)]
+
+
+@shared_task(name="tests.ship_and_bill_once")
+@idempotent_task()
+def ship_and_bill_once(tag: str) -> list[str]:
+    """Deduplicated by its task id, and calls the two keyed functions."""
+    ProviderCall.objects.create(key=f"effect:outer:{tag}")
+    return [ship_item(tag), bill_item(tag)]
