@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -48,6 +49,8 @@ _LEASE_MARGIN = timedelta(seconds=1)
 
 CELERY = importlib.util.find_spec("celery") is not None
 _MARK = "idempotent_task"
+# How many functools.wraps layers between a Celery task's run and the body are followed.
+_WRAPPERS_FOLLOWED = 16
 _CELERY_TASKS = ("purge_expired", "recover_stale_leases", "relay_outbox")
 
 if TYPE_CHECKING or CELERY:
@@ -108,7 +111,10 @@ def idempotent_task(
     ``@task`` of Django's Tasks framework, with parentheses. The key is the Celery task id,
     or the outbox message's id for a task enqueued on ``tasks_backend.OutboxBackend`` (the
     relay passes it as the keyword argument ``MESSAGE_ARGUMENT``, taken away before the
-    body runs, so the task's own signature stays as written), or ``key(*args, **kwargs)``.
+    body runs, so the task's own signature stays as written), or the backend's task result
+    id for a task of Django's Tasks framework enqueued on a real backend directly, or
+    ``key(*args, **kwargs)``. A function merely called inside a running task is no delivery
+    of it: it never takes that task's id or name.
     A delivery of a Django task that meets another delivery's live lease waits for its
     outcome, at most the lease (Django's Tasks framework has no retry to come back with).
     A thin adapter over
@@ -153,12 +159,18 @@ def idempotent_task(
 
         def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
-            task = None if message is not None or not CELERY else (current_task or None)
+            # A run of Django's Tasks framework enqueued on its backend directly (no
+            # outbox message): a delivery of that backend's task result.
+            run = _django_run(wrapper)
+            django = message is not None or run is not None
+            task = None if django else _delivering(wrapper)
             delivery = (
                 delivery_key(*args, **kwargs)
                 if delivery_key is not None
                 else message
                 if message is not None
+                else run
+                if run is not None
                 else _task_id(task)
             )
             if delivery is None:
@@ -182,7 +194,7 @@ def idempotent_task(
                     # Django's Tasks framework has no retry to come back with: a delivery
                     # that meets another's live lease waits for its outcome, or for the
                     # lease to run out and then takes it over.
-                    wait=None if message is None else _waited_out(checked["lease"]),
+                    wait=_waited_out(checked["lease"]) if django else None,
                 ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -314,6 +326,57 @@ def _run_failed(message_id: str | None) -> None:
         _unique.finished(app_settings.DATABASE, message_id)
     except Exception:  # the task's own error is what the caller must see
         logger.exception("could not free the unique key of message %s", message_id)
+
+
+#: The run of Django's Tasks framework going on here: its task's function and its result
+#: id, from the framework's ``task_started`` signal to its ``task_finished``
+#: (``tasks_backend.register`` connects them). A context variable: an ``async def``
+#: task's body runs in other threads, with this context.
+_DJANGO_RUN: ContextVar[tuple[Callable[..., Any], str] | None] = ContextVar(
+    "django_idempotency_task_run", default=None
+)
+
+
+def django_run_started(func: Callable[..., Any], result_id: object) -> None:
+    """A worker of Django's Tasks framework starts running ``func`` for ``result_id``."""
+    _DJANGO_RUN.set((func, str(result_id)))
+
+
+def django_run_finished() -> None:
+    """The run that :func:`django_run_started` announced has ended."""
+    _DJANGO_RUN.set(None)
+
+
+def _django_run(wrapper: Callable[..., Any]) -> str | None:
+    """The result id of the run of Django's Tasks framework whose task is ``wrapper``."""
+    run = _DJANGO_RUN.get()
+    return run[1] if run is not None and run[0] is wrapper else None
+
+
+def _delivering(wrapper: Callable[..., Any]) -> Task[Any, Any] | None:
+    """The Celery task whose delivery runs ``wrapper``, if any.
+
+    Celery's ``current_task`` is whichever task is running in this worker: a function
+    under ``@idempotent_task()`` that such a task merely calls (a helper, a Django task's
+    function) is no delivery of it, and must not take its id and name, which would make it
+    share that task's record (meet it in progress, or replay another function's result).
+    """
+    if not CELERY:
+        return None
+    task: Task[Any, Any] | None = current_task or None
+    if task is None:
+        return None
+    # The task's ``run`` is the wrapper, or (bind=True, a class's method) its bound form, or
+    # a decorator's wrapper around it made with functools.wraps.
+    run = getattr(task, "run", None)
+    found: object = getattr(run, "__func__", run)
+    for _ in range(_WRAPPERS_FOLLOWED):
+        if found is wrapper:
+            return task
+        found = getattr(found, "__wrapped__", None)
+        if found is None:
+            break
+    return None
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

@@ -137,3 +137,22 @@ def test_a_django_tasks_function_called_in_a_deduplicated_celery_task_runs():
     assert list(IdempotencyRecord.objects.values_list("operation", "key")) == [
         ("task:tests.call_django_task_once", task_id)
     ]
+
+
+# -- the shapes of a Celery task whose delivery it is ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bound_retry", "wrapped_twice", "class_based"])
+def test_each_shape_of_celery_task_is_keyed_by_its_own_delivery(name):
+    from tests.celery_app import app
+    from tests.testapp import tasks
+
+    task = app.register_task(tasks.ClassBased()) if name == "class_based" else getattr(tasks, name)
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = task.apply((name,), task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert ProviderCall.objects.filter(key__startswith=f"effect:{name}").count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", "key")) == [
+        (f"task:tests.{name}", task_id)
+    ]

@@ -10,11 +10,12 @@ Counters are ``ProviderCall`` rows with distinctive keys:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from django_idempotency.tasks import idempotent_task
 from tests.testapp.models import ProviderCall
@@ -137,3 +138,44 @@ def ship_and_bill_once(tag: str) -> list[str]:
     """Deduplicated by its task id, and calls the two keyed functions."""
     ProviderCall.objects.create(key=f"effect:outer:{tag}")
     return [ship_item(tag), bill_item(tag)]
+
+
+def logged(func: Any) -> Any:
+    """A project's own decorator between the task's and ours, made with functools.wraps."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+@shared_task(name="tests.bound_retry", bind=True)
+@idempotent_task()
+def bound_retry(self: Any, tag: str) -> int:
+    """``bind=True``: retries itself once; the effect of the retried run commits."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{self.request.retries}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0, max_retries=1)
+    retries: int = self.request.retries
+    return retries
+
+
+@shared_task(name="tests.wrapped_twice")
+@logged
+@idempotent_task()
+def wrapped_twice(tag: str) -> str:
+    """Another decorator between ``@shared_task`` and ``@idempotent_task()``."""
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return tag
+
+
+class ClassBased(Task):  # type: ignore[misc]
+    """A class-based task whose ``run`` is under ``@idempotent_task()``."""
+
+    name = "tests.class_based"
+
+    @idempotent_task()
+    def run(self, tag: str) -> str:
+        ProviderCall.objects.create(key=f"effect:{tag}")
+        return tag
