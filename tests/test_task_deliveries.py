@@ -19,8 +19,18 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
 
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency import outbox
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+from tests.helpers import postgres_only
+from tests.test_outbox import eager_celery  # noqa: F401  (a fixture)
 from tests.testapp.models import ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -156,3 +166,22 @@ def test_each_shape_of_celery_task_is_keyed_by_its_own_delivery(name):
     assert list(IdempotencyRecord.objects.values_list("operation", "key")) == [
         (f"task:tests.{name}", task_id)
     ]
+
+
+# -- one live task per key: a run that Celery retries has not ended ---------------------------
+
+
+@postgres_only  # the task's body writes through a second connection
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_celery_autoretries_keeps_its_key_until_the_retry_ends():
+    from tests.testapp.tasks import autoretried
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", autoretried, "k", "auto")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    outcome = autoretried.apply(args=("k", "auto"), task_id=str(first))
+    # The retried run found its own message holding the key: nothing more was enqueued.
+    assert outcome.get() == str(first)
+    assert OutboxMessage.objects.count() == 1
+    assert effects("auto") == 1
+    assert OutboxUniqueKey.objects.get().finished_at is None

@@ -179,3 +179,21 @@ class ClassBased(Task):  # type: ignore[misc]
     def run(self, tag: str) -> str:
         ProviderCall.objects.create(key=f"effect:{tag}")
         return tag
+
+
+@shared_task(
+    name="tests.autoretried",
+    autoretry_for=(RuntimeError,),
+    retry_kwargs={"countdown": 0, "max_retries": 2},
+)
+@idempotent_task()
+def autoretried(key: str, tag: str) -> str:
+    """Fails its first run, which Celery's ``autoretry_for`` retries. The retried run asks
+    ``enqueue_once`` for its own key (as a beat would while it runs) and returns the id."""
+    from django_idempotency import outbox
+
+    if not ProviderCall.objects.using("provider").filter(key=f"failed:{tag}").exists():
+        ProviderCall.objects.using("provider").create(key=f"failed:{tag}")
+        raise RuntimeError("first run fails")
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return str(outbox.enqueue_once(key, autoretried, key, tag))
