@@ -205,10 +205,10 @@ def idempotent_task(
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
             except Exception as exc:
-                # A result too large to store ends every run of it the same way: an error.
-                ended = isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
-                if ended and not _retried(exc):
-                    # The run ended with an error: a key of enqueue_once it holds is free.
+                # The run ended with an error: a key of enqueue_once it holds is free. Not
+                # when Celery retries it: self.retry() inside the body, or autoretry_for
+                # around this wrapper.
+                if _ended(exc) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
 
@@ -310,13 +310,30 @@ def is_idempotent_task(func: Callable[..., Any]) -> bool:
     return bool(getattr(func, _MARK, False))
 
 
-def _retried(exc: BaseException) -> bool:
-    # Celery's ``self.retry()``: the message comes again, its run has not ended.
-    if not CELERY:
-        return False
-    from celery.exceptions import Retry
+def _ended(exc: BaseException) -> bool:
+    """Whether a run that raised ``exc`` ended (rather than meeting another's record): a
+    result too large to store ends every run of it the same way, as an error."""
+    return isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
 
-    return isinstance(exc, Retry)
+
+def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
+    """Whether Celery runs the message again after this run raised ``exc``: its run has
+    not ended. ``self.retry()`` raises ``Retry`` through the body; ``autoretry_for`` turns
+    ``exc`` into a retry around this wrapper, until ``max_retries``."""
+    if task is None:
+        return False
+    from celery.exceptions import Ignore, Retry
+
+    if isinstance(exc, Retry):
+        return True
+    if not hasattr(task, "_orig_run") or isinstance(exc, Ignore):  # no autoretry wrapper
+        return False
+    autoretry = tuple(getattr(task, "autoretry_for", ()))
+    spared = tuple(getattr(task, "dont_autoretry_for", ()))
+    if not autoretry or not isinstance(exc, autoretry) or (spared and isinstance(exc, spared)):
+        return False
+    limit = getattr(task, "retry_kwargs", {}).get("max_retries", task.max_retries)
+    return limit is None or task.request.retries < limit
 
 
 def _run_failed(message_id: str | None) -> None:

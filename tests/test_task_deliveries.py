@@ -185,3 +185,19 @@ def test_a_run_celery_autoretries_keeps_its_key_until_the_retry_ends():
     assert OutboxMessage.objects.count() == 1
     assert effects("auto") == 1
     assert OutboxUniqueKey.objects.get().finished_at is None
+
+
+@postgres_only  # the task's body writes through a second connection
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_whose_autoretries_are_spent_frees_its_key():
+    from tests.testapp.tasks import autoretried_in_vain
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", autoretried_in_vain, "spent")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    outcome = autoretried_in_vain.apply(args=("spent",), task_id=str(first))
+    assert isinstance(outcome.result, RuntimeError)
+    assert ProviderCall.objects.filter(key__startswith="start:spent:").count() == 3
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    with transaction.atomic():
+        assert outbox.enqueue_once("k", autoretried_in_vain, "spent") != first

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import uuid
 from typing import Any
 
 from celery import Task, shared_task
@@ -197,3 +198,15 @@ def autoretried(key: str, tag: str) -> str:
         raise RuntimeError("first run fails")
     ProviderCall.objects.create(key=f"effect:{tag}")
     return str(outbox.enqueue_once(key, autoretried, key, tag))
+
+
+@shared_task(
+    name="tests.autoretried_in_vain",
+    autoretry_for=(RuntimeError,),
+    retry_kwargs={"countdown": 0, "max_retries": 2},
+)
+@idempotent_task()
+def autoretried_in_vain(tag: str) -> None:
+    """Fails every run: Celery's ``autoretry_for`` retries it twice, then it has failed."""
+    ProviderCall.objects.using("provider").create(key=f"start:{tag}:{uuid.uuid4()}")
+    raise RuntimeError("every run fails")
