@@ -201,3 +201,20 @@ def test_a_run_whose_autoretries_are_spent_frees_its_key():
     assert OutboxUniqueKey.objects.get().finished_at is not None
     with transaction.atomic():
         assert outbox.enqueue_once("k", autoretried_in_vain, "spent") != first
+
+
+# -- a key callable that answers no key ------------------------------------------------------
+
+
+def test_a_key_callable_that_answers_none_runs_nothing_rather_than_run_unprotected():
+    from tests.testapp.tasks import keyed_by_payload
+
+    task_id = str(uuid.uuid4())
+    outcomes = [keyed_by_payload.apply(({"tag": "keyless"},), task_id=task_id) for _ in range(2)]
+    # Refused, like a missing key anywhere else; never a body that runs on every delivery.
+    assert [outcome.failed() for outcome in outcomes] == [True, True]
+    assert effects("keyless") == 0
+    # With its key, it runs once.
+    for _ in range(2):
+        keyed_by_payload.apply(({"tag": "keyed", "id": "e-1"},), task_id=str(uuid.uuid4())).get()
+    assert effects("keyed") == 1

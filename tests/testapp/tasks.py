@@ -210,3 +210,11 @@ def autoretried_in_vain(tag: str) -> None:
     """Fails every run: Celery's ``autoretry_for`` retries it twice, then it has failed."""
     ProviderCall.objects.using("provider").create(key=f"start:{tag}:{uuid.uuid4()}")
     raise RuntimeError("every run fails")
+
+
+@shared_task(name="tests.keyed_by_payload")
+@idempotent_task(key=lambda payload: payload.get("id"))
+def keyed_by_payload(payload: dict[str, Any]) -> str:
+    """Keyed by the payload's ``id``; a payload may come without one."""
+    ProviderCall.objects.create(key=f"effect:{payload['tag']}")
+    return str(payload["tag"])
