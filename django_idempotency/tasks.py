@@ -34,6 +34,7 @@ from django_idempotency.exceptions import (
     OutcomeTooLarge,
     OutcomeUnknown,
 )
+from django_idempotency.keys import InvalidKey
 
 logger = logging.getLogger("django_idempotency")
 
@@ -173,10 +174,17 @@ def idempotent_task(
                 if run is not None
                 else _task_id(task)
             )
+            name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             if delivery is None:
+                if delivery_key is not None:
+                    # A key callable that finds no key must not run the body unprotected,
+                    # as a request without its key does not.
+                    raise InvalidKey(
+                        f"the key= of @idempotent_task() on {name} answered None for these "
+                        "arguments; the body was not run"
+                    )
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return body(*args, **kwargs)
-            name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             try:
                 return call_once(
                     body,
