@@ -108,6 +108,17 @@ def closure(func: Any) -> list[Any]:
 def options_of(func: Any, depth: int = 8, closures: bool = True) -> _options.Options | None:
     """The options ``@idempotent`` left on ``func`` or on a function it wraps (found through
     ``__wrapped__``, and through closures unless ``closures`` is false)."""
+    for current in wrapped_by(func, depth, closures):
+        found = marker(current)
+        if found is not None:
+            return found
+    return None
+
+
+def wrapped_by(func: Any, depth: int = 8, closures: bool = True) -> Iterator[Any]:
+    """``func``, then the functions it wraps, nearest first, each once: through
+    ``__wrapped__`` (``functools.wraps``), and through the functions its closure holds (a
+    decorator made without it) unless ``closures`` is false; ``depth`` steps at most."""
     todo, seen = [func], set()
     while todo and depth:
         depth -= 1
@@ -116,9 +127,7 @@ def options_of(func: Any, depth: int = 8, closures: bool = True) -> _options.Opt
             if id(current) in seen:
                 continue
             seen.add(id(current))
-            found = marker(current)
-            if found is not None:
-                return found
+            yield current
             wrapped = getattr(current, "__wrapped__", None)
             following += [wrapped] if wrapped is not None else []
             following += [
@@ -127,7 +136,6 @@ def options_of(func: Any, depth: int = 8, closures: bool = True) -> _options.Opt
                 if isinstance(c, (types.FunctionType, types.MethodType))
             ]
         todo = following
-    return None
 
 
 def required_methods(func: Any) -> list[str] | None:

@@ -16,12 +16,14 @@ if TYPE_CHECKING or importlib.util.find_spec("django.tasks") is not None:
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskError, TaskResult, TaskResultStatus
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_finished, task_started
 else:  # Django 5.2 with the backport
     from django_tasks import task_backends
     from django_tasks.backends.base import BaseTaskBackend
     from django_tasks.base import Task, TaskError, TaskResult, TaskResultStatus
     from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist
+    from django_tasks.signals import task_finished, task_started
 
 __all__ = [
     "BaseTaskBackend",
@@ -32,4 +34,6 @@ __all__ = [
     "TaskResultDoesNotExist",
     "TaskResultStatus",
     "task_backends",
+    "task_finished",
+    "task_started",
 ]

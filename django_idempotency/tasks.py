@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -22,7 +23,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency import _autonomous, _options, _unique, _validation, maintenance, outbox
+from django_idempotency import (
+    _autonomous,
+    _options,
+    _protection,
+    _unique,
+    _validation,
+    maintenance,
+    outbox,
+)
 from django_idempotency._once import LeaseTakenOver, call_once
 from django_idempotency._policies import RETRY
 from django_idempotency._unique import TASK_ACCOUNT, task_operation
@@ -33,6 +42,7 @@ from django_idempotency.exceptions import (
     OutcomeTooLarge,
     OutcomeUnknown,
 )
+from django_idempotency.keys import InvalidKey
 
 logger = logging.getLogger("django_idempotency")
 
@@ -48,6 +58,8 @@ _LEASE_MARGIN = timedelta(seconds=1)
 
 CELERY = importlib.util.find_spec("celery") is not None
 _MARK = "idempotent_task"
+# How many decorators' layers between a Celery task's run and the body are followed.
+_WRAPPERS_FOLLOWED = 16
 _CELERY_TASKS = ("purge_expired", "recover_stale_leases", "relay_outbox")
 
 if TYPE_CHECKING or CELERY:
@@ -108,7 +120,10 @@ def idempotent_task(
     ``@task`` of Django's Tasks framework, with parentheses. The key is the Celery task id,
     or the outbox message's id for a task enqueued on ``tasks_backend.OutboxBackend`` (the
     relay passes it as the keyword argument ``MESSAGE_ARGUMENT``, taken away before the
-    body runs, so the task's own signature stays as written), or ``key(*args, **kwargs)``.
+    body runs, so the task's own signature stays as written), or the backend's task result
+    id for a task of Django's Tasks framework enqueued on a real backend directly, or
+    ``key(*args, **kwargs)``. A function merely called inside a running task is no delivery
+    of it: it never takes that task's id or name.
     A delivery of a Django task that meets another delivery's live lease waits for its
     outcome, at most the lease (Django's Tasks framework has no retry to come back with).
     A thin adapter over
@@ -153,18 +168,31 @@ def idempotent_task(
 
         def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
-            task = None if message is not None or not CELERY else (current_task or None)
+            # A run of Django's Tasks framework enqueued on its backend directly (no
+            # outbox message): a delivery of that backend's task result.
+            run = _django_run(wrapper)
+            django = message is not None or run is not None
+            task = None if django else _delivering(wrapper)
             delivery = (
                 delivery_key(*args, **kwargs)
                 if delivery_key is not None
                 else message
                 if message is not None
+                else run
+                if run is not None
                 else _task_id(task)
             )
+            name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             if delivery is None:
+                if delivery_key is not None:
+                    # A key callable that finds no key must not run the body unprotected,
+                    # as a request without its key does not.
+                    raise InvalidKey(
+                        f"the key= of @idempotent_task() on {name} answered None for these "
+                        "arguments; the body was not run"
+                    )
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return body(*args, **kwargs)
-            name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             try:
                 return call_once(
                     body,
@@ -182,7 +210,7 @@ def idempotent_task(
                     # Django's Tasks framework has no retry to come back with: a delivery
                     # that meets another's live lease waits for its outcome, or for the
                     # lease to run out and then takes it over.
-                    wait=None if message is None else _waited_out(checked["lease"]),
+                    wait=_waited_out(checked["lease"]) if django else None,
                 ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -193,10 +221,10 @@ def idempotent_task(
             except InProgress as exc:
                 return _in_progress(task, name, exc.retry_after)
             except Exception as exc:
-                # A result too large to store ends every run of it the same way: an error.
-                ended = isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
-                if ended and not _retried(exc):
-                    # The run ended with an error: a key of enqueue_once it holds is free.
+                # The run ended with an error: a key of enqueue_once it holds is free. Not
+                # when Celery retries it: self.retry() inside the body, or autoretry_for
+                # around this wrapper.
+                if _ended(exc) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
 
@@ -298,13 +326,30 @@ def is_idempotent_task(func: Callable[..., Any]) -> bool:
     return bool(getattr(func, _MARK, False))
 
 
-def _retried(exc: BaseException) -> bool:
-    # Celery's ``self.retry()``: the message comes again, its run has not ended.
-    if not CELERY:
-        return False
-    from celery.exceptions import Retry
+def _ended(exc: BaseException) -> bool:
+    """Whether a run that raised ``exc`` ended (rather than meeting another's record): a
+    result too large to store ends every run of it the same way, as an error."""
+    return isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
 
-    return isinstance(exc, Retry)
+
+def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
+    """Whether Celery runs the message again after this run raised ``exc``: its run has
+    not ended. ``self.retry()`` raises ``Retry`` through the body; ``autoretry_for`` turns
+    ``exc`` into a retry around this wrapper, until ``max_retries``."""
+    if task is None:
+        return False
+    from celery.exceptions import Ignore, Retry
+
+    if isinstance(exc, Retry):
+        return True
+    if not hasattr(task, "_orig_run") or isinstance(exc, Ignore):  # no autoretry wrapper
+        return False
+    autoretry = tuple(getattr(task, "autoretry_for", ()))
+    spared = tuple(getattr(task, "dont_autoretry_for", ()))
+    if not autoretry or not isinstance(exc, autoretry) or (spared and isinstance(exc, spared)):
+        return False
+    limit = getattr(task, "retry_kwargs", {}).get("max_retries", task.max_retries)
+    return limit is None or task.request.retries < limit
 
 
 def _run_failed(message_id: str | None) -> None:
@@ -314,6 +359,51 @@ def _run_failed(message_id: str | None) -> None:
         _unique.finished(app_settings.DATABASE, message_id)
     except Exception:  # the task's own error is what the caller must see
         logger.exception("could not free the unique key of message %s", message_id)
+
+
+#: The run of Django's Tasks framework going on here: its task's function and its result
+#: id, from the framework's ``task_started`` signal to its ``task_finished``
+#: (``tasks_backend.register`` connects them). A context variable: an ``async def``
+#: task's body runs in other threads, with this context.
+_DJANGO_RUN: ContextVar[tuple[Callable[..., Any], str] | None] = ContextVar(
+    "django_idempotency_task_run", default=None
+)
+
+
+def django_run_started(func: Callable[..., Any], result_id: object) -> None:
+    """A worker of Django's Tasks framework starts running ``func`` for ``result_id``."""
+    _DJANGO_RUN.set((func, str(result_id)))
+
+
+def django_run_finished() -> None:
+    """The run that :func:`django_run_started` announced has ended."""
+    _DJANGO_RUN.set(None)
+
+
+def _django_run(wrapper: Callable[..., Any]) -> str | None:
+    """The result id of the run of Django's Tasks framework whose task is ``wrapper``."""
+    run = _DJANGO_RUN.get()
+    return run[1] if run is not None and run[0] is wrapper else None
+
+
+def _delivering(wrapper: Callable[..., Any]) -> Task[Any, Any] | None:
+    """The Celery task whose delivery runs ``wrapper``, if any.
+
+    Celery's ``current_task`` is whichever task is running in this worker: a function
+    under ``@idempotent_task()`` that such a task merely calls (a helper, a Django task's
+    function) is no delivery of it, and must not take its id and name, which would make it
+    share that task's record (meet it in progress, or replay another function's result).
+    """
+    if not CELERY:
+        return None
+    task: Task[Any, Any] | None = current_task or None
+    if task is None:
+        return None
+    # The task's ``run`` is the wrapper, or (bind=True, a class's method) its bound form, or
+    # a decorator's wrapper around it (functools.wraps's __wrapped__, else its closure).
+    run = getattr(task, "run", None)
+    reached = _protection.wrapped_by(getattr(run, "__func__", run), _WRAPPERS_FOLLOWED)
+    return task if any(found is wrapper for found in reached) else None
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

@@ -50,10 +50,17 @@ from django_idempotency._tasks_compat import (
     TaskResultDoesNotExist,
     TaskResultStatus,
     task_backends,
+    task_finished,
+    task_started,
 )
 from django_idempotency.conf import app_settings
 from django_idempotency.models import OutboxMessage, OutboxStatus
-from django_idempotency.tasks import MESSAGE_ARGUMENT, is_idempotent_task
+from django_idempotency.tasks import (
+    MESSAGE_ARGUMENT,
+    django_run_finished,
+    django_run_started,
+    is_idempotent_task,
+)
 
 __all__ = [
     "BACKEND_PATH",
@@ -382,9 +389,22 @@ def outbox_backend(alias: Any) -> OutboxBackend:
 
 def register() -> None:
     """What the outbox needs of Django's Tasks framework: its tasks for ``enqueue_once``,
-    the hand-over of its messages for the relay. Called when the app is ready."""
+    the hand-over of its messages for the relay, and the runs its workers announce (the
+    key of a task enqueued on a backend directly). Called when the app is ready."""
     outbox.register_task_kind(_recognized)
     _senders.register_delivery(outbox_backend)
+    # A task under @idempotent_task() enqueued on a backend directly (no outbox message)
+    # is keyed by the backend's task result, whose run these signals announce.
+    task_started.connect(_run_started, dispatch_uid="django_idempotency.task_started")
+    task_finished.connect(_run_finished, dispatch_uid="django_idempotency.task_finished")
+
+
+def _run_started(sender: object, task_result: TaskResult[Any, Any], **kwargs: Any) -> None:
+    django_run_started(task_result.task.func, task_result.id)
+
+
+def _run_finished(sender: object, **kwargs: Any) -> None:
+    django_run_finished()
 
 
 def _moment(text: str) -> datetime:

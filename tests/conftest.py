@@ -253,6 +253,19 @@ def clean_queue(run_queue: None) -> Iterator[None]:
 
 
 @pytest.fixture
+def eager_celery() -> Iterator[None]:
+    """The test Celery app runs its tasks at once, in the caller (``task_always_eager``)."""
+    pytest.importorskip("celery", reason="Celery is an optional dependency")
+    from tests import celery_app
+
+    celery_app.app.conf.task_always_eager = True
+    try:
+        yield
+    finally:
+        celery_app.app.conf.task_always_eager = False
+
+
+@pytest.fixture
 def atomic_requests() -> Iterator[None]:
     """``ATOMIC_REQUESTS`` on for the default database, for one test."""
     connection.settings_dict["ATOMIC_REQUESTS"] = True

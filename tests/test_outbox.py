@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -210,18 +209,6 @@ def test_the_relay_sends_the_outbox_relayed_signal():
 
 
 # -- the Celery sender, eagerly ------------------------------------------------------------------
-
-
-@pytest.fixture
-def eager_celery() -> Iterator[None]:
-    pytest.importorskip("celery", reason="Celery is an optional dependency")
-    from tests import celery_app
-
-    celery_app.app.conf.task_always_eager = True
-    try:
-        yield
-    finally:
-        celery_app.app.conf.task_always_eager = False
 
 
 # The task's body writes through a second connection while the relay's batch holds SQLite's

@@ -32,7 +32,6 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 celery = pytest.importorskip("celery", reason="Celery is an optional dependency")
 
-from tests.test_outbox import eager_celery  # noqa: E402, F401  (a fixture)
 from tests.testapp.tasks import fail_once, record_effect, record_effect_by_tag  # noqa: E402
 
 TASK = "tests.record_effect"

@@ -10,11 +10,13 @@ Counters are ``ProviderCall`` rows with distinctive keys:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+import uuid
 from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from django_idempotency.tasks import idempotent_task
 from tests.testapp.models import ProviderCall
@@ -106,3 +108,132 @@ def large_result(size: int) -> str:
     """Writes its effect and returns ``size`` characters (tests/test_outcome_size.py)."""
     ProviderCall.objects.create(key="effect:large")
     return "x" * size
+
+
+# -- functions under @idempotent_task() called inside a Celery task (test_task_deliveries.py) --
+
+
+@idempotent_task(key=lambda tag: f"item:{tag}")
+def ship_item(tag: str) -> str:
+    """Not a task: a function under ``@idempotent_task(key=...)`` the tasks below call."""
+    ProviderCall.objects.create(key=f"effect:ship:{tag}")
+    return f"shipped {tag}"
+
+
+@idempotent_task(key=lambda tag: f"item:{tag}")
+def bill_item(tag: str) -> str:
+    """Another function with the same key: another operation, which must run on its own."""
+    ProviderCall.objects.create(key=f"effect:bill:{tag}")
+    return f"billed {tag}"
+
+
+@shared_task(name="tests.ship_and_bill")
+def ship_and_bill(tag: str) -> list[str]:
+    """Not deduplicated itself: ships and bills one item."""
+    return [ship_item(tag), bill_item(tag)]
+
+
+@shared_task(name="tests.ship_and_bill_once")
+@idempotent_task()
+def ship_and_bill_once(tag: str) -> list[str]:
+    """Deduplicated by its task id, and calls the two keyed functions."""
+    ProviderCall.objects.create(key=f"effect:outer:{tag}")
+    return [ship_item(tag), bill_item(tag)]
+
+
+def logged(func: Any) -> Any:
+    """A project's own decorator between the task's and ours, made with functools.wraps."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+@shared_task(name="tests.bound_retry", bind=True)
+@idempotent_task()
+def bound_retry(self: Any, tag: str) -> int:
+    """``bind=True``: retries itself once; the effect of the retried run commits."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{self.request.retries}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0, max_retries=1)
+    retries: int = self.request.retries
+    return retries
+
+
+@shared_task(name="tests.wrapped_twice")
+@logged
+@idempotent_task()
+def wrapped_twice(tag: str) -> str:
+    """Another decorator between ``@shared_task`` and ``@idempotent_task()``."""
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return tag
+
+
+def unwrapped(func: Any) -> Any:
+    """A project's own decorator between the task's and ours, made without functools.wraps:
+    only its closure holds the function it calls."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return call
+
+
+@shared_task(name="tests.wrapped_bare")
+@unwrapped
+@idempotent_task()
+def wrapped_bare(tag: str) -> str:
+    """A decorator without functools.wraps between ``@shared_task`` and ours."""
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return tag
+
+
+class ClassBased(Task):  # type: ignore[misc]
+    """A class-based task whose ``run`` is under ``@idempotent_task()``."""
+
+    name = "tests.class_based"
+
+    @idempotent_task()
+    def run(self, tag: str) -> str:
+        ProviderCall.objects.create(key=f"effect:{tag}")
+        return tag
+
+
+@shared_task(
+    name="tests.autoretried",
+    autoretry_for=(RuntimeError,),
+    retry_kwargs={"countdown": 0, "max_retries": 2},
+)
+@idempotent_task()
+def autoretried(key: str, tag: str) -> str:
+    """Fails its first run, which Celery's ``autoretry_for`` retries. The retried run asks
+    ``enqueue_once`` for its own key (as a beat would while it runs) and returns the id."""
+    from django_idempotency import outbox
+
+    if not ProviderCall.objects.using("provider").filter(key=f"failed:{tag}").exists():
+        ProviderCall.objects.using("provider").create(key=f"failed:{tag}")
+        raise RuntimeError("first run fails")
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return str(outbox.enqueue_once(key, autoretried, key, tag))
+
+
+@shared_task(
+    name="tests.autoretried_in_vain",
+    autoretry_for=(RuntimeError,),
+    retry_kwargs={"countdown": 0, "max_retries": 2},
+)
+@idempotent_task()
+def autoretried_in_vain(tag: str) -> None:
+    """Fails every run: Celery's ``autoretry_for`` retries it twice, then it has failed."""
+    ProviderCall.objects.using("provider").create(key=f"start:{tag}:{uuid.uuid4()}")
+    raise RuntimeError("every run fails")
+
+
+@shared_task(name="tests.keyed_by_payload")
+@idempotent_task(key=lambda payload: payload.get("id"))
+def keyed_by_payload(payload: dict[str, Any]) -> str:
+    """Keyed by the payload's ``id``; a payload may come without one."""
+    ProviderCall.objects.create(key=f"effect:{payload['tag']}")
+    return str(payload["tag"])

@@ -146,3 +146,21 @@ def hold_unique(tag: str, hold: float) -> dict[str, Any]:
 def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
     """As ``hold_unique``, with a lease shorter than a run that is killed."""
     return _held(tag, hold)
+
+
+# -- a task enqueued on the real backend, not through the outbox (tests/test_task_deliveries.py) --
+
+
+@task(backend="worker")
+@idempotent_task(lease=LEASE_SECONDS)
+def record_direct(tag: str) -> dict[str, Any]:
+    """Under ``@idempotent_task()``, declared on the database backend: no outbox message."""
+    return _body(tag, 0.0)
+
+
+@task()
+@idempotent_task(lease=LEASE_SECONDS)
+def record_called(tag: str) -> dict[str, Any]:
+    """Deduplicated per message; the tests call its function from a Celery task."""
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return {"tag": tag}

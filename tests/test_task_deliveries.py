@@ -1,0 +1,219 @@
+"""Whose delivery a body under ``@idempotent_task()`` belongs to.
+
+Black-box, against DESIGN.md's "Every shape a project writes protects or is refused where it
+is made" and "A task that reports success without running its body ... is a defect":
+
+- a task of Django's Tasks framework enqueued straight onto a real backend (no outbox
+  message) is a delivery of that backend's task result, and runs once per enqueue however
+  often the backend runs it;
+- a function under ``@idempotent_task()`` called inside a Celery task is not a delivery of
+  that Celery task: it never shares the Celery task's record, nor another function's.
+
+Effects are counted as ``ProviderCall`` rows.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from django_idempotency import outbox
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
+from tests.helpers import postgres_only
+from tests.testapp.models import ProviderCall
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+def effects(prefix: str) -> int:
+    return ProviderCall.objects.filter(key=f"effect:{prefix}").count()
+
+
+# -- Django's Tasks framework: a task enqueued on the real backend --------------------------
+
+
+needs_tasks = pytest.mark.skipif(
+    not settings.HAS_DJANGO_TASKS, reason="Django's Tasks framework and django-tasks-db"
+)
+
+
+def work() -> None:
+    """django-tasks-db's worker, in this process, until no task is ready."""
+    from django_tasks_db.management.commands.db_worker import Worker
+
+    Worker(
+        queue_names=["*"],
+        interval=0,
+        batch=True,
+        backend_name="worker",
+        startup_delay=False,
+        max_tasks=None,
+        worker_id="in-process",
+        excluded_queue_names=[],
+    ).run()
+
+
+@needs_tasks
+def test_a_task_enqueued_on_the_real_backend_runs_once_however_often_it_is_run():
+    from django_tasks_db.models import DBTaskResult
+
+    from tests.testapp.tasks_framework import TaskResultStatus, record_direct
+
+    result = record_direct.enqueue("direct")
+    work()
+    # The backend runs the same enqueued task again (an operator's requeue, a redelivery).
+    DBTaskResult.objects.filter(pk=result.id).update(status=TaskResultStatus.READY)
+    work()
+    row = DBTaskResult.objects.get(pk=result.id)
+    assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
+    assert effects("direct") == 1
+    # Another enqueue is another delivery.
+    record_direct.enqueue("direct")
+    work()
+    assert effects("direct") == 2
+
+
+# -- Celery: functions under @idempotent_task() called inside a Celery task -------------------
+
+
+celery = pytest.importorskip("celery", reason="Celery is an optional dependency")
+
+
+def test_two_keyed_functions_called_inside_one_celery_task_both_run():
+    from tests.testapp.tasks import ship_and_bill
+
+    outcome = ship_and_bill.apply(("one",), task_id=str(uuid.uuid4()))
+    assert outcome.get() == ["shipped one", "billed one"]
+    assert (effects("ship:one"), effects("bill:one")) == (1, 1)
+    # A second Celery task that ships and bills the same item: each function's key dedupes.
+    ship_and_bill.apply(("one",), task_id=str(uuid.uuid4())).get()
+    assert (effects("ship:one"), effects("bill:one")) == (1, 1)
+
+
+def test_keyed_functions_inside_a_deduplicated_celery_task_run_once_and_so_does_it():
+    from tests.testapp.tasks import ship_and_bill_once
+
+    task_id = str(uuid.uuid4())
+    first = ship_and_bill_once.apply(("two",), task_id=task_id)
+    assert first.get() == ["shipped two", "billed two"]
+    ship_and_bill_once.apply(("two",), task_id=task_id).get()
+    assert (effects("outer:two"), effects("ship:two"), effects("bill:two")) == (1, 1, 1)
+
+
+if settings.HAS_DJANGO_TASKS:
+    from celery import shared_task
+
+    from django_idempotency.tasks import idempotent_task
+    from tests.testapp.tasks_framework import record_called
+
+    @shared_task(name="tests.call_django_tasks")
+    def call_django_tasks(*tags: str) -> list[Any]:
+        """A plain Celery task that calls a Django task's function for each tag."""
+        return [record_called.call(tag) for tag in tags]
+
+    @shared_task(name="tests.call_django_task_once")
+    @idempotent_task()
+    def call_django_task_once(tag: str) -> Any:
+        """A deduplicated Celery task that calls a Django task's function."""
+        ProviderCall.objects.create(key=f"effect:outer:{tag}")
+        return record_called.call(tag)
+
+
+@needs_tasks
+def test_a_django_tasks_function_called_twice_in_one_celery_task_runs_twice():
+    outcome = call_django_tasks.apply(("first", "second"), task_id=str(uuid.uuid4()))
+    assert outcome.get() == [{"tag": "first"}, {"tag": "second"}]
+    assert (effects("first"), effects("second")) == (1, 1)
+
+
+@needs_tasks
+def test_a_django_tasks_function_called_in_a_deduplicated_celery_task_runs():
+    task_id = str(uuid.uuid4())
+    outcome = call_django_task_once.apply(("inner",), task_id=task_id)
+    assert outcome.get() == {"tag": "inner"}
+    assert (effects("outer:inner"), effects("inner")) == (1, 1)
+    # Its own record, and no other: the Celery task's.
+    assert list(IdempotencyRecord.objects.values_list("operation", "key")) == [
+        ("task:tests.call_django_task_once", task_id)
+    ]
+
+
+# -- the shapes of a Celery task whose delivery it is ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bound_retry", "wrapped_twice", "wrapped_bare", "class_based"])
+def test_each_shape_of_celery_task_is_keyed_by_its_own_delivery(name):
+    from tests.celery_app import app
+    from tests.testapp import tasks
+
+    task = app.register_task(tasks.ClassBased()) if name == "class_based" else getattr(tasks, name)
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = task.apply((name,), task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert ProviderCall.objects.filter(key__startswith=f"effect:{name}").count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", "key")) == [
+        (f"task:tests.{name}", task_id)
+    ]
+
+
+# -- one live task per key: a run that Celery retries has not ended ---------------------------
+
+
+@postgres_only  # the task's body writes through a second connection
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_celery_autoretries_keeps_its_key_until_the_retry_ends():
+    from tests.testapp.tasks import autoretried
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", autoretried, "k", "auto")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    outcome = autoretried.apply(args=("k", "auto"), task_id=str(first))
+    # The retried run found its own message holding the key: nothing more was enqueued.
+    assert outcome.get() == str(first)
+    assert OutboxMessage.objects.count() == 1
+    assert effects("auto") == 1
+    assert OutboxUniqueKey.objects.get().finished_at is None
+
+
+@postgres_only  # the task's body writes through a second connection
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_whose_autoretries_are_spent_frees_its_key():
+    from tests.testapp.tasks import autoretried_in_vain
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", autoretried_in_vain, "spent")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    outcome = autoretried_in_vain.apply(args=("spent",), task_id=str(first))
+    assert isinstance(outcome.result, RuntimeError)
+    assert ProviderCall.objects.filter(key__startswith="start:spent:").count() == 3
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    with transaction.atomic():
+        assert outbox.enqueue_once("k", autoretried_in_vain, "spent") != first
+
+
+# -- a key callable that answers no key ------------------------------------------------------
+
+
+def test_a_key_callable_that_answers_none_runs_nothing_rather_than_run_unprotected():
+    from tests.testapp.tasks import keyed_by_payload
+
+    task_id = str(uuid.uuid4())
+    outcomes = [keyed_by_payload.apply(({"tag": "keyless"},), task_id=task_id) for _ in range(2)]
+    # Refused, like a missing key anywhere else; never a body that runs on every delivery.
+    assert [outcome.failed() for outcome in outcomes] == [True, True]
+    assert effects("keyless") == 0
+    # With its key, it runs once.
+    for _ in range(2):
+        keyed_by_payload.apply(({"tag": "keyed", "id": "e-1"},), task_id=str(uuid.uuid4())).get()
+    assert effects("keyed") == 1
