@@ -36,7 +36,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from django_idempotency import _display, _policies, _unique, maintenance, outbox
+from django_idempotency import _display, _policies, _storable, _unique, maintenance, outbox
 from django_idempotency._admin_filters import (
     ExpiredFilter,
     LeaseFilter,
@@ -81,6 +81,15 @@ class ReadOnlyAdminMixin:
     def _has_model_perm(self, request: HttpRequest, action: str) -> bool:
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        # Every filter of the URL, ours and the admin's own, compares its value with a
+        # column: one no column holds (a NUL, which PostgreSQL refuses in any text
+        # parameter) would fail the page's query. Refused here: 400, on every database.
+        if isinstance(value, str) and _storable.text_problem(value) is not None:
+            return False
+        allowed: bool = super().lookup_allowed(lookup, value, request)  # type: ignore[misc]
+        return allowed
 
 
 if TYPE_CHECKING:

@@ -92,6 +92,9 @@ def task_name(task: object) -> str:
     problem = _storable.text_problem(name)
     if problem is not None:
         raise TypeError(f"a task name that {problem} cannot be stored: {name!r}")
+    if name != name.strip():
+        # MariaDB's collations ignore trailing spaces: "t " would hold the keys of "t".
+        raise ValueError(f"a task name has no whitespace at either end: {name!r}")
     max_length = OutboxMessage._meta.get_field("task").max_length
     if max_length is not None and len(name) > max_length:
         raise ValueError(f"a task name has at most {max_length} characters")

@@ -303,6 +303,25 @@ def test_a_task_name_a_column_cannot_hold_raises_type_error_before_any_sql(name)
     assert not OutboxMessage.objects.exists()
 
 
+@pytest.mark.parametrize("spelled", ["tests.a ", " tests.a", "tests.a\t", "tests.a\u3000"])
+def test_a_task_name_with_whitespace_at_an_end_is_refused_before_any_sql(spelled):
+    """MariaDB's collations ignore trailing spaces: there ``tests.a `` and ``tests.a`` would
+    hold one key of ``enqueue_once`` (the second enqueue answering the first task's message),
+    elsewhere two. Such a name is refused everywhere, as a step's name is."""
+    held = timedelta(hours=1)
+    with transaction.atomic():
+        first = outbox.enqueue_once("k-1", "tests.a", unique_until=held)
+        with (
+            CaptureQueriesContext(connection) as queries,
+            pytest.raises(ValueError, match="whitespace"),
+        ):
+            outbox.enqueue_once("k-1", spelled, unique_until=held)
+        with pytest.raises(ValueError, match="whitespace"):
+            outbox.enqueue(spelled)
+        assert len(queries) == 0
+    assert list(OutboxMessage.objects.values_list("pk", "task")) == [(first, "tests.a")]
+
+
 # At the limits, and stored exactly: what the consumer receives is what enqueue() was given.
 STORABLE: dict[str, Any] = {
     "largest-unsigned-64-bit-int": 2**64 - 1,
