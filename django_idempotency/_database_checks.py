@@ -53,8 +53,13 @@ def missing_tables(alias: str, databases: Iterable[str]) -> list[CheckMessage]:
         what.append(f"its migrations {', '.join(unapplied)} are not applied")
     return [
         Error(
-            f"The idempotency database {alias!r} is not migrated: {'; '.join(what)}. Every "
-            "protected request would be refused (503 idempotency_store_unavailable).",
+            f"The idempotency database {alias!r} is not migrated: {'; '.join(what)}. "
+            + (
+                "Every protected request would be refused (503 idempotency_store_unavailable)."
+                if missing
+                else "Protected requests may be refused (503 idempotency_store_unavailable) "
+                "until they are."
+            ),
             hint=f"Run: python manage.py migrate django_idempotency --database {alias}",
             id=_check_ids.error("TABLES_MISSING"),
         )
