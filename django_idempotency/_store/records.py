@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any
 
@@ -210,8 +210,8 @@ class ClaimResult:
             id=record_id,
             status=IN_PROGRESS,
             lease_token=token,
-            lease_expires_at=now + op.lease,
-            expires_at=now + op.ttl,
+            lease_expires_at=later(now, op.lease),
+            expires_at=later(now, op.ttl),
             request_hash=op.request_hash,
             fingerprint_version=op.fingerprint_version,
             recovery_attempts=0,
@@ -220,6 +220,17 @@ class ClaimResult:
             response_body=None,
         )
         return cls(state, claimed=True)
+
+
+def later(now: datetime, duration: timedelta) -> datetime:
+    """``duration`` after ``now`` in elapsed time. A naive ``now`` (``USE_TZ = False``) is
+    local time in the default time zone, where a wall-clock sum would be an hour off
+    across a daylight saving change: the sum is made in UTC and given back as local time."""
+    if timezone.is_aware(now):
+        return now + duration
+    zone = timezone.get_default_timezone()
+    elapsed = timezone.make_aware(now, zone).astimezone(dt_timezone.utc) + duration
+    return timezone.make_naive(elapsed, zone)
 
 
 def from_epoch(seconds: float) -> datetime:

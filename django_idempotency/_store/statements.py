@@ -20,7 +20,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 
-from django_idempotency._store.records import STATE_COLUMNS
+from django_idempotency._store.records import STATE_COLUMNS, later
 from django_idempotency._vendors import of
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
@@ -177,7 +177,7 @@ def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
             "fingerprint_version": op.fingerprint_version,
             "status": IN_PROGRESS,
             "lease_token": token,
-            "lease_expires_at": now + op.lease,
+            "lease_expires_at": later(now, op.lease),
             "recovery_policy": op.recovery_policy,
             "recovery_attempts": 0,
             "response_status": None,
@@ -185,7 +185,7 @@ def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
             "response_body": None,
             "created_at": now,
             "completed_at": None,
-            "expires_at": now + op.ttl,
+            "expires_at": later(now, op.ttl),
         },
     )
 
