@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from django_idempotency import _policies, _storable, _validation, states
 from django_idempotency._policies import UniqueUntil
+from django_idempotency._store.records import later
 from django_idempotency._vendors import of
 from django_idempotency.exceptions import TaskAlreadyQueued
 from django_idempotency.keys import validate_key
@@ -125,7 +126,7 @@ def write_once(
         now = timezone.now()
         fields = {
             "unique_until": wanted.until.name,
-            "held_until": now + wanted.duration if wanted.duration is not None else None,
+            "held_until": later(now, wanted.duration) if wanted.duration is not None else None,
             "finished_at": None,
             "run_ttl": run_ttl if wanted.until.needs_task_record else None,
             "created_at": now,

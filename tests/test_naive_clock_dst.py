@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -87,3 +88,20 @@ def test_a_live_lease_across_the_change_is_not_taken_over(clock):
 
     assert run_once(first, **identity) == "first"
     assert calls == ["first"]
+
+
+def test_an_enqueue_once_window_across_the_change_holds_its_length(clock):
+    # unique_until=timedelta(hours=2) from 01:00 EST: the key is held until 04:00 EDT, two
+    # hours of real time later (as wall-clock time, 03:00 EDT: one hour).
+    from django_idempotency import outbox
+    from django_idempotency.models import OutboxMessage, OutboxUniqueKey
+
+    clock.append(datetime(2027, 3, 14, 6, 0, tzinfo=UTC))  # 01:00 EST
+    with transaction.atomic():
+        first = outbox.enqueue_once("nightly", "tests.send", unique_until=timedelta(hours=2))
+    clock.append(datetime(2027, 3, 14, 7, 30, tzinfo=UTC))  # 03:30 EDT: 1 h 30 min later
+    with transaction.atomic():
+        again = outbox.enqueue_once("nightly", "tests.send", unique_until=timedelta(hours=2))
+    assert again == first
+    assert OutboxMessage.objects.count() == 1
+    assert OutboxUniqueKey.objects.get().held_until == datetime(2027, 3, 14, 4, 0)

@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from typing import Any
 
@@ -190,8 +190,8 @@ def _insert_or_existing(
             op.fingerprint_version,
             op.recovery_policy,
             now,
-            op.lease,
-            op.ttl,
+            _elapsed(op.lease),
+            _elapsed(op.ttl),
             deadline,
             _relaxed_commit(op.recovery_policy),
         ]
@@ -246,6 +246,18 @@ def _insert_sql(alias: str, columns: tuple[str, ...]) -> str:
     values = ", ".join(f"%({c})s" for c in columns)
     names = ", ".join(quote(c) for c in columns)
     return f"INSERT INTO {table(alias)} ({names}) VALUES ({values})"
+
+
+def _elapsed(duration: timedelta) -> str:
+    """``duration`` as an interval of elapsed time for PostgreSQL's claim function, which
+    adds it to the claim's moment: ``N microseconds``, with no day part. A day of an
+    interval is a calendar day in the session's time zone (``TIME_ZONE`` under ``USE_TZ =
+    False``), an hour short or long across a daylight saving change; the portable claim
+    makes the same sum in elapsed time (``records.later``)."""
+    return f"{duration // _MICROSECOND} microseconds"
+
+
+_MICROSECOND = timedelta(microseconds=1)
 
 
 # -- the takeover of a replaceable record --------------------------------------------------

@@ -167,6 +167,10 @@ def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
     """The columns of the record a claim of ``op`` at ``now`` writes, with lease ``token``,
     each in the form the field stores (the portable insert and takeover; PostgreSQL's
     claim passes its values as they are)."""
+    if now.tzinfo is not None:  # USE_TZ = True: elapsed time as it is, and no call made
+        lease_ends, expires = now + op.lease, now + op.ttl
+    else:
+        lease_ends, expires = later(now, op.lease), later(now, op.ttl)
     return prepared_row(
         op.alias,
         {
@@ -177,7 +181,7 @@ def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
             "fingerprint_version": op.fingerprint_version,
             "status": IN_PROGRESS,
             "lease_token": token,
-            "lease_expires_at": later(now, op.lease),
+            "lease_expires_at": lease_ends,
             "recovery_policy": op.recovery_policy,
             "recovery_attempts": 0,
             "response_status": None,
@@ -185,7 +189,7 @@ def claim_row(op: Operation, token: uuid.UUID, now: datetime) -> dict[str, Any]:
             "response_body": None,
             "created_at": now,
             "completed_at": None,
-            "expires_at": later(now, op.ttl),
+            "expires_at": expires,
         },
     )
 
