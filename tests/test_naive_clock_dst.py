@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import zoneinfo
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 
 import pytest
 from django.db import transaction
@@ -22,6 +23,7 @@ from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
+UTC = dt_timezone.utc  # datetime.UTC is Python 3.11's
 ZONE = "America/New_York"
 CHARGE = {"amount": 5, "currency": "EUR"}
 # 03:00 EST on the eve of the change: 23 hours of real time later it is 03:00 EDT.
