@@ -58,6 +58,23 @@ def examples(count: int) -> int:
     return max(10, count // 4) if QUICK else count
 
 
+def work_tasks(worker_id: str = "in-process") -> None:
+    """django-tasks-db's worker (the loop of ``manage.py db_worker``) on the ``worker``
+    backend, in this process, until no task is ready."""
+    from django_tasks_db.management.commands.db_worker import Worker
+
+    Worker(
+        queue_names=["*"],
+        interval=0,
+        batch=True,
+        backend_name="worker",
+        startup_delay=False,
+        max_tasks=None,
+        worker_id=worker_id,
+        excluded_queue_names=[],
+    ).run()
+
+
 # -- requests and keys -------------------------------------------------------------------------
 
 

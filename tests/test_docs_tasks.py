@@ -20,27 +20,14 @@ pytest.importorskip(
 from django.core import mail
 from django.db import transaction
 from django.utils import timezone
-from django_tasks_db.management.commands.db_worker import Worker
 from django_tasks_db.models import DBTaskResult
 
 from django_idempotency import outbox
 from django_idempotency.models import OutboxMessage, OutboxStatus
 from example_project.docs_examples import tasks_framework as shown
+from tests.helpers import work_tasks
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
-
-
-def work() -> None:
-    Worker(
-        queue_names=["*"],
-        interval=0,
-        batch=True,
-        backend_name="worker",
-        startup_delay=False,
-        max_tasks=None,
-        worker_id="docs",
-        excluded_queue_names=[],
-    ).run()
 
 
 def test_the_settings_shown_are_the_tests_settings() -> None:
@@ -63,7 +50,7 @@ def test_a_sign_up_mails_its_welcome_once_however_often_it_is_delivered() -> Non
     assert str(OutboxMessage.objects.get().id) == message_id
     for _ in range(2):  # delivered twice
         outbox.relay(once=True)
-        work()
+        work_tasks("docs")
         OutboxMessage.objects.update(status=OutboxStatus.PENDING, available_at=timezone.now())
     assert DBTaskResult.objects.count() == 2
     assert [m.to for m in mail.outbox] == [[user.email]]
@@ -86,7 +73,7 @@ def test_the_example_projects_receipt_goes_through_django_tasks_once() -> None:
     assert str(OutboxMessage.objects.get().id) == result.id
     for _ in range(2):  # delivered twice
         outbox.relay(once=True)
-        work()
+        work_tasks("docs")
         OutboxMessage.objects.update(status=OutboxStatus.PENDING, available_at=timezone.now())
     assert [m.to for m in mail.outbox] == [["grace@example.com"]]
     assert "1000 EUR" in mail.outbox[0].subject

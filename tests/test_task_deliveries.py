@@ -29,7 +29,7 @@ from django_idempotency.models import (
     OutboxStatus,
     OutboxUniqueKey,
 )
-from tests.helpers import postgres_only
+from tests.helpers import postgres_only, work_tasks
 from tests.testapp.models import ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -47,22 +47,6 @@ needs_tasks = pytest.mark.skipif(
 )
 
 
-def work() -> None:
-    """django-tasks-db's worker, in this process, until no task is ready."""
-    from django_tasks_db.management.commands.db_worker import Worker
-
-    Worker(
-        queue_names=["*"],
-        interval=0,
-        batch=True,
-        backend_name="worker",
-        startup_delay=False,
-        max_tasks=None,
-        worker_id="in-process",
-        excluded_queue_names=[],
-    ).run()
-
-
 @needs_tasks
 def test_a_task_enqueued_on_the_real_backend_runs_once_however_often_it_is_run():
     from django_tasks_db.models import DBTaskResult
@@ -70,16 +54,16 @@ def test_a_task_enqueued_on_the_real_backend_runs_once_however_often_it_is_run()
     from tests.testapp.tasks_framework import TaskResultStatus, record_direct
 
     result = record_direct.enqueue("direct")
-    work()
+    work_tasks()
     # The backend runs the same enqueued task again (an operator's requeue, a redelivery).
     DBTaskResult.objects.filter(pk=result.id).update(status=TaskResultStatus.READY)
-    work()
+    work_tasks()
     row = DBTaskResult.objects.get(pk=result.id)
     assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
     assert effects("direct") == 1
     # Another enqueue is another delivery.
     record_direct.enqueue("direct")
-    work()
+    work_tasks()
     assert effects("direct") == 2
 
 

@@ -38,11 +38,11 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from django_tasks_db.compat import task_enqueued
-from django_tasks_db.management.commands.db_worker import Worker
 from django_tasks_db.models import DBTaskResult
 
 from django_idempotency import outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
+from tests.helpers import work_tasks
 from tests.live import ROOT
 from tests.testapp.models import ProviderCall
 from tests.testapp.tasks_framework import (
@@ -65,20 +65,6 @@ MODULE = "tests.testapp.tasks_framework"
 def relay() -> outbox.RelayResult:
     """One relay run, as ``relay_outbox --once`` does, with the default settings."""
     return outbox.relay(once=True)
-
-
-def work() -> None:
-    """django-tasks-db's worker, in this process, until no delivered task is ready."""
-    Worker(
-        queue_names=["*"],
-        interval=0,
-        batch=True,
-        backend_name="worker",
-        startup_delay=False,
-        max_tasks=None,
-        worker_id="in-process",
-        excluded_queue_names=[],
-    ).run()
 
 
 def delivered(tag: str) -> list[DBTaskResult[Any, Any]]:
@@ -108,7 +94,7 @@ def test_an_enqueue_in_a_transaction_that_rolls_back_writes_and_runs_nothing():
         enqueue_then_fail("rolled-back")
     assert not OutboxMessage.objects.exists()
     assert relay().sent == 0
-    work()
+    work_tasks()
     assert not DBTaskResult.objects.exists()
     assert (starts("rolled-back"), effects("rolled-back")) == (0, 0)
 
@@ -128,7 +114,7 @@ def test_a_committed_enqueue_writes_one_message_and_its_result_id_is_the_message
     assert result.backend == "default"
     assert (result.errors, result.worker_ids, result.finished_at) == ([], [], None)
     # Nothing runs before the relay.
-    work()
+    work_tasks()
     assert (starts("committed"), DBTaskResult.objects.count()) == (0, 0)
 
 
@@ -163,7 +149,7 @@ def test_a_committed_task_is_delivered_to_the_worker_backend_and_runs_once():
     assert row.args_kwargs["args"] == ["once"]
     # The message's identity travels with it, in the task's keyword arguments.
     assert result.id in json.dumps(row.args_kwargs["kwargs"])
-    work()
+    work_tasks()
     row.refresh_from_db()
     assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
     assert row.return_value["tag"] == "once"
@@ -174,10 +160,10 @@ def test_a_message_delivered_twice_runs_its_body_once():
     with transaction.atomic():
         result = record_effect.enqueue("twice")
     relay()
-    work()
+    work_tasks()
     pending_again(result.id)
     assert relay().sent == 1
-    work()
+    work_tasks()
     rows = delivered("twice")
     assert len(rows) == 2
     assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
@@ -221,7 +207,7 @@ def test_a_batch_is_handed_over_in_one_insert_and_marked_sent_in_one_update():
         message = OutboxMessage.objects.get(pk=message_id)
         assert message.status == OutboxStatus.SENT
         assert DBTaskResult.objects.filter(pk=message.delivery["result_id"]).exists()
-    work()
+    work_tasks()
     assert [effects(tag) for tag in tags] == [1] * 5
     result = record_effect.get_result(ids[0])
     assert result.status == TaskResultStatus.SUCCESSFUL
@@ -337,7 +323,7 @@ def test_a_batch_delivered_twice_runs_each_body_once():
         pending_again(message_id)
     assert relay().sent == 4
     assert DBTaskResult.objects.count() == 8
-    work()
+    work_tasks()
     assert set(DBTaskResult.objects.values_list("status", flat=True)) == {
         TaskResultStatus.SUCCESSFUL
     }
@@ -358,7 +344,7 @@ def test_a_message_its_task_cannot_be_bound_for_fails_alone_and_the_batch_goes_o
     refused = OutboxMessage.objects.get(pk=ids[1])
     assert (refused.status, refused.attempts) == (OutboxStatus.PENDING, 1)
     assert "result_id" not in refused.delivery
-    work()
+    work_tasks()
     assert [effects(f"bound-{n}") for n in range(3)] == [1, 0, 1]
 
 
@@ -385,7 +371,7 @@ def test_a_batch_whose_hand_over_fails_is_handed_over_one_by_one_and_only_the_cu
     culprit = OutboxMessage.objects.get(pk=ids[1])
     assert (culprit.status, culprit.attempts) == (OutboxStatus.PENDING, 1)
     assert culprit.last_error == "RuntimeError: the backend refused this one"
-    work()
+    work_tasks()
     assert [effects(tag) for tag in ("first", "culprit", "last")] == [1, 0, 1]
 
 
@@ -393,10 +379,10 @@ def test_a_task_that_takes_its_context_runs_once_per_message():
     with transaction.atomic():
         result = record_with_context.enqueue("context")
     relay()
-    work()
+    work_tasks()
     pending_again(result.id)
     relay()
-    work()
+    work_tasks()
     rows = delivered("context")
     assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
         row.traceback for row in rows
@@ -409,10 +395,10 @@ def test_a_task_not_under_idempotent_task_runs_once_per_delivery_with_its_own_ar
     with transaction.atomic():
         result = record_plain.enqueue("plain")
     relay()
-    work()
+    work_tasks()
     pending_again(result.id)
     relay()
-    work()
+    work_tasks()
     rows = delivered("plain")
     assert [row.status for row in rows] == [TaskResultStatus.SUCCESSFUL] * 2, [
         row.traceback for row in rows
@@ -451,7 +437,7 @@ def test_priority_and_queue_name_travel_to_the_worker_backend():
     relay()
     (row,) = delivered("options")
     assert (row.priority, row.queue_name, row.backend_name) == (7, "emails", "worker")
-    work()
+    work_tasks()
     assert effects("options") == 1
 
 
@@ -460,14 +446,14 @@ def test_run_after_travels_and_nothing_runs_before_it():
     with transaction.atomic():
         record_effect.using(run_after=run_after).enqueue("later")
     relay()
-    work()
+    work_tasks()
     assert starts("later") == 0
     # Handed over at once (the worker backend defers it) or kept until then (the relay does).
     rows = delivered("later")
     assert [row.run_after for row in rows] in ([], [run_after])
     time.sleep(max(0.0, (run_after - timezone.now()).total_seconds()) + 0.2)
     relay()
-    work()
+    work_tasks()
     (row,) = delivered("later")
     assert row.run_after == run_after
     assert row.status == TaskResultStatus.SUCCESSFUL, row.traceback
@@ -611,10 +597,10 @@ def test_an_async_task_under_idempotent_task_runs_its_body_once_per_message():
     with transaction.atomic():
         result = record_async.enqueue("async-1")
     relay()
-    work()
+    work_tasks()
     pending_again(result.id)
     relay()
-    work()
+    work_tasks()
     rows = list(DBTaskResult.objects.all())
     assert len(rows) == 2  # delivered twice
     assert effects("async-1") == 1
@@ -642,7 +628,7 @@ def test_an_async_task_leaves_no_connection_open_in_the_thread_it_ran_in():
     with transaction.atomic():
         record_async.enqueue("async-2")
     relay()
-    work()
+    work_tasks()
     assert effects("async-2") == 1
     deadline = time.monotonic() + 5  # a closed session's backend takes a moment to exit
     while (after := other_sessions()) > before and time.monotonic() < deadline:
@@ -656,10 +642,10 @@ def test_get_result_after_delivery_carries_the_return_value_and_refresh_follows_
     result.refresh()
     before = result.status
     relay()
-    work()
+    work_tasks()
     result.refresh()
     assert (before, result.status) == (TaskResultStatus.READY, TaskResultStatus.SUCCESSFUL)
-    assert result.return_value == {"tag": "rv", "pid": os.getpid()}  # work() runs in-process
+    assert result.return_value == {"tag": "rv", "pid": os.getpid()}  # work_tasks() runs in-process
     assert record_effect.get_result(result.id).return_value == result.return_value
     assert effects("rv") == 1
 
@@ -681,5 +667,5 @@ def test_get_result_of_a_message_that_is_no_task_result_of_this_backend():
     with transaction.atomic():
         record_effect.enqueue("after-gone")
     relay()
-    work()
+    work_tasks()
     assert effects("after-gone") == 1
