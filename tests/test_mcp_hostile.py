@@ -365,9 +365,12 @@ def test_a_fastmcp_tool_registered_without_output_schema_answers_as_unprotected(
     answers_as_unprotected(returns, {"output_schema": None})
 
 
-def answers_as_unprotected(returns: str, registration: dict[str, Any]) -> None:
+def answers_as_unprotected(
+    returns: str, registration: dict[str, Any], framework: str = "fastmcp"
+) -> None:
     annotation, body = RETURNS[returns]
-    plain, guarded = FastMCP("plain"), FastMCP("guarded")
+    server = FastMCP if framework == "fastmcp" else MCPServer
+    plain, guarded = server("plain"), server("guarded")
 
     def tool() -> Any:
         def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
@@ -377,12 +380,12 @@ def answers_as_unprotected(returns: str, registration: dict[str, Any]) -> None:
         return refund
 
     plain.tool(**registration)(tool())
-    guarded.tool(**registration)(protect("fastmcp")(tool()))
+    guarded.tool(**registration)(protect(framework)(tool()))
     unprotected = call(plain, args("unused"))
     key = new_key()
     first = call(guarded, args(key))
     ran_once(first)
-    # The protected tool's first answer is the one FastMCP gives the unprotected tool.
+    # The protected tool's first answer is the one the framework gives the unprotected tool.
     assert first.content == unprotected.content
     assert first.structured_content == unprotected.structured_content
     assert first.is_error == unprotected.is_error
@@ -395,26 +398,7 @@ def test_an_sdk_tool_registered_without_structured_output_answers_as_unprotected
     """The SDK's ``@server.tool(structured_output=False)``: the unprotected tool answers its
     content alone; the protected one, converted as if registered with the default, added a
     ``structuredContent`` the tool's listing does not announce."""
-    annotation, body = RETURNS[returns]
-    plain, guarded = MCPServer("plain"), MCPServer("guarded")
-
-    def tool() -> Any:
-        def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
-            return body(order_id, amount)
-
-        refund.__annotations__["return"] = annotation
-        return refund
-
-    plain.tool(structured_output=False)(tool())
-    guarded.tool(structured_output=False)(protect("mcpserver")(tool()))
-    unprotected = call(plain, args("unused"))
-    key = new_key()
-    first = call(guarded, args(key))
-    ran_once(first)
-    assert first.content == unprotected.content
-    assert first.structured_content == unprotected.structured_content
-    replayed(first, call(guarded, args(key)))
-    assert effects() == (2, 2, 2)  # the unprotected call, then the protected one once
+    answers_as_unprotected(returns, {"structured_output": False}, "mcpserver")
 
 
 # -- FastMCP's registration options ----------------------------------------------------------------
