@@ -63,6 +63,7 @@ def post(client: Client, url: str, key: str) -> Any:
         (["/transfers/", "/transfers.json", "/transfers.api"], "transfer"),  # the mixin
         (["/refunds/", "/refunds.json"], "refund"),  # @api_view
         (["/api/ledger/", "/api/ledger.json"], "ledger:/api/ledger/"),  # a router's
+        (["/payments/", "/payments.json"], "payment"),  # regex, included under ""
     ],
 )
 def test_one_key_sent_to_every_spelling_of_an_endpoint_runs_it_once(client, spellings, account):
@@ -84,6 +85,8 @@ def test_each_spelling_names_the_plain_spellings_operation(client):
         ("/transfers.json", "POST transfers/"),
         ("/refunds.json", "POST refunds/"),
         ("/api/ledger.json", "ledger.create"),
+        # As Django's ResolverMatch.route spells it: an empty prefix keeps the "^".
+        ("/payments.json", "POST ^payments/$"),
     ]:
         assert post(client, url, new_key()).status_code == 201
         assert IdempotencyRecord.objects.filter(operation=operation).count() == 1, url
@@ -99,6 +102,7 @@ def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
         ("/transfers/", "POST transfers/"),
         ("/refunds/", "POST refunds/"),
         ("/api/ledger/", "ledger.create"),
+        ("/payments/", "POST ^payments/$"),
     ]
 
 

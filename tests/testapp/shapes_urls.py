@@ -4,7 +4,8 @@ protects or is refused), each unsafe handler writing one ``Charge`` that the tes
 - ``method_decorator(idempotent, name="dispatch")`` on a class whose handlers are
   ``async def``;
 - DRF format suffixes: ``transfers/`` and ``transfers.json`` (``format_suffix_patterns``),
-  for the mixin and for ``@api_view``, and a router's suffixed routes;
+  for the mixin and for ``@api_view``, a router's suffixed routes, and regex patterns
+  included under an empty prefix (``payments/``: Django keeps the included route's ``^``);
 - one basename under two routers (``v1/`` and ``v2/``), which ``tests/test_operations.py``
   puts in a URLconf of its own (:data:`two_routers`), the check refusing it.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.urls import include, path
+from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework import viewsets
@@ -80,6 +81,12 @@ def create_refund(request: Request, format: str | None = None) -> Response:
     return Response(written("refund"), status=201)
 
 
+@api_view(["POST"])
+@idempotent
+def create_payment(request: Request, format: str | None = None) -> Response:
+    return Response(written("payment"), status=201)
+
+
 class LedgerViewSet(IdempotencyMixin, viewsets.ViewSet):
     def create(self, request: Request, format: str | None = None) -> Response:
         return Response(written(f"ledger:{request.path}"), status=201)
@@ -96,6 +103,7 @@ urlpatterns = [
         [path("transfers/", TransferView.as_view()), path("refunds/", create_refund)]
     ),
     path("api/", include(router.urls)),
+    path("", include(format_suffix_patterns([re_path(r"^payments/$", create_payment)]))),
 ]
 
 
