@@ -28,11 +28,13 @@ _TWINS: weakref.WeakKeyDictionary[URLResolver, dict[str, str]] = weakref.WeakKey
 
 def join(levels: tuple[Any, ...]) -> str:
     """The route as ``ResolverMatch.route`` has it: each level's pattern joined, without the
-    leading ``^`` of a regex below the first."""
+    leading ``^`` of a regex below a level with text of its own (below an empty prefix,
+    ``path("", include(...))``, Django keeps the ``^``)."""
     route = ""
     for level in reversed(levels):
         text = str(level)
-        route = text + route.removeprefix("^") if route else text
+        if text:
+            route = text + route.removeprefix("^")
     return route
 
 

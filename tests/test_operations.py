@@ -92,6 +92,28 @@ def test_each_spelling_names_the_plain_spellings_operation(client):
         assert IdempotencyRecord.objects.filter(operation=operation).count() == 1, url
 
 
+@pytest.mark.django_db
+@pytest.mark.urls(SHAPES)
+def test_a_retry_after_the_upgrade_finds_what_a_regex_suffix_stored_under_its_own_route(
+    client, monkeypatch
+):
+    """The previous release named ``payments.json`` (a regex included under ``""``) by its
+    own route: its twin table never matched Django's spelling. A retry now replays that
+    record, adopted under the plain route's operation, and the view does not run again."""
+    from django_idempotency import _routes
+
+    key = new_key()
+    with monkeypatch.context() as old_release:
+        old_release.setattr(_routes, "suffix_twins", lambda urlconf=None: {})
+        assert post(client, "/payments.json", key).status_code == 201
+    (record,) = IdempotencyRecord.objects.all()
+    assert record.operation == r"POST ^payments\.(?P<format>[a-z0-9]+)/?$"
+    retried = post(client, "/payments.json", key)
+    assert (retried.status_code, retried["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account="payment").count() == 1
+    assert IdempotencyRecord.objects.get().operation == "POST ^payments/$"
+
+
 @override_settings(ROOT_URLCONF=SHAPES)
 def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
     posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
