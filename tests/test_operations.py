@@ -128,6 +128,98 @@ def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
     ]
 
 
+# -- one view in every language (i18n_patterns) -----------------------------------------------
+
+
+class InEveryLanguage:
+    urlpatterns = shapes_urls.in_every_language
+
+
+class DefaultLanguageUnprefixed:
+    urlpatterns = shapes_urls.default_language_unprefixed
+
+
+in_languages = override_settings(
+    USE_I18N=True,
+    LANGUAGE_CODE="en",
+    LANGUAGES=[("en", "English"), ("fr", "French"), ("pt-br", "Brazilian Portuguese")],
+    MIDDLEWARE=[
+        "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.middleware.locale.LocaleMiddleware",
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+    ],
+)
+
+
+@pytest.mark.django_db
+@in_languages
+@pytest.mark.parametrize(
+    ("urlconf", "spellings", "account", "operation"),
+    [
+        (
+            InEveryLanguage,
+            ["/en/charges/", "/fr/charges/", "/pt-br/charges/"],
+            "refund",
+            "POST en/charges/",
+        ),
+        (DefaultLanguageUnprefixed, ["/charges/", "/fr/charges/"], "refund", "POST charges/"),
+        (
+            InEveryLanguage,
+            ["/fr/bookings/", "/en/bookings.json", "/fr/bookings.json"],
+            "booking",
+            "POST en/bookings/$",
+        ),
+        (
+            DefaultLanguageUnprefixed,
+            ["/fr/bookings.json", "/bookings/"],
+            "booking",
+            "POST ^bookings/$",
+        ),
+    ],
+)
+def test_one_key_sent_in_every_language_runs_the_view_once(
+    client, urlconf, spellings, account, operation
+):
+    """A language prefix is a spelling of the endpoint: one operation, named by the route
+    as the default language (LANGUAGE_CODE) spells it."""
+    key = new_key()
+    with override_settings(ROOT_URLCONF=urlconf):
+        assert post(client, spellings[0], key).status_code == 201
+        for url in spellings[1:]:
+            assert post(client, url, key).status_code in (201, 422), url
+    assert Charge.objects.filter(account=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@in_languages
+@override_settings(ROOT_URLCONF=InEveryLanguage)
+def test_the_audit_lists_a_view_in_every_language_once_under_its_one_operation():
+    posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
+    assert posts == [("/en/charges/", "POST en/charges/"), ("/en/bookings/", "POST en/bookings/$")]
+    assert shared_errors() == []
+
+
+@pytest.mark.django_db
+@in_languages
+@override_settings(ROOT_URLCONF=InEveryLanguage)
+def test_a_retry_after_the_upgrade_finds_what_another_language_stored_under_its_route(
+    client, monkeypatch
+):
+    """The previous release named a request to ``fr/charges/`` by that route; a retry now
+    replays its record, adopted under the default language's operation."""
+    from django_idempotency import _routes
+
+    key = new_key()
+    with monkeypatch.context() as old_release:
+        old_release.setattr(_routes, "canonical_route", lambda route, urlconf=None: route)
+        assert post(client, "/fr/charges/", key).status_code == 201
+    assert IdempotencyRecord.objects.get().operation == "POST fr/charges/"
+    retried = post(client, "/fr/charges/", key)
+    assert (retried.status_code, retried["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account="refund").count() == 1
+    assert IdempotencyRecord.objects.get().operation == "POST en/charges/"
+
+
 # -- one basename under two routers -----------------------------------------------------------
 
 

@@ -6,6 +6,9 @@ protects or is refused), each unsafe handler writing one ``Charge`` that the tes
 - DRF format suffixes: ``transfers/`` and ``transfers.json`` (``format_suffix_patterns``),
   for the mixin and for ``@api_view``, a router's suffixed routes, and regex patterns
   included under an empty prefix (``payments/``: Django keeps the included route's ``^``);
+- one view in every language (``i18n_patterns``: ``en/charges/``, ``fr/charges/``), which
+  :data:`in_every_language` and :data:`default_language_unprefixed` spell, each a root
+  URLconf of its own (tests/test_operations.py);
 - one basename under two routers (``v1/`` and ``v2/``), which ``tests/test_operations.py``
   puts in a URLconf of its own (:data:`two_routers`), the check refusing it.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf.urls.i18n import i18n_patterns
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
@@ -130,3 +134,26 @@ class LedgerV2ViewSet(LedgerViewSet):
 two_routers = routers()
 two_routers_own_basename = routers(basename="ledger-v2")
 two_routers_own_operation = routers(viewset=LedgerV2ViewSet)
+
+
+# -- one view in every language ----------------------------------------------------------------
+
+
+@api_view(["POST"])
+@idempotent
+def create_booking(request: Request, format: str | None = None) -> Response:
+    return Response(written("booking"), status=201)
+
+
+def _in_languages(prefix_default_language: bool) -> list[Any]:
+    """``charges/`` (the async payout view's twin, a function view) and ``bookings/`` (a regex
+    with DRF's format suffix) under ``i18n_patterns``: ``en/charges/`` and ``fr/charges/``."""
+    return i18n_patterns(
+        path("charges/", create_refund),
+        *format_suffix_patterns([re_path(r"^bookings/$", create_booking)]),
+        prefix_default_language=prefix_default_language,
+    )
+
+
+in_every_language = _in_languages(prefix_default_language=True)
+default_language_unprefixed = _in_languages(prefix_default_language=False)
