@@ -195,7 +195,7 @@ def protected(
         inner.idempotency = outer
         return call_view()
     if legacy is None and options.operation is None:
-        legacy = _suffix_spelling(inner, stored_account, stored_operation)
+        legacy = _route_spelling(inner, stored_account, stored_operation)
     context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)
     inner.idempotency = context
     return _Protected.of(request, context, terms, legacy).answer(call_view)
@@ -527,15 +527,22 @@ def _hashed_as(request: Any, context: IdempotencyContext, operation: str, terms:
         inner.idempotency = context
 
 
-def _suffix_spelling(inner: Any, account: str, operation: str) -> tuple[str, str] | None:
-    """How release 0.2.0 named the operation of a request that took DRF's format-suffix
-    spelling of a route (``POST transfers<drf_format_suffix:format>``), where this release
-    names it by the plain route (``POST transfers/``): the claim adopts a record 0.2.0 wrote
-    so (``_store.adopt_legacy``), and a retry after the upgrade finds it within its TTL.
-    ``None`` for every other request, with no call made: most routes have no suffix."""
+def _route_spelling(inner: Any, account: str, operation: str) -> tuple[str, str] | None:
+    """How an earlier release named the operation of a request that took another spelling
+    of its endpoint's route, where this release names it by the one spelling
+    (``_routes.canonical_route``): DRF's format suffix (0.2.0: ``POST transfers<drf_format_
+    suffix:format>``, now ``POST transfers/``), or a language's prefix of ``i18n_patterns``
+    (``POST fr/charges/``, now ``POST en/charges/``). The claim adopts a record written so
+    (``_store.adopt_legacy``), and a retry after the upgrade finds it within its TTL.
+    ``None`` for every other request, with no call made: most routes have neither."""
     match = inner.resolver_match
     route = match.route if match is not None else None
-    if not route or not any(marker in route for marker in _routes.SUFFIXES):
+    if not route or not (
+        any(marker in route for marker in _routes.SUFFIXES)
+        # LocaleMiddleware ran: the route may begin with a language's prefix
+        # (i18n_patterns), which earlier releases named an operation of its own.
+        or hasattr(inner, "LANGUAGE_CODE")
+    ):
         return None
     canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None))
     if canonical == route or operation != storable_name(f"{inner.method} {canonical}"):

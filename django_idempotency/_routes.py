@@ -5,6 +5,12 @@ pattern, a twin with the same view that also takes a ``.json``-like suffix: ``tr
 and ``transfers.<drf_format_suffix:format>`` are one endpoint. Its default operation is the
 plain pattern's route, whichever spelling a request took, so one key never runs it twice.
 The audit lists such a twin once, through the same table.
+
+``i18n_patterns`` spell one endpoint once per language (``en/charges/``, ``fr/charges/``,
+and ``charges/`` for the default language where it goes unprefixed). Its operation is the
+route as the default language (``LANGUAGE_CODE``) spells it, whichever language a request
+took: the route the audit shows, and the name earlier releases gave the default language's
+requests.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from django.urls import URLPattern, URLResolver, get_resolver
+from django.conf import settings
+from django.urls import LocalePrefixPattern, URLPattern, URLResolver, get_resolver
 
 __all__ = ["SUFFIXES", "canonical_route", "join", "suffix_twins"]
 
@@ -24,6 +31,8 @@ SUFFIXES = ("<drf_format_suffix", r"\.(?P<")
 
 # Per resolver (a new one after clear_url_caches(), e.g. override_settings(ROOT_URLCONF)).
 _TWINS: weakref.WeakKeyDictionary[URLResolver, dict[str, str]] = weakref.WeakKeyDictionary()
+# Per resolver: its i18n_patterns' prefix and the routes below it, or None without any.
+_LOCALES: weakref.WeakKeyDictionary[URLResolver, _Locale | None] = weakref.WeakKeyDictionary()
 
 
 def join(levels: tuple[Any, ...]) -> str:
@@ -32,18 +41,75 @@ def join(levels: tuple[Any, ...]) -> str:
     ``path("", include(...))``, Django keeps the ``^``)."""
     route = ""
     for level in reversed(levels):
-        text = str(level)
+        text = _default_prefix(level) if isinstance(level, LocalePrefixPattern) else str(level)
         if text:
             route = text + route.removeprefix("^")
     return route
 
 
+def _default_prefix(pattern: LocalePrefixPattern) -> str:
+    """``i18n_patterns``' prefix as the default language spells it (Django's
+    ``LocalePrefixPattern.language_prefix`` with ``LANGUAGE_CODE`` active)."""
+    return f"{settings.LANGUAGE_CODE}/" if pattern.prefix_default_language else ""
+
+
 def canonical_route(route: str, urlconf: Any = None) -> str:
     """The route that names ``route``'s endpoint: the plain pattern's for DRF's format
     suffix twin of a pattern, else ``route`` itself."""
+    route = _in_default_language(route, urlconf)
     if not any(marker in route for marker in SUFFIXES):
         return route  # most requests: no table to read
     return suffix_twins(urlconf).get(route, route)
+
+
+class _Locale:
+    """A URLconf's ``i18n_patterns``: its prefix, and each route below it as it follows a
+    language's prefix (without a regex's ``^``), mapped to its spelling after no prefix."""
+
+    __slots__ = ("pattern", "routes")
+
+    def __init__(self, pattern: LocalePrefixPattern, below: URLResolver) -> None:
+        self.pattern = pattern
+        self.routes: dict[str, str] = {}
+        for levels in _leaves(below, ()):
+            route = join(levels)
+            self.routes[route.removeprefix("^")] = route
+
+
+def _in_default_language(route: str, urlconf: Any) -> str:
+    """``route`` as the default language spells it, where a language's prefix of
+    ``i18n_patterns`` begins it (``fr/charges/``: ``en/charges/``); else ``route``."""
+    resolver = get_resolver(urlconf)
+    try:
+        locale = _LOCALES[resolver]
+    except KeyError:
+        locale = _LOCALES[resolver] = next(
+            (
+                _Locale(pattern.pattern, pattern)
+                for pattern in resolver.url_patterns
+                if isinstance(pattern, URLResolver)
+                and isinstance(pattern.pattern, LocalePrefixPattern)
+            ),
+            None,
+        )
+    if locale is None:
+        return route  # no i18n_patterns: most projects
+    language, slash, rest = route.partition("/")
+    if not slash or rest not in locale.routes:
+        return route
+    if language.lower() not in {code.lower() for code, _ in settings.LANGUAGES}:
+        return route
+    prefix = _default_prefix(locale.pattern)
+    return prefix + rest if prefix else locale.routes[rest]
+
+
+def _leaves(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    """The levels of every pattern below ``resolver``, its own pattern left out."""
+    for pattern in resolver.url_patterns:
+        if isinstance(pattern, URLResolver):
+            yield from _leaves(pattern, (*levels, pattern.pattern))
+        else:
+            yield (*levels, pattern.pattern)
 
 
 def suffix_twins(urlconf: Any = None) -> dict[str, str]:

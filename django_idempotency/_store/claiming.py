@@ -408,8 +408,11 @@ def adopt_legacy(op: Operation) -> None:
             operation_length=len(operation),
         )
     )
+    # One statement: in autocommit it needs no transaction of its own (a refused UPDATE
+    # leaves nothing to roll back); inside a caller's block a savepoint keeps it usable.
+    inside = connections[op.alias].in_atomic_block
     try:
-        with transaction.atomic(using=op.alias):
+        with transaction.atomic(using=op.alias) if inside else contextlib.nullcontext():
             adopted = written.update(**changes)
     except IntegrityError:
         logger.warning(
