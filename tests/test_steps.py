@@ -331,3 +331,41 @@ def test_a_view_whose_step_outlived_its_lease_answers_409_and_rolls_the_step_bac
         taken_over.json()["ride"]
     ]
     assert prompt.post("/steps/slow/", {}, headers=headers).content == taken_over.content
+
+
+def test_a_step_inside_a_transaction_the_body_opened_is_refused_before_it_runs():
+    # A step inside the body's own transaction.atomic() would commit only with that
+    # transaction: the process dying after the step returned (its mail sent) and before the
+    # body's transaction committed loses the step's record, and the next attempt mails again.
+    crash = [True, True]
+
+    def body() -> str:
+        with transaction.atomic():
+            step("mail", call, "mail")
+            if crash.pop():
+                raise SimulatedCrash  # the process dies before the body's COMMIT
+        return "sent"
+
+    refused: list[BaseException] = []
+    for _ in range(2):
+        try:
+            run_once(body, **identity(recovery="resume"))
+        except (SimulatedCrash, RuntimeError) as exc:
+            refused.append(exc)
+        end_lease()
+    assert calls("mail") == 0  # refused before the step ran, on every attempt
+    assert [type(exc) for exc in refused] == [RuntimeError, RuntimeError]
+    assert "transaction" in str(refused[0])
+    assert not IdempotencyStep.objects.exists()
+    assert IdempotencyRecord.objects.get().status == RecordStatus.IN_PROGRESS
+
+
+def test_a_step_inside_a_transaction_of_a_decorator_beneath_idempotent_is_refused(user):
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    with pytest.raises(RuntimeError, match="transaction"):
+        client.post("/steps/atomic/", {}, headers={"Idempotency-Key": "atomic-1"})
+    assert charges("ride") == 0
+    assert not IdempotencyStep.objects.exists()

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import path
 
@@ -155,4 +155,16 @@ def reset_slow() -> None:
     _slow_runs.clear()
 
 
-urlpatterns = [path("book/", book_and_die), path("slow/", slow_view)]
+@idempotent(recovery="resume", operation="rides.atomic")
+@transaction.atomic
+def atomic_view(request: HttpRequest) -> HttpResponse:
+    """``POST /steps/atomic/``: a step inside a transaction of a decorator beneath
+    ``@idempotent``, which would commit only with it (refused)."""
+    return JsonResponse({"ride": step("ride", create_ride, "")["id"]}, status=201)
+
+
+urlpatterns = [
+    path("book/", book_and_die),
+    path("slow/", slow_view),
+    path("atomic/", atomic_view),
+]
