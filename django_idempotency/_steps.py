@@ -84,6 +84,18 @@ def _storable_step_name(name: Any) -> bool:
     return True
 
 
+def _inside_a_transaction(alias: str) -> bool:
+    """Whether a step on ``alias`` would commit only with a transaction opened around it
+    (by the body, or by a decorator beneath the protecting one): an atomic block that is not
+    a test case's, or autocommit turned off. The body itself runs outside any (the claim
+    refuses ``"resume"`` inside a caller's transaction)."""
+    connection = db.connections[alias]
+    if connection.in_atomic_block:
+        blocks: list[Any] = connection.atomic_blocks
+        return any(not getattr(block, "_from_testcase", False) for block in blocks)
+    return connection.connection is not None and not connection.get_autocommit()
+
+
 def _step_json(name: str, result: Any) -> str:
     try:
         return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
@@ -104,7 +116,8 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
     value returned is what ``json.loads`` gives back for the result, so a body behaves the
     same on every attempt.
 
-    Raises ``RuntimeError`` outside such an operation (and for a step inside a step),
+    Raises ``RuntimeError`` outside such an operation (and for a step inside a step, or
+    inside a ``transaction.atomic()`` the body opened, which it could commit only with),
     ``ValueError`` for a name used twice in one attempt (names are unique within an
     operation: ``f"ship:{line.id}"``), ``TypeError`` for a result that is not JSON (nothing
     is recorded, the step's work rolls back). When the attempt lost its lease, the step's
@@ -125,6 +138,15 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
         )
     if steps.running:
         raise RuntimeError(f"step {name!r} was called inside another step: steps do not nest")
+    if _inside_a_transaction(steps.claim.alias):
+        # Its record would commit only with that transaction: a crash after the step and
+        # before that COMMIT would lose it, and the next attempt would run the step again.
+        raise RuntimeError(
+            f"step {name!r} was called inside a transaction (transaction.atomic() in the "
+            "body, or a decorator beneath @idempotent): a step must commit as it finishes, "
+            "so that a later attempt finds it. Call step() outside transaction.atomic(); "
+            "work that must commit together belongs in one step"
+        )
     if name in steps.used:
         raise ValueError(
             f"step name {name!r} is used twice in one attempt; names are unique within an "
