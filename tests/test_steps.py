@@ -369,3 +369,27 @@ def test_a_step_inside_a_transaction_of_a_decorator_beneath_idempotent_is_refuse
         client.post("/steps/atomic/", {}, headers={"Idempotency-Key": "atomic-1"})
     assert charges("ride") == 0
     assert not IdempotencyStep.objects.exists()
+
+
+def test_a_step_that_rolls_its_own_work_back_is_recorded_and_not_run_again():
+    # A step may undo its own writes (transaction.set_rollback(True)) and still answer, as
+    # a body under "retry" may: that answer is the step's result. Recording it inside the
+    # transaction marked for rollback failed ("store unavailable"), the lease was given
+    # back, and every retry ran the step again: one more mail per retry, never an answer.
+    def decline() -> str:
+        write("declined")
+        call("mail")
+        transaction.set_rollback(True)
+        return "declined"
+
+    answers: list[Any] = []
+    for _ in range(3):
+        try:
+            answers.append(run_once(lambda: step("decide", decline), **identity(recovery="resume")))
+        except Exception as exc:
+            answers.append(type(exc).__name__)
+    assert calls("mail") == 1
+    assert charges("declined") == 0  # the step's writes were rolled back, as it asked
+    assert answers == ["declined", "declined", "declined"]
+    assert list(IdempotencyStep.objects.values_list("name", "result")) == [("decide", '"declined"')]
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
