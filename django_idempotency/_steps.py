@@ -106,6 +106,52 @@ def _step_json(name: str, result: Any) -> str:
         ) from exc
 
 
+class _RolledBack(Exception):
+    """The step marked its own transaction for rollback and returned (``text``: its result
+    as JSON); ``raw``: the driver's connection its transaction ran on."""
+
+    def __init__(self, text: str, raw: Any) -> None:
+        self.text = text
+        self.raw = raw
+
+
+def _run_step(owner: Claim, name: str, func: Callable[..., Any], args: Any, kwargs: Any) -> str:
+    """Run the step and record its result with its work, in one transaction; the result as
+    JSON text."""
+    alias = owner.alias
+    try:
+        with transaction.atomic(using=alias):
+            text = _step_json(name, func(*args, **kwargs))
+            if transaction.get_rollback(using=alias):
+                raise _RolledBack(text, db.connections[alias].connection)
+            _record(owner, name, text)
+    except _RolledBack as rolled_back:
+        # The step undid its own writes (transaction.set_rollback) and answered: its answer
+        # is still its result, recorded on its own, as a body's answer is stored after its
+        # rollback. Not when the rollback found the connection lost (Django replaced it):
+        # the answer of a transaction the store lost is never recorded as final.
+        if db.connections[alias].connection is not rolled_back.raw:
+            lost = db.OperationalError("the connection was lost during the step's transaction")
+            raise store_failed(lost) from None
+        text = rolled_back.text
+        with transaction.atomic(using=alias):
+            _record(owner, name, text)
+    return text
+
+
+def _record(owner: Claim, name: str, text: str) -> None:
+    """Record step ``name``'s result ``text`` for the record ``owner`` holds, fenced by its
+    lease token: ``LeaseLost`` when another attempt owns the record now."""
+    try:
+        kept = _store.record_step(
+            owner.alias, owner.record_id, owner.token, name, text, timezone.now()
+        )
+    except db.Error as exc:
+        raise store_failed(exc) from exc
+    if not kept:
+        raise LeaseLost
+
+
 def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
     """Run ``func(*args, **kwargs)`` once per resumable operation, as its step ``name``.
 
@@ -120,7 +166,9 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
     inside a ``transaction.atomic()`` the body opened, which it could commit only with),
     ``ValueError`` for a name used twice in one attempt (names are unique within an
     operation: ``f"ship:{line.id}"``), ``TypeError`` for a result that is not JSON (nothing
-    is recorded, the step's work rolls back). When the attempt lost its lease, the step's
+    is recorded, the step's work rolls back). A step that marks its own transaction for
+    rollback (``transaction.set_rollback(True)``) has its work rolled back and its result
+    recorded. When the attempt lost its lease, the step's
     work rolls back and the attempt ends (``409`` for a view, ``InProgress`` for
     ``run_once``).
     """
@@ -157,17 +205,7 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
     if recorded is None:
         steps.running = True
         try:
-            owner = steps.claim
-            with transaction.atomic(using=owner.alias):
-                recorded = _step_json(name, func(*args, **kwargs))
-                try:
-                    kept = _store.record_step(
-                        owner.alias, owner.record_id, owner.token, name, recorded, timezone.now()
-                    )
-                except db.Error as exc:
-                    raise store_failed(exc) from exc
-                if not kept:
-                    raise LeaseLost
+            recorded = _run_step(steps.claim, name, func, args, kwargs)
         finally:
             steps.running = False
         steps.recorded[name] = recorded
