@@ -351,3 +351,22 @@ def test_run_once_result_after_a_recovery_callable_is_not_a_replay():
 
 def decided(record: IdempotencyRecord) -> dict[str, bool]:
     return {"decided": True}
+
+
+def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_nothing_commits():
+    def deep(write: bool) -> list[Any]:
+        if write:
+            Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        value: list[Any] = []
+        for _ in range(sys.getrecursionlimit() + 10):
+            value = [value]
+        return value
+
+    with pytest.raises(TypeError, match="JSON"):
+        run_once(deep, True, **IDENTITY, key="deep")
+    assert Charge.objects.count() == 0
+    assert not IdempotencyRecord.objects.exists()  # released: the next call runs afresh
+    # Under "resume" the body's result is stored by its own transaction: the same TypeError.
+    with pytest.raises(TypeError, match="JSON"):
+        run_once(deep, False, **IDENTITY, key="deep-resumed", recovery="resume")
+    assert IdempotencyRecord.objects.get().status == RecordStatus.IN_PROGRESS

@@ -8,6 +8,7 @@ at every boundary.
 
 from __future__ import annotations
 
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -393,3 +394,22 @@ def test_a_step_that_rolls_its_own_work_back_is_recorded_and_not_run_again():
     assert answers == ["declined", "declined", "declined"]
     assert list(IdempotencyStep.objects.values_list("name", "result")) == [("decide", '"declined"')]
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_records_nothing():
+    # json.dumps gives up with RecursionError, which no caller of step() (nor the contract:
+    # "a result that cannot be stored as JSON is a TypeError") expects.
+    def body() -> None:
+        step("deep", lambda: (write("deep"), nested(sys.getrecursionlimit() + 10))[1])
+
+    with pytest.raises(TypeError, match="JSON"):
+        run_once(body, **identity(recovery="resume"))
+    assert charges("deep") == 0
+    assert not IdempotencyStep.objects.exists()
