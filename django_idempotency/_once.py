@@ -73,7 +73,7 @@ def stored_result(result: Any) -> Outcome:
     """The record's outcome for a return value; ``TypeError`` when it is not JSON."""
     try:
         body = json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # nested past the stack's depth
         raise TypeError(
             f"run_once stores the callable's result as JSON, and {type(result).__name__} "
             f"is not JSON ({exc}); nothing was committed"

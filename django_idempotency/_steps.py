@@ -99,7 +99,7 @@ def _inside_a_transaction(alias: str) -> bool:
 def _step_json(name: str, result: Any) -> str:
     try:
         return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # nested past the stack's depth
         raise TypeError(
             f"step {name!r} returned {type(result).__name__}, which cannot be recorded as JSON "
             f"({exc}); nothing was recorded and its work was rolled back"
