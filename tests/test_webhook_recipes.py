@@ -203,6 +203,33 @@ def test_github_forged_delivery_claims_nothing(signature: str) -> None:
 
 
 @pytest.mark.django_db
+def test_github_a_signed_body_sent_under_another_deliverys_id_does_not_block_it() -> None:
+    # GitHub signs the body, not X-GitHub-Delivery (which is the event's id, the same for
+    # every hook subscribed to the event). Someone holding any genuine delivery (a body and
+    # its signature, captured or copied from wherever deliveries are logged) can send its
+    # body under the id of a delivery still to come (a failed one awaiting redelivery,
+    # another hook's delivery of the same event): the signature
+    # verifies, and under a key of the id alone with the constant fingerprint
+    # (same_delivery) it claimed that id, and the genuine delivery was answered the
+    # other body's stored 202, its handler never run.
+    client = Client()
+    captured = json.dumps({"ref": "refs/heads/main", "after": "old"}).encode()
+    assert deliver_github(client, str(uuid.uuid4()), captured).status_code == 202
+    pending = str(uuid.uuid4())
+    replayed_body = deliver_github(client, pending, captured)
+    assert replayed_body.status_code == 202  # a genuine body runs (documented below)
+    genuine = deliver_github(client, pending, b'{"ref": "refs/heads/main", "after": "new"}')
+    assert genuine.status_code == 202
+    assert "Idempotent-Replayed" not in genuine  # its handler ran
+    assert handled("github", pending) == 2
+    # Its redelivery (the same body, signature and id) is answered from its record.
+    again = deliver_github(client, pending, b'{"ref": "refs/heads/main", "after": "new"}')
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == genuine.content
+    assert handled("github", pending) == 2
+
+
+@pytest.mark.django_db
 def test_github_delivery_header_missing_or_unusable() -> None:
     client = Client()
     body = b"{}"
