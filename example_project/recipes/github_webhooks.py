@@ -1,8 +1,10 @@
-"""GitHub webhooks: ``X-Hub-Signature-256`` verified, run once per ``X-GitHub-Delivery``.
+"""GitHub webhooks: ``X-Hub-Signature-256`` verified, run once per ``X-GitHub-Delivery``
+and body.
 
-GitHub's redelivery of a delivery keeps its ``X-GitHub-Delivery``. The HMAC covers the body
-only, not the delivery header: it proves that GitHub sent this body, and the id makes a
-redelivery of it run once.
+GitHub's redelivery of a delivery keeps its ``X-GitHub-Delivery`` and its body. The HMAC
+covers the body only, not the delivery header: it proves that GitHub sent this body, not
+that it sent it with this id. So the key is the id and a digest of the body: a body sent
+under an id it was not delivered with claims a key of its own, never the genuine delivery's.
 """
 
 from __future__ import annotations
@@ -37,14 +39,29 @@ def github_signature_error(request: HttpRequest) -> str | None:
     return "X-Hub-Signature-256 is not the HMAC of the body."
 
 
+DELIVERY = sources.header("X-GitHub-Delivery")
+
+
+def github_delivery_key(request: HttpRequest) -> str | None:
+    """The key of a delivery: its ``X-GitHub-Delivery`` and a digest of its body (``None``
+    without the header: a missing key). A redelivery, the same id and body, has the same."""
+    delivery = DELIVERY(request)
+    if delivery is None:
+        return None
+    return f"{delivery}:{hashlib.sha256(request.body).hexdigest()[:32]}"
+
+
+# What the answer to a delivery without the header names as missing.
+github_delivery_key.description = DELIVERY.description  # type: ignore[attr-defined]
+
+
 @csrf_exempt
 @require_POST
 @verify_before_claim(github_signature_error)
 @idempotent(
     operation="webhooks.github",
-    key=sources.header("X-GitHub-Delivery"),
+    key=github_delivery_key,
     account=sources.fixed("webhook:github"),
-    fingerprint=sources.same_delivery,
     ttl=timedelta(days=7),
 )
 def github_webhook(request: HttpRequest) -> HttpResponse:
