@@ -18,7 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.utils import timezone
 
-from django_idempotency import InProgress, current, run_once, step
+from django_idempotency import InProgress, current, run_once, run_once_result, step
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
 from tests.helpers import postgres_only
@@ -413,3 +413,60 @@ def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_records_no
         run_once(body, **identity(recovery="resume"))
     assert charges("deep") == 0
     assert not IdempotencyStep.objects.exists()
+
+
+def race_resumers(key: str, racers: int) -> list[Any]:
+    """Let the attempt of ``key`` die after its first step, then ``racers`` threads (each on
+    a connection of its own) retry it at once; what each got."""
+    crash = [True]
+
+    def body() -> str:
+        step("ride", call, "ride")
+        if crash[0]:
+            raise SimulatedCrash
+        step("charge", call, "charge")
+        step("receipt", call, "receipt")
+        return "done"
+
+    with pytest.raises(SimulatedCrash):
+        run_once(body, **identity(key=key, recovery="resume"))
+    crash[0] = False
+    end_lease()
+    start = threading.Barrier(racers, timeout=WAIT)
+    outcomes: list[Any] = []
+
+    def resume() -> None:
+        try:
+            start.wait()
+            result = run_once_result(body, **identity(key=key, recovery="resume"))
+            outcomes.append("replayed" if result.replayed else result.value)
+        except InProgress:
+            outcomes.append("in progress")
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=resume) for _ in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    return outcomes
+
+
+@postgres_only
+def test_two_resumers_at_once_run_the_remaining_steps_once():
+    # Attempts racing to resume one stale record: one takes the lease over and runs the
+    # steps not recorded yet; the others are told the operation is in progress, or (once it
+    # completed) get its result. Several rounds, each a new key.
+    racers = 6
+    for round_ in range(5):
+        EXTERNAL.clear()
+        key = f"race-{round_}"
+        outcomes = race_resumers(key, racers)
+        assert outcomes.count("done") == 1
+        assert set(outcomes) <= {"done", "in progress", "replayed"}
+        assert len(outcomes) == racers
+        assert (calls("ride"), calls("charge"), calls("receipt")) == (1, 1, 1)
+        record = IdempotencyRecord.objects.get(key=key)
+        assert (record.status, record.recovery_attempts) == (RecordStatus.COMPLETED, 1)
