@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -470,3 +471,28 @@ def test_two_resumers_at_once_run_the_remaining_steps_once():
         assert (calls("ride"), calls("charge"), calls("receipt")) == (1, 1, 1)
         record = IdempotencyRecord.objects.get(key=key)
         assert (record.status, record.recovery_attempts) == (RecordStatus.COMPLETED, 1)
+
+
+def test_an_attempt_that_found_its_lease_lost_runs_no_further_step():
+    # A body that goes on when a step fails (a receipt is not worth failing a booking for)
+    # also swallows the LeaseLost of a step that found the record taken over. Its next step
+    # ran its function all the same, beside the attempt that took the record over and runs
+    # that step too: the SMS sent twice.
+    def body() -> str:
+        step("ride", write, "ride")
+        # Another attempt takes the record over (its lease token is no longer this one's).
+        IdempotencyRecord.objects.update(lease_token=uuid.uuid4())
+        receipt = None
+        try:
+            receipt = step("receipt", call, "receipt")
+        except Exception:
+            receipt = "not sent"  # the receipt is best effort
+        assert receipt == "not sent"
+        step("sms", call, "sms")
+        return "booked"
+
+    with pytest.raises(InProgress):
+        run_once(body, **identity(recovery="resume"))
+    assert calls("receipt") == 1  # its function ran before the fence refused its record
+    assert calls("sms") == 0  # the attempt had lost its lease: no further step runs
+    assert list(IdempotencyStep.objects.values_list("name", flat=True)) == ["ride"]
