@@ -39,6 +39,9 @@ class _Steps:
     recorded: dict[str, str]
     used: set[str] = field(default_factory=set)
     running: bool = False
+    #: A step found the record taken over by another attempt: this one runs no more steps
+    #: (a body that swallowed that ``LeaseLost`` would otherwise run the next beside it).
+    lost: bool = False
 
 
 _steps: contextvars.ContextVar[_Steps | None] = contextvars.ContextVar(
@@ -168,9 +171,9 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
     operation: ``f"ship:{line.id}"``), ``TypeError`` for a result that is not JSON (nothing
     is recorded, the step's work rolls back). A step that marks its own transaction for
     rollback (``transaction.set_rollback(True)``) has its work rolled back and its result
-    recorded. When the attempt lost its lease, the step's
-    work rolls back and the attempt ends (``409`` for a view, ``InProgress`` for
-    ``run_once``).
+    recorded. When the attempt lost its lease, the step's work rolls back and the attempt
+    ends (``409`` for a view, ``InProgress`` for ``run_once``); a body that catches that
+    runs no further step (each raises again before its function runs).
     """
     steps = _steps.get()
     if steps is None:
@@ -200,12 +203,17 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
             f"step name {name!r} is used twice in one attempt; names are unique within an "
             'operation (e.g. f"ship:{line.id}")'
         )
+    if steps.lost:
+        raise LeaseLost
     steps.used.add(name)
     recorded = steps.recorded.get(name)
     if recorded is None:
         steps.running = True
         try:
             recorded = _run_step(steps.claim, name, func, args, kwargs)
+        except LeaseLost:
+            steps.lost = True
+            raise
         finally:
             steps.running = False
         steps.recorded[name] = recorded
