@@ -496,3 +496,33 @@ def test_an_attempt_that_found_its_lease_lost_runs_no_further_step():
     assert calls("receipt") == 1  # its function ran before the fence refused its record
     assert calls("sms") == 0  # the attempt had lost its lease: no further step runs
     assert list(IdempotencyStep.objects.values_list("name", flat=True)) == ["ride"]
+
+
+def test_an_async_views_steps_run_once_through_sync_to_async(user):
+    from django.test import Client
+
+    from tests.testapp.models import ProviderCall
+
+    client = Client()
+    client.force_login(user)
+    headers = {"Idempotency-Key": "async-1"}
+    first = client.post("/steps/async/", {}, headers=headers)
+    again = client.post("/steps/async/", {}, headers=headers)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert charges("ride") == 1
+    assert ProviderCall.objects.filter(key__startswith="receipt:").count() == 1
+    assert sorted(IdempotencyStep.objects.values_list("name", flat=True)) == ["receipt", "ride"]
+
+
+def test_step_called_on_an_async_views_event_loop_is_refused_before_it_runs(user):
+    from django.core.exceptions import SynchronousOnlyOperation
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    with pytest.raises(SynchronousOnlyOperation):
+        client.post("/steps/async-direct/", {}, headers={"Idempotency-Key": "async-2"})
+    assert charges("ride") == 0
+    assert not IdempotencyStep.objects.exists()

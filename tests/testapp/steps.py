@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import path
@@ -163,8 +164,24 @@ def atomic_view(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"ride": step("ride", create_ride, "")["id"]}, status=201)
 
 
+@idempotent(recovery="resume", operation="rides.async")
+async def async_view(request: HttpRequest) -> HttpResponse:
+    """``POST /steps/async/``: an ``async def`` view's steps, through ``sync_to_async``."""
+    ride = await sync_to_async(step)("ride", create_ride, "")
+    receipt = await sync_to_async(step)("receipt", send_receipt, "", ride["id"])
+    return JsonResponse({"ride": ride["id"], "receipt": receipt}, status=201)
+
+
+@idempotent(recovery="resume", operation="rides.async-direct")
+async def async_direct_view(request: HttpRequest) -> HttpResponse:
+    """``POST /steps/async-direct/``: ``step()`` called on the event loop (refused)."""
+    return JsonResponse({"ride": step("ride", create_ride, "")["id"]}, status=201)
+
+
 urlpatterns = [
     path("book/", book_and_die),
     path("slow/", slow_view),
     path("atomic/", atomic_view),
+    path("async/", async_view),
+    path("async-direct/", async_direct_view),
 ]
