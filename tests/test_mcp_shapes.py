@@ -1,0 +1,168 @@
+"""``idempotent_tool`` written the other ways a project writes it: on a method, twice, the
+other framework's decorator beneath a server's ``@tool``, above a server kept in a class or a
+list. Each shape protects the tool (one run per key, the retry replayed) or is refused before
+anything runs; never a tool that fails on every call, never one that answers a refusal as a
+success. Effects are counted: ``RUNS`` (tool bodies entered) and ``Charge`` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+pytest.importorskip("fastmcp")
+
+import anyio
+import fastmcp
+from asgiref.sync import sync_to_async
+from fastmcp import FastMCP
+from mcp import Client
+from mcp.server.mcpserver import MCPServer
+
+from django_idempotency import fastmcp as fastmcp_adapter
+from django_idempotency import mcp as mcp_adapter
+from django_idempotency.models import IdempotencyRecord
+from tests.helpers import new_key
+from tests.testapp.models import Charge
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WAIT = 30
+ACCOUNT = "agent:shapes"
+FRAMEWORKS = ["mcpserver", "fastmcp"]
+#: Every entry into a tool body.
+RUNS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runs() -> Iterator[None]:
+    RUNS.clear()
+    yield
+    RUNS.clear()
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def framework(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def server_of(framework: str) -> Any:
+    return FastMCP("shop") if framework == "fastmcp" else MCPServer("shop")
+
+
+def adapter_of(framework: str) -> Any:
+    return fastmcp_adapter if framework == "fastmcp" else mcp_adapter
+
+
+def refund_effect(order_id: int, amount: int) -> dict[str, Any]:
+    RUNS.append(f"refund:{order_id}")
+    charge = Charge.objects.create(account="refund", amount=amount, currency="EUR")
+    return {"refund": charge.pk, "order": order_id}
+
+
+def call(server: Any, arguments: dict[str, Any], name: str = "refund") -> Any:
+    """One call through the server's framework's own client, in-process: the result (with
+    ``content``, ``structured_content``, ``is_error``, ``meta``)."""
+
+    async def go() -> Any:
+        with anyio.fail_after(WAIT):
+            if isinstance(server, FastMCP):
+                async with fastmcp.Client(server) as agent:
+                    return await agent.call_tool(name, arguments, raise_on_error=False)
+            async with Client(server) as agent:
+                return await agent.call_tool(name, arguments)
+
+    return anyio.run(go)
+
+
+def listed_parameters(server: Any, name: str = "refund") -> set[str]:
+    """The parameters the server lists for its tool ``name``."""
+
+    async def go() -> Any:
+        with anyio.fail_after(WAIT):
+            if isinstance(server, FastMCP):
+                async with fastmcp.Client(server) as agent:
+                    return await agent.list_tools()
+            async with Client(server) as agent:
+                return (await agent.list_tools()).tools
+
+    (tool,) = [tool for tool in anyio.run(go) if tool.name == name]
+    return set(tool.input_schema["properties"])
+
+
+def args(key: str, order_id: int = 1, amount: int = 5) -> dict[str, Any]:
+    return {"order_id": order_id, "amount": amount, "idempotency_key": key}
+
+
+def is_replay(result: Any) -> bool:
+    return bool((result.meta or {}).get("idempotentReplayed"))
+
+
+def code_of(result: Any) -> str | None:
+    return (result.structured_content or {}).get("code") if result.is_error else None
+
+
+def runs_once_and_replays(server: Any, name: str = "refund") -> None:
+    """A key's first call runs, its retry is the replay, the same key with other arguments
+    is refused as an error: one run, one row."""
+    key = new_key()
+    first = call(server, args(key), name)
+    assert first.is_error is not True, first
+    assert not is_replay(first), first
+    again = call(server, args(key), name)
+    assert again.is_error is not True, again
+    assert is_replay(again), again
+    assert again.structured_content == first.structured_content
+    other = call(server, args(key, amount=6), name)
+    assert other.is_error is True, other
+    assert code_of(other) == "idempotency_key_reused", other
+    assert (len(RUNS), Charge.objects.count()) == (1, 1)
+
+
+# -- a tool that is a method ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["method", "async method", "classmethod"])
+def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
+    """A project keeps its tools on a class (a service holding a client) and registers the
+    bound method, ``server.tool()(tools.refund)``. The protected method got the instance as
+    an argument it did not take: every call failed, none was refused where it was written."""
+    protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
+
+    class Tools:
+        currency = "EUR"
+
+        if shape == "method":
+
+            @protect
+            def refund(self, order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert self.currency == "EUR"
+                return refund_effect(order_id, amount)
+
+        elif shape == "async method":
+
+            @protect
+            async def refund(  # type: ignore[misc]
+                self, order_id: int, amount: int, idempotency_key: str
+            ) -> dict[str, Any]:
+                assert self.currency == "EUR"
+                return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+        else:
+
+            @classmethod  # type: ignore[misc]
+            @protect
+            def refund(cls, order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert cls.currency == "EUR"
+                return refund_effect(order_id, amount)
+
+    server = server_of(framework)
+    server.tool()(Tools().refund if shape != "classmethod" else Tools.refund)
+    runs_once_and_replays(server)
+    # The instance is not an argument of the call: it is not in the fingerprint, and the
+    # schema does not offer it.
+    assert listed_parameters(server) == {"order_id", "amount", "idempotency_key"}
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == ["tool:refund"]
