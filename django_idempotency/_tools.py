@@ -253,17 +253,19 @@ class _Tool:
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
         self.convert = framework.converter(func)
         self.unsent = framework.injected(func) | {KEY_ARGUMENT}
+        self.owner = _owner(func)
 
     def wrapper(self) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(self.func):
-            body = async_to_sync(self.func)
+            coroutine = async_to_sync(self.func)
 
             @functools.wraps(self.func)
-            async def async_tool(**arguments: Any) -> Any:
+            async def async_tool(*receiver: Any, **arguments: Any) -> Any:
                 # The engine is synchronous; the tool's coroutine runs back on the event
                 # loop from the engine's thread, and its ORM calls come back to that thread,
                 # inside the record's transaction. A caller that goes away does not cut the
                 # attempt short.
+                body = self.bound(coroutine, receiver)
                 context, arguments = self.framework.split(arguments)
                 return await _http.run_to_the_end(
                     lambda: self.call(body, context, arguments), thread_sensitive=False
@@ -273,7 +275,8 @@ class _Tool:
         else:
 
             @functools.wraps(self.func)
-            def sync_tool(**arguments: Any) -> Any:
+            def sync_tool(*receiver: Any, **arguments: Any) -> Any:
+                body = self.bound(self.func, receiver)
                 context, arguments = self.framework.split(arguments)
                 if _on_an_event_loop():
                     # Registered to run on the event loop (FastMCP's run_in_thread=False),
@@ -281,10 +284,8 @@ class _Tool:
                     # of its own, and the loop waits for it as it would for the tool.
                     with concurrent.futures.ThreadPoolExecutor(1) as thread:
                         running = contextvars.copy_context().run
-                        return thread.submit(
-                            running, self.call, self.func, context, arguments
-                        ).result()
-                return self.call(self.func, context, arguments)
+                        return thread.submit(running, self.call, body, context, arguments).result()
+                return self.call(body, context, arguments)
 
             tool = sync_tool
         tool.__signature__ = self.signature  # type: ignore[attr-defined]
@@ -300,6 +301,19 @@ class _Tool:
         tool.__dict__["idempotency_options"] = self.checked
         self.framework.bind(tool)
         return tool
+
+    def bound(self, body: Callable[..., Any], receiver: tuple[Any, ...]) -> Callable[..., Any]:
+        """``body`` with the instance (or class) a method tool is bound to, which comes first,
+        positionally, and is no argument of the call (not in its fingerprint). Frameworks
+        pass a call's arguments by name: anything else positional is refused, as a function
+        taking its arguments by name refuses it."""
+        if not receiver:
+            return body
+        if len(receiver) == 1 and _belongs(receiver[0], self.owner):
+            return functools.partial(body, receiver[0])
+        raise TypeError(
+            f"{self.func.__qualname__}() takes its arguments by name, as a tool is called"
+        )
 
     def call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
         """One call of the tool: through the engine, or refused; then, as Django does at the
@@ -438,6 +452,24 @@ class _Tool:
 
     def loaded(self, body: bytes) -> Any:
         return self.framework.load(json.loads(body))
+
+
+def _owner(func: Callable[..., Any]) -> tuple[str, str] | None:
+    """The module and qualified name of the class whose body ``func`` was written in, when it
+    was (a method), else ``None``."""
+    *outer, _ = getattr(func, "__qualname__", "").split(".")
+    if not outer or outer[-1] == "<locals>":
+        return None
+    return getattr(func, "__module__", None) or "", ".".join(outer)
+
+
+def _belongs(receiver: Any, owner: tuple[str, str] | None) -> bool:
+    """Whether ``receiver`` is what a method of ``owner`` is bound to: an instance of that
+    class (or of a subclass), or the class itself (a ``classmethod``)."""
+    if owner is None:
+        return False
+    cls = receiver if isinstance(receiver, type) else type(receiver)
+    return any((c.__module__, c.__qualname__) == owner for c in cls.__mro__)
 
 
 def _on_an_event_loop() -> bool:
