@@ -18,6 +18,7 @@ pytest.importorskip("fastmcp")
 import anyio
 import fastmcp
 from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from fastmcp import FastMCP
 from mcp import Client
 from mcp.server.mcpserver import MCPServer
@@ -166,3 +167,27 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
     # schema does not offer it.
     assert listed_parameters(server) == {"order_id", "amount", "idempotency_key"}
     assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == ["tool:refund"]
+
+
+# -- the decorator twice ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["its own", "the other framework's"])
+def test_the_decorator_put_twice_is_refused_where_it_is_written(framework, inner):
+    """``@idempotent_tool()`` twice on one tool (a project's own decorator that adds it, over
+    one written by hand). Under FastMCP the inner one found the outer one's claim and answered
+    ``idempotency_key_in_use`` (``idempotency_key_reused`` with the SDK's beneath), which the
+    outer one stored as the outcome: the tool never ran, and every retry within the TTL got
+    that refusal replayed. Under ``MCPServer`` every call failed, or the shape was refused for
+    an argument named ``idempotency_context`` the tool does not have."""
+    protect = adapter_of(framework).idempotent_tool
+    other = "fastmcp" if framework == "mcpserver" else "mcpserver"
+    beneath = adapter_of(framework if inner == "its own" else other).idempotent_tool
+    server = server_of(framework)
+    with pytest.raises(ImproperlyConfigured, match="more than once"):
+
+        @server.tool()
+        @protect(account=ACCOUNT)
+        @beneath(account=ACCOUNT)
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
