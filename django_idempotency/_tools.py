@@ -227,6 +227,13 @@ def protector(
         # One framework object per tool: its members keep what they learn of the tool they
         # serve (its Context argument, its registration), and one decorator kept and put on
         # several tools must not let the last one speak for all of them.
+        protected = _protected_by(func)
+        if protected is not None:
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where} protects {func.__name__} more than once: "
+                f"{protected}'s @idempotent_tool protects it already. Keep one, beneath the "
+                "server's @tool"
+            )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
         return cast(F, _Tool(own, func, checked).wrapper())
@@ -299,6 +306,7 @@ class _Tool:
             else {}
         )
         tool.__dict__["idempotency_options"] = self.checked
+        tool.__dict__[_PROTECTED] = self.framework.name
         self.framework.bind(tool)
         return tool
 
@@ -452,6 +460,23 @@ class _Tool:
 
     def loaded(self, body: bytes) -> Any:
         return self.framework.load(json.loads(body))
+
+
+#: What a protected tool carries: the name of the framework whose decorator made it.
+_PROTECTED = "idempotent_tool"
+
+
+def _protected_by(func: Any) -> str | None:
+    """The framework whose ``@idempotent_tool`` made ``func``, or any function it wraps (a
+    project's own decorator between two), or ``None``."""
+    seen = set()
+    while func is not None and id(func) not in seen:
+        seen.add(id(func))
+        found = getattr(func, "__dict__", {}).get(_PROTECTED)
+        if found is not None:
+            return str(found)
+        func = getattr(func, "__wrapped__", None)
+    return None
 
 
 def _owner(func: Callable[..., Any]) -> tuple[str, str] | None:
