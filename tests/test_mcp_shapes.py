@@ -191,3 +191,46 @@ def test_the_decorator_put_twice_is_refused_where_it_is_written(framework, inner
         @beneath(account=ACCOUNT)
         def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
             return refund_effect(order_id, amount)
+
+
+# -- the other framework's decorator --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("returns", [dict[str, Any], dict], ids=["dict[str, Any]", "dict"])
+def test_fastmcps_decorator_beneath_an_mcpserver_tool_answers_as_the_contract_says(returns):
+    """``django_idempotency.fastmcp.idempotent_tool`` beneath the SDK's ``@server.tool()`` (one
+    import mixed up in a project serving both). It answered FastMCP's ``ToolResult``. For a
+    tool with an output schema (``-> dict[str, Any]``) the SDK refused that answer after the
+    tool ran and its record completed: the agent got an error for a refund that was made, and
+    so did every retry. For one without (``-> dict``) the SDK sent it as a success whose text
+    is that object's JSON: a refusal (a key reused, a call in flight) reached the agent with
+    ``isError: false``, and a replay without its flag."""
+    server = MCPServer("shop")
+
+    def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
+        return refund_effect(order_id, amount)
+
+    refund.__annotations__["return"] = returns
+    server.tool()(fastmcp_adapter.idempotent_tool(account=ACCOUNT)(refund))
+    runs_once_and_replays(server)
+
+
+def test_the_sdks_decorator_beneath_a_fastmcp_tool_runs_nothing_and_says_which_to_use():
+    """``django_idempotency.mcp.idempotent_tool`` beneath FastMCP's ``@server.tool``. The
+    SDK's conversion of the result is not FastMCP's: for a ``-> dict`` tool FastMCP refused
+    the answer (no structured content for its output schema) after the tool ran and its
+    record completed, so the agent got an error for a refund that was made, and every retry
+    the same error replayed. Refused before anything runs, naming the decorator to use."""
+    server = FastMCP("shop")
+
+    @server.tool
+    @mcp_adapter.idempotent_tool(account=ACCOUNT)
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict:  # type: ignore[type-arg]
+        return refund_effect(order_id, amount)
+
+    for _ in range(2):
+        result = call(server, args(new_key()))
+        assert result.is_error is True, result
+        assert "django_idempotency.fastmcp" in result.content[0].text, result
+    assert (len(RUNS), Charge.objects.count()) == (0, 0)
+    assert not IdempotencyRecord.objects.exists()
