@@ -179,6 +179,10 @@ class Framework(Generic[R]):
         """``result``'s ``_meta``."""
         return cast("Mapping[str, Any] | None", result.meta)  # type: ignore[attr-defined]
 
+    def answer(self, context: Any, result: R) -> Any:
+        """What the protected tool returns for ``result`` in a call with ``context``."""
+        return result
+
 
 def principal_of(token: Any) -> str | None:
     """The account an access token names: its subject qualified by its issuer (the ``iss``
@@ -328,7 +332,7 @@ class _Tool:
         end of a request, the connections this worker thread opened are closed where
         ``CONN_MAX_AGE`` says so (frameworks run tools in threads that outlive the call)."""
         try:
-            return self._call(body, context, arguments)
+            return self.framework.answer(context, self._call(body, context, arguments))
         finally:
             _autonomous.close_unused_connections()
 

@@ -152,3 +152,10 @@ class _FastMCP(_tools.Framework[ToolResult]):
 
     def received(self, result: CallToolResult) -> ToolResult:
         return ToolResult.from_mcp_result(result)
+
+    def answer(self, context: Any, result: ToolResult) -> Any:
+        # Outside a FastMCP request (a direct call, or the tool registered on another MCP
+        # server, such as the SDK's MCPServer) the answer is MCP's own CallToolResult: any
+        # MCP server sends it as it is (a refusal an error, a replay with its flag), and a
+        # direct caller reads the same fields as a ToolResult's.
+        return result if context is not None else self.sent(result)

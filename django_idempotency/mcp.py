@@ -29,6 +29,7 @@ carrying the HTTP side's problem codes. Needs the ``mcp`` extra.
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -103,6 +104,7 @@ class _SDK(_tools.Framework[CallToolResult]):
     name = "MCPServer"
 
     def __init__(self) -> None:
+        self.tool = "the tool"
         self.context_argument = _CONTEXT_ARGUMENT
         self.own_context: str | None = None
 
@@ -136,6 +138,7 @@ class _SDK(_tools.Framework[CallToolResult]):
     def signature(
         self, func: Callable[..., Any], signature: inspect.Signature
     ) -> inspect.Signature:
+        self.tool = func.__name__
         self.own_context = find_context_parameter(func)
         self.context_argument = self.own_context or _CONTEXT_ARGUMENT
         if self.own_context is not None:
@@ -147,6 +150,15 @@ class _SDK(_tools.Framework[CallToolResult]):
 
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         context = arguments.get(self.context_argument)
+        if context is None and _in_a_fastmcp_call():
+            # FastMCP serves this tool (it gives no MCPServer Context): its conversion of the
+            # result is not the SDK's, and FastMCP would refuse the stored answer after the
+            # tool ran. Nothing runs.
+            raise ImproperlyConfigured(
+                f"{self.tool}: protected by django_idempotency.mcp.idempotent_tool, which "
+                "is for the SDK's MCPServer, and served by FastMCP: protect it with "
+                "django_idempotency.fastmcp.idempotent_tool"
+            )
         if self.own_context is None:
             arguments = {n: v for n, v in arguments.items() if n != _CONTEXT_ARGUMENT}
         return context, arguments
@@ -214,6 +226,19 @@ class _SDK(_tools.Framework[CallToolResult]):
 
     def received(self, result: CallToolResult) -> CallToolResult:
         return result
+
+
+def _in_a_fastmcp_call() -> bool:
+    """Whether this runs inside a call that FastMCP serves (its current context is set).
+    FastMCP is not imported for this: where it is not loaded, it serves nothing."""
+    dependencies = sys.modules.get("fastmcp.server.dependencies")
+    if dependencies is None:
+        return False
+    try:
+        dependencies.get_context()
+    except RuntimeError:  # no FastMCP request
+        return False
+    return True
 
 
 def _servers(values: list[Any]) -> list[MCPServer]:
