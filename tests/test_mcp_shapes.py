@@ -234,3 +234,48 @@ def test_the_sdks_decorator_beneath_a_fastmcp_tool_runs_nothing_and_says_which_t
         assert "django_idempotency.fastmcp" in result.content[0].text, result
     assert (len(RUNS), Charge.objects.count()) == (0, 0)
     assert not IdempotencyRecord.objects.exists()
+
+
+# -- above a server kept in a class or a list ------------------------------------------------
+
+
+class Servers:
+    """A project's servers, kept as the attributes of a class used as a namespace."""
+
+    shop = MCPServer("shop")
+
+
+#: A project's servers in a list.
+SERVER_LIST = [MCPServer("shop")]
+
+
+@pytest.fixture
+def _servers_emptied() -> Iterator[None]:
+    """The module's servers without the tool a test registered on them."""
+    yield
+    for server in (Servers.shop, SERVER_LIST[0]):
+        server._tool_manager._tools.pop("refund", None)
+
+
+# The order check looked into objects, modules and dicts one step away, not into a class or
+# a list: the server registered the bare function, and the tool was served unprotected.
+
+
+@pytest.mark.usefixtures("_servers_emptied")
+def test_the_decorator_above_a_server_kept_in_a_class_is_refused():
+    with pytest.raises(ImproperlyConfigured, match="beneath"):
+
+        @mcp_adapter.idempotent_tool(account=ACCOUNT)
+        @Servers.shop.tool()
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+
+@pytest.mark.usefixtures("_servers_emptied")
+def test_the_decorator_above_a_server_kept_in_a_list_is_refused():
+    with pytest.raises(ImproperlyConfigured, match="beneath"):
+
+        @mcp_adapter.idempotent_tool(account=ACCOUNT)
+        @SERVER_LIST[0].tool()
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
