@@ -29,6 +29,7 @@ carrying the HTTP side's problem codes. Needs the ``mcp`` extra.
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -112,8 +113,8 @@ class _SDK(_tools.Framework[CallToolResult]):
         """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has
         the bare function already. Refused where a server in sight shows it: one of the
         decorating module's, or of the scope the decorator is applied in, or one step away
-        from either: an attribute of an object or module, or a dict's value (see
-        ``_servers``)."""
+        from either: an attribute of an object, module or class, a dict's value, or an item
+        of a list, tuple or set (see ``_servers``)."""
         module = inspect.getmodule(func)
         frame = inspect.currentframe()
         applying = frame
@@ -228,6 +229,10 @@ class _SDK(_tools.Framework[CallToolResult]):
         return result
 
 
+#: How many items of a list, tuple or set the order check looks at for a server.
+_ITEMS_SEARCHED = 100
+
+
 def _in_a_fastmcp_call() -> bool:
     """Whether this runs inside a call that FastMCP serves (its current context is set).
     FastMCP is not imported for this: where it is not loaded, it serves nothing."""
@@ -242,9 +247,10 @@ def _in_a_fastmcp_call() -> bool:
 
 
 def _servers(values: list[Any]) -> list[MCPServer]:
-    """The servers among ``values``, and one step into each: an attribute of an object or of
-    a module (``@registry.server.tool()``, ``@servers.shop.tool()``), or a value of a
-    ``dict`` (``@SERVERS["shop"].tool()``)."""
+    """The servers among ``values``, and one step into each: an attribute of an object, of a
+    module or of a class (``@registry.server.tool()``, ``@servers.shop.tool()``,
+    ``@Servers.shop.tool()``), a value of a ``dict`` (``@SERVERS["shop"].tool()``) or an
+    item of a list, tuple or set (``@SERVERS[0].tool()``)."""
     found = []
     for value in values:
         if isinstance(value, MCPServer):
@@ -252,8 +258,11 @@ def _servers(values: list[Any]) -> list[MCPServer]:
             continue
         if isinstance(value, dict):
             inside = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            # A registry of servers is short: a long list of data is not searched to its end.
+            inside = list(itertools.islice(value, _ITEMS_SEARCHED))
         elif isinstance(value, type):
-            continue
+            inside = list(vars(value).values())
         else:
             attributes = getattr(value, "__dict__", None)
             inside = list(attributes.values()) if isinstance(attributes, dict) else []
