@@ -20,6 +20,7 @@ import fastmcp
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from fastmcp import FastMCP
+from fastmcp.tools import FunctionTool
 from mcp import Client
 from mcp.server.mcpserver import MCPServer
 
@@ -279,3 +280,24 @@ def test_the_decorator_above_a_server_kept_in_a_list_is_refused():
         @SERVER_LIST[0].tool()
         def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
             return refund_effect(order_id, amount)
+
+
+# -- above FastMCP's add_tool ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("added", ["the function", "its FunctionTool"])
+def test_protecting_a_function_fastmcp_added_already_is_refused(added):
+    """FastMCP's ``server.add_tool(refund)`` (or of ``FunctionTool.from_function(refund)``), as
+    a project's registering helper does, and then ``idempotent_tool()`` on ``refund``: the
+    server serves the bare function. FastMCP marks only what its ``@tool`` decorator
+    registered, and the order check looked at that mark alone, so the shape was not refused
+    (docs/mcp.md said that under FastMCP it always is)."""
+    server = FastMCP("shop")
+
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    server.add_tool(refund if added == "the function" else FunctionTool.from_function(refund))
+    protect = fastmcp_adapter.idempotent_tool(account=ACCOUNT)
+    with pytest.raises(ImproperlyConfigured, match="beneath"):
+        protect(refund)
