@@ -21,6 +21,7 @@ import copy
 import decimal
 import functools
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -207,6 +208,48 @@ def misplaced(
         f"@idempotent_tool at {where} is above {server}, which registered "
         f"{func.__name__} unprotected: put @idempotent_tool beneath {beneath}"
     )
+
+
+#: How many items of a list, tuple or set the order check looks at for a server.
+_ITEMS_SEARCHED = 100
+
+S = TypeVar("S")
+
+
+def servers_in_sight(func: Callable[..., Any], kind: type[S]) -> list[S]:
+    """The servers of type ``kind`` that the order check of ``@idempotent_tool`` applied to
+    ``func`` sees: among the globals of ``func``'s module and the locals of the scope the
+    decorator is applied in, and one step into each: an attribute of an object, of a module
+    or of a class (``@registry.server.tool()``, ``@servers.shop.tool()``,
+    ``@Servers.shop.tool()``), a value of a ``dict`` (``@SERVERS["shop"].tool()``) or one of
+    the first items of a list, tuple or set (``@SERVERS[0].tool()``). Called from a
+    framework's ``refuse_registered``, beneath :func:`protector`'s ``decorate``."""
+    module = inspect.getmodule(func)
+    values = list(vars(module).values()) if module is not None else []
+    frame = inspect.currentframe()
+    applying = frame
+    for _ in range(3):  # refuse_registered, protector's decorate, the scope applying it
+        applying = applying.f_back if applying is not None else None
+    if applying is not None:
+        values += list(applying.f_locals.values())
+    del frame, applying
+    found = []
+    for value in values:
+        if isinstance(value, kind):
+            found.append(value)
+            continue
+        if isinstance(value, dict):
+            inside = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            # A registry of servers is short: a long list of data is not searched to its end.
+            inside = list(itertools.islice(value, _ITEMS_SEARCHED))
+        elif isinstance(value, type):
+            inside = list(vars(value).values())
+        else:
+            attributes = getattr(value, "__dict__", None)
+            inside = list(attributes.values()) if isinstance(attributes, dict) else []
+        found += [v for v in inside if isinstance(v, kind)]
+    return found
 
 
 def protector(

@@ -27,6 +27,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from fastmcp import FastMCP
 from fastmcp.decorators import get_fastmcp_meta
 from fastmcp.server.context import Context
 from fastmcp.server.dependencies import get_access_token, get_context
@@ -86,6 +87,16 @@ class _FastMCP(_tools.Framework[ToolResult]):
         # it, this decorator would be handed a function the server calls unprotected.
         if get_fastmcp_meta(func) is not None:
             raise _tools.misplaced(where, "FastMCP's @server.tool", func, "@server.tool")
+        # Its add_tool (of the function, or of a FunctionTool made of it) leaves no mark:
+        # a server in sight shows it.
+        for server in _tools.servers_in_sight(func, FastMCP):
+            # FastMCP keeps a server's own tools in its local provider (no public list is
+            # sync).
+            components = getattr(getattr(server, "_local_provider", None), "_components", {})
+            if any(getattr(tool, "fn", None) is func for tool in list(components.values())):
+                raise _tools.misplaced(
+                    where, f"add_tool of FastMCP {server.name!r}", func, "@server.tool"
+                )
 
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         try:

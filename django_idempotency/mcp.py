@@ -29,7 +29,6 @@ carrying the HTTP side's problem codes. Needs the ``mcp`` extra.
 from __future__ import annotations
 
 import inspect
-import itertools
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -113,18 +112,8 @@ class _SDK(_tools.Framework[CallToolResult]):
         """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has
         the bare function already. Refused where a server in sight shows it: one of the
         decorating module's, or of the scope the decorator is applied in, or one step away
-        from either: an attribute of an object, module or class, a dict's value, or an item
-        of a list, tuple or set (see ``_servers``)."""
-        module = inspect.getmodule(func)
-        frame = inspect.currentframe()
-        applying = frame
-        for _ in range(2):  # protector's decorate, then the scope applying it
-            applying = applying.f_back if applying is not None else None
-        seen = list(vars(module).values()) if module is not None else []
-        if applying is not None:
-            seen += list(applying.f_locals.values())
-        del frame, applying
-        for server in _servers(seen):
+        from either (see ``_tools.servers_in_sight``)."""
+        for server in _tools.servers_in_sight(func, MCPServer):
             # The SDK keeps a server's tools in its tool manager (no public list is sync).
             tools = getattr(getattr(server, "_tool_manager", None), "list_tools", None)
             if callable(tools) and any(tool.fn is func for tool in tools()):
@@ -229,10 +218,6 @@ class _SDK(_tools.Framework[CallToolResult]):
         return result
 
 
-#: How many items of a list, tuple or set the order check looks at for a server.
-_ITEMS_SEARCHED = 100
-
-
 def _in_a_fastmcp_call() -> bool:
     """Whether this runs inside a call that FastMCP serves (its current context is set).
     FastMCP is not imported for this: where it is not loaded, it serves nothing."""
@@ -244,27 +229,3 @@ def _in_a_fastmcp_call() -> bool:
     except RuntimeError:  # no FastMCP request
         return False
     return True
-
-
-def _servers(values: list[Any]) -> list[MCPServer]:
-    """The servers among ``values``, and one step into each: an attribute of an object, of a
-    module or of a class (``@registry.server.tool()``, ``@servers.shop.tool()``,
-    ``@Servers.shop.tool()``), a value of a ``dict`` (``@SERVERS["shop"].tool()``) or an
-    item of a list, tuple or set (``@SERVERS[0].tool()``)."""
-    found = []
-    for value in values:
-        if isinstance(value, MCPServer):
-            found.append(value)
-            continue
-        if isinstance(value, dict):
-            inside = list(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            # A registry of servers is short: a long list of data is not searched to its end.
-            inside = list(itertools.islice(value, _ITEMS_SEARCHED))
-        elif isinstance(value, type):
-            inside = list(vars(value).values())
-        else:
-            attributes = getattr(value, "__dict__", None)
-            inside = list(attributes.values()) if isinstance(attributes, dict) else []
-        found += [v for v in inside if isinstance(v, MCPServer)]
-    return found
