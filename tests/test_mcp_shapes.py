@@ -107,24 +107,24 @@ def code_of(result: Any) -> str | None:
     return (result.structured_content or {}).get("code") if result.is_error else None
 
 
-def runs_once_and_replays(server: Any, name: str = "refund") -> None:
+def runs_once_and_replays(server: Any, name: str = "refund", **more: Any) -> None:
     """A key's first call runs, its retry is the replay, the same key with other arguments
-    is refused as an error: one run, one row."""
+    is refused as an error: one run, one row. ``more``: arguments of the tool's own."""
     key = new_key()
-    first = call(server, args(key), name)
+    first = call(server, {**args(key), **more}, name)
     assert first.is_error is not True, first
     assert not is_replay(first), first
-    again = call(server, args(key), name)
+    again = call(server, {**args(key), **more}, name)
     assert again.is_error is not True, again
     assert is_replay(again), again
     assert again.structured_content == first.structured_content
-    other = call(server, args(key, amount=6), name)
+    other = call(server, {**args(key, amount=6), **more}, name)
     assert other.is_error is True, other
     assert code_of(other) == "idempotency_key_reused", other
     assert (len(RUNS), Charge.objects.count()) == (1, 1)
 
 
-# -- a tool that is a method ----------------------------------------------------------------------
+# -- a tool that is a method -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", ["method", "async method", "classmethod"])
@@ -170,7 +170,7 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
     assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == ["tool:refund"]
 
 
-# -- the decorator twice ------------------------------------------------------------------------
+# -- the decorator twice ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inner", ["its own", "the other framework's"])
@@ -194,7 +194,7 @@ def test_the_decorator_put_twice_is_refused_where_it_is_written(framework, inner
             return refund_effect(order_id, amount)
 
 
-# -- the other framework's decorator --------------------------------------------------------------
+# -- the other framework's decorator ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("returns", [dict[str, Any], dict], ids=["dict[str, Any]", "dict"])
@@ -237,7 +237,7 @@ def test_the_sdks_decorator_beneath_a_fastmcp_tool_runs_nothing_and_says_which_t
     assert not IdempotencyRecord.objects.exists()
 
 
-# -- above a server kept in a class or a list ------------------------------------------------
+# -- above a server kept in a class or a list ------------------------------------------------------
 
 
 class Servers:
@@ -301,3 +301,21 @@ def test_protecting_a_function_fastmcp_added_already_is_refused(added):
     protect = fastmcp_adapter.idempotent_tool(account=ACCOUNT)
     with pytest.raises(ImproperlyConfigured, match="beneath"):
         protect(refund)
+
+
+# -- a tool taking **kwargs ------------------------------------------------------------------------
+
+
+def test_an_sdk_tool_taking_keyword_arguments_is_protected():
+    """The SDK serves a tool with ``**extra`` (the caller's ``extra`` object is passed by that
+    name). Protected, it was refused where it was written, but by an internal error
+    (``ValueError: wrong parameter order``) from the parameter the adapter adds after it."""
+    server = MCPServer("shop")
+
+    @server.tool()
+    @mcp_adapter.idempotent_tool(account=ACCOUNT)
+    def refund(order_id: int, amount: int, idempotency_key: str, **extra: Any) -> dict[str, Any]:
+        return {**refund_effect(order_id, amount), "extra": extra}
+
+    # The SDK lists ``extra`` as an object argument, required.
+    runs_once_and_replays(server, extra={"note": "by phone"})
