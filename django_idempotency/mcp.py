@@ -136,7 +136,11 @@ class _SDK(_tools.Framework[CallToolResult]):
         added = inspect.Parameter(
             _CONTEXT_ARGUMENT, inspect.Parameter.KEYWORD_ONLY, annotation=Context, default=None
         )
-        return signature.replace(parameters=[*signature.parameters.values(), added])
+        parameters = list(signature.parameters.values())
+        # Before a **kwargs parameter, which comes last.
+        variadic = bool(parameters) and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD
+        at = len(parameters) - variadic
+        return signature.replace(parameters=[*parameters[:at], added, *parameters[at:]])
 
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         context = arguments.get(self.context_argument)
