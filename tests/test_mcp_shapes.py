@@ -319,3 +319,18 @@ def test_an_sdk_tool_taking_keyword_arguments_is_protected():
 
     # The SDK lists ``extra`` as an object argument, required.
     runs_once_and_replays(server, extra={"note": "by phone"})
+
+
+# -- without its parentheses ----------------------------------------------------------------------
+
+
+def test_the_decorator_without_its_parentheses_says_so_as_idempotent_task_does(framework):
+    """``@idempotent_tool`` without ``()`` was refused by Python's own ``TypeError``
+    ("takes 0 positional arguments but 1 was given"), where ``@idempotent_task`` without its
+    parentheses says what to write (``ImproperlyConfigured``): one rule for every entry
+    point."""
+    with pytest.raises(ImproperlyConfigured, match=r"needs its parentheses"):
+
+        @adapter_of(framework).idempotent_tool
+        def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
