@@ -252,12 +252,29 @@ def servers_in_sight(func: Callable[..., Any], kind: type[S]) -> list[S]:
     return found
 
 
+#: What ``idempotent_tool`` is given positionally when it is written with its parentheses.
+NOTHING: Any = object()
+
+
 def protector(
-    framework: Framework[Any], options: Mapping[str, Any], where: str, accepted: frozenset[str]
+    framework: Framework[Any],
+    options: Mapping[str, Any],
+    where: str,
+    accepted: frozenset[str],
+    misplaced: object = NOTHING,
 ) -> Callable[[F], F]:
     """The decorator ``@idempotent_tool(**options)`` of ``framework``, its options checked
     here (``ImproperlyConfigured`` at ``where``, before any call). Each tool it decorates
-    gets a shallow copy of ``framework``, which may keep that tool's state on itself."""
+    gets a shallow copy of ``framework``, which may keep that tool's state on itself.
+    ``misplaced``: what ``idempotent_tool`` was given positionally (its options are
+    keywords): the tool's function itself, when it is written without its parentheses."""
+    if misplaced is not NOTHING:
+        name = getattr(misplaced, "__qualname__", None)
+        given = f"{name}" if callable(misplaced) and name else _validation.describe(misplaced)
+        raise ImproperlyConfigured(
+            f"@idempotent_tool needs its parentheses: write @idempotent_tool() at {where} "
+            f"(it was given {given} as an option), beneath the server's @tool"
+        )
     checked = _options.validated(
         f"@idempotent_tool(...) at {where}",
         options,

@@ -65,7 +65,9 @@ def principal_account(context: Any = None) -> str | None:
     return _tools.principal_of(get_access_token())
 
 
-def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
+def idempotent_tool(
+    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+) -> Callable[[F], F]:
     """Run a FastMCP tool at most once per ``(account, operation, key)``; replay its result.
 
     Put it beneath ``@server.tool``, with parentheses. The options, the key (the tool's
@@ -75,7 +77,11 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     ``ImproperlyConfigured`` here, when the tool is decorated.
     """
     return _tools.protector(
-        _FastMCP(), options, _validation.caller(), frozenset(ToolOptions.__optional_keys__)
+        _FastMCP(),
+        options,
+        _validation.caller(),
+        frozenset(ToolOptions.__optional_keys__),
+        misplaced,
     )
 
 

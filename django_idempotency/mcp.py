@@ -74,7 +74,9 @@ def principal_account(context: Any = None) -> str | None:
     return _tools.principal_of(get_access_token())
 
 
-def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
+def idempotent_tool(
+    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+) -> Callable[[F], F]:
     """Run an MCP tool at most once per ``(account, operation, key)``; replay its result.
 
     Put it beneath ``@server.tool()``, with parentheses. The tool keeps its signature and
@@ -94,7 +96,11 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     A wrong option raises ``ImproperlyConfigured`` here, when the tool is decorated.
     """
     return _tools.protector(
-        _SDK(), options, _validation.caller(), frozenset(ToolOptions.__optional_keys__)
+        _SDK(),
+        options,
+        _validation.caller(),
+        frozenset(ToolOptions.__optional_keys__),
+        misplaced,
     )
 
 
