@@ -21,6 +21,7 @@ import copy
 import decimal
 import functools
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -179,6 +180,10 @@ class Framework(Generic[R]):
         """``result``'s ``_meta``."""
         return cast("Mapping[str, Any] | None", result.meta)  # type: ignore[attr-defined]
 
+    def answer(self, context: Any, result: R) -> Any:
+        """What the protected tool returns for ``result`` in a call with ``context``."""
+        return result
+
 
 def principal_of(token: Any) -> str | None:
     """The account an access token names: its subject qualified by its issuer (the ``iss``
@@ -205,12 +210,71 @@ def misplaced(
     )
 
 
+#: How many items of a list, tuple or set the order check looks at for a server.
+_ITEMS_SEARCHED = 100
+
+S = TypeVar("S")
+
+
+def servers_in_sight(func: Callable[..., Any], kind: type[S]) -> list[S]:
+    """The servers of type ``kind`` that the order check of ``@idempotent_tool`` applied to
+    ``func`` sees: among the globals of ``func``'s module and the locals of the scope the
+    decorator is applied in, and one step into each: an attribute of an object, of a module
+    or of a class (``@registry.server.tool()``, ``@servers.shop.tool()``,
+    ``@Servers.shop.tool()``), a value of a ``dict`` (``@SERVERS["shop"].tool()``) or one of
+    the first items of a list, tuple or set (``@SERVERS[0].tool()``). Called from a
+    framework's ``refuse_registered``, beneath :func:`protector`'s ``decorate``."""
+    module = inspect.getmodule(func)
+    values = list(vars(module).values()) if module is not None else []
+    frame = inspect.currentframe()
+    applying = frame
+    for _ in range(3):  # refuse_registered, protector's decorate, the scope applying it
+        applying = applying.f_back if applying is not None else None
+    if applying is not None:
+        values += list(applying.f_locals.values())
+    del frame, applying
+    found = []
+    for value in values:
+        if isinstance(value, kind):
+            found.append(value)
+            continue
+        if isinstance(value, dict):
+            inside = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            # A registry of servers is short: a long list of data is not searched to its end.
+            inside = list(itertools.islice(value, _ITEMS_SEARCHED))
+        elif isinstance(value, type):
+            inside = list(vars(value).values())
+        else:
+            attributes = getattr(value, "__dict__", None)
+            inside = list(attributes.values()) if isinstance(attributes, dict) else []
+        found += [v for v in inside if isinstance(v, kind)]
+    return found
+
+
+#: What ``idempotent_tool`` is given positionally when it is written with its parentheses.
+NOTHING: Any = object()
+
+
 def protector(
-    framework: Framework[Any], options: Mapping[str, Any], where: str, accepted: frozenset[str]
+    framework: Framework[Any],
+    options: Mapping[str, Any],
+    where: str,
+    accepted: frozenset[str],
+    misplaced: object = NOTHING,
 ) -> Callable[[F], F]:
     """The decorator ``@idempotent_tool(**options)`` of ``framework``, its options checked
     here (``ImproperlyConfigured`` at ``where``, before any call). Each tool it decorates
-    gets a shallow copy of ``framework``, which may keep that tool's state on itself."""
+    gets a shallow copy of ``framework``, which may keep that tool's state on itself.
+    ``misplaced``: what ``idempotent_tool`` was given positionally (its options are
+    keywords): the tool's function itself, when it is written without its parentheses."""
+    if misplaced is not NOTHING:
+        name = getattr(misplaced, "__qualname__", None)
+        given = f"{name}" if callable(misplaced) and name else _validation.describe(misplaced)
+        raise ImproperlyConfigured(
+            f"@idempotent_tool needs its parentheses: write @idempotent_tool() at {where} "
+            f"(it was given {given} as an option), beneath the server's @tool"
+        )
     checked = _options.validated(
         f"@idempotent_tool(...) at {where}",
         options,
@@ -227,6 +291,13 @@ def protector(
         # One framework object per tool: its members keep what they learn of the tool they
         # serve (its Context argument, its registration), and one decorator kept and put on
         # several tools must not let the last one speak for all of them.
+        protected = _protected_by(func)
+        if protected is not None:
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where} protects {func.__name__} more than once: "
+                f"{protected}'s @idempotent_tool protects it already. Keep one, beneath the "
+                "server's @tool"
+            )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
         return cast(F, _Tool(own, func, checked).wrapper())
@@ -253,17 +324,19 @@ class _Tool:
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
         self.convert = framework.converter(func)
         self.unsent = framework.injected(func) | {KEY_ARGUMENT}
+        self.owner = _owner(func)
 
     def wrapper(self) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(self.func):
-            body = async_to_sync(self.func)
+            coroutine = async_to_sync(self.func)
 
             @functools.wraps(self.func)
-            async def async_tool(**arguments: Any) -> Any:
+            async def async_tool(*receiver: Any, **arguments: Any) -> Any:
                 # The engine is synchronous; the tool's coroutine runs back on the event
                 # loop from the engine's thread, and its ORM calls come back to that thread,
                 # inside the record's transaction. A caller that goes away does not cut the
                 # attempt short.
+                body = self.bound(coroutine, receiver)
                 context, arguments = self.framework.split(arguments)
                 return await _http.run_to_the_end(
                     lambda: self.call(body, context, arguments), thread_sensitive=False
@@ -273,7 +346,8 @@ class _Tool:
         else:
 
             @functools.wraps(self.func)
-            def sync_tool(**arguments: Any) -> Any:
+            def sync_tool(*receiver: Any, **arguments: Any) -> Any:
+                body = self.bound(self.func, receiver)
                 context, arguments = self.framework.split(arguments)
                 if _on_an_event_loop():
                     # Registered to run on the event loop (FastMCP's run_in_thread=False),
@@ -281,10 +355,8 @@ class _Tool:
                     # of its own, and the loop waits for it as it would for the tool.
                     with concurrent.futures.ThreadPoolExecutor(1) as thread:
                         running = contextvars.copy_context().run
-                        return thread.submit(
-                            running, self.call, self.func, context, arguments
-                        ).result()
-                return self.call(self.func, context, arguments)
+                        return thread.submit(running, self.call, body, context, arguments).result()
+                return self.call(body, context, arguments)
 
             tool = sync_tool
         tool.__signature__ = self.signature  # type: ignore[attr-defined]
@@ -298,15 +370,29 @@ class _Tool:
             else {}
         )
         tool.__dict__["idempotency_options"] = self.checked
+        tool.__dict__[_PROTECTED] = self.framework.name
         self.framework.bind(tool)
         return tool
+
+    def bound(self, body: Callable[..., Any], receiver: tuple[Any, ...]) -> Callable[..., Any]:
+        """``body`` with the instance (or class) a method tool is bound to, which comes first,
+        positionally, and is no argument of the call (not in its fingerprint). Frameworks
+        pass a call's arguments by name: anything else positional is refused, as a function
+        taking its arguments by name refuses it."""
+        if not receiver:
+            return body
+        if len(receiver) == 1 and _belongs(receiver[0], self.owner):
+            return functools.partial(body, receiver[0])
+        raise TypeError(
+            f"{self.func.__qualname__}() takes its arguments by name, as a tool is called"
+        )
 
     def call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
         """One call of the tool: through the engine, or refused; then, as Django does at the
         end of a request, the connections this worker thread opened are closed where
         ``CONN_MAX_AGE`` says so (frameworks run tools in threads that outlive the call)."""
         try:
-            return self._call(body, context, arguments)
+            return self.framework.answer(context, self._call(body, context, arguments))
         finally:
             _autonomous.close_unused_connections()
 
@@ -438,6 +524,41 @@ class _Tool:
 
     def loaded(self, body: bytes) -> Any:
         return self.framework.load(json.loads(body))
+
+
+#: What a protected tool carries: the name of the framework whose decorator made it.
+_PROTECTED = "idempotent_tool"
+
+
+def _protected_by(func: Any) -> str | None:
+    """The framework whose ``@idempotent_tool`` made ``func``, or any function it wraps (a
+    project's own decorator between two), or ``None``."""
+    seen = set()
+    while func is not None and id(func) not in seen:
+        seen.add(id(func))
+        found = getattr(func, "__dict__", {}).get(_PROTECTED)
+        if found is not None:
+            return str(found)
+        func = getattr(func, "__wrapped__", None)
+    return None
+
+
+def _owner(func: Callable[..., Any]) -> tuple[str, str] | None:
+    """The module and qualified name of the class whose body ``func`` was written in, when it
+    was (a method), else ``None``."""
+    *outer, _ = getattr(func, "__qualname__", "").split(".")
+    if not outer or outer[-1] == "<locals>":
+        return None
+    return getattr(func, "__module__", None) or "", ".".join(outer)
+
+
+def _belongs(receiver: Any, owner: tuple[str, str] | None) -> bool:
+    """Whether ``receiver`` is what a method of ``owner`` is bound to: an instance of that
+    class (or of a subclass), or the class itself (a ``classmethod``)."""
+    if owner is None:
+        return False
+    cls = receiver if isinstance(receiver, type) else type(receiver)
+    return any((c.__module__, c.__qualname__) == owner for c in cls.__mro__)
 
 
 def _on_an_event_loop() -> bool:

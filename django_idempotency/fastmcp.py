@@ -27,6 +27,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from fastmcp import FastMCP
 from fastmcp.decorators import get_fastmcp_meta
 from fastmcp.server.context import Context
 from fastmcp.server.dependencies import get_access_token, get_context
@@ -64,7 +65,9 @@ def principal_account(context: Any = None) -> str | None:
     return _tools.principal_of(get_access_token())
 
 
-def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
+def idempotent_tool(
+    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+) -> Callable[[F], F]:
     """Run a FastMCP tool at most once per ``(account, operation, key)``; replay its result.
 
     Put it beneath ``@server.tool``, with parentheses. The options, the key (the tool's
@@ -74,7 +77,11 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     ``ImproperlyConfigured`` here, when the tool is decorated.
     """
     return _tools.protector(
-        _FastMCP(), options, _validation.caller(), frozenset(ToolOptions.__optional_keys__)
+        _FastMCP(),
+        options,
+        _validation.caller(),
+        frozenset(ToolOptions.__optional_keys__),
+        misplaced,
     )
 
 
@@ -86,6 +93,16 @@ class _FastMCP(_tools.Framework[ToolResult]):
         # it, this decorator would be handed a function the server calls unprotected.
         if get_fastmcp_meta(func) is not None:
             raise _tools.misplaced(where, "FastMCP's @server.tool", func, "@server.tool")
+        # Its add_tool (of the function, or of a FunctionTool made of it) leaves no mark:
+        # a server in sight shows it.
+        for server in _tools.servers_in_sight(func, FastMCP):
+            # FastMCP keeps a server's own tools in its local provider (no public list is
+            # sync).
+            components = getattr(getattr(server, "_local_provider", None), "_components", {})
+            if any(getattr(tool, "fn", None) is func for tool in list(components.values())):
+                raise _tools.misplaced(
+                    where, f"add_tool of FastMCP {server.name!r}", func, "@server.tool"
+                )
 
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         try:
@@ -152,3 +169,10 @@ class _FastMCP(_tools.Framework[ToolResult]):
 
     def received(self, result: CallToolResult) -> ToolResult:
         return ToolResult.from_mcp_result(result)
+
+    def answer(self, context: Any, result: ToolResult) -> Any:
+        # Outside a FastMCP request (a direct call, or the tool registered on another MCP
+        # server, such as the SDK's MCPServer) the answer is MCP's own CallToolResult: any
+        # MCP server sends it as it is (a refusal an error, a replay with its flag), and a
+        # direct caller reads the same fields as a ToolResult's.
+        return result if context is not None else self.sent(result)

@@ -29,6 +29,7 @@ carrying the HTTP side's problem codes. Needs the ``mcp`` extra.
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -73,7 +74,9 @@ def principal_account(context: Any = None) -> str | None:
     return _tools.principal_of(get_access_token())
 
 
-def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
+def idempotent_tool(
+    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+) -> Callable[[F], F]:
     """Run an MCP tool at most once per ``(account, operation, key)``; replay its result.
 
     Put it beneath ``@server.tool()``, with parentheses. The tool keeps its signature and
@@ -93,7 +96,11 @@ def idempotent_tool(**options: Unpack[ToolOptions]) -> Callable[[F], F]:
     A wrong option raises ``ImproperlyConfigured`` here, when the tool is decorated.
     """
     return _tools.protector(
-        _SDK(), options, _validation.caller(), frozenset(ToolOptions.__optional_keys__)
+        _SDK(),
+        options,
+        _validation.caller(),
+        frozenset(ToolOptions.__optional_keys__),
+        misplaced,
     )
 
 
@@ -103,6 +110,7 @@ class _SDK(_tools.Framework[CallToolResult]):
     name = "MCPServer"
 
     def __init__(self) -> None:
+        self.tool = "the tool"
         self.context_argument = _CONTEXT_ARGUMENT
         self.own_context: str | None = None
 
@@ -110,18 +118,8 @@ class _SDK(_tools.Framework[CallToolResult]):
         """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has
         the bare function already. Refused where a server in sight shows it: one of the
         decorating module's, or of the scope the decorator is applied in, or one step away
-        from either: an attribute of an object or module, or a dict's value (see
-        ``_servers``)."""
-        module = inspect.getmodule(func)
-        frame = inspect.currentframe()
-        applying = frame
-        for _ in range(2):  # protector's decorate, then the scope applying it
-            applying = applying.f_back if applying is not None else None
-        seen = list(vars(module).values()) if module is not None else []
-        if applying is not None:
-            seen += list(applying.f_locals.values())
-        del frame, applying
-        for server in _servers(seen):
+        from either (see ``_tools.servers_in_sight``)."""
+        for server in _tools.servers_in_sight(func, MCPServer):
             # The SDK keeps a server's tools in its tool manager (no public list is sync).
             tools = getattr(getattr(server, "_tool_manager", None), "list_tools", None)
             if callable(tools) and any(tool.fn is func for tool in tools()):
@@ -136,6 +134,7 @@ class _SDK(_tools.Framework[CallToolResult]):
     def signature(
         self, func: Callable[..., Any], signature: inspect.Signature
     ) -> inspect.Signature:
+        self.tool = func.__name__
         self.own_context = find_context_parameter(func)
         self.context_argument = self.own_context or _CONTEXT_ARGUMENT
         if self.own_context is not None:
@@ -143,10 +142,23 @@ class _SDK(_tools.Framework[CallToolResult]):
         added = inspect.Parameter(
             _CONTEXT_ARGUMENT, inspect.Parameter.KEYWORD_ONLY, annotation=Context, default=None
         )
-        return signature.replace(parameters=[*signature.parameters.values(), added])
+        parameters = list(signature.parameters.values())
+        # Before a **kwargs parameter, which comes last.
+        variadic = bool(parameters) and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD
+        at = len(parameters) - variadic
+        return signature.replace(parameters=[*parameters[:at], added, *parameters[at:]])
 
     def split(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         context = arguments.get(self.context_argument)
+        if context is None and _in_a_fastmcp_call():
+            # FastMCP serves this tool (it gives no MCPServer Context): its conversion of the
+            # result is not the SDK's, and FastMCP would refuse the stored answer after the
+            # tool ran. Nothing runs.
+            raise ImproperlyConfigured(
+                f"{self.tool}: protected by django_idempotency.mcp.idempotent_tool, which "
+                "is for the SDK's MCPServer, and served by FastMCP: protect it with "
+                "django_idempotency.fastmcp.idempotent_tool"
+            )
         if self.own_context is None:
             arguments = {n: v for n, v in arguments.items() if n != _CONTEXT_ARGUMENT}
         return context, arguments
@@ -216,21 +228,14 @@ class _SDK(_tools.Framework[CallToolResult]):
         return result
 
 
-def _servers(values: list[Any]) -> list[MCPServer]:
-    """The servers among ``values``, and one step into each: an attribute of an object or of
-    a module (``@registry.server.tool()``, ``@servers.shop.tool()``), or a value of a
-    ``dict`` (``@SERVERS["shop"].tool()``)."""
-    found = []
-    for value in values:
-        if isinstance(value, MCPServer):
-            found.append(value)
-            continue
-        if isinstance(value, dict):
-            inside = list(value.values())
-        elif isinstance(value, type):
-            continue
-        else:
-            attributes = getattr(value, "__dict__", None)
-            inside = list(attributes.values()) if isinstance(attributes, dict) else []
-        found += [v for v in inside if isinstance(v, MCPServer)]
-    return found
+def _in_a_fastmcp_call() -> bool:
+    """Whether this runs inside a call that FastMCP serves (its current context is set).
+    FastMCP is not imported for this: where it is not loaded, it serves nothing."""
+    dependencies = sys.modules.get("fastmcp.server.dependencies")
+    if dependencies is None:
+        return False
+    try:
+        dependencies.get_context()
+    except RuntimeError:  # no FastMCP request
+        return False
+    return True
