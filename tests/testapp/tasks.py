@@ -52,6 +52,13 @@ def record_effect_long_lease(tag: str, hold: float = 0.0) -> dict[str, Any]:
     return _body(tag, hold)
 
 
+@shared_task(name="tests.record_effect_fail", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(lease=LEASE_SECONDS, recovery="fail")
+def record_effect_fail(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the task id; a run that stopped midway is never run again."""
+    return _body(tag, hold)
+
+
 @shared_task(name="tests.record_effect_by_tag", acks_late=True, reject_on_worker_lost=True)
 @idempotent_task(key=lambda tag, hold=0.0: f"tag:{tag}", lease=LEASE_SECONDS)
 def record_effect_by_tag(tag: str, hold: float = 0.0) -> dict[str, Any]:
