@@ -149,8 +149,9 @@ def idempotent_task(
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
     ``ImproperlyConfigured`` here, when the task is decorated. So does a shape that would
     not protect the task the worker runs: ``@idempotent_task`` without its parentheses (or
-    anything given positionally: its options are keywords), and ``@idempotent_task()``
-    above ``@shared_task`` or ``@task`` instead of beneath it.
+    anything given positionally: its options are keywords), ``@idempotent_task()``
+    above ``@shared_task`` or ``@task`` instead of beneath it, and ``@idempotent_task()``
+    written twice (whose body would never run).
     """
     where = _validation.caller()
     if misplaced is not None:
@@ -165,6 +166,7 @@ def idempotent_task(
 
     def decorate(func: F) -> F:
         _refuse_a_task(func, where)
+        _refuse_twice(func, where)
 
         def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
@@ -313,6 +315,20 @@ def _refuse_a_task(func: object, where: str) -> None:
         f"@idempotent_task() at {where} is above the task decorator: what it decorates is "
         f"already {framework}, and the worker would run that task unprotected. Put "
         f"@idempotent_task() beneath {decorator}: {_RIGHT_SHAPE}."
+    )
+
+
+def _refuse_twice(func: object, where: str) -> None:
+    # Both layers would claim the delivery's one key: the inner one would always meet the
+    # outer one's claim, and the body never run (a worker retrying it after every lease).
+    # Followed through functools.wraps (which copies the mark too), not through closures:
+    # a body may well close over another function under @idempotent_task() that it calls.
+    if not any(is_idempotent_task(f) for f in _protection.wrapped_by(func, closures=False)):
+        return
+    raise ImproperlyConfigured(
+        f"@idempotent_task() at {where} decorates a function already under "
+        "@idempotent_task(): written twice, every delivery would meet its own claim and "
+        f"the body never run. Write it once, directly beneath @shared_task: {_RIGHT_SHAPE}."
     )
 
 
