@@ -29,7 +29,7 @@ from django_idempotency.models import (
     OutboxStatus,
     OutboxUniqueKey,
 )
-from tests.helpers import postgres_only, work_tasks
+from tests.helpers import celery_worker, postgres_only, wait_drained, wait_until, work_tasks
 from tests.testapp.models import ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -184,6 +184,28 @@ def test_a_run_whose_autoretries_are_spent_frees_its_key():
     assert OutboxUniqueKey.objects.get().finished_at is not None
     with transaction.atomic():
         assert outbox.enqueue_once("k", autoretried_in_vain, "spent") != first
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_run_that_puts_its_message_back_keeps_its_key_until_the_next_run_ends():
+    """``Reject(requeue=True)`` under ``acks_late`` hands the message back to the broker: the
+    worker runs it again, so the run has not ended, and its key stays held (as for a retry).
+    Freed, an enqueue meanwhile wrote a second live message for the key."""
+    from tests.testapp.tasks import rejected_once
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", rejected_once, "k", "rejected")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    with celery_worker():
+        rejected_once.apply_async(("k", "rejected"), task_id=str(first))
+        wait_until(lambda: effects("rejected") == 1, "the run after the requeue to commit")
+        wait_drained()
+    # The run after the requeue found its own message holding the key.
+    assert ProviderCall.objects.filter(key="failed:rejected").count() == 1
+    assert OutboxMessage.objects.count() == 1
+    assert OutboxUniqueKey.objects.get().message_id == first
 
 
 # -- a key callable that answers no key ------------------------------------------------------

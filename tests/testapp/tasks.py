@@ -226,6 +226,23 @@ def autoretried(key: str, tag: str) -> str:
     return str(outbox.enqueue_once(key, autoretried, key, tag))
 
 
+@shared_task(name="tests.rejected_once", acks_late=True)
+@idempotent_task()
+def rejected_once(key: str, tag: str) -> str:
+    """Its first run puts its message back (``Reject(requeue=True)``, with ``acks_late``),
+    so the worker runs it again. The next run asks ``enqueue_once`` for its own key (as a
+    beat would meanwhile) and returns the id."""
+    from celery.exceptions import Reject
+
+    from django_idempotency import outbox
+
+    if not ProviderCall.objects.using("provider").filter(key=f"failed:{tag}").exists():
+        ProviderCall.objects.using("provider").create(key=f"failed:{tag}")
+        raise Reject("not now", requeue=True)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return str(outbox.enqueue_once(key, rejected_once, key, tag))
+
+
 @shared_task(
     name="tests.autoretried_in_vain",
     autoretry_for=(RuntimeError,),
