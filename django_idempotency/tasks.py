@@ -350,13 +350,19 @@ def _ended(exc: BaseException) -> bool:
 
 def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
     """Whether Celery runs the message again after this run raised ``exc``: its run has
-    not ended. ``self.retry()`` raises ``Retry`` through the body; ``autoretry_for`` turns
-    ``exc`` into a retry around this wrapper, until ``max_retries``."""
+    not ended. ``self.retry()`` raises ``Retry`` through the body; ``Reject(requeue=True)``
+    hands an ``acks_late`` message back to the broker (in a worker: an eager run has no
+    message); ``autoretry_for`` turns ``exc`` into a retry around this wrapper, until
+    ``max_retries``."""
     if task is None:
         return False
-    from celery.exceptions import Ignore, Retry
+    from celery.exceptions import Ignore, Reject, Retry
 
     if isinstance(exc, Retry):
+        return True
+    # (Reject keeps requeue as an attribute; celery-types does not declare it.)
+    requeued = isinstance(exc, Reject) and getattr(exc, "requeue", False)
+    if requeued and task.acks_late and not task.request.is_eager:
         return True
     if not hasattr(task, "_orig_run") or isinstance(exc, Ignore):  # no autoretry wrapper
         return False
