@@ -151,6 +151,41 @@ def test_each_shape_of_celery_task_is_keyed_by_its_own_delivery(name):
     ]
 
 
+# -- Celery's canvas: a link callback of a message delivered twice --------------------------
+
+
+@pytest.mark.usefixtures("eager_celery")
+def test_a_link_callback_runs_once_however_often_its_parent_is_delivered():
+    """Celery sends a parent's ``link`` callbacks after each delivery that succeeds, a
+    replay too. Each used to go out under a new task id, so a callback under
+    ``@idempotent_task()`` ran once per delivery of its parent."""
+    from tests.testapp.tasks import linked_callback, linked_parent
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = linked_parent.apply(("p",), task_id=task_id, link=linked_callback.s("c"))
+        assert outcome.get() == "p"
+    assert (effects("parent:p"), effects("callback:c")) == (1, 1)
+    # Another message of the parent is another callback.
+    linked_parent.apply(("p",), task_id=str(uuid.uuid4()), link=linked_callback.s("c"))
+    assert effects("callback:c") == 2
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_worker_runs_the_link_callback_of_a_message_delivered_twice_once():
+    from tests.testapp.tasks import linked_callback, linked_parent
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        for _ in range(2):
+            linked_parent.apply_async(("w",), task_id=task_id, link=linked_callback.s("w"))
+        wait_until(lambda: effects("callback:w") >= 1, "the callback to run")
+        wait_drained()
+    assert (effects("parent:w"), effects("callback:w")) == (1, 1)
+
+
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
 
 

@@ -255,6 +255,25 @@ def autoretried_in_vain(tag: str) -> None:
     raise RuntimeError("every run fails")
 
 
+# -- Celery's canvas: a link callback (tests/test_task_deliveries.py) ---------------------------
+
+
+@shared_task(name="tests.linked_parent")
+@idempotent_task()
+def linked_parent(tag: str) -> str:
+    """Deduplicated by its task id; the tests send it with ``link=linked_callback.s(...)``."""
+    ProviderCall.objects.create(key=f"effect:parent:{tag}")
+    return tag
+
+
+@shared_task(name="tests.linked_callback")
+@idempotent_task()
+def linked_callback(value: str, tag: str) -> str:
+    """Deduplicated by its task id: Celery calls it with the parent's return value."""
+    ProviderCall.objects.create(key=f"effect:callback:{tag}")
+    return f"{value}+{tag}"
+
+
 @shared_task(name="tests.keyed_by_payload")
 @idempotent_task(key=lambda payload: payload.get("id"))
 def keyed_by_payload(payload: dict[str, Any]) -> str:
