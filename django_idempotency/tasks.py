@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import asdict
@@ -195,6 +196,8 @@ def idempotent_task(
                     )
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return body(*args, **kwargs)
+            if task is not None:
+                _steady_callbacks(task, f"{name}:{delivery}")
             try:
                 return call_once(
                     body,
@@ -426,6 +429,39 @@ def _delivering(wrapper: Callable[..., Any]) -> Task[Any, Any] | None:
     run = getattr(task, "run", None)
     reached = _protection.wrapped_by(getattr(run, "__func__", run), _WRAPPERS_FOLLOWED)
     return task if any(found is wrapper for found in reached) else None
+
+
+#: The namespace of the task ids a delivery's link callbacks are sent with.
+_CALLBACK_IDS = uuid.UUID("5b0c3a57-3f4e-4d1e-9a7e-6c1d2f0b8e41")
+
+
+def _steady_callbacks(task: Task[Any, Any], record: str) -> None:
+    """Give the delivery's ``link`` callbacks task ids derived from its record.
+
+    Celery sends them after every delivery that succeeds, a replay too, each under a new
+    task id unless the signature has one: a message delivered twice would send its
+    callbacks twice, as two messages. Derived from the record (the task's name and its
+    key) and the callback's place, they are sent under the same ids by every delivery of
+    it, so a callback under ``@idempotent_task()`` runs once. A callback that has a task
+    id of its own, or is a group, chain or chord, is left as it is; so are ``link_error``
+    callbacks (each failed run is a run of its own)."""
+    callbacks = getattr(task.request, "callbacks", None)
+    if not callbacks:
+        return
+    steady: list[Any] = []
+    for place, callback in enumerate(callbacks):
+        options = callback.get("options") if isinstance(callback, dict) else None
+        if (
+            not isinstance(callback, dict)
+            or callback.get("subtask_type")
+            or (options and options.get("task_id"))
+        ):
+            steady.append(callback)
+            continue
+        callback_id = str(uuid.uuid5(_CALLBACK_IDS, f"{record}:{place}"))
+        # A copy: an eager caller may hand the same signature to several messages.
+        steady.append({**callback, "options": {**(options or {}), "task_id": callback_id}})
+    task.request.callbacks = steady
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:
