@@ -186,6 +186,30 @@ def test_a_worker_runs_the_link_callback_of_a_message_delivered_twice_once():
     assert (effects("parent:w"), effects("callback:w")) == (1, 1)
 
 
+@pytest.mark.parametrize("shape", ["map", "starmap", "chunks"])
+def test_the_items_of_a_map_delivered_twice_run_once(shape):
+    """``task.map``, ``starmap`` and ``chunks`` run a task's items inside one message of
+    Celery's own (``celery.map``, ``celery.starmap``) as calls of the task. Each item is a
+    delivery of that message: keyed by its id and the item's place, it runs once however
+    often the message is delivered. They used to run as plain calls, every time."""
+    from tests.testapp.tasks import record_effect
+
+    tags = ["item-1", "item-2", "item-3"]
+    canvas = {
+        "map": lambda: record_effect.map(tags),
+        "starmap": lambda: record_effect.starmap([(tag,) for tag in tags]),
+        "chunks": lambda: record_effect.chunks([(tag,) for tag in tags], 3).group().tasks[0],
+    }[shape]()
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = canvas.apply(task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert [effects(tag) for tag in tags] == [1, 1, 1]
+    # Another message is another delivery of each item.
+    canvas.apply(task_id=str(uuid.uuid4()))
+    assert [effects(tag) for tag in tags] == [2, 2, 2]
+
+
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
 
 
