@@ -176,6 +176,9 @@ def idempotent_task(
             run = _django_run(wrapper)
             django = message is not None or run is not None
             task = None if django else _delivering(wrapper)
+            # An item of task.map()/starmap()/chunks(): a call of the task that a delivery
+            # of Celery's map makes (that delivery's message, and the item's key).
+            item = _item_of_a_map(task)
             delivery = (
                 delivery_key(*args, **kwargs)
                 if delivery_key is not None
@@ -183,7 +186,7 @@ def idempotent_task(
                 if message is not None
                 else run
                 if run is not None
-                else _task_id(task)
+                else _task_id(task) or (item[1] if item is not None else None)
             )
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             if delivery is None:
@@ -224,7 +227,7 @@ def idempotent_task(
                 logger.warning("skipped a delivery of %s: its record was marked failed", name)
                 return None
             except InProgress as exc:
-                return _in_progress(task, name, exc.retry_after)
+                return _in_progress(item[0] if item is not None else task, name, exc.retry_after)
             except Exception as exc:
                 # The run ended with an error: a key of enqueue_once it holds is free. Not
                 # when Celery retries it: self.retry() inside the body, or autoretry_for
@@ -462,6 +465,37 @@ def _steady_callbacks(task: Task[Any, Any], record: str) -> None:
         # A copy: an eager caller may hand the same signature to several messages.
         steady.append({**callback, "options": {**(options or {}), "task_id": callback_id}})
     task.request.callbacks = steady
+
+
+#: Celery's own tasks that run another task's items as calls of it: ``task.map``,
+#: ``task.starmap``, and ``task.chunks`` (a group of ``celery.starmap``).
+_MAPS = frozenset({"celery.map", "celery.starmap"})
+# Set on the request of a map's delivery: how many of its items were called so far.
+_PLACE = "idempotent_task_items"
+
+
+def _item_of_a_map(task: Task[Any, Any] | None) -> tuple[Task[Any, Any], str] | None:
+    """For a call of ``task`` that a delivery of ``celery.map``/``celery.starmap`` makes
+    for one of its items: that map task (whose message a wait for another delivery's lease
+    retries) and the item's key, the map message's id and the item's place (the items are
+    called in their order, the same in every delivery of the message). ``None`` for any
+    other call (a delivery of ``task`` itself, a plain call)."""
+    if task is None or task.request.id is not None:
+        return None
+    # Celery's stack of the tasks running in this thread (celery-types leaves it out).
+    from celery._state import _task_stack  # type: ignore[attr-defined]
+
+    # ``task`` may be Celery's proxy of the current task: the top of this stack.
+    stack: list[Any] = _task_stack.stack
+    outer = stack[-2] if len(stack) >= 2 and stack[-1].name == task.name else None
+    if outer is None or outer.name not in _MAPS or outer.request.called_directly:
+        return None
+    request = outer.request
+    if request.id is None:
+        return None
+    place: int = getattr(request, _PLACE, 0)
+    setattr(request, _PLACE, place + 1)
+    return outer, f"{request.id}:{place}"
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

@@ -39,6 +39,10 @@ def effects(prefix: str) -> int:
     return ProviderCall.objects.filter(key=f"effect:{prefix}").count()
 
 
+def starts(tag: str) -> int:
+    return ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count()
+
+
 # -- Django's Tasks framework: a task enqueued on the real backend --------------------------
 
 
@@ -208,6 +212,32 @@ def test_the_items_of_a_map_delivered_twice_run_once(shape):
     # Another message is another delivery of each item.
     canvas.apply(task_id=str(uuid.uuid4()))
     assert [effects(tag) for tag in tags] == [2, 2, 2]
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_map_whose_other_delivery_died_mid_item_runs_every_item_once_after_the_lease():
+    """Two deliveries of one starmap message; the first one's worker process is killed
+    inside its first item. The other delivery meets that item's live lease: its map is
+    retried after the lease (not failed, which would leave the rest of the items unrun),
+    takes the dead item over, and runs the next."""
+    import os
+    import signal
+
+    from tests.testapp.tasks import record_effect_long_lease
+
+    canvas = record_effect_long_lease.starmap([("map-held", 60), ("map-next", 0)])
+    task_id = str(uuid.uuid4())
+    with celery_worker(concurrency=2):
+        for _ in range(2):
+            canvas.apply_async(task_id=task_id)
+        wait_until(lambda: starts("map-held") == 1, "the first item to start")
+        pid = ProviderCall.objects.get(key__startswith="start:map-held:").key.rsplit(":", 1)[1]
+        os.kill(int(pid), signal.SIGKILL)
+        wait_until(lambda: effects("map-next") == 1, "the other delivery to run every item")
+        wait_drained()
+    assert (starts("map-held"), effects("map-held"), effects("map-next")) == (2, 1, 1)
 
 
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
