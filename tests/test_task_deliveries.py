@@ -240,6 +240,45 @@ def test_a_map_whose_other_delivery_died_mid_item_runs_every_item_once_after_the
     assert (starts("map-held"), effects("map-held"), effects("map-next")) == (2, 1, 1)
 
 
+# -- a task that replaces itself (self.replace) ---------------------------------------------
+
+
+def pages(tag: str) -> list[str]:
+    keys = ProviderCall.objects.filter(key__startswith=f"effect:{tag}:")
+    return sorted(keys.values_list("key", flat=True))
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_task_that_replaces_itself_keeps_the_work_of_every_page():
+    """``self.replace()`` sends the replacement under the task's own id and raises
+    ``Ignore`` through the body. The body's work was rolled back as if it had failed, while
+    Celery reported the whole import a success: only the last page's rows were left."""
+    from tests.testapp.tasks import paged
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        paged.apply_async(("worker", 1, 3), task_id=task_id)
+        # A duplicate of the first message, after the pages: it runs nothing again.
+        wait_until(lambda: len(pages("worker")) == 3, "every page")
+        paged.apply_async(("worker", 1, 3), task_id=task_id)
+        wait_drained()
+    assert pages("worker") == ["effect:worker:1", "effect:worker:2", "effect:worker:3"]
+
+
+def test_a_task_that_replaces_itself_eagerly_runs_every_page_once():
+    """Eagerly, the replacement runs inside the replaced body, under the same task id: it
+    met the replaced run's own claim and failed (DeliveryInProgress)."""
+    from tests.testapp.tasks import paged
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = paged.apply(("eager", 1, 3), task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert pages("eager") == ["effect:eager:1", "effect:eager:2", "effect:eager:3"]
+
+
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
 
 

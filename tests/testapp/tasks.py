@@ -274,6 +274,17 @@ def linked_callback(value: str, tag: str) -> str:
     return f"{value}+{tag}"
 
 
+@shared_task(name="tests.paged", bind=True)
+@idempotent_task()
+def paged(self: Any, tag: str, page: int, last: int) -> int:
+    """Imports one page, then replaces itself with the next (``self.replace``), as a
+    paginated import does; the last page returns its number."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{page}")
+    if page < last:
+        raise self.replace(paged.s(tag, page + 1, last))
+    return page
+
+
 @shared_task(name="tests.keyed_by_payload")
 @idempotent_task(key=lambda payload: payload.get("id"))
 def keyed_by_payload(payload: dict[str, Any]) -> str:
