@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import traceback
 import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -33,7 +34,7 @@ from django_idempotency import (
     maintenance,
     outbox,
 )
-from django_idempotency._once import LeaseTakenOver, call_once
+from django_idempotency._once import LeaseTakenOver, call_once, stored_result
 from django_idempotency._policies import RETRY
 from django_idempotency._unique import TASK_ACCOUNT, task_operation
 from django_idempotency.conf import app_settings
@@ -186,7 +187,7 @@ def idempotent_task(
                 if message is not None
                 else run
                 if run is not None
-                else _task_id(task) or (item[1] if item is not None else None)
+                else _task_key(task) or (item[1] if item is not None else None)
             )
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             if delivery is None:
@@ -201,8 +202,9 @@ def idempotent_task(
                 return body(*args, **kwargs)
             if task is not None:
                 _steady_callbacks(task, f"{name}:{delivery}")
+                body = _handing_over(body)
             try:
-                return call_once(
+                value = call_once(
                     body,
                     args,
                     kwargs,
@@ -219,6 +221,7 @@ def idempotent_task(
                     # that meets another's live lease waits for its outcome, or for the
                     # lease to run out and then takes it over.
                     wait=_waited_out(checked["lease"]) if django else None,
+                    encode=_stored_unless_replaced,
                 ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -235,6 +238,10 @@ def idempotent_task(
                 if _ended(exc) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
+            if isinstance(value, _Replaced):
+                # Its work and its record committed; Celery learns that it was replaced.
+                raise value.signal
+            return value
 
         if inspect.iscoroutinefunction(func):
             # The engine is synchronous: the coroutine runs on an event loop from the
@@ -496,6 +503,61 @@ def _item_of_a_map(task: Task[Any, Any] | None) -> tuple[Task[Any, Any], str] | 
     place: int = getattr(request, _PLACE, 0)
     setattr(request, _PLACE, place + 1)
     return outer, f"{request.id}:{place}"
+
+
+class _Replaced:
+    """What a body under ``@idempotent_task()`` that ``self.replace()`` ended answers the
+    engine: it handed its work over to its replacement."""
+
+    def __init__(self, signal: BaseException) -> None:
+        self.signal = signal
+
+
+def _handing_over(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body``, answering :class:`_Replaced` when Celery's ``self.replace()`` ends it.
+
+    ``replace`` sends the replacement (under this task's id) and raises ``Ignore`` from
+    ``Task.on_replace``: the run is over, not failed. Its work commits with its record
+    (stored as ``None``), as a return would; the ``Ignore`` is raised again afterwards."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return body(*args, **kwargs)
+        except Exception as exc:
+            if _replaced(exc):
+                return _Replaced(exc)
+            raise
+
+    return run
+
+
+def _replaced(exc: BaseException) -> bool:
+    from celery.exceptions import Ignore
+
+    if not isinstance(exc, Ignore):
+        return False
+    return any(
+        frame.f_code.co_name == "on_replace" for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
+
+
+def _stored_unless_replaced(result: Any) -> Any:
+    return stored_result(None if isinstance(result, _Replaced) else result)
+
+
+def _task_key(task: Task[Any, Any] | None) -> str | None:
+    """The key of a Celery delivery: its task id. ``self.replace()`` sends the replacement
+    under the replaced task's id: its deliveries are keyed by the id and how deep the
+    replacement is (``replaced_task_nesting``; eagerly, how many runs of the same id are
+    under way beneath it), so they never meet the replaced run's record."""
+    task_id = _task_id(task)
+    if task is None or task_id is None:
+        return task_id
+    nesting = getattr(task.request, "replaced_task_nesting", 0) or 0
+    if not nesting and task.request.is_eager:
+        beneath = task.request_stack.stack[:-1]
+        nesting = sum(1 for request in beneath if getattr(request, "id", None) == task_id)
+    return f"{task_id}:replaced:{nesting}" if nesting else task_id
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

@@ -281,7 +281,7 @@ def paged(self: Any, tag: str, page: int, last: int) -> int:
     paginated import does; the last page returns its number."""
     ProviderCall.objects.create(key=f"effect:{tag}:{page}")
     if page < last:
-        raise self.replace(paged.s(tag, page + 1, last))
+        return self.replace(paged.s(tag, page + 1, last))
     return page
 
 
