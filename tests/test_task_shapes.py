@@ -124,3 +124,15 @@ def test_idempotent_task_written_twice_is_refused_where_it_is_written(between):
     assert "once, directly beneath @shared_task" in str(refused.value)
     assert "tests.shapes.twice" not in app.tasks
     assert task_effects("twice") == 0
+
+
+@pytest.mark.parametrize("register", ["shared_task", "app.task"])
+def test_idempotent_task_above_a_decorator_above_celerys_is_refused(register):
+    # A project's decorator (functools.wraps) between them: the worker runs the task
+    # registered beneath, unprotected (beat or the outbox send it by its name), and the
+    # module's name is left a plain function that no worker runs.
+    name = f"tests.shapes.above_wrapped_{register.replace('.', '_')}"
+    outer = shared_task(name=name) if register == "shared_task" else app.task(name=name)
+    with pytest.raises(ImproperlyConfigured, match="beneath @shared_task") as refused:
+        idempotent_task()(logged(outer(count("above-wrapped"))))
+    assert "above the task decorator" in str(refused.value)
