@@ -318,7 +318,10 @@ def _refuse_bare(misplaced: object, where: str) -> None:
 
 
 def _refuse_a_task(func: object, where: str) -> None:
-    decorator = _task_decorator(func)
+    # The object given, or one a decorator made with functools.wraps wraps: the worker
+    # runs the task beneath either way, under its name.
+    found = (_task_decorator(f) for f in _protection.wrapped_by(func, closures=False))
+    decorator = next((d for d in found if d is not None), None)
     if decorator is None:
         return
     framework = (

@@ -126,13 +126,16 @@ def test_idempotent_task_written_twice_is_refused_where_it_is_written(between):
     assert task_effects("twice") == 0
 
 
-@pytest.mark.parametrize("register", ["shared_task", "app.task"])
-def test_idempotent_task_above_a_decorator_above_celerys_is_refused(register):
+@pytest.mark.parametrize("register", ["shared_task", "app.task", "task"])
+def test_idempotent_task_above_a_decorator_above_the_task_decorator_is_refused(register):
     # A project's decorator (functools.wraps) between them: the worker runs the task
     # registered beneath, unprotected (beat or the outbox send it by its name), and the
     # module's name is left a plain function that no worker runs.
     name = f"tests.shapes.above_wrapped_{register.replace('.', '_')}"
-    outer = shared_task(name=name) if register == "shared_task" else app.task(name=name)
-    with pytest.raises(ImproperlyConfigured, match="beneath @shared_task") as refused:
+    if register == "task":  # Django's Tasks framework
+        outer = pytest.importorskip("tests.testapp.tasks_framework").task()
+    else:
+        outer = shared_task(name=name) if register == "shared_task" else app.task(name=name)
+    with pytest.raises(ImproperlyConfigured, match="beneath @") as refused:
         idempotent_task()(logged(outer(count("above-wrapped"))))
     assert "above the task decorator" in str(refused.value)
