@@ -279,6 +279,41 @@ def test_a_task_that_replaces_itself_eagerly_runs_every_page_once():
     assert pages("eager") == ["effect:eager:1", "effect:eager:2", "effect:eager:3"]
 
 
+# -- a task that calls itself directly inside its own run ---------------------------------
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_task_that_calls_itself_directly_runs_in_a_worker():
+    """A call of the task inside its own run inherits the run's request (Celery's
+    ``Task.__call__`` copies it), task id included: it was taken for the same delivery,
+    met the run's own claim, and retried the whole task after every lease, for ever."""
+    from tests.testapp.tasks import tree
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        for _ in range(2):  # and a duplicate of the message, which runs nothing again
+            tree.apply_async(("walk", 2), task_id=task_id)
+        wait_until(lambda: len(pages("walk")) == 3, "every level", timeout=20)
+        wait_drained()
+    assert pages("walk") == ["effect:walk:0", "effect:walk:1", "effect:walk:2"]
+
+
+def test_a_task_that_calls_itself_directly_runs_eagerly():
+    from tests.testapp.tasks import tree
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        assert tree.apply(("eager-walk", 2), task_id=task_id).get() == 2
+    assert pages("eager-walk") == [
+        "effect:eager-walk:0",
+        "effect:eager-walk:1",
+        "effect:eager-walk:2",
+    ]
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == [task_id]
+
+
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
 
 

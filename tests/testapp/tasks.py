@@ -285,6 +285,17 @@ def paged(self: Any, tag: str, page: int, last: int) -> int:
     return page
 
 
+@shared_task(name="tests.tree")
+@idempotent_task(lease=LEASE_SECONDS)
+def tree(tag: str, depth: int) -> int:
+    """Walks a tree by calling itself directly (``tree(...)``: plain calls inside its own
+    run), one level a call."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{depth}")
+    if depth:
+        tree(tag, depth - 1)
+    return depth
+
+
 @shared_task(name="tests.keyed_by_payload")
 @idempotent_task(key=lambda payload: payload.get("id"))
 def keyed_by_payload(payload: dict[str, Any]) -> str:
