@@ -200,9 +200,16 @@ def idempotent_task(
                     )
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return body(*args, **kwargs)
+            running = (name, str(delivery))
+            if running in _RUNNING.get():
+                # Inside this very run (the task calling itself, whose Task.__call__ copies
+                # the running request, task id included; eagerly, a replacement run in
+                # it): a plain call, its work part of the run's.
+                return body(*args, **kwargs)
             if task is not None:
                 _steady_callbacks(task, f"{name}:{delivery}")
                 body = _handing_over(body)
+            token = _RUNNING.set(_RUNNING.get() | {running})
             try:
                 value = call_once(
                     body,
@@ -238,6 +245,8 @@ def idempotent_task(
                 if _ended(exc) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
+            finally:
+                _RUNNING.reset(token)
             if isinstance(value, _Replaced):
                 # Its work and its record committed; Celery learns that it was replaced.
                 raise value.signal
@@ -399,6 +408,12 @@ def _run_failed(message_id: str | None) -> None:
         logger.exception("could not free the unique key of message %s", message_id)
 
 
+#: The deliveries running here, as ``(task name, key)``: a call of the task made inside
+#: its own run is not another delivery of it.
+_RUNNING: ContextVar[frozenset[tuple[str, str]]] = ContextVar(
+    "django_idempotency_task_running", default=frozenset()
+)
+
 #: The run of Django's Tasks framework going on here: its task's function and its result
 #: id, from the framework's ``task_started`` signal to its ``task_finished``
 #: (``tasks_backend.register`` connects them). A context variable: an ``async def``
@@ -551,15 +566,12 @@ def _stored_unless_replaced(result: Any) -> Any:
 def _task_key(task: Task[Any, Any] | None) -> str | None:
     """The key of a Celery delivery: its task id. ``self.replace()`` sends the replacement
     under the replaced task's id: its deliveries are keyed by the id and how deep the
-    replacement is (``replaced_task_nesting``; eagerly, how many runs of the same id are
-    under way beneath it), so they never meet the replaced run's record."""
+    replacement is (``replaced_task_nesting``), so they never meet the replaced run's
+    record. (Eagerly, the replacement runs inside the replaced run: see ``_RUNNING``.)"""
     task_id = _task_id(task)
     if task is None or task_id is None:
         return task_id
     nesting = getattr(task.request, "replaced_task_nesting", 0) or 0
-    if not nesting and task.request.is_eager:
-        beneath = task.request_stack.stack[:-1]
-        nesting = sum(1 for request in beneath if getattr(request, "id", None) == task_id)
     return f"{task_id}:replaced:{nesting}" if nesting else task_id
 
 
