@@ -55,10 +55,21 @@ class LeaseLost(Exception):
     attempt's database work was rolled back."""
 
 
-#: What ends an attempt as a killed process would: a test's ``SimulatedCrash``, and the
-#: cancellation of an ``async`` caller (a client that disconnected, a server shutting down).
-#: The claim is kept, its lease runs out, and the recovery policy decides.
-CRASHES: tuple[type[BaseException], ...] = (SimulatedCrash, asyncio.CancelledError)
+#: What ends an attempt as a killed process would: a test's ``SimulatedCrash``, the
+#: cancellation of an ``async`` caller (a client that disconnected, a server shutting down),
+#: and the process told to stop inside the body: ``SystemExit`` (a Celery pool process sent
+#: SIGTERM, by a cold shutdown, ``revoke(terminate=True)`` or a service manager stopping the
+#: worker's whole process group; a server's worker told to quit) and ``KeyboardInterrupt``.
+#: None is an error of the body's. The claim is kept, its lease runs out, and the recovery
+#: policy decides: ``"fail"`` never runs the body again. (The owner's execution keeps the
+#: claim for any other ``BaseException`` that is not an ``Exception`` too, such as a
+#: greenlet killed in a gevent pool.)
+CRASHES: tuple[type[BaseException], ...] = (
+    SimulatedCrash,
+    asyncio.CancelledError,
+    SystemExit,
+    KeyboardInterrupt,
+)
 #: What an owner's execution lets through without releasing the claim: a crash, and a lost
 #: lease (the record is another attempt's now).
 KEEP_CLAIM: tuple[type[BaseException], ...] = (LeaseLost, *CRASHES)

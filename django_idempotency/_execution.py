@@ -76,9 +76,12 @@ def run_fenced(
 
     ``judge(result)`` says what to store, or ``None``: then the body's work is rolled back and
     the claim released, so a retry runs afresh. When the body raises, the same happens and
-    the exception propagates. When the body marked its own transaction for rollback, its
-    outcome (if storable) is stored after the rollback: it is still the deterministic answer
-    of this request. Raises ``LeaseLost`` when another attempt owns the record now.
+    the exception propagates. What is no ``Exception`` (``_claims.CRASHES``: a crash, a
+    cancellation, ``SystemExit`` or ``KeyboardInterrupt`` inside the body) is not the
+    body's error: its work rolls back and the claim is kept, as a killed process leaves it.
+    When the body marked its own transaction for rollback, its outcome (if storable) is
+    stored after the rollback: it is still the deterministic answer of this request.
+    Raises ``LeaseLost`` when another attempt owns the record now.
 
     When the completion (or its commit) fails after the body ran, or the database refuses
     the body's transaction as a deadlock or a conflict (a retry is asked for), the work
@@ -156,7 +159,10 @@ def run_fenced(
         if failed or lost or refused:
             raise store_failed(exc) from exc
         raise
-    except BaseException:
+    except Exception:
+        # The body's own error: a retry runs afresh. Whatever is no Exception (a crash, a
+        # cancellation, the process told to exit) passes through above or here untouched:
+        # the claim is kept as a killed process's would be.
         claim.release()
         raise
 

@@ -14,6 +14,8 @@ import functools
 import importlib.util
 import inspect
 import logging
+import traceback
+import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import asdict
@@ -32,7 +34,7 @@ from django_idempotency import (
     maintenance,
     outbox,
 )
-from django_idempotency._once import LeaseTakenOver, call_once
+from django_idempotency._once import LeaseTakenOver, call_once, stored_result
 from django_idempotency._policies import RETRY
 from django_idempotency._unique import TASK_ACCOUNT, task_operation
 from django_idempotency.conf import app_settings
@@ -149,8 +151,9 @@ def idempotent_task(
     A wrong argument (``ttl=0``, a ``key`` that is not callable) raises
     ``ImproperlyConfigured`` here, when the task is decorated. So does a shape that would
     not protect the task the worker runs: ``@idempotent_task`` without its parentheses (or
-    anything given positionally: its options are keywords), and ``@idempotent_task()``
-    above ``@shared_task`` or ``@task`` instead of beneath it.
+    anything given positionally: its options are keywords), ``@idempotent_task()``
+    above ``@shared_task`` or ``@task`` instead of beneath it, and ``@idempotent_task()``
+    written twice (whose body would never run).
     """
     where = _validation.caller()
     if misplaced is not None:
@@ -165,6 +168,7 @@ def idempotent_task(
 
     def decorate(func: F) -> F:
         _refuse_a_task(func, where)
+        _refuse_twice(func, where)
 
         def deliver(body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             message = kwargs.pop(MESSAGE_ARGUMENT, None)
@@ -173,6 +177,9 @@ def idempotent_task(
             run = _django_run(wrapper)
             django = message is not None or run is not None
             task = None if django else _delivering(wrapper)
+            # An item of task.map()/starmap()/chunks(): a call of the task that a delivery
+            # of Celery's map makes (that delivery's message, and the item's key).
+            item = _item_of_a_map(task)
             delivery = (
                 delivery_key(*args, **kwargs)
                 if delivery_key is not None
@@ -180,7 +187,7 @@ def idempotent_task(
                 if message is not None
                 else run
                 if run is not None
-                else _task_id(task)
+                else _task_key(task) or (item[1] if item is not None else None)
             )
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
             if delivery is None:
@@ -193,8 +200,18 @@ def idempotent_task(
                     )
                 # A plain call of the task's function is not a delivery: nothing to dedupe.
                 return body(*args, **kwargs)
+            running = (name, str(delivery))
+            if running in _RUNNING.get():
+                # Inside this very run (the task calling itself, whose Task.__call__ copies
+                # the running request, task id included; eagerly, a replacement run in
+                # it): a plain call, its work part of the run's.
+                return body(*args, **kwargs)
+            if task is not None:
+                _steady_callbacks(task, f"{name}:{delivery}")
+                body = _handing_over(body)
+            token = _RUNNING.set(_RUNNING.get() | {running})
             try:
-                return call_once(
+                value = call_once(
                     body,
                     args,
                     kwargs,
@@ -211,6 +228,7 @@ def idempotent_task(
                     # that meets another's live lease waits for its outcome, or for the
                     # lease to run out and then takes it over.
                     wait=_waited_out(checked["lease"]) if django else None,
+                    encode=_stored_unless_replaced,
                 ).value
             except LeaseTakenOver:
                 logger.warning("a task delivery lost its lease; its work was rolled back")
@@ -219,7 +237,7 @@ def idempotent_task(
                 logger.warning("skipped a delivery of %s: its record was marked failed", name)
                 return None
             except InProgress as exc:
-                return _in_progress(task, name, exc.retry_after)
+                return _in_progress(item[0] if item is not None else task, name, exc.retry_after)
             except Exception as exc:
                 # The run ended with an error: a key of enqueue_once it holds is free. Not
                 # when Celery retries it: self.retry() inside the body, or autoretry_for
@@ -227,6 +245,12 @@ def idempotent_task(
                 if _ended(exc) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
+            finally:
+                _RUNNING.reset(token)
+            if isinstance(value, _Replaced):
+                # Its work and its record committed; Celery learns that it was replaced.
+                raise value.signal
+            return value
 
         if inspect.iscoroutinefunction(func):
             # The engine is synchronous: the coroutine runs on an event loop from the
@@ -303,7 +327,10 @@ def _refuse_bare(misplaced: object, where: str) -> None:
 
 
 def _refuse_a_task(func: object, where: str) -> None:
-    decorator = _task_decorator(func)
+    # The object given, or one a decorator made with functools.wraps wraps: the worker
+    # runs the task beneath either way, under its name.
+    found = (_task_decorator(f) for f in _protection.wrapped_by(func, closures=False))
+    decorator = next((d for d in found if d is not None), None)
     if decorator is None:
         return
     framework = (
@@ -313,6 +340,20 @@ def _refuse_a_task(func: object, where: str) -> None:
         f"@idempotent_task() at {where} is above the task decorator: what it decorates is "
         f"already {framework}, and the worker would run that task unprotected. Put "
         f"@idempotent_task() beneath {decorator}: {_RIGHT_SHAPE}."
+    )
+
+
+def _refuse_twice(func: object, where: str) -> None:
+    # Both layers would claim the delivery's one key: the inner one would always meet the
+    # outer one's claim, and the body never run (a worker retrying it after every lease).
+    # Followed through functools.wraps (which copies the mark too), not through closures:
+    # a body may well close over another function under @idempotent_task() that it calls.
+    if not any(is_idempotent_task(f) for f in _protection.wrapped_by(func, closures=False)):
+        return
+    raise ImproperlyConfigured(
+        f"@idempotent_task() at {where} decorates a function already under "
+        "@idempotent_task(): written twice, every delivery would meet its own claim and "
+        f"the body never run. Write it once, directly beneath @shared_task: {_RIGHT_SHAPE}."
     )
 
 
@@ -334,13 +375,19 @@ def _ended(exc: BaseException) -> bool:
 
 def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
     """Whether Celery runs the message again after this run raised ``exc``: its run has
-    not ended. ``self.retry()`` raises ``Retry`` through the body; ``autoretry_for`` turns
-    ``exc`` into a retry around this wrapper, until ``max_retries``."""
+    not ended. ``self.retry()`` raises ``Retry`` through the body; ``Reject(requeue=True)``
+    hands an ``acks_late`` message back to the broker (in a worker: an eager run has no
+    message); ``autoretry_for`` turns ``exc`` into a retry around this wrapper, until
+    ``max_retries``."""
     if task is None:
         return False
-    from celery.exceptions import Ignore, Retry
+    from celery.exceptions import Ignore, Reject, Retry
 
     if isinstance(exc, Retry):
+        return True
+    # (Reject keeps requeue as an attribute; celery-types does not declare it.)
+    requeued = isinstance(exc, Reject) and getattr(exc, "requeue", False)
+    if requeued and task.acks_late and not task.request.is_eager:
         return True
     if not hasattr(task, "_orig_run") or isinstance(exc, Ignore):  # no autoretry wrapper
         return False
@@ -360,6 +407,12 @@ def _run_failed(message_id: str | None) -> None:
     except Exception:  # the task's own error is what the caller must see
         logger.exception("could not free the unique key of message %s", message_id)
 
+
+#: The deliveries running here, as ``(task name, key)``: a call of the task made inside
+#: its own run is not another delivery of it.
+_RUNNING: ContextVar[frozenset[tuple[str, str]]] = ContextVar(
+    "django_idempotency_task_running", default=frozenset()
+)
 
 #: The run of Django's Tasks framework going on here: its task's function and its result
 #: id, from the framework's ``task_started`` signal to its ``task_finished``
@@ -404,6 +457,122 @@ def _delivering(wrapper: Callable[..., Any]) -> Task[Any, Any] | None:
     run = getattr(task, "run", None)
     reached = _protection.wrapped_by(getattr(run, "__func__", run), _WRAPPERS_FOLLOWED)
     return task if any(found is wrapper for found in reached) else None
+
+
+#: The namespace of the task ids a delivery's link callbacks are sent with.
+_CALLBACK_IDS = uuid.UUID("5b0c3a57-3f4e-4d1e-9a7e-6c1d2f0b8e41")
+
+
+def _steady_callbacks(task: Task[Any, Any], record: str) -> None:
+    """Give the delivery's ``link`` callbacks task ids derived from its record.
+
+    Celery sends them after every delivery that succeeds, a replay too, each under a new
+    task id unless the signature has one: a message delivered twice would send its
+    callbacks twice, as two messages. Derived from the record (the task's name and its
+    key) and the callback's place, they are sent under the same ids by every delivery of
+    it, so a callback under ``@idempotent_task()`` runs once. A callback that has a task
+    id of its own, or is a group, chain or chord, is left as it is; so are ``link_error``
+    callbacks (each failed run is a run of its own)."""
+    callbacks = getattr(task.request, "callbacks", None)
+    if not callbacks:
+        return
+    steady: list[Any] = []
+    for place, callback in enumerate(callbacks):
+        options = callback.get("options") if isinstance(callback, dict) else None
+        if (
+            not isinstance(callback, dict)
+            or callback.get("subtask_type")
+            or (options and options.get("task_id"))
+        ):
+            steady.append(callback)
+            continue
+        callback_id = str(uuid.uuid5(_CALLBACK_IDS, f"{record}:{place}"))
+        # A copy: an eager caller may hand the same signature to several messages.
+        steady.append({**callback, "options": {**(options or {}), "task_id": callback_id}})
+    task.request.callbacks = steady
+
+
+#: Celery's own tasks that run another task's items as calls of it: ``task.map``,
+#: ``task.starmap``, and ``task.chunks`` (a group of ``celery.starmap``).
+_MAPS = frozenset({"celery.map", "celery.starmap"})
+# Set on the request of a map's delivery: how many of its items were called so far.
+_PLACE = "idempotent_task_items"
+
+
+def _item_of_a_map(task: Task[Any, Any] | None) -> tuple[Task[Any, Any], str] | None:
+    """For a call of ``task`` that a delivery of ``celery.map``/``celery.starmap`` makes
+    for one of its items: that map task (whose message a wait for another delivery's lease
+    retries) and the item's key, the map message's id and the item's place (the items are
+    called in their order, the same in every delivery of the message). ``None`` for any
+    other call (a delivery of ``task`` itself, a plain call)."""
+    if task is None or task.request.id is not None:
+        return None
+    # Celery's stack of the tasks running in this thread (celery-types leaves it out).
+    from celery._state import _task_stack  # type: ignore[attr-defined]
+
+    # ``task`` may be Celery's proxy of the current task: the top of this stack.
+    stack: list[Any] = _task_stack.stack
+    outer = stack[-2] if len(stack) >= 2 and stack[-1].name == task.name else None
+    if outer is None or outer.name not in _MAPS or outer.request.called_directly:
+        return None
+    request = outer.request
+    if request.id is None:
+        return None
+    place: int = getattr(request, _PLACE, 0)
+    setattr(request, _PLACE, place + 1)
+    return outer, f"{request.id}:{place}"
+
+
+class _Replaced:
+    """What a body under ``@idempotent_task()`` that ``self.replace()`` ended answers the
+    engine: it handed its work over to its replacement."""
+
+    def __init__(self, signal: BaseException) -> None:
+        self.signal = signal
+
+
+def _handing_over(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body``, answering :class:`_Replaced` when Celery's ``self.replace()`` ends it.
+
+    ``replace`` sends the replacement (under this task's id) and raises ``Ignore`` from
+    ``Task.on_replace``: the run is over, not failed. Its work commits with its record
+    (stored as ``None``), as a return would; the ``Ignore`` is raised again afterwards."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return body(*args, **kwargs)
+        except Exception as exc:
+            if _replaced(exc):
+                return _Replaced(exc)
+            raise
+
+    return run
+
+
+def _replaced(exc: BaseException) -> bool:
+    from celery.exceptions import Ignore
+
+    if not isinstance(exc, Ignore):
+        return False
+    return any(
+        frame.f_code.co_name == "on_replace" for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
+
+
+def _stored_unless_replaced(result: Any) -> Any:
+    return stored_result(None if isinstance(result, _Replaced) else result)
+
+
+def _task_key(task: Task[Any, Any] | None) -> str | None:
+    """The key of a Celery delivery: its task id. ``self.replace()`` sends the replacement
+    under the replaced task's id: its deliveries are keyed by the id and how deep the
+    replacement is (``replaced_task_nesting``), so they never meet the replaced run's
+    record. (Eagerly, the replacement runs inside the replaced run: see ``_RUNNING``.)"""
+    task_id = _task_id(task)
+    if task is None or task_id is None:
+        return task_id
+    nesting = getattr(task.request, "replaced_task_nesting", 0) or 0
+    return f"{task_id}:replaced:{nesting}" if nesting else task_id
 
 
 def _task_id(task: Task[Any, Any] | None) -> str | None:

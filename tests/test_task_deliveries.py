@@ -29,7 +29,7 @@ from django_idempotency.models import (
     OutboxStatus,
     OutboxUniqueKey,
 )
-from tests.helpers import postgres_only, work_tasks
+from tests.helpers import celery_worker, postgres_only, wait_drained, wait_until, work_tasks
 from tests.testapp.models import ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -37,6 +37,10 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 def effects(prefix: str) -> int:
     return ProviderCall.objects.filter(key=f"effect:{prefix}").count()
+
+
+def starts(tag: str) -> int:
+    return ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count()
 
 
 # -- Django's Tasks framework: a task enqueued on the real backend --------------------------
@@ -151,6 +155,165 @@ def test_each_shape_of_celery_task_is_keyed_by_its_own_delivery(name):
     ]
 
 
+# -- Celery's canvas: a link callback of a message delivered twice --------------------------
+
+
+@pytest.mark.usefixtures("eager_celery")
+def test_a_link_callback_runs_once_however_often_its_parent_is_delivered():
+    """Celery sends a parent's ``link`` callbacks after each delivery that succeeds, a
+    replay too. Each used to go out under a new task id, so a callback under
+    ``@idempotent_task()`` ran once per delivery of its parent."""
+    from tests.testapp.tasks import linked_callback, linked_parent
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = linked_parent.apply(("p",), task_id=task_id, link=linked_callback.s("c"))
+        assert outcome.get() == "p"
+    assert (effects("parent:p"), effects("callback:c")) == (1, 1)
+    # Another message of the parent is another callback.
+    linked_parent.apply(("p",), task_id=str(uuid.uuid4()), link=linked_callback.s("c"))
+    assert effects("callback:c") == 2
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_worker_runs_the_link_callback_of_a_message_delivered_twice_once():
+    from tests.testapp.tasks import linked_callback, linked_parent
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        for _ in range(2):
+            linked_parent.apply_async(("w",), task_id=task_id, link=linked_callback.s("w"))
+        wait_until(lambda: effects("callback:w") >= 1, "the callback to run")
+        wait_drained()
+    assert (effects("parent:w"), effects("callback:w")) == (1, 1)
+
+
+@pytest.mark.parametrize("shape", ["map", "starmap", "chunks"])
+def test_the_items_of_a_map_delivered_twice_run_once(shape):
+    """``task.map``, ``starmap`` and ``chunks`` run a task's items inside one message of
+    Celery's own (``celery.map``, ``celery.starmap``) as calls of the task. Each item is a
+    delivery of that message: keyed by its id and the item's place, it runs once however
+    often the message is delivered. They used to run as plain calls, every time."""
+    from tests.testapp.tasks import record_effect
+
+    tags = ["item-1", "item-2", "item-3"]
+    canvas = {
+        "map": lambda: record_effect.map(tags),
+        "starmap": lambda: record_effect.starmap([(tag,) for tag in tags]),
+        "chunks": lambda: record_effect.chunks([(tag,) for tag in tags], 3).group().tasks[0],
+    }[shape]()
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = canvas.apply(task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert [effects(tag) for tag in tags] == [1, 1, 1]
+    # Another message is another delivery of each item.
+    canvas.apply(task_id=str(uuid.uuid4()))
+    assert [effects(tag) for tag in tags] == [2, 2, 2]
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_map_whose_other_delivery_died_mid_item_runs_every_item_once_after_the_lease():
+    """Two deliveries of one starmap message; the first one's worker process is killed
+    inside its first item. The other delivery meets that item's live lease: its map is
+    retried after the lease (not failed, which would leave the rest of the items unrun),
+    takes the dead item over, and runs the next."""
+    import os
+    import signal
+
+    from tests.testapp.tasks import record_effect_long_lease
+
+    canvas = record_effect_long_lease.starmap([("map-held", 60), ("map-next", 0)])
+    task_id = str(uuid.uuid4())
+    with celery_worker(concurrency=2):
+        for _ in range(2):
+            canvas.apply_async(task_id=task_id)
+        wait_until(lambda: starts("map-held") == 1, "the first item to start")
+        pid = ProviderCall.objects.get(key__startswith="start:map-held:").key.rsplit(":", 1)[1]
+        os.kill(int(pid), signal.SIGKILL)
+        wait_until(lambda: effects("map-next") == 1, "the other delivery to run every item")
+        wait_drained()
+    assert (starts("map-held"), effects("map-held"), effects("map-next")) == (2, 1, 1)
+
+
+# -- a task that replaces itself (self.replace) ---------------------------------------------
+
+
+def pages(tag: str) -> list[str]:
+    keys = ProviderCall.objects.filter(key__startswith=f"effect:{tag}:")
+    return sorted(keys.values_list("key", flat=True))
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_task_that_replaces_itself_keeps_the_work_of_every_page():
+    """``self.replace()`` sends the replacement under the task's own id and raises
+    ``Ignore`` through the body. The body's work was rolled back as if it had failed, while
+    Celery reported the whole import a success: only the last page's rows were left."""
+    from tests.testapp.tasks import paged
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        paged.apply_async(("worker", 1, 3), task_id=task_id)
+        # A duplicate of the first message, after the pages: it runs nothing again.
+        wait_until(lambda: len(pages("worker")) == 3, "every page")
+        paged.apply_async(("worker", 1, 3), task_id=task_id)
+        wait_drained()
+    assert pages("worker") == ["effect:worker:1", "effect:worker:2", "effect:worker:3"]
+
+
+def test_a_task_that_replaces_itself_eagerly_runs_every_page_once():
+    """Eagerly, the replacement runs inside the replaced body, under the same task id: it
+    met the replaced run's own claim and failed (DeliveryInProgress)."""
+    from tests.testapp.tasks import paged
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        outcome = paged.apply(("eager", 1, 3), task_id=task_id)
+        assert outcome.successful(), outcome.traceback
+    assert pages("eager") == ["effect:eager:1", "effect:eager:2", "effect:eager:3"]
+
+
+# -- a task that calls itself directly inside its own run ---------------------------------
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_task_that_calls_itself_directly_runs_in_a_worker():
+    """A call of the task inside its own run inherits the run's request (Celery's
+    ``Task.__call__`` copies it), task id included: it was taken for the same delivery,
+    met the run's own claim, and retried the whole task after every lease, for ever."""
+    from tests.testapp.tasks import tree
+
+    task_id = str(uuid.uuid4())
+    with celery_worker():
+        for _ in range(2):  # and a duplicate of the message, which runs nothing again
+            tree.apply_async(("walk", 2), task_id=task_id)
+        wait_until(lambda: len(pages("walk")) == 3, "every level", timeout=20)
+        wait_drained()
+    assert pages("walk") == ["effect:walk:0", "effect:walk:1", "effect:walk:2"]
+
+
+def test_a_task_that_calls_itself_directly_runs_eagerly():
+    from tests.testapp.tasks import tree
+
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        assert tree.apply(("eager-walk", 2), task_id=task_id).get() == 2
+    assert pages("eager-walk") == [
+        "effect:eager-walk:0",
+        "effect:eager-walk:1",
+        "effect:eager-walk:2",
+    ]
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == [task_id]
+
+
 # -- one live task per key: a run that Celery retries has not ended ---------------------------
 
 
@@ -184,6 +347,28 @@ def test_a_run_whose_autoretries_are_spent_frees_its_key():
     assert OutboxUniqueKey.objects.get().finished_at is not None
     with transaction.atomic():
         assert outbox.enqueue_once("k", autoretried_in_vain, "spent") != first
+
+
+@postgres_only
+@pytest.mark.servers
+@pytest.mark.usefixtures("clean_queue")
+def test_a_run_that_puts_its_message_back_keeps_its_key_until_the_next_run_ends():
+    """``Reject(requeue=True)`` under ``acks_late`` hands the message back to the broker: the
+    worker runs it again, so the run has not ended, and its key stays held (as for a retry).
+    Freed, an enqueue meanwhile wrote a second live message for the key."""
+    from tests.testapp.tasks import rejected_once
+
+    with transaction.atomic():
+        first = outbox.enqueue_once("k", rejected_once, "k", "rejected")
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.SENT, sent_at=timezone.now())
+    with celery_worker():
+        rejected_once.apply_async(("k", "rejected"), task_id=str(first))
+        wait_until(lambda: effects("rejected") == 1, "the run after the requeue to commit")
+        wait_drained()
+    # The run after the requeue found its own message holding the key.
+    assert ProviderCall.objects.filter(key="failed:rejected").count() == 1
+    assert OutboxMessage.objects.count() == 1
+    assert OutboxUniqueKey.objects.get().message_id == first
 
 
 # -- a key callable that answers no key ------------------------------------------------------

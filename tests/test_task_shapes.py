@@ -12,6 +12,7 @@ runs its body once for two deliveries of one message.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -98,3 +99,43 @@ def test_idempotent_task_above_the_tasks_frameworks_task_is_refused():
         idempotent_task()(task()(count("django-task")))
     with pytest.raises(ImproperlyConfigured, match=BARE):
         task()(idempotent_task(count("django-task-bare")))
+
+
+def logged(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A project's own decorator, made with functools.wraps."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("between", ["nothing", "a functools.wraps decorator"])
+def test_idempotent_task_written_twice_is_refused_where_it_is_written(between):
+    # Before, both layers claimed the delivery's one key: the inner one always met the
+    # outer one's claim, so the body never ran (eagerly DeliveryInProgress; in a worker a
+    # retry after the lease, again and again, for ever).
+    inner = idempotent_task()(count("twice"))
+    if between != "nothing":
+        inner = logged(inner)
+    with pytest.raises(ImproperlyConfigured, match="twice") as refused:
+        app.task(name="tests.shapes.twice")(idempotent_task()(inner))
+    assert "once, directly beneath @shared_task" in str(refused.value)
+    assert "tests.shapes.twice" not in app.tasks
+    assert task_effects("twice") == 0
+
+
+@pytest.mark.parametrize("register", ["shared_task", "app.task", "task"])
+def test_idempotent_task_above_a_decorator_above_the_task_decorator_is_refused(register):
+    # A project's decorator (functools.wraps) between them: the worker runs the task
+    # registered beneath, unprotected (beat or the outbox send it by its name), and the
+    # module's name is left a plain function that no worker runs.
+    name = f"tests.shapes.above_wrapped_{register.replace('.', '_')}"
+    if register == "task":  # Django's Tasks framework
+        outer = pytest.importorskip("tests.testapp.tasks_framework").task()
+    else:
+        outer = shared_task(name=name) if register == "shared_task" else app.task(name=name)
+    with pytest.raises(ImproperlyConfigured, match="beneath @") as refused:
+        idempotent_task()(logged(outer(count("above-wrapped"))))
+    assert "above the task decorator" in str(refused.value)

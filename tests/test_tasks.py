@@ -37,6 +37,7 @@ from tests.testapp.tasks import (
     fail_once,
     record_effect,
     record_effect_by_tag,
+    record_effect_fail,
     record_effect_long_lease,
 )
 
@@ -234,6 +235,30 @@ def test_a_pool_process_killed_mid_task_is_redelivered_and_runs_once():
         wait_drained()
     assert (task_effects("child-killed"), task_starts("child-killed")) == (1, 2)
     assert_completed_after_the_dead_lease(dead_lease_end)
+
+
+@postgres_only
+@worker_test
+def test_a_pool_process_stopped_by_sigterm_mid_task_is_never_run_again_under_fail():
+    """SIGTERM to a pool process (systemd stopping the worker's whole control group, a
+    cold shutdown, ``revoke(terminate=True)``) raises ``SystemExit`` inside the body. That
+    is a crash, not the body's error: the claim stays, and ``"fail"`` closes the record
+    rather than let the redelivery run the body a second time."""
+    with celery_worker():
+        record_effect_fail.apply_async(("sigterm",), {"hold": 60})
+        wait_until(lambda: task_starts("sigterm") == 1, "the first run to start")
+        os.kill(pool_pid("sigterm"), signal.SIGTERM)
+        # reject_on_worker_lost puts the message back at once.
+        wait_until(
+            lambda: (
+                task_starts("sigterm") > 1
+                or IdempotencyRecord.objects.filter(status=RecordStatus.FAILED).exists()
+            ),
+            "the redelivery to run the body again or close its record",
+        )
+        wait_drained()
+    assert (task_effects("sigterm"), task_starts("sigterm")) == (0, 1)
+    assert task_record("tests.record_effect_fail").status == RecordStatus.FAILED
 
 
 @postgres_only

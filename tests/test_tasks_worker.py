@@ -46,6 +46,7 @@ from tests.testapp.tasks_framework import (
     LEASE_SECONDS,
     TaskResultStatus,
     effects,
+    record_async,
     record_effect,
     starts,
 )
@@ -278,6 +279,29 @@ def test_a_redelivery_that_meets_the_dead_runs_live_lease_is_not_lost():
             relay.send_signal(signal.SIGTERM)
             finished(relay, timeout=TIMEOUT)
     assert effects("early-redelivery") == 1
+
+
+def test_an_async_task_handed_over_twice_to_two_real_workers_runs_its_body_once():
+    """An ``async def`` task under ``@idempotent_task()``, run by ``manage.py db_worker``
+    processes: both hand-overs of one message, taken by two workers at once, give one run."""
+    with transaction.atomic():
+        result = record_async.enqueue("async-real")
+    assert relay_once() == (1, 0, 0)
+    OutboxMessage.objects.filter(pk=result.id).update(
+        status=OutboxStatus.PENDING, available_at=timezone.now()
+    )
+    assert relay_once() == (1, 0, 0)
+    assert DBTaskResult.objects.count() == 2  # two deliveries of one message, both ready
+    with db_worker("w-async-1"), db_worker("w-async-2"):
+        wait_until(
+            lambda: DBTaskResult.objects.filter(status=TaskResultStatus.SUCCESSFUL).count() == 2,
+            "both deliveries to end",
+            timeout=TIMEOUT,
+        )
+        settled()
+    assert effects("async-real") == 1
+    record = IdempotencyRecord.objects.get(account="task", key=result.id)
+    assert record.status == "completed"
 
 
 def test_a_thousand_messages_through_two_relays_and_two_workers_run_each_body_once(

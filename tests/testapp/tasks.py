@@ -52,6 +52,13 @@ def record_effect_long_lease(tag: str, hold: float = 0.0) -> dict[str, Any]:
     return _body(tag, hold)
 
 
+@shared_task(name="tests.record_effect_fail", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(lease=LEASE_SECONDS, recovery="fail")
+def record_effect_fail(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the task id; a run that stopped midway is never run again."""
+    return _body(tag, hold)
+
+
 @shared_task(name="tests.record_effect_by_tag", acks_late=True, reject_on_worker_lost=True)
 @idempotent_task(key=lambda tag, hold=0.0: f"tag:{tag}", lease=LEASE_SECONDS)
 def record_effect_by_tag(tag: str, hold: float = 0.0) -> dict[str, Any]:
@@ -219,6 +226,23 @@ def autoretried(key: str, tag: str) -> str:
     return str(outbox.enqueue_once(key, autoretried, key, tag))
 
 
+@shared_task(name="tests.rejected_once", acks_late=True)
+@idempotent_task()
+def rejected_once(key: str, tag: str) -> str:
+    """Its first run puts its message back (``Reject(requeue=True)``, with ``acks_late``),
+    so the worker runs it again. The next run asks ``enqueue_once`` for its own key (as a
+    beat would meanwhile) and returns the id."""
+    from celery.exceptions import Reject
+
+    from django_idempotency import outbox
+
+    if not ProviderCall.objects.using("provider").filter(key=f"failed:{tag}").exists():
+        ProviderCall.objects.using("provider").create(key=f"failed:{tag}")
+        raise Reject("not now", requeue=True)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return str(outbox.enqueue_once(key, rejected_once, key, tag))
+
+
 @shared_task(
     name="tests.autoretried_in_vain",
     autoretry_for=(RuntimeError,),
@@ -229,6 +253,47 @@ def autoretried_in_vain(tag: str) -> None:
     """Fails every run: Celery's ``autoretry_for`` retries it twice, then it has failed."""
     ProviderCall.objects.using("provider").create(key=f"start:{tag}:{uuid.uuid4()}")
     raise RuntimeError("every run fails")
+
+
+# -- Celery's canvas: a link callback (tests/test_task_deliveries.py) ---------------------------
+
+
+@shared_task(name="tests.linked_parent")
+@idempotent_task()
+def linked_parent(tag: str) -> str:
+    """Deduplicated by its task id; the tests send it with ``link=linked_callback.s(...)``."""
+    ProviderCall.objects.create(key=f"effect:parent:{tag}")
+    return tag
+
+
+@shared_task(name="tests.linked_callback")
+@idempotent_task()
+def linked_callback(value: str, tag: str) -> str:
+    """Deduplicated by its task id: Celery calls it with the parent's return value."""
+    ProviderCall.objects.create(key=f"effect:callback:{tag}")
+    return f"{value}+{tag}"
+
+
+@shared_task(name="tests.paged", bind=True)
+@idempotent_task()
+def paged(self: Any, tag: str, page: int, last: int) -> int:
+    """Imports one page, then replaces itself with the next (``self.replace``), as a
+    paginated import does; the last page returns its number."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{page}")
+    if page < last:
+        return self.replace(paged.s(tag, page + 1, last))
+    return page
+
+
+@shared_task(name="tests.tree")
+@idempotent_task(lease=LEASE_SECONDS)
+def tree(tag: str, depth: int) -> int:
+    """Walks a tree by calling itself directly (``tree(...)``: plain calls inside its own
+    run), one level a call."""
+    ProviderCall.objects.create(key=f"effect:{tag}:{depth}")
+    if depth:
+        tree(tag, depth - 1)
+    return depth
 
 
 @shared_task(name="tests.keyed_by_payload")
