@@ -731,3 +731,13 @@ def capped_vendor() -> Iterator[None]:
     finally:
         VENDORS[connection.vendor] = real
         of.cache_clear()
+
+
+def nested_past_json() -> list[Any]:
+    """A list nested deeper than ``json.dumps`` goes on every Python: past the recursion limit
+    (3.10, 3.11) and past the C recursion limit of 3.12 and later (about 10,000), which lets
+    a list nested just past ``sys.getrecursionlimit()`` through."""
+    value: list[Any] = []
+    for _ in range(100_000):
+        value = [value]
+    return value

@@ -26,7 +26,7 @@ from django_idempotency import (
 from django_idempotency.keys import InvalidKey
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import expire_lease
-from tests.helpers import in_thread, postgres_only
+from tests.helpers import in_thread, nested_past_json, postgres_only
 from tests.live import ROOT, server_env
 from tests.testapp.models import Charge, ProviderCall
 
@@ -357,10 +357,7 @@ def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_nothing_co
     def deep(write: bool) -> list[Any]:
         if write:
             Charge.objects.create(account="consumer", amount=1, currency="EUR")
-        value: list[Any] = []
-        for _ in range(sys.getrecursionlimit() + 10):
-            value = [value]
-        return value
+        return nested_past_json()
 
     with pytest.raises(TypeError, match="JSON"):
         run_once(deep, True, **IDENTITY, key="deep")

@@ -8,7 +8,6 @@ at every boundary.
 
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
 from datetime import timedelta
@@ -22,7 +21,7 @@ from django.utils import timezone
 from django_idempotency import InProgress, current, run_once, run_once_result, step
 from django_idempotency.exceptions import SimulatedCrash
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
-from tests.helpers import postgres_only
+from tests.helpers import nested_past_json, postgres_only
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -397,18 +396,11 @@ def test_a_step_that_rolls_its_own_work_back_is_recorded_and_not_run_again():
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
 
 
-def nested(depth: int) -> list[Any]:
-    value: list[Any] = []
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
 def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_records_nothing():
     # json.dumps gives up with RecursionError, which no caller of step() (nor the contract:
     # "a result that cannot be stored as JSON is a TypeError") expects.
     def body() -> None:
-        step("deep", lambda: (write("deep"), nested(sys.getrecursionlimit() + 10))[1])
+        step("deep", lambda: (write("deep"), nested_past_json())[1])
 
     with pytest.raises(TypeError, match="JSON"):
         run_once(body, **identity(recovery="resume"))
