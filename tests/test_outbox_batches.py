@@ -1,0 +1,107 @@
+"""The relay's batches against what breaks them: a relay run inside the caller's own
+transaction, batch sizes at their limits, batches larger than one statement's parameters,
+hand-overs that leave the batch's transaction unusable, and a hand-over into a database
+other than the outbox's.
+
+Sends are counted (a sender that appends each message it is handed to a list, which no
+rollback takes back; the rows the Tasks backend wrote; the bodies that ran), never inferred
+from a status.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.db.transaction import TransactionManagementError
+
+from django_idempotency import outbox
+from django_idempotency.models import OutboxMessage, OutboxStatus
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+class Handed:
+    """A sender that hands nothing anywhere: it keeps the id of every message it is given."""
+
+    def __init__(self) -> None:
+        self.ids: list[uuid.UUID] = []
+
+    def __call__(self, message: OutboxMessage) -> None:
+        self.ids.append(message.id)
+
+
+def enqueued(task: str = "tests.a", *args: Any) -> uuid.UUID:
+    with transaction.atomic():
+        return outbox.enqueue(task, *args)
+
+
+# -- a relay inside the caller's transaction ----------------------------------------------------
+
+
+class CallersWorkFailed(Exception):
+    """The caller's work fails after the relay ran: its transaction rolls back."""
+
+
+def long_running(sender: Handed) -> object:
+    """A relay that is not ``once``: stopped once it handed something over, or after 5 s."""
+    deadline = time.monotonic() + 5
+    return outbox.relay(
+        sender=sender,
+        listen=False,
+        poll_interval=0.01,
+        stop=lambda: bool(sender.ids) or time.monotonic() > deadline,
+    )
+
+
+RELAY_CALLS: dict[str, Callable[[Handed], object]] = {
+    "relay-once": lambda sender: outbox.relay(once=True, sender=sender),
+    "relay": lambda sender: long_running(sender),
+    "drain": lambda sender: outbox.drain(sender=sender),
+    "relay-batch": lambda sender: outbox.relay_batch(sender=sender),
+}
+
+
+@pytest.mark.parametrize("call", RELAY_CALLS.values(), ids=RELAY_CALLS.keys())
+def test_a_relay_inside_the_callers_transaction_hands_over_nothing_it_has_not_committed(call):
+    """The outbox promises "never before the commit": a relay run on a connection inside the
+    caller's transaction.atomic() reads that transaction's own messages, and its batch is a
+    savepoint that commits only with the caller. It is refused before it takes anything."""
+    committed = enqueued("tests.committed")
+    handed = Handed()
+    refused: list[Exception] = []
+
+    def callers_work() -> None:
+        with transaction.atomic():
+            outbox.enqueue("tests.uncommitted")
+            try:
+                call(handed)
+            except TransactionManagementError as exc:
+                refused.append(exc)
+            raise CallersWorkFailed
+
+    with pytest.raises(CallersWorkFailed):
+        callers_work()
+    assert handed.ids == []  # neither the uncommitted message, nor one marked in a rollback
+    assert len(refused) == 1
+    assert "transaction" in str(refused[0])
+    assert list(OutboxMessage.objects.values_list("pk", "status")) == [
+        (committed, OutboxStatus.PENDING)
+    ]
+    # Outside it, the relay sends what committed, once.
+    assert outbox.relay(once=True, sender=handed).sent == 1
+    assert handed.ids == [committed]
+
+
+@pytest.mark.django_db(transaction=False)
+def test_a_relay_inside_a_test_cases_transaction_is_no_callers_transaction():
+    """pytest-django's db (Django's TestCase) wraps the test in transactions of its own: what
+    the test committed is committed as far as the test is concerned, and the relay sends it."""
+    first = enqueued("tests.a")
+    handed = Handed()
+    assert outbox.relay(once=True, sender=handed).sent == 1
+    assert handed.ids == [first]
