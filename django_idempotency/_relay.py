@@ -21,9 +21,11 @@ from typing import Any
 from django.db import connections, transaction
 from django.db.models import QuerySet, TextField
 from django.db.models.functions import Cast
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from django_idempotency import _storable, _wakeup, signals
+from django_idempotency._autonomous import in_callers_transaction
 from django_idempotency._senders import (
     SENDER_GROUP,
     Report,
@@ -120,10 +122,30 @@ def relay_batch(
     connection run in a savepoint, so whatever a sender raises (even after a failed query)
     is recorded on its message and the rest of the batch is sent. Sends ``outbox_relayed``.
     """
-    alias, send = using or app_settings.DATABASE, sender or configured_sender()
+    alias = _outside_transactions(using)
+    send = sender or configured_sender()
     result = _relay_batch(alias, _batch_size(batch_size), send, now or timezone.now())
     _relayed(result)
     return result
+
+
+def _outside_transactions(using: str | None) -> str:
+    """The outbox's alias; ``TransactionManagementError`` inside the caller's transaction.
+
+    There the relay would read that transaction's own messages, which have not committed
+    and may never, and hand them over; its batch would be a savepoint that commits only
+    with the caller. (A test case's own transactions are no caller's: inside them the test's
+    messages count as committed.)
+    """
+    alias = using or app_settings.DATABASE
+    if in_callers_transaction(connections[alias]):
+        raise TransactionManagementError(
+            f"the outbox relay must not run inside a transaction on {alias!r} "
+            "(transaction.atomic(), ATOMIC_REQUESTS, autocommit turned off): it would hand "
+            "over messages that have not committed, and its batches would commit only with "
+            "that transaction. Run it outside any transaction on that database."
+        )
+    return alias
 
 
 def _batch_size(batch_size: int | None) -> int:
@@ -453,7 +475,7 @@ def drain(
     ``stop()`` is asked between batches.
     """
     total = RelayResult()
-    alias = using or app_settings.DATABASE
+    alias = _outside_transactions(using)
     _drain(total, alias, batch_size, sender or configured_sender(), stop, report)
     return total
 
@@ -503,8 +525,10 @@ def relay(
     raises. The batch in hand when it happened rolled back: its messages are sent later.
     ``report(id, task, outcome, error)`` is called for each message of a batch once the
     batch committed (``outcome``: ``"sent"``, ``"failed"`` or ``"dead"``).
+    ``TransactionManagementError``, before anything is taken, inside a transaction on the
+    outbox's database: its messages are not committed.
     """
-    alias = using or app_settings.DATABASE
+    alias = _outside_transactions(using)
     send = sender or configured_sender()
     if once:
         total = RelayResult()
