@@ -10,17 +10,24 @@ from a status.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import transaction
 from django.db.transaction import TransactionManagementError
+from django.test import override_settings
 
 from django_idempotency import outbox
+from django_idempotency._validation import MAX_INT
 from django_idempotency.models import OutboxMessage, OutboxStatus
+from tests.testapp.outbox import sends
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -105,3 +112,51 @@ def test_a_relay_inside_a_test_cases_transaction_is_no_callers_transaction():
     handed = Handed()
     assert outbox.relay(once=True, sender=handed).sent == 1
     assert handed.ids == [first]
+
+
+# -- batch sizes at their limits ----------------------------------------------------------------
+
+# OUTBOX_BATCH_SIZE admits a whole number from 1 to MAX_INT (check E033); so must the argument.
+BAD_SIZES = [0, -1, True, False, 1.5, "3", MAX_INT + 1, 2**63, math.inf, math.nan]
+
+
+def run_with_batch_size(call: str, sender: Handed, size: object) -> object:
+    if call == "relay":
+        deadline = time.monotonic() + 5
+        return outbox.relay(
+            sender=sender,
+            batch_size=size,  # type: ignore[arg-type]
+            listen=False,
+            poll_interval=0.01,
+            stop=lambda: bool(sender.ids) or time.monotonic() > deadline,
+        )
+    if call == "relay-once":
+        return outbox.relay(once=True, sender=sender, batch_size=size)  # type: ignore[arg-type]
+    if call == "drain":
+        return outbox.drain(sender=sender, batch_size=size)  # type: ignore[arg-type]
+    return outbox.relay_batch(sender=sender, batch_size=size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", BAD_SIZES, ids=repr)
+@pytest.mark.parametrize("call", ["relay-once", "relay", "drain", "relay-batch"])
+def test_a_batch_size_out_of_the_settings_range_is_refused_before_anything_is_sent(call, size):
+    """True is no batch of one, 1.5 no batch at all, 2**63 no LIMIT a database takes, and a
+    long-running relay does not turn a wrong argument into an endless run of errors."""
+    pending = enqueued()
+    handed = Handed()
+    with pytest.raises(ValueError, match="batch_size must be"):
+        run_with_batch_size(call, handed, size)
+    assert handed.ids == []
+    assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
+
+
+@pytest.mark.parametrize("size", ["0", "-1", str(MAX_INT + 1), str(2**63), "1.5", "x"])
+def test_relay_outbox_refuses_a_batch_size_out_of_the_settings_range(size):
+    pending = enqueued()
+    with (
+        override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"}),
+        pytest.raises(CommandError, match="--batch-size"),
+    ):
+        call_command("relay_outbox", "--once", "--batch-size", size, stdout=StringIO())
+    assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
+    assert sends(pending) == 0
