@@ -24,7 +24,7 @@ from django.db.models.functions import Cast
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import _storable, _wakeup, signals
+from django_idempotency import _storable, _validation, _wakeup, signals
 from django_idempotency._autonomous import in_callers_transaction
 from django_idempotency._senders import (
     SENDER_GROUP,
@@ -149,10 +149,13 @@ def _outside_transactions(using: str | None) -> str:
 
 
 def _batch_size(batch_size: int | None) -> int:
+    """The batch size asked for, or ``OUTBOX_BATCH_SIZE``; ``ValueError`` for anything the
+    setting would not admit (``True``, ``1.5``, ``"3"``, past ``MAX_INT``)."""
     size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
-    if size <= 0:
-        raise ValueError("batch_size must be positive")
-    return size
+    try:
+        return _validation.positive_int(size)
+    except _validation.Invalid as exc:
+        raise ValueError(f"batch_size {exc}") from None
 
 
 def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
@@ -475,22 +478,21 @@ def drain(
     ``stop()`` is asked between batches.
     """
     total = RelayResult()
-    alias = _outside_transactions(using)
-    _drain(total, alias, batch_size, sender or configured_sender(), stop, report)
+    alias, size = _outside_transactions(using), _batch_size(batch_size)
+    _drain(total, alias, size, sender or configured_sender(), stop, report)
     return total
 
 
 def _drain(
     total: RelayResult,
     alias: str,
-    batch_size: int | None,
+    size: int,
     send: Sender,
     stop: Stop | None,
     report: Report | None = None,
 ) -> None:
     # Each batch's figures are added as soon as it committed, before its signal is sent:
     # whatever is raised after that, the caller's total keeps them.
-    size = _batch_size(batch_size)
     while stop is None or not stop():
         batch = _relay_batch(alias, size, send, timezone.now())
         total.add(batch)
@@ -528,12 +530,13 @@ def relay(
     ``TransactionManagementError``, before anything is taken, inside a transaction on the
     outbox's database: its messages are not committed.
     """
-    alias = _outside_transactions(using)
+    # A wrong argument is raised at once, not retried as an unexpected error.
+    alias, size = _outside_transactions(using), _batch_size(batch_size)
     send = sender or configured_sender()
     if once:
         total = RelayResult()
         try:
-            _drain(total, alias, batch_size, send, stop, report)
+            _drain(total, alias, size, send, stop, report)
         except Exception as exc:
             _failed(exc)
             raise
@@ -552,7 +555,7 @@ def relay(
                 # A long-running relay has no request cycle to recycle its connection: after
                 # an error or past CONN_MAX_AGE it is closed here and opened afresh.
                 connections[alias].close_if_unusable_or_obsolete()
-                _drain(total, alias, batch_size, send, should_stop, report)
+                _drain(total, alias, size, send, should_stop, report)
                 wait(interval, should_stop)
             except Exception as exc:
                 in_a_row += 1

@@ -144,7 +144,7 @@ def test_a_batch_size_out_of_the_settings_range_is_refused_before_anything_is_se
     long-running relay does not turn a wrong argument into an endless run of errors."""
     pending = enqueued()
     handed = Handed()
-    with pytest.raises(ValueError, match="batch_size must be"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number from 1 to"):
         run_with_batch_size(call, handed, size)
     assert handed.ids == []
     assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
