@@ -160,3 +160,19 @@ def test_relay_outbox_refuses_a_batch_size_out_of_the_settings_range(size):
         call_command("relay_outbox", "--once", "--batch-size", size, stdout=StringIO())
     assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
     assert sends(pending) == 0
+
+
+class QueueingSender(Handed):
+    """A sender that is also a queue (``len()``: what it holds undelivered, as a Kafka
+    producer answers): empty, it is false."""
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_sender_that_is_false_is_the_sender_used_not_the_configured_one():
+    first = enqueued("tests.no_such_celery_task")
+    sender = QueueingSender()
+    result = outbox.relay(once=True, sender=sender)
+    assert sender.ids == [first]
+    assert (result.sent, result.dead) == (1, 0)
