@@ -123,7 +123,7 @@ def relay_batch(
     is recorded on its message and the rest of the batch is sent. Sends ``outbox_relayed``.
     """
     alias = _outside_transactions(using)
-    send = sender or configured_sender()
+    send = _sender(sender)
     result = _relay_batch(alias, _batch_size(batch_size), send, now or timezone.now())
     _relayed(result)
     return result
@@ -146,6 +146,11 @@ def _outside_transactions(using: str | None) -> str:
             "that transaction. Run it outside any transaction on that database."
         )
     return alias
+
+
+def _sender(sender: Sender | None) -> Sender:
+    # None, not any false value: a sender that is also an empty queue is still the sender.
+    return sender if sender is not None else configured_sender()
 
 
 def _batch_size(batch_size: int | None) -> int:
@@ -479,7 +484,7 @@ def drain(
     """
     total = RelayResult()
     alias, size = _outside_transactions(using), _batch_size(batch_size)
-    _drain(total, alias, size, sender or configured_sender(), stop, report)
+    _drain(total, alias, size, _sender(sender), stop, report)
     return total
 
 
@@ -532,7 +537,7 @@ def relay(
     """
     # A wrong argument is raised at once, not retried as an unexpected error.
     alias, size = _outside_transactions(using), _batch_size(batch_size)
-    send = sender or configured_sender()
+    send = _sender(sender)
     if once:
         total = RelayResult()
         try:
