@@ -10,19 +10,23 @@ from a status.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import override_settings
+from django.utils import timezone
 
 from django_idempotency import outbox
 from django_idempotency._validation import MAX_INT
@@ -176,3 +180,85 @@ def test_a_sender_that_is_false_is_the_sender_used_not_the_configured_one():
     result = outbox.relay(once=True, sender=sender)
     assert sender.ids == [first]
     assert (result.sent, result.dead) == (1, 0)
+
+
+# -- a batch larger than one statement's parameters ---------------------------------------------
+
+
+@pytest.fixture
+def sqlites_own_limit() -> Iterator[int]:
+    """The SQLite connection limited to the parameters Django's SQLite backend says a
+    statement takes (``max_query_params``: 999, SQLite's limit before 3.32, and that of many
+    builds still); its own limit again afterwards."""
+    if connection.vendor != "sqlite" or not hasattr(sqlite3.Connection, "setlimit"):
+        pytest.skip("SQLite's limit on a statement's parameters, set through Python 3.11+")
+    connection.ensure_connection()
+    raw = connection.connection
+    limit = connection.features.max_query_params
+    assert limit is not None
+    own = raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
+    try:
+        yield limit
+    finally:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, own)
+
+
+def due_messages(count: int, using: str = "default") -> None:
+    now = timezone.now()
+    OutboxMessage.objects.using(using).bulk_create(
+        [
+            OutboxMessage(task="tests.a", args=[n], kwargs={}, available_at=now, created_at=now)
+            for n in range(count)
+        ],
+        batch_size=5000,
+    )
+
+
+def relayed_twice(**arguments: Any) -> None:
+    """Two relay runs, whatever either raises: a batch that rolled back is taken again."""
+    for _ in range(2):
+        with contextlib.suppress(DatabaseError):
+            outbox.relay(once=True, **arguments)
+
+
+def test_a_batch_of_more_messages_than_sqlite_takes_parameters_is_marked_sent_once(
+    sqlites_own_limit,
+):
+    """Marking a batch sent was one UPDATE ... WHERE id IN (one parameter per message): past
+    the database's limit it failed after every message had been handed over, the batch
+    rolled back, and every run handed the whole batch over again, for ever."""
+    count = sqlites_own_limit + 1
+    due_messages(count)
+    handed = Handed()
+    relayed_twice(batch_size=count, sender=handed)
+    assert (len(handed.ids), len(set(handed.ids))) == (count, count)  # each once
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == count
+
+
+@pytest.mark.skipif(not settings.HAS_DJANGO_TASKS, reason="needs Django's Tasks framework")
+def test_a_batch_of_tasks_whose_deliveries_exceed_sqlites_parameters_is_handed_over_once(
+    sqlites_own_limit,
+):
+    """Each task's message is marked with its delivery too: three parameters a message."""
+    from django_tasks_db.models import DBTaskResult
+
+    from tests.testapp.tasks_framework import record_plain
+
+    count = sqlites_own_limit // 3 + 1
+    with transaction.atomic():
+        for n in range(count):
+            record_plain.enqueue(f"many-{n}")
+    relayed_twice(batch_size=count)
+    assert DBTaskResult.objects.count() == count
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == count
+
+
+@pytest.mark.skipif("server_binding" not in settings.DATABASES, reason="TEST_DB=postgres")
+def test_a_batch_past_postgresqls_65535_parameters_is_marked_sent_once():
+    """Through server-side binding a statement carries at most 65535 parameters."""
+    count = 65536
+    due_messages(count)
+    handed = Handed()
+    relayed_twice(using="server_binding", batch_size=count, sender=handed)
+    assert (len(handed.ids), len(set(handed.ids))) == (count, count)  # each once
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == count
