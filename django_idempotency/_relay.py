@@ -89,6 +89,11 @@ class RelayResult:
 
 _MICROSECOND = timedelta(microseconds=1)
 
+# The most parameters one statement marking messages sent carries: PostgreSQL's protocol
+# counts a statement's parameters in 16 bits (reached through server-side binding), and
+# a database whose backend names a lower max_query_params (SQLite's 999) takes fewer.
+MAX_PARAMETERS = 65535
+
 
 def backoff(attempts: int) -> timedelta:
     """The wait before the next send of a message that failed ``attempts`` times.
@@ -210,7 +215,22 @@ def _relay_taken(
 def _mark_sent(
     alias: str, sent: list[OutboxMessage], before: dict[uuid.UUID, dict[str, Any]]
 ) -> None:
-    """One ``UPDATE`` for the whole batch: sent, and each changed delivery saved.
+    """One ``UPDATE`` for the whole batch, or for each part of it that one statement's
+    parameters hold (a message takes one, and on all but PostgreSQL two more for a changed
+    delivery): past that limit the statement would fail after the batch was handed over,
+    and every run would hand it over again."""
+    connection = connections[alias]
+    most = min(connection.features.max_query_params or MAX_PARAMETERS, MAX_PARAMETERS)
+    each = 1 if of(alias).json_rows else 3
+    size = max((most - 3) // each, 1)  # three: the status, sent_at, the deliveries' JSON
+    for start in range(0, len(sent), size):
+        _mark_part_sent(alias, sent[start : start + size], before)
+
+
+def _mark_part_sent(
+    alias: str, sent: list[OutboxMessage], before: dict[uuid.UUID, dict[str, Any]]
+) -> None:
+    """One ``UPDATE``: ``sent`` marked sent, and each changed delivery saved.
 
     Written out rather than through ``Case(When(...))``: the ORM resolves each ``When``
     as a filter of its own, which costs more than the rest of a Tasks batch's hand-over.
