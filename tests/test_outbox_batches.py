@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 from django.utils import timezone
@@ -262,3 +263,72 @@ def test_a_batch_past_postgresqls_65535_parameters_is_marked_sent_once():
     relayed_twice(using="server_binding", batch_size=count, sender=handed)
     assert (len(handed.ids), len(set(handed.ids))) == (count, count)  # each once
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == count
+
+
+# -- a hand-over together that leaves the batch's transaction unusable ----------------------
+
+
+def users(*names: str) -> list[int]:
+    return [User.objects.filter(username=name).count() for name in names]
+
+
+@pytest.mark.usefixtures("eager_celery")
+def test_an_eager_celery_body_whose_insert_fails_fails_its_own_message_alone():
+    """Under task_always_eager the default sender's batch runs each body in the relay's
+    batch transaction, without the savepoint a send on its own gets. A body whose INSERT
+    failed (Celery keeps the error in the eager result) left that transaction unusable:
+    marking the batch failed, the batch rolled back, and every run ran every body again
+    without ever marking one sent."""
+    from tests.testapp.tasks import register_user
+
+    User.objects.create(username="taken")
+    with transaction.atomic():
+        first = outbox.enqueue(register_user, "ada")
+        clash = outbox.enqueue(register_user, "taken")
+        last = outbox.enqueue(register_user, "grace")
+    for _ in range(3):
+        with contextlib.suppress(DatabaseError, TransactionManagementError):
+            outbox.relay(once=True)
+        OutboxMessage.objects.filter(pk=clash).update(available_at=timezone.now())
+    assert users("ada", "taken", "grace") == [1, 1, 1]
+    states = dict(OutboxMessage.objects.values_list("pk", "status"))
+    assert (states[first], states[last]) == (OutboxStatus.SENT, OutboxStatus.SENT)
+    clashed = OutboxMessage.objects.get(pk=clash)
+    assert (clashed.status, clashed.attempts) == (OutboxStatus.PENDING, 3)
+
+
+def swallows_its_failed_insert(sender: Any, task_result: Any, **kwargs: Any) -> None:
+    """A receiver of task_enqueued that catches its own failed INSERT and returns."""
+    if task_result.args[:1] == ["clashes"]:
+        with contextlib.suppress(IntegrityError):
+            User.objects.create(username="taken")
+
+
+@pytest.mark.skipif(not settings.HAS_DJANGO_TASKS, reason="needs Django's Tasks framework")
+def test_a_task_enqueued_receiver_that_swallows_its_failed_insert_fails_its_message_alone():
+    """The batch's INSERT into django-tasks-db and its task_enqueued receivers run in the
+    batch's transaction without a savepoint: a receiver that caught its own failed statement
+    left the transaction unusable, and no run ever marked anything sent."""
+    from django_tasks_db.compat import task_enqueued
+    from django_tasks_db.models import DBTaskResult
+
+    from tests.testapp.tasks_framework import record_plain
+
+    User.objects.create(username="taken")
+    with transaction.atomic():
+        ids = [record_plain.enqueue(tag).id for tag in ("before", "clashes", "after")]
+    task_enqueued.connect(swallows_its_failed_insert, dispatch_uid="test-swallows")
+    try:
+        for _ in range(2):
+            with contextlib.suppress(DatabaseError, TransactionManagementError):
+                outbox.relay(once=True)
+    finally:
+        task_enqueued.disconnect(dispatch_uid="test-swallows")
+    delivered = sorted(row.args_kwargs["args"][0] for row in DBTaskResult.objects.all())
+    assert delivered == ["after", "before"]
+    states = [OutboxMessage.objects.get(pk=pk) for pk in ids]
+    assert [(m.status, m.attempts) for m in states] == [
+        (OutboxStatus.SENT, 0),
+        (OutboxStatus.PENDING, 1),
+        (OutboxStatus.SENT, 0),
+    ]
