@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import QuerySet, TextField
 from django.db.models.functions import Cast
 from django.db.transaction import TransactionManagementError
@@ -287,23 +287,32 @@ def _hand_over(
             groups.setdefault(group, []).append(message)
     # The sender's group (a broker: no rollback takes it back) after the Tasks backends'.
     for group in sorted(groups, key=lambda group: group == SENDER_GROUP):
-        errors.update(_send_group(send, group, groups[group]))
+        errors.update(_send_group(alias, send, group, groups[group]))
     for message in alone:
         errors[message.id] = _send(alias, send, message)
     return errors
 
 
 def _send_group(
-    send: Sender, group: Hashable, messages: list[OutboxMessage]
+    alias: str, send: Sender, group: Hashable, messages: list[OutboxMessage]
 ) -> dict[uuid.UUID, Exception | None]:
     """One hand-over of ``messages`` together, in the batch's transaction itself (no
-    savepoint: two round trips a batch saved). If it raises, :class:`_TogetherFailed` rolls
-    the batch back, and the relay takes it again and sends its messages one by one, each
-    in a savepoint of its own: the failure lands on the message that caused it."""
+    savepoint: two round trips a batch saved). If it raises, or leaves that transaction
+    unusable (a statement of its failed and the error was caught inside it: a body run
+    eagerly, a receiver of ``task_enqueued``), :class:`_TogetherFailed` rolls the batch
+    back, and the relay takes it again and sends its messages one by one, each in a
+    savepoint of its own: the failure lands on the message that caused it."""
+    statements = _FailedStatements()
     try:
-        outcomes = send_together(send, group, messages)
+        with connections[alias].execute_wrapper(statements):
+            outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
+        if transaction.get_rollback(using=alias) or (statements.failed and not _usable(alias)):
+            raise TransactionManagementError(
+                "a statement failed inside the hand-over and the error was caught there: "
+                "the batch's transaction cannot go on"
+            )
     except Exception as exc:
         logger.warning(
             "handing over %s outbox messages together failed (%s); the batch rolled back "
@@ -313,6 +322,33 @@ def _send_group(
         )
         raise _TogetherFailed from exc
     return {message.id: outcome for message, outcome in zip(messages, outcomes, strict=True)}
+
+
+class _FailedStatements:
+    """Whether a statement on the relay's connection failed (whatever caught its error)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        try:
+            return execute(sql, params, many, context)
+        except Exception:
+            self.failed = True
+            raise
+
+
+def _usable(alias: str) -> bool:
+    """Whether the batch's transaction still takes statements (PostgreSQL aborts it at a
+    failed one, unless a savepoint around it was rolled back): asked only after a statement
+    failed."""
+    try:
+        transaction.savepoint_commit(_savepoint(using=alias), using=alias)
+    except DatabaseError:
+        return False
+    return True
 
 
 def _relayed(result: RelayResult) -> None:
