@@ -15,7 +15,9 @@ import math
 import sqlite3
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from io import StringIO
 from typing import Any
 
@@ -32,6 +34,7 @@ from django.utils import timezone
 from django_idempotency import outbox
 from django_idempotency._validation import MAX_INT
 from django_idempotency.models import OutboxMessage, OutboxStatus
+from tests.helpers import postgres_only
 from tests.testapp.outbox import sends
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -332,3 +335,92 @@ def test_a_task_enqueued_receiver_that_swallows_its_failed_insert_fails_its_mess
         (OutboxStatus.PENDING, 1),
         (OutboxStatus.SENT, 0),
     ]
+
+
+# -- a hand-over into another database than the outbox's -------------------------------------
+
+
+class TasksOnProvider:
+    """django-tasks-db's rows through the ``provider`` connection: another database as far
+    as transactions go (on PostgreSQL and MariaDB the same one, through a second session)."""
+
+    def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
+        return "provider" if model._meta.app_label == "django_tasks_database" else None
+
+    db_for_read = db_for_write
+
+
+on_another_database = [
+    pytest.mark.skipif(not settings.HAS_DJANGO_TASKS, reason="needs Django's Tasks framework"),
+    postgres_only,
+    override_settings(DATABASE_ROUTERS=["tests.test_outbox_batches.TasksOnProvider"]),
+]
+
+
+def tasks_delivered() -> dict[str, int]:
+    """How many rows django-tasks-db holds for each tag: how often it was delivered."""
+    from django_tasks_db.models import DBTaskResult
+
+    rows = DBTaskResult.objects.using("provider").all()
+    return dict(Counter(row.args_kwargs["args"][0] for row in rows))
+
+
+@contextmanager
+def task_enqueued_raises(when: Callable[[str], bool]) -> Iterator[None]:
+    """A receiver of task_enqueued that raises for the tasks whose tag ``when`` picks."""
+    from django_tasks_db.compat import task_enqueued
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if when(task_result.args[0]):
+            raise ConnectionError("the receiver's own service is down")
+
+    task_enqueued.connect(receiver, dispatch_uid="test-raises")
+    try:
+        yield
+    finally:
+        task_enqueued.disconnect(dispatch_uid="test-raises")
+
+
+def apply(marks: list[Any]) -> Callable[[Any], Any]:
+    def decorated(test: Any) -> Any:
+        for mark in reversed(marks):
+            test = mark(test)
+        return test
+
+    return decorated
+
+
+@apply(on_another_database)
+def test_a_batch_that_rolls_back_takes_its_hand_over_into_another_database_back_with_it():
+    """The docs: a batch whose hand-over raises rolls back with the batch's transaction and
+    is handed over again one by one. Into another database the first hand-over had already
+    committed on its own: every message of the batch was delivered twice, with no crash."""
+    from tests.testapp.tasks_framework import record_plain
+
+    tags = [f"other-{n}" for n in range(5)]
+    with transaction.atomic():
+        for tag in tags:
+            record_plain.enqueue(tag)
+    failures = iter([True])  # the first task_enqueued only: a passing fault
+    with task_enqueued_raises(lambda tag: next(failures, False)):
+        result = outbox.relay(once=True)
+    assert (result.sent, result.failed) == (5, 0)
+    assert tasks_delivered() == dict.fromkeys(tags, 1)
+
+
+@apply(on_another_database)
+def test_a_message_whose_hand_over_into_another_database_fails_is_not_delivered_meanwhile():
+    """Handed over one by one, a message whose hand-over raised after its row was written is
+    recorded as failed and retried; into another database its row had committed anyway, and
+    every retry delivered it once more."""
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        ids = {tag: record_plain.enqueue(tag).id for tag in ("first", "refused", "last")}
+    with task_enqueued_raises(lambda tag: tag == "refused"):
+        for _ in range(3):
+            outbox.relay(once=True)
+            OutboxMessage.objects.filter(pk=ids["refused"]).update(available_at=timezone.now())
+    assert tasks_delivered() == {"first": 1, "last": 1}
+    refused = OutboxMessage.objects.get(pk=ids["refused"])
+    assert (refused.status, refused.attempts) == (OutboxStatus.PENDING, 3)
