@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -33,6 +33,7 @@ from django_idempotency._senders import (
     Undeliverable,
     Unreadable,
     configured_sender,
+    databases_of,
     groups_of,
     send_together,
 )
@@ -192,24 +193,47 @@ def _relay_taken(
         # the mark.
         before = {message.id: dict(message.delivery) for message, _ in taken}
         readable = [message for message, unreadable in taken if unreadable is None]
-        errors = _hand_over(alias, send, readable, together)
-        sent: list[OutboxMessage] = []
-        for message, unreadable in taken:
-            error = unreadable or errors[message.id]
-            if error is None:
-                sent.append(message)
-                logger.info("sent outbox message %s (%s)", message.id, message.task)
-                result.outcomes.append((message.id, message.task, "sent", ""))
-                continue
-            dead = _record_failure(alias, message, error, now)
-            result.dead += dead
-            result.failed += not dead
-            outcome = "dead" if dead else "failed"
-            result.outcomes.append((message.id, message.task, outcome, error_text(error)))
-        if sent:
-            _mark_sent(alias, sent, before)
+        # The other databases the hand-over writes to (django-tasks-db's, routed elsewhere)
+        # commit just before this batch does, and roll back with it.
+        others = databases_of(send, readable) - {alias}
+        with _holding(others):
+            errors = _hand_over(alias, send, readable, together, others)
+            sent: list[OutboxMessage] = []
+            for message, unreadable in taken:
+                error = unreadable or errors[message.id]
+                if error is None:
+                    sent.append(message)
+                    logger.info("sent outbox message %s (%s)", message.id, message.task)
+                    result.outcomes.append((message.id, message.task, "sent", ""))
+                    continue
+                dead = _record_failure(alias, message, error, now)
+                result.dead += dead
+                result.failed += not dead
+                outcome = "dead" if dead else "failed"
+                result.outcomes.append((message.id, message.task, outcome, error_text(error)))
+            if sent:
+                _mark_sent(alias, sent, before)
         result.sent = len(sent)
     return result
+
+
+@contextlib.contextmanager
+def _holding(others: Collection[str]) -> Iterator[None]:
+    """A transaction on each database of ``others`` (a savepoint where one is open already),
+    committed when the block ends and rolled back if it raises: the batch's writes there
+    are undone with the batch, and only a relay killed between their commit and the
+    batch's own leaves them behind. A statement there that failed, its error caught
+    inside, raises here: committing would silently roll the hand-over back while the
+    batch marked it sent."""
+    if not others:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for other in sorted(others):
+            stack.enter_context(transaction.atomic(using=other))
+        with _watching(others) as usable:
+            yield
+        usable()
 
 
 def _mark_sent(
@@ -270,7 +294,11 @@ def _mark_part_sent(
 
 
 def _hand_over(
-    alias: str, send: Sender, messages: list[OutboxMessage], together: bool
+    alias: str,
+    send: Sender,
+    messages: list[OutboxMessage],
+    together: bool,
+    others: Collection[str] = (),
 ) -> dict[uuid.UUID, Exception | None]:
     """Each message's failed send, or ``None`` once it was handed over: the messages that a
     sender takes together (``groups``) in one hand-over per group if ``together``, then the
@@ -287,14 +315,18 @@ def _hand_over(
             groups.setdefault(group, []).append(message)
     # The sender's group (a broker: no rollback takes it back) after the Tasks backends'.
     for group in sorted(groups, key=lambda group: group == SENDER_GROUP):
-        errors.update(_send_group(alias, send, group, groups[group]))
+        errors.update(_send_group(alias, send, group, groups[group], others))
     for message in alone:
-        errors[message.id] = _send(alias, send, message)
+        errors[message.id] = _send(alias, send, message, others)
     return errors
 
 
 def _send_group(
-    alias: str, send: Sender, group: Hashable, messages: list[OutboxMessage]
+    alias: str,
+    send: Sender,
+    group: Hashable,
+    messages: list[OutboxMessage],
+    others: Collection[str] = (),
 ) -> dict[uuid.UUID, Exception | None]:
     """One hand-over of ``messages`` together, in the batch's transaction itself (no
     savepoint: two round trips a batch saved). If it raises, or leaves that transaction
@@ -302,17 +334,12 @@ def _send_group(
     eagerly, a receiver of ``task_enqueued``), :class:`_TogetherFailed` rolls the batch
     back, and the relay takes it again and sends its messages one by one, each in a
     savepoint of its own: the failure lands on the message that caused it."""
-    statements = _FailedStatements()
     try:
-        with connections[alias].execute_wrapper(statements):
+        with _watching([alias, *others]) as usable:
             outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
-        if transaction.get_rollback(using=alias) or (statements.failed and not _usable(alias)):
-            raise TransactionManagementError(
-                "a statement failed inside the hand-over and the error was caught there: "
-                "the batch's transaction cannot go on"
-            )
+        usable()
     except Exception as exc:
         logger.warning(
             "handing over %s outbox messages together failed (%s); the batch rolled back "
@@ -340,6 +367,30 @@ class _FailedStatements:
             raise
 
 
+@contextlib.contextmanager
+def _watching(aliases: Collection[str]) -> Iterator[Callable[[], None]]:
+    """Watch the statements on ``aliases`` while the block runs; it gets a function that
+    raises ``TransactionManagementError`` if one of their transactions can no longer go
+    on: marked for rollback by the ORM, or a statement failed (its error caught inside)
+    and a savepoint can no longer be taken (PostgreSQL's aborted transaction)."""
+    watched = [(alias, _FailedStatements()) for alias in aliases]
+    with contextlib.ExitStack() as stack:
+        for alias, statements in watched:
+            stack.enter_context(connections[alias].execute_wrapper(statements))
+
+        def usable() -> None:
+            for alias, statements in watched:
+                if transaction.get_rollback(using=alias) or (
+                    statements.failed and not _usable(alias)
+                ):
+                    raise TransactionManagementError(
+                        f"a statement on {alias!r} failed inside the hand-over and its error "
+                        "was caught there: the transaction cannot go on"
+                    )
+
+        yield usable
+
+
 def _usable(alias: str) -> bool:
     """Whether the batch's transaction still takes statements (PostgreSQL aborts it at a
     failed one, unless a savepoint around it was rolled back): asked only after a statement
@@ -358,13 +409,18 @@ def _relayed(result: RelayResult) -> None:
         )
 
 
-def _send(alias: str, send: Sender, message: OutboxMessage) -> Exception | None:
-    """Send one message; the exception it raised, or ``None`` once it was handed over."""
+def _send(
+    alias: str, send: Sender, message: OutboxMessage, others: Collection[str] = ()
+) -> Exception | None:
+    """Send one message; the exception it raised, or ``None`` once it was handed over. Its
+    writes on ``others`` (the hand-over's other databases) are in savepoints of their own,
+    rolled back with a send that fails."""
     queries = _SenderQueries(alias)
     try:
-        with connections[alias].execute_wrapper(queries):
-            send(message)
-        queries.release()
+        with _holding(others):
+            with connections[alias].execute_wrapper(queries):
+                send(message)
+            queries.release()
     except Exception as exc:  # a failed send is recorded, never raised
         queries.roll_back()
         return exc

@@ -424,3 +424,35 @@ def test_a_message_whose_hand_over_into_another_database_fails_is_not_delivered_
     assert tasks_delivered() == {"first": 1, "last": 1}
     refused = OutboxMessage.objects.get(pk=ids["refused"])
     assert (refused.status, refused.attempts) == (OutboxStatus.PENDING, 3)
+
+
+def swallows_its_failed_insert_on_provider(sender: Any, task_result: Any, **kwargs: Any) -> None:
+    """A receiver of task_enqueued that catches its own failed INSERT into the database the
+    rows go to (which PostgreSQL then refuses to go on with, until rolled back)."""
+    if task_result.args[:1] == ["clashes"]:
+        with contextlib.suppress(IntegrityError):
+            User.objects.using("provider").create(username="taken")
+
+
+@apply(on_another_database)
+def test_a_hand_over_into_another_database_that_cannot_commit_is_never_marked_sent():
+    """The transaction held on the other database must not roll back silently (as an atomic
+    block marked for rollback does when it ends) while the batch marks its messages sent."""
+    from django_tasks_db.compat import task_enqueued
+
+    from tests.testapp.tasks_framework import record_plain
+
+    User.objects.using("provider").create(username="taken")
+    with transaction.atomic():
+        ids = [record_plain.enqueue(tag).id for tag in ("before", "clashes", "after")]
+    task_enqueued.connect(swallows_its_failed_insert_on_provider, dispatch_uid="test-swallows")
+    try:
+        for _ in range(2):
+            outbox.relay(once=True)
+    finally:
+        task_enqueued.disconnect(dispatch_uid="test-swallows")
+    delivered = tasks_delivered()
+    assert delivered.keys() >= {"before", "after"}
+    assert set(delivered.values()) == {1}
+    sent = OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT)
+    assert {message.args[0] for message in sent} == set(delivered)  # sent: delivered, once
