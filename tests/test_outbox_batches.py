@@ -456,3 +456,39 @@ def test_a_hand_over_into_another_database_that_cannot_commit_is_never_marked_se
     assert set(delivered.values()) == {1}
     sent = OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT)
     assert {message.args[0] for message in sent} == set(delivered)  # sent: delivered, once
+
+
+# -- the backoff of a failure late in a slow batch ----------------------------------------------
+
+
+class SlowAndFailing(Handed):
+    """A sender that takes 0.6 s a message and fails ``tests.failing``; keeps when each send of
+    that task began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing: list[float] = []
+
+    def __call__(self, message: OutboxMessage) -> None:
+        if message.task == "tests.failing":
+            self.failing.append(time.monotonic())
+        time.sleep(0.6)
+        if message.task == "tests.failing":
+            raise ConnectionError("the endpoint timed out")
+        super().__call__(message)
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_BACKOFF": 1, "OUTBOX_BACKOFF_MAX": 60})
+def test_a_failure_late_in_a_slow_batch_still_waits_its_whole_backoff():
+    """The docs: a failed send moves available_at later by the backoff (1 s here). It was
+    counted from the batch's start, not from the failure: the last message of a batch that
+    took 1.8 s was due again at once, and the same drain sent it again 0.6 s after its
+    failure."""
+    with transaction.atomic():
+        for task in ("tests.a", "tests.b", "tests.failing", "tests.c"):
+            outbox.enqueue(task)
+    sender = SlowAndFailing()
+    outbox.drain(batch_size=3, sender=sender)
+    assert len(sender.ids) == 3  # a, b, c
+    failing = OutboxMessage.objects.get(task="tests.failing")
+    assert len(sender.failing) == failing.attempts == 1, sender.failing
