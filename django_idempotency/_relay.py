@@ -569,7 +569,9 @@ def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: dat
             error,
         )
     else:
-        fields["available_at"] = now + backoff(attempts)
+        # From the failure, not from the batch's start (``now``): a send late in a slow
+        # batch waits its whole backoff too.
+        fields["available_at"] = max(now, timezone.now()) + backoff(attempts)
         logger.warning(
             "sending outbox message %s (%s) failed (attempt %s): %s",
             message.id,
