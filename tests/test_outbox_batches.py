@@ -492,3 +492,31 @@ def test_a_failure_late_in_a_slow_batch_still_waits_its_whole_backoff():
     assert len(sender.ids) == 3  # a, b, c
     failing = OutboxMessage.objects.get(task="tests.failing")
     assert len(sender.failing) == failing.attempts == 1, sender.failing
+
+
+@apply(on_another_database)
+def test_a_relay_inside_a_transaction_on_the_other_database_is_refused_and_loses_nothing():
+    """The hand-over into another database commits with the caller's transaction there, if
+    the relay runs inside one: the batch committed as sent, and the caller's rollback took
+    the rows away - messages marked sent that no worker will ever see."""
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        ids = [record_plain.enqueue(f"inside-{n}").id for n in range(3)]
+    refused: list[Exception] = []
+
+    def callers_work() -> None:
+        with transaction.atomic(using="provider"):
+            try:
+                outbox.relay(once=True)
+            except TransactionManagementError as exc:
+                refused.append(exc)
+            raise CallersWorkFailed
+
+    with pytest.raises(CallersWorkFailed):
+        callers_work()
+    assert len(refused) == 1
+    states = set(OutboxMessage.objects.filter(pk__in=ids).values_list("status", flat=True))
+    assert states == {OutboxStatus.PENDING}  # none marked sent without its row
+    assert outbox.relay(once=True).sent == 3
+    assert tasks_delivered() == {f"inside-{n}": 1 for n in range(3)}
