@@ -148,8 +148,9 @@ def _outside_transactions(using: str | None) -> str:
         raise TransactionManagementError(
             f"the outbox relay must not run inside a transaction on {alias!r} "
             "(transaction.atomic(), ATOMIC_REQUESTS, autocommit turned off): it would hand "
-            "over messages that have not committed, and its batches would commit only with "
-            "that transaction. Run it outside any transaction on that database."
+            "over messages that have not committed, or what it hands over there would "
+            "commit only with that transaction while its batches commit on their own. "
+            "Run it outside any transaction on that database."
         )
     return alias
 
@@ -196,6 +197,8 @@ def _relay_taken(
         # The other databases the hand-over writes to (django-tasks-db's, routed elsewhere)
         # commit just before this batch does, and roll back with it.
         others = databases_of(send, readable) - {alias}
+        for other in others:  # a caller's transaction there would hold the hand-over back
+            _outside_transactions(other)
         with _holding(others):
             errors = _hand_over(alias, send, readable, together, others)
             sent: list[OutboxMessage] = []
