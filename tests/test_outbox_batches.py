@@ -520,3 +520,23 @@ def test_a_relay_inside_a_transaction_on_the_other_database_is_refused_and_loses
     assert states == {OutboxStatus.PENDING}  # none marked sent without its row
     assert outbox.relay(once=True).sent == 3
     assert tasks_delivered() == {f"inside-{n}": 1 for n in range(3)}
+
+
+# -- a send that fails in the middle of a batch (held) --------------------------------------
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.batch_record"})
+def test_a_send_that_fails_third_in_a_batch_of_ten_fails_alone_and_is_sent_once_later():
+    """A sender's batch whose 3rd send fails: the two before it and the seven after it are
+    handed over once and marked sent; the 3rd is retried after its backoff, once, and so
+    comes after the others (order is not a promise)."""
+    ids = [enqueued("tests.broken" if n == 2 else "tests.a", n) for n in range(10)]
+    result = outbox.relay(once=True, batch_size=10)
+    assert (result.sent, result.failed, result.dead) == (9, 1, 0)
+    assert [sends(i) for i in ids] == [1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+    states = dict(OutboxMessage.objects.values_list("pk", "status"))
+    assert [states[i] for i in ids].count(OutboxStatus.SENT) == 9
+    assert outbox.relay(once=True, batch_size=10).failed == 0  # not before its backoff
+    OutboxMessage.objects.filter(pk=ids[2]).update(task="tests.a", available_at=timezone.now())
+    assert outbox.relay(once=True, batch_size=10).sent == 1
+    assert [sends(i) for i in ids] == [1] * 10
