@@ -540,3 +540,30 @@ def test_a_send_that_fails_third_in_a_batch_of_ten_fails_alone_and_is_sent_once_
     OutboxMessage.objects.filter(pk=ids[2]).update(task="tests.a", available_at=timezone.now())
     assert outbox.relay(once=True, batch_size=10).sent == 1
     assert [sends(i) for i in ids] == [1] * 10
+
+
+# -- a batch larger than one statement MariaDB takes (held) ------------------------------------
+
+
+@pytest.mark.skipif(not settings.HAS_DJANGO_TASKS, reason="needs Django's Tasks framework")
+@pytest.mark.skipif(connection.vendor != "mysql", reason="MariaDB's max_allowed_packet")
+def test_a_batch_of_tasks_larger_than_max_allowed_packet_is_handed_over_one_by_one():
+    """Each message fits one statement (enqueue checks it), their batch does not: the
+    multi-row INSERT makes MariaDB drop the connection, the batch rolls back, and the relay
+    hands the messages over one by one on a new connection; 4-byte text arrives intact."""
+    from django_tasks_db.models import DBTaskResult
+
+    from tests.testapp.tasks_framework import record_plain
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@max_allowed_packet")
+        (packet,) = cursor.fetchone()
+    large = "x" * int(packet / 2.5)
+    texts = [f"a{large}", f"b{large}", f"c{large}", "\U0001f600 \U00020000"]
+    with transaction.atomic():
+        ids = [record_plain.enqueue(text).id for text in texts]
+    result = outbox.relay(once=True)
+    assert (result.sent, result.failed, result.dead) == (4, 0, 0)
+    delivered = [row.args_kwargs["args"][0] for row in DBTaskResult.objects.all()]
+    assert sorted(delivered) == sorted(texts)  # each once, intact
+    assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 4
