@@ -567,3 +567,26 @@ def test_a_batch_of_tasks_larger_than_max_allowed_packet_is_handed_over_one_by_o
     delivered = [row.args_kwargs["args"][0] for row in DBTaskResult.objects.all()]
     assert sorted(delivered) == sorted(texts)  # each once, intact
     assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 4
+
+
+# -- a poll interval out of the setting's range -------------------------------------------------
+
+
+@pytest.mark.parametrize("interval", [0, -1, True, "1", math.nan, math.inf, 10**12], ids=repr)
+def test_a_poll_interval_out_of_the_settings_range_is_refused_before_anything_is_sent(interval):
+    """OUTBOX_POLL_INTERVAL admits more than zero seconds, at most MAX_DURATION (check
+    E036); the poll_interval argument of a long-running relay took anything: 0 or -1 drained
+    in a loop without a pause, hammering the database, and "1" or NaN failed inside the
+    relay's error loop, retried for ever instead of raised."""
+    pending = enqueued()
+    handed = Handed()
+    deadline = time.monotonic() + 2
+    with pytest.raises(ValueError, match="poll_interval must be"):
+        outbox.relay(
+            sender=handed,
+            listen=False,
+            poll_interval=interval,  # type: ignore[arg-type]
+            stop=lambda: time.monotonic() > deadline,
+        )
+    assert handed.ids == []
+    assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
