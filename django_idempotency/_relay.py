@@ -664,11 +664,7 @@ def relay(
             raise
         return total
     should_stop: Stop = stop or (lambda: False)
-    interval = (
-        poll_interval
-        if poll_interval is not None
-        else app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
-    )
+    interval = _poll_interval(poll_interval)
     total = RelayResult()
     in_a_row = 0
     with _wakeup.listener(alias, listen) as wait:
@@ -694,6 +690,17 @@ def relay(
             else:
                 in_a_row = 0
     return total
+
+
+def _poll_interval(poll_interval: float | None) -> float:
+    """Seconds between drains: ``poll_interval``, or ``OUTBOX_POLL_INTERVAL``; ``ValueError``
+    for what the setting would not admit (zero, negative, not finite, a bool, text)."""
+    if poll_interval is None:
+        return app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
+    try:
+        return _validation.duration(poll_interval).total_seconds()
+    except _validation.Invalid as exc:
+        raise ValueError(f"poll_interval {exc}") from None
 
 
 def _error_pause(in_a_row: int) -> float:
