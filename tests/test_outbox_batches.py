@@ -34,6 +34,7 @@ from django.utils import timezone
 from django_idempotency import outbox
 from django_idempotency._validation import MAX_INT
 from django_idempotency.models import OutboxMessage, OutboxStatus
+from tests.factories import store_raw_json
 from tests.helpers import postgres_only
 from tests.testapp.outbox import sends
 
@@ -590,3 +591,36 @@ def test_a_poll_interval_out_of_the_settings_range_is_refused_before_anything_is
         )
     assert handed.ids == []
     assert OutboxMessage.objects.get(pk=pending).status == OutboxStatus.PENDING
+
+
+# -- a stored delivery that cannot be read back ---------------------------------------------
+
+
+# The delivery column as another program could write it: not an object, or JSON that Python
+# cannot decode. The stored arguments are checked message by message (Unreadable: dead at
+# once, the rest sent); the delivery was decoded by the model field for the whole batch.
+UNREADABLE_DELIVERIES = {
+    "a-list": "[1, 2]",
+    "a-string": '"worker"',
+    "a-5000-digit-number": '{"backend": ' + "9" * 5000 + "}",
+    "nested-1500-deep": '{"a": ' + "[" * 1500 + "]" * 1500 + "}",
+}
+
+
+@pytest.mark.parametrize("text", UNREADABLE_DELIVERIES.values(), ids=UNREADABLE_DELIVERIES.keys())
+def test_a_message_whose_stored_delivery_cannot_be_read_is_dead_and_holds_back_no_other(text):
+    """The spec: no message holds back the other messages of its batch. One whose delivery
+    was not a JSON object made every batch that took it fail, before anything was sent: the
+    relay raised on every run, and none of the batch's messages was ever sent."""
+    if connection.vendor == "mysql" and "[" * 32 in text:
+        pytest.skip("MariaDB's JSON columns refuse more than 31 levels of nesting")
+    before, unreadable, after = enqueued("tests.a", 1), enqueued("tests.c"), enqueued("tests.b")
+    store_raw_json(OutboxMessage, unreadable, "delivery", text)
+    handed = Handed()
+    for _ in range(2):
+        with contextlib.suppress(Exception):
+            outbox.relay(once=True, sender=handed)
+    assert sorted(map(str, handed.ids)) == sorted([str(before), str(after)])
+    row = OutboxMessage.objects.defer("delivery").get(pk=unreadable)
+    assert row.status == OutboxStatus.DEAD
+    assert row.last_error.startswith("Unreadable: the stored delivery ")
