@@ -485,18 +485,24 @@ def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unr
     """
     rows = (
         _due(alias, now)
-        .defer("args", "kwargs")
+        .defer("args", "kwargs", "delivery")
         .annotate(
             stored_args=Cast("args", output_field=TextField()),
             stored_kwargs=Cast("kwargs", output_field=TextField()),
+            stored_delivery=Cast("delivery", output_field=TextField()),
         )[:size]
     )
     taken: list[tuple[OutboxMessage, Unreadable | None]] = []
     for message in rows:
         stored = vars(message)
+        texts = [stored.pop(f"stored_{column}") for column in ("args", "kwargs", "delivery")]
+        # Each set even when one before it cannot be read: a deferred field left unset
+        # would be loaded again, through the model field, by whatever reads it.
+        message.args, message.kwargs, message.delivery = [], {}, {}
         try:
-            message.args = _stored_arguments(stored.pop("stored_args"), "args", list)
-            message.kwargs = _stored_arguments(stored.pop("stored_kwargs"), "kwargs", dict)
+            message.args = _stored_arguments(texts[0], "args", list)
+            message.kwargs = _stored_arguments(texts[1], "kwargs", dict)
+            message.delivery = _stored_arguments(texts[2], "delivery", dict)
         except Unreadable as exc:
             taken.append((message, exc))
         else:
@@ -506,18 +512,19 @@ def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unr
 
 def _stored_arguments(text: str | None, column: str, kind: type[Any]) -> Any:
     what = "a JSON list" if kind is list else "a JSON object"
+    are = "is" if column == "delivery" else "are"
     try:
         value = _storable.read_json(text if text is not None else "null")
     except ValueError as exc:
         raise Unreadable(f"the stored {column} cannot be decoded: {exc}") from None
     if not isinstance(value, kind):
-        raise Unreadable(f"the stored {column} are not {what}")
+        raise Unreadable(f"the stored {column} {are} not {what}")
     # Each level takes two characters at least: short texts need no walk.
     deep = len(text or "") > 2 * MAX_READ_DEPTH and _storable.nested_deeper_than(
         value, MAX_READ_DEPTH
     )
     if deep:
-        raise Unreadable(f"the stored {column} are nested more than {MAX_READ_DEPTH} levels deep")
+        raise Unreadable(f"the stored {column} {are} nested more than {MAX_READ_DEPTH} levels deep")
     return value
 
 
