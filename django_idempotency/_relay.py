@@ -13,17 +13,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import QuerySet, TextField
 from django.db.models.functions import Cast
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import _storable, _wakeup, signals
+from django_idempotency import _storable, _validation, _wakeup, signals
+from django_idempotency._autonomous import in_callers_transaction
 from django_idempotency._senders import (
     SENDER_GROUP,
     Report,
@@ -31,6 +33,7 @@ from django_idempotency._senders import (
     Undeliverable,
     Unreadable,
     configured_sender,
+    databases_of,
     groups_of,
     send_together,
 )
@@ -87,6 +90,11 @@ class RelayResult:
 
 _MICROSECOND = timedelta(microseconds=1)
 
+# The most parameters one statement marking messages sent carries: PostgreSQL's protocol
+# counts a statement's parameters in 16 bits (reached through server-side binding), and
+# a database whose backend names a lower max_query_params (SQLite's 999) takes fewer.
+MAX_PARAMETERS = 65535
+
 
 def backoff(attempts: int) -> timedelta:
     """The wait before the next send of a message that failed ``attempts`` times.
@@ -120,17 +128,46 @@ def relay_batch(
     connection run in a savepoint, so whatever a sender raises (even after a failed query)
     is recorded on its message and the rest of the batch is sent. Sends ``outbox_relayed``.
     """
-    alias, send = using or app_settings.DATABASE, sender or configured_sender()
+    alias = _outside_transactions(using)
+    send = _sender(sender)
     result = _relay_batch(alias, _batch_size(batch_size), send, now or timezone.now())
     _relayed(result)
     return result
 
 
+def _outside_transactions(using: str | None) -> str:
+    """The outbox's alias; ``TransactionManagementError`` inside the caller's transaction.
+
+    There the relay would read that transaction's own messages, which have not committed
+    and may never, and hand them over; its batch would be a savepoint that commits only
+    with the caller. (A test case's own transactions are no caller's: inside them the test's
+    messages count as committed.)
+    """
+    alias = using or app_settings.DATABASE
+    if in_callers_transaction(connections[alias]):
+        raise TransactionManagementError(
+            f"the outbox relay must not run inside a transaction on {alias!r} "
+            "(transaction.atomic(), ATOMIC_REQUESTS, autocommit turned off): it would hand "
+            "over messages that have not committed, or what it hands over there would "
+            "commit only with that transaction while its batches commit on their own. "
+            "Run it outside any transaction on that database."
+        )
+    return alias
+
+
+def _sender(sender: Sender | None) -> Sender:
+    # None, not any false value: a sender that is also an empty queue is still the sender.
+    return sender if sender is not None else configured_sender()
+
+
 def _batch_size(batch_size: int | None) -> int:
+    """The batch size asked for, or ``OUTBOX_BATCH_SIZE``; ``ValueError`` for anything the
+    setting would not admit (``True``, ``1.5``, ``"3"``, past ``MAX_INT``)."""
     size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
-    if size <= 0:
-        raise ValueError("batch_size must be positive")
-    return size
+    try:
+        return _validation.positive_int(size)
+    except _validation.Invalid as exc:
+        raise ValueError(f"batch_size {exc}") from None
 
 
 def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:
@@ -157,30 +194,70 @@ def _relay_taken(
         # the mark.
         before = {message.id: dict(message.delivery) for message, _ in taken}
         readable = [message for message, unreadable in taken if unreadable is None]
-        errors = _hand_over(alias, send, readable, together)
-        sent: list[OutboxMessage] = []
-        for message, unreadable in taken:
-            error = unreadable or errors[message.id]
-            if error is None:
-                sent.append(message)
-                logger.info("sent outbox message %s (%s)", message.id, message.task)
-                result.outcomes.append((message.id, message.task, "sent", ""))
-                continue
-            dead = _record_failure(alias, message, error, now)
-            result.dead += dead
-            result.failed += not dead
-            outcome = "dead" if dead else "failed"
-            result.outcomes.append((message.id, message.task, outcome, error_text(error)))
-        if sent:
-            _mark_sent(alias, sent, before)
+        # The other databases the hand-over writes to (django-tasks-db's, routed elsewhere)
+        # commit just before this batch does, and roll back with it.
+        others = databases_of(send, readable) - {alias}
+        for other in others:  # a caller's transaction there would hold the hand-over back
+            _outside_transactions(other)
+        with _holding(others):
+            errors = _hand_over(alias, send, readable, together, others)
+            sent: list[OutboxMessage] = []
+            for message, unreadable in taken:
+                error = unreadable or errors[message.id]
+                if error is None:
+                    sent.append(message)
+                    logger.info("sent outbox message %s (%s)", message.id, message.task)
+                    result.outcomes.append((message.id, message.task, "sent", ""))
+                    continue
+                dead = _record_failure(alias, message, error, now)
+                result.dead += dead
+                result.failed += not dead
+                outcome = "dead" if dead else "failed"
+                result.outcomes.append((message.id, message.task, outcome, error_text(error)))
+            if sent:
+                _mark_sent(alias, sent, before)
         result.sent = len(sent)
     return result
+
+
+@contextlib.contextmanager
+def _holding(others: Collection[str]) -> Iterator[None]:
+    """A transaction on each database of ``others`` (a savepoint where one is open already),
+    committed when the block ends and rolled back if it raises: the batch's writes there
+    are undone with the batch, and only a relay killed between their commit and the
+    batch's own leaves them behind. A statement there that failed, its error caught
+    inside, raises here: committing would silently roll the hand-over back while the
+    batch marked it sent."""
+    if not others:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for other in sorted(others):
+            stack.enter_context(transaction.atomic(using=other))
+        with _watching(others) as usable:
+            yield
+        usable()
 
 
 def _mark_sent(
     alias: str, sent: list[OutboxMessage], before: dict[uuid.UUID, dict[str, Any]]
 ) -> None:
-    """One ``UPDATE`` for the whole batch: sent, and each changed delivery saved.
+    """One ``UPDATE`` for the whole batch, or for each part of it that one statement's
+    parameters hold (a message takes one, and on all but PostgreSQL two more for a changed
+    delivery): past that limit the statement would fail after the batch was handed over,
+    and every run would hand it over again."""
+    connection = connections[alias]
+    most = min(connection.features.max_query_params or MAX_PARAMETERS, MAX_PARAMETERS)
+    each = 1 if of(alias).json_rows else 3
+    size = max((most - 3) // each, 1)  # three: the status, sent_at, the deliveries' JSON
+    for start in range(0, len(sent), size):
+        _mark_part_sent(alias, sent[start : start + size], before)
+
+
+def _mark_part_sent(
+    alias: str, sent: list[OutboxMessage], before: dict[uuid.UUID, dict[str, Any]]
+) -> None:
+    """One ``UPDATE``: ``sent`` marked sent, and each changed delivery saved.
 
     Written out rather than through ``Case(When(...))``: the ORM resolves each ``When``
     as a filter of its own, which costs more than the rest of a Tasks batch's hand-over.
@@ -220,7 +297,11 @@ def _mark_sent(
 
 
 def _hand_over(
-    alias: str, send: Sender, messages: list[OutboxMessage], together: bool
+    alias: str,
+    send: Sender,
+    messages: list[OutboxMessage],
+    together: bool,
+    others: Collection[str] = (),
 ) -> dict[uuid.UUID, Exception | None]:
     """Each message's failed send, or ``None`` once it was handed over: the messages that a
     sender takes together (``groups``) in one hand-over per group if ``together``, then the
@@ -237,23 +318,31 @@ def _hand_over(
             groups.setdefault(group, []).append(message)
     # The sender's group (a broker: no rollback takes it back) after the Tasks backends'.
     for group in sorted(groups, key=lambda group: group == SENDER_GROUP):
-        errors.update(_send_group(send, group, groups[group]))
+        errors.update(_send_group(alias, send, group, groups[group], others))
     for message in alone:
-        errors[message.id] = _send(alias, send, message)
+        errors[message.id] = _send(alias, send, message, others)
     return errors
 
 
 def _send_group(
-    send: Sender, group: Hashable, messages: list[OutboxMessage]
+    alias: str,
+    send: Sender,
+    group: Hashable,
+    messages: list[OutboxMessage],
+    others: Collection[str] = (),
 ) -> dict[uuid.UUID, Exception | None]:
     """One hand-over of ``messages`` together, in the batch's transaction itself (no
-    savepoint: two round trips a batch saved). If it raises, :class:`_TogetherFailed` rolls
-    the batch back, and the relay takes it again and sends its messages one by one, each
-    in a savepoint of its own: the failure lands on the message that caused it."""
+    savepoint: two round trips a batch saved). If it raises, or leaves that transaction
+    unusable (a statement of its failed and the error was caught inside it: a body run
+    eagerly, a receiver of ``task_enqueued``), :class:`_TogetherFailed` rolls the batch
+    back, and the relay takes it again and sends its messages one by one, each in a
+    savepoint of its own: the failure lands on the message that caused it."""
     try:
-        outcomes = send_together(send, group, messages)
+        with _watching([alias, *others]) as usable:
+            outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
+        usable()
     except Exception as exc:
         logger.warning(
             "handing over %s outbox messages together failed (%s); the batch rolled back "
@@ -265,6 +354,57 @@ def _send_group(
     return {message.id: outcome for message, outcome in zip(messages, outcomes, strict=True)}
 
 
+class _FailedStatements:
+    """Whether a statement on the relay's connection failed (whatever caught its error)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        try:
+            return execute(sql, params, many, context)
+        except Exception:
+            self.failed = True
+            raise
+
+
+@contextlib.contextmanager
+def _watching(aliases: Collection[str]) -> Iterator[Callable[[], None]]:
+    """Watch the statements on ``aliases`` while the block runs; it gets a function that
+    raises ``TransactionManagementError`` if one of their transactions can no longer go
+    on: marked for rollback by the ORM, or a statement failed (its error caught inside)
+    and a savepoint can no longer be taken (PostgreSQL's aborted transaction)."""
+    watched = [(alias, _FailedStatements()) for alias in aliases]
+    with contextlib.ExitStack() as stack:
+        for alias, statements in watched:
+            stack.enter_context(connections[alias].execute_wrapper(statements))
+
+        def usable() -> None:
+            for alias, statements in watched:
+                if transaction.get_rollback(using=alias) or (
+                    statements.failed and not _usable(alias)
+                ):
+                    raise TransactionManagementError(
+                        f"a statement on {alias!r} failed inside the hand-over and its error "
+                        "was caught there: the transaction cannot go on"
+                    )
+
+        yield usable
+
+
+def _usable(alias: str) -> bool:
+    """Whether the batch's transaction still takes statements (PostgreSQL aborts it at a
+    failed one, unless a savepoint around it was rolled back): asked only after a statement
+    failed."""
+    try:
+        transaction.savepoint_commit(_savepoint(using=alias), using=alias)
+    except DatabaseError:
+        return False
+    return True
+
+
 def _relayed(result: RelayResult) -> None:
     if result.taken:
         signals.outbox_relayed.send(
@@ -272,13 +412,18 @@ def _relayed(result: RelayResult) -> None:
         )
 
 
-def _send(alias: str, send: Sender, message: OutboxMessage) -> Exception | None:
-    """Send one message; the exception it raised, or ``None`` once it was handed over."""
+def _send(
+    alias: str, send: Sender, message: OutboxMessage, others: Collection[str] = ()
+) -> Exception | None:
+    """Send one message; the exception it raised, or ``None`` once it was handed over. Its
+    writes on ``others`` (the hand-over's other databases) are in savepoints of their own,
+    rolled back with a send that fails."""
     queries = _SenderQueries(alias)
     try:
-        with connections[alias].execute_wrapper(queries):
-            send(message)
-        queries.release()
+        with _holding(others):
+            with connections[alias].execute_wrapper(queries):
+                send(message)
+            queries.release()
     except Exception as exc:  # a failed send is recorded, never raised
         queries.roll_back()
         return exc
@@ -340,18 +485,24 @@ def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unr
     """
     rows = (
         _due(alias, now)
-        .defer("args", "kwargs")
+        .defer("args", "kwargs", "delivery")
         .annotate(
             stored_args=Cast("args", output_field=TextField()),
             stored_kwargs=Cast("kwargs", output_field=TextField()),
+            stored_delivery=Cast("delivery", output_field=TextField()),
         )[:size]
     )
     taken: list[tuple[OutboxMessage, Unreadable | None]] = []
     for message in rows:
         stored = vars(message)
+        texts = [stored.pop(f"stored_{column}") for column in ("args", "kwargs", "delivery")]
+        # Each set even when one before it cannot be read: a deferred field left unset
+        # would be loaded again, through the model field, by whatever reads it.
+        message.args, message.kwargs, message.delivery = [], {}, {}
         try:
-            message.args = _stored_arguments(stored.pop("stored_args"), "args", list)
-            message.kwargs = _stored_arguments(stored.pop("stored_kwargs"), "kwargs", dict)
+            message.args = _stored_arguments(texts[0], "args", list)
+            message.kwargs = _stored_arguments(texts[1], "kwargs", dict)
+            message.delivery = _stored_arguments(texts[2], "delivery", dict)
         except Unreadable as exc:
             taken.append((message, exc))
         else:
@@ -361,18 +512,19 @@ def _take(alias: str, now: datetime, size: int) -> list[tuple[OutboxMessage, Unr
 
 def _stored_arguments(text: str | None, column: str, kind: type[Any]) -> Any:
     what = "a JSON list" if kind is list else "a JSON object"
+    are = "is" if column == "delivery" else "are"
     try:
         value = _storable.read_json(text if text is not None else "null")
     except ValueError as exc:
         raise Unreadable(f"the stored {column} cannot be decoded: {exc}") from None
     if not isinstance(value, kind):
-        raise Unreadable(f"the stored {column} are not {what}")
+        raise Unreadable(f"the stored {column} {are} not {what}")
     # Each level takes two characters at least: short texts need no walk.
     deep = len(text or "") > 2 * MAX_READ_DEPTH and _storable.nested_deeper_than(
         value, MAX_READ_DEPTH
     )
     if deep:
-        raise Unreadable(f"the stored {column} are nested more than {MAX_READ_DEPTH} levels deep")
+        raise Unreadable(f"the stored {column} {are} nested more than {MAX_READ_DEPTH} levels deep")
     return value
 
 
@@ -427,7 +579,9 @@ def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: dat
             error,
         )
     else:
-        fields["available_at"] = now + backoff(attempts)
+        # From the failure, not from the batch's start (``now``): a send late in a slow
+        # batch waits its whole backoff too.
+        fields["available_at"] = max(now, timezone.now()) + backoff(attempts)
         logger.warning(
             "sending outbox message %s (%s) failed (attempt %s): %s",
             message.id,
@@ -453,22 +607,21 @@ def drain(
     ``stop()`` is asked between batches.
     """
     total = RelayResult()
-    alias = using or app_settings.DATABASE
-    _drain(total, alias, batch_size, sender or configured_sender(), stop, report)
+    alias, size = _outside_transactions(using), _batch_size(batch_size)
+    _drain(total, alias, size, _sender(sender), stop, report)
     return total
 
 
 def _drain(
     total: RelayResult,
     alias: str,
-    batch_size: int | None,
+    size: int,
     send: Sender,
     stop: Stop | None,
     report: Report | None = None,
 ) -> None:
     # Each batch's figures are added as soon as it committed, before its signal is sent:
     # whatever is raised after that, the caller's total keeps them.
-    size = _batch_size(batch_size)
     while stop is None or not stop():
         batch = _relay_batch(alias, size, send, timezone.now())
         total.add(batch)
@@ -503,23 +656,22 @@ def relay(
     raises. The batch in hand when it happened rolled back: its messages are sent later.
     ``report(id, task, outcome, error)`` is called for each message of a batch once the
     batch committed (``outcome``: ``"sent"``, ``"failed"`` or ``"dead"``).
+    ``TransactionManagementError``, before anything is taken, inside a transaction on the
+    outbox's database: its messages are not committed.
     """
-    alias = using or app_settings.DATABASE
-    send = sender or configured_sender()
+    # A wrong argument is raised at once, not retried as an unexpected error.
+    alias, size = _outside_transactions(using), _batch_size(batch_size)
+    send = _sender(sender)
     if once:
         total = RelayResult()
         try:
-            _drain(total, alias, batch_size, send, stop, report)
+            _drain(total, alias, size, send, stop, report)
         except Exception as exc:
             _failed(exc)
             raise
         return total
     should_stop: Stop = stop or (lambda: False)
-    interval = (
-        poll_interval
-        if poll_interval is not None
-        else app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
-    )
+    interval = _poll_interval(poll_interval)
     total = RelayResult()
     in_a_row = 0
     with _wakeup.listener(alias, listen) as wait:
@@ -528,7 +680,7 @@ def relay(
                 # A long-running relay has no request cycle to recycle its connection: after
                 # an error or past CONN_MAX_AGE it is closed here and opened afresh.
                 connections[alias].close_if_unusable_or_obsolete()
-                _drain(total, alias, batch_size, send, should_stop, report)
+                _drain(total, alias, size, send, should_stop, report)
                 wait(interval, should_stop)
             except Exception as exc:
                 in_a_row += 1
@@ -545,6 +697,17 @@ def relay(
             else:
                 in_a_row = 0
     return total
+
+
+def _poll_interval(poll_interval: float | None) -> float:
+    """Seconds between drains: ``poll_interval``, or ``OUTBOX_POLL_INTERVAL``; ``ValueError``
+    for what the setting would not admit (zero, negative, not finite, a bool, text)."""
+    if poll_interval is None:
+        return app_settings.OUTBOX_POLL_INTERVAL.total_seconds()
+    try:
+        return _validation.duration(poll_interval).total_seconds()
+    except _validation.Invalid as exc:
+        raise ValueError(f"poll_interval {exc}") from None
 
 
 def _error_pause(in_a_row: int) -> float:

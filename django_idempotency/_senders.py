@@ -27,6 +27,7 @@ __all__ = [
     "UnknownTask",
     "Unreadable",
     "configured_sender",
+    "databases_of",
     "deliver_task",
     "groups_of",
     "register_delivery",
@@ -118,6 +119,18 @@ class Routed:
             groups.append(alias if batching[alias] else None)
         return groups
 
+    def databases(self, messages: Sequence[OutboxMessage]) -> set[str]:
+        """The databases that handing ``messages`` over writes to, as their Tasks backends
+        name them (``databases()``); a sender's own are not known."""
+        found: set[str] = set()
+        for alias in {message.delivery.get("backend") for message in messages if message.delivery}:
+            if not isinstance(alias, str):
+                continue
+            databases = getattr(_backend(alias, quiet=True), "databases", None)
+            if callable(databases):
+                found.update(databases())
+        return found
+
     def send_together(self, group: Hashable, messages: Sequence[OutboxMessage]) -> Outcomes:
         """Hand the messages of one group over together (one backend's batch)."""
         if group is SENDER_GROUP:
@@ -131,6 +144,12 @@ def groups_of(send: Sender, messages: Sequence[OutboxMessage]) -> list[Hashable 
     """Per message, the group it is handed over with by ``send``; ``None``: one by one
     (every message of any sender but the configured one)."""
     return send.groups(messages) if isinstance(send, Routed) else [None] * len(messages)
+
+
+def databases_of(send: Sender, messages: Sequence[OutboxMessage]) -> set[str]:
+    """The databases that ``send`` writes to when it hands ``messages`` over, where it can
+    say (the configured sender, for messages of a Tasks backend on django-tasks-db)."""
+    return send.databases(messages) if isinstance(send, Routed) else set()
 
 
 def send_together(send: Sender, group: Hashable, messages: Sequence[OutboxMessage]) -> Outcomes:

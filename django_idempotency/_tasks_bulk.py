@@ -82,6 +82,20 @@ def enqueue_many(target: BaseTaskBackend, handed: Sequence[Handed]) -> list[str]
     return [normalize_uuid(row.id) for row in rows]
 
 
+def database_of(target: BaseTaskBackend) -> str | None:
+    """The database alias django-tasks-db writes ``target``'s rows to; ``None`` for a
+    backend that is no ``DatabaseBackend`` (whose writes the relay cannot know)."""
+    try:
+        from django_tasks_db.backend import DatabaseBackend
+        from django_tasks_db.models import DBTaskResult
+    except ImportError:
+        return None
+    if not isinstance(target, DatabaseBackend):
+        return None
+    alias: str = router.db_for_write(DBTaskResult)
+    return alias
+
+
 def _database_rows(target: BaseTaskBackend, handed: Sequence[Handed]) -> Any:
     """django-tasks-db's rows for ``handed`` (not written yet), the database they go to,
     and per row which of the batch's tasks it is of; ``None`` when ``target`` is no plain

@@ -40,7 +40,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency import _senders, conf, outbox
 from django_idempotency._check_ids import error
-from django_idempotency._tasks_bulk import Handed, enqueue_many
+from django_idempotency._tasks_bulk import Handed, database_of, enqueue_many
 from django_idempotency._tasks_compat import (
     BaseTaskBackend,
     InvalidTask,
@@ -272,6 +272,15 @@ class OutboxBackend(BaseTaskBackend):
         return ours
 
     # -- the relay's side ------------------------------------------------------------------
+
+    def databases(self) -> list[str]:
+        """The databases a hand-over to the ``DELIVER_TO`` backend writes to, where they can
+        be known (django-tasks-db's): the relay holds a transaction open on each of them
+        that commits just before its batch does, and rolls back with it."""
+        if self._target_problem() is not None:
+            return []
+        alias = database_of(self.target)
+        return [alias] if alias is not None else []
 
     def deliver(self, message: OutboxMessage) -> None:
         """Hand one message to the ``DELIVER_TO`` backend (called by the relay, inside its

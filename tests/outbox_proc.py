@@ -9,6 +9,11 @@ The tests' Celery app is loaded first, so the Celery sender publishes to the bro
 that file to exist before it starts: several relays then begin at the same moment. With
 ``OUTBOX_FAULT_FILE`` set, a receiver of ``outbox_relayed`` raises after a batch whenever that
 file exists (and removes it, so it raises once per file): a fault in the relay's own process.
+With ``OUTBOX_COUNT_PUBLISHES=1`` every message Celery publishes (``after_task_publish``) is
+counted as a ``ProviderCall`` row ``published:<task id>:<pid>``, through the ``provider``
+connection (autocommit); with ``OUTBOX_DIE_AFTER_PUBLISHES=N`` too, the relay is killed
+(SIGKILL) right after its Nth publish: in the middle of a batch the default sender hands
+over, before the batch is marked sent.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ def connect_fault(path: Path) -> None:
     signals.outbox_relayed.connect(faulty_receiver, weak=False)
 
 
+def count_publishes(die_after: int | None) -> None:
+    from celery.signals import after_task_publish
+
+    from tests.testapp.models import ProviderCall
+
+    published: list[str] = []
+
+    def counted(headers: dict[str, str] | None = None, **kwargs: object) -> None:
+        task_id = (headers or {}).get("id", "?")
+        ProviderCall.objects.using("provider").create(key=f"published:{task_id}:{os.getpid()}")
+        published.append(task_id)
+        if die_after is not None and len(published) >= die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    after_task_publish.connect(counted, weak=False)
+
+
 def relay(settings: str, arguments: list[str]) -> None:
     from django.core.management import call_command
     from django.test import override_settings
@@ -47,6 +69,9 @@ def relay(settings: str, arguments: list[str]) -> None:
     fault = os.environ.get("OUTBOX_FAULT_FILE")
     if fault:
         connect_fault(Path(fault))
+    if os.environ.get("OUTBOX_COUNT_PUBLISHES") == "1":
+        die_after = os.environ.get("OUTBOX_DIE_AFTER_PUBLISHES")
+        count_publishes(int(die_after) if die_after else None)
 
     go = os.environ.get("OUTBOX_GO_FILE")
     if go:

@@ -126,6 +126,15 @@ if TEST_DB in POSTGRES_DBS:
         "CONN_MAX_AGE": 0,
     }
 
+# tests/test_outbox_batches.py: the same database through psycopg's server-side binding
+# (Django's OPTIONS["server_side_binding"]), where one statement carries at most 65535
+# parameters, as PostgreSQL's protocol counts them.
+if TEST_DB == "postgres":
+    DATABASES["server_binding"] = {
+        **DATABASES["provider"],
+        "OPTIONS": {**DATABASES["provider"].get("OPTIONS", {}), "server_side_binding": True},
+    }
+
 # tests/test_standby.py: the fake provider's ledger on another server than the app's (it
 # survives the app's failover, as an external system's would), and a project router that
 # sends every read to a streaming standby (``replica``) and every write to the primary.

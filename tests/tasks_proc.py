@@ -7,11 +7,13 @@ Tasks framework go to the ``worker`` backend). Every hand-over to the database b
 ``task_enqueued`` signal) is counted as a ``ProviderCall`` row ``handed:<tag>:<pid>``, written
 through the ``provider`` connection (autocommit), so it outlives the relay's transaction and
 the relay itself. With ``TASKS_RELAY_DIE=1`` the relay is killed (SIGKILL) right after its
-first hand-over: after handing the message over and before marking it sent.
+first hand-over: after handing the message over and before marking it sent. With
+``TASKS_RELAY_DIE=after-commit`` it is killed once that hand-over has committed: on another
+database (below), between the commit there and the batch's own.
 
 With ``TASKS_RELAY_TARGET_DATABASE`` set, the database backend's rows are written through that
-connection (a router): a hand-over that commits on its own, before the relay's batch does, as
-into a backend on another database.
+connection (a router): a hand-over that commits on a connection of its own, just before the
+relay's batch does, as into a backend on another database.
 
 With ``OUTBOX_GO_FILE`` set, it waits (30 s at most) for that file before it starts.
 """
@@ -32,19 +34,26 @@ def handed(tag: object) -> str:
     return f"handed:{tag}:"
 
 
-def count_hand_overs(die: bool) -> None:
+def count_hand_overs(die: str | None) -> None:
+    from django.db import router, transaction
     from django_tasks_db.backend import DatabaseBackend
     from django_tasks_db.compat import task_enqueued
+    from django_tasks_db.models import DBTaskResult
 
     from tests.testapp.models import ProviderCall
+
+    def killed() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def counted(sender: type[Any], task_result: Any, **kwargs: object) -> None:
         if not issubclass(sender, DatabaseBackend):
             return
         tag = task_result.args[0] if task_result.args else "?"
         ProviderCall.objects.using("provider").create(key=f"{handed(tag)}{os.getpid()}")
-        if die:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if die == "1":
+            killed()
+        elif die == "after-commit":
+            transaction.on_commit(killed, using=router.db_for_write(DBTaskResult))
 
     task_enqueued.connect(counted, weak=False)
 
@@ -67,7 +76,7 @@ def main() -> None:
     command, *arguments = sys.argv[1:]
     if command != "relay":
         raise SystemExit(f"unknown command {command!r}")
-    count_hand_overs(die=os.environ.get("TASKS_RELAY_DIE") == "1")
+    count_hand_overs(die=os.environ.get("TASKS_RELAY_DIE"))
     target = os.environ.get("TASKS_RELAY_TARGET_DATABASE")
     if target:
         from django.db import router

@@ -165,6 +165,66 @@ def test_a_relay_killed_between_the_send_and_marking_it_sent_sends_again_and_it_
     assert OutboxMessage.objects.get(pk=message_id).status == OutboxStatus.SENT
 
 
+def publishes(message_id: object) -> int:
+    """How many times a relay process published this message to the broker (counted by
+    ``OUTBOX_COUNT_PUBLISHES``)."""
+    return ProviderCall.objects.filter(key__startswith=f"published:{message_id}:").count()
+
+
+COUNT_PUBLISHES = {"OUTBOX_COUNT_PUBLISHES": "1"}
+
+
+@pytest.mark.usefixtures("worker", "clean_queue")
+def test_a_relay_killed_inside_the_default_senders_batch_loses_nothing_and_each_body_runs_once():
+    """The default sender publishes a batch one message after another, with no transaction
+    of its own: killed after the 3rd of 10, the relay left all 10 pending; the next run
+    publishes all 10 (the first 3 again, with the same task id) and each body runs once."""
+    tags = [f"batch-killed-{n}" for n in range(10)]
+    ids = [enqueued(tag) for tag in tags]
+    dying = relay_process(
+        {}, "--once", extra_env={**COUNT_PUBLISHES, "OUTBOX_DIE_AFTER_PUBLISHES": "3"}
+    )
+    dying.communicate(timeout=TIMEOUT)
+    assert dying.returncode == -signal.SIGKILL
+    assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() == 10
+    assert sorted(publishes(i) for i in ids) == [0] * 7 + [1] * 3
+    again = relay_process({}, "--once", extra_env=COUNT_PUBLISHES)
+    assert summary(finished(again)) == (10, 0, 0)
+    assert sorted(publishes(i) for i in ids) == [1] * 7 + [2] * 3
+    wait_until(lambda: sum(map(task_effects, tags)) == 10, "the consumers")
+    wait_drained()
+    assert [(task_starts(tag), task_effects(tag)) for tag in tags] == [(1, 1)] * 10
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 10
+
+
+@pytest.mark.usefixtures("worker", "clean_queue")
+def test_two_relays_with_the_default_senders_batches_publish_each_message_once(tmp_path: Path):
+    count = 200
+    with transaction.atomic():
+        ids = [outbox.enqueue(record_effect, f"batched-pair-{n}") for n in range(count)]
+    go = tmp_path / "go"
+    relays = [
+        relay_process(
+            {},
+            "--once",
+            "--batch-size",
+            "20",
+            extra_env={**COUNT_PUBLISHES, "OUTBOX_GO_FILE": str(go)},
+        )
+        for _ in range(2)
+    ]
+    time.sleep(2)  # both have loaded Django and wait for the go file
+    go.touch()
+    figures = [summary(finished(relay)) for relay in relays]
+    assert sum(sent for sent, _, _ in figures) == count
+    assert all(sent > 0 for sent, _, _ in figures), figures
+    assert {publishes(i) for i in ids} == {1}
+    consumed = ProviderCall.objects.filter(key__startswith="effect:batched-pair-")
+    wait_until(lambda: consumed.count() >= count, "the consumers", timeout=120)
+    wait_drained()
+    assert consumed.count() == consumed.values("key").distinct().count() == count
+
+
 @pytest.mark.usefixtures("worker", "clean_queue")
 def test_two_relays_share_400_messages_and_every_consumer_body_runs_once(tmp_path: Path):
     # 20 batches of 20 for two relays started at the same instant: enough for both to meet

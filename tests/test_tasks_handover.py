@@ -162,7 +162,7 @@ def test_relay_batch_sends_one_batch_of_the_size_asked():
     assert sizes == [2, 1]
     assert outbox.relay_batch().sent == 0
     assert tags_delivered() == ["batch-1", "batch-2", "batch-3"]
-    with pytest.raises(ValueError, match="batch_size must be positive"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number from 1 to"):
         outbox.relay_batch(batch_size=0)
 
 

@@ -201,12 +201,12 @@ def test_a_batch_handed_over_for_good_by_a_relay_killed_before_its_mark_runs_eac
     ids = enqueue_batch("batch-twice", 5)
     with db_worker("w-batch-twice"):
         # The rows commit on a connection of their own, as into a backend on another
-        # database: the relay dies after the hand-over has committed, before its mark.
+        # database, just before the batch commits: the relay dies between the two.
         dying = relay_process(
             "--once",
             "--batch-size",
             "10",
-            TASKS_RELAY_DIE="1",
+            TASKS_RELAY_DIE="after-commit",
             TASKS_RELAY_TARGET_DATABASE="provider",
         )
         dying.communicate(timeout=TIMEOUT)
@@ -224,6 +224,34 @@ def test_a_batch_handed_over_for_good_by_a_relay_killed_before_its_mark_runs_eac
     assert [effects(tag) for tag in tags] == [1] * 5
     assert all(1 <= starts(tag) <= 2 for tag in tags)
     assert IdempotencyRecord.objects.filter(account="task", key__in=ids).count() == 5
+    assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 5
+
+
+def test_a_relay_killed_inside_its_hand_over_into_another_database_leaves_nothing_there():
+    """The hand-over into another database commits only just before the batch: a relay
+    killed inside it (at the first task_enqueued, after the INSERT) leaves no row there."""
+    tags = [f"other-killed-{n}" for n in range(5)]
+    ids = enqueue_batch("other-killed", 5)
+    with db_worker("w-other-killed"):
+        dying = relay_process(
+            "--once",
+            "--batch-size",
+            "10",
+            TASKS_RELAY_DIE="1",
+            TASKS_RELAY_TARGET_DATABASE="provider",
+        )
+        dying.communicate(timeout=TIMEOUT)
+        # Killed in its first task_enqueued (whose count, written through the same
+        # connection as the rows, died with them): after the batch's INSERT.
+        assert dying.returncode == -signal.SIGKILL
+        settled()
+        assert DBTaskResult.objects.count() == 0
+        assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() == 5
+        assert relay_once("--batch-size", "10") == (5, 0, 0)
+        wait_until(lambda: sum(map(effects, tags)) == 5, "the worker", timeout=TIMEOUT)
+        settled()
+    assert DBTaskResult.objects.count() == 5
+    assert [(starts(tag), effects(tag)) for tag in tags] == [(1, 1)] * 5
     assert OutboxMessage.objects.filter(pk__in=ids, status=OutboxStatus.SENT).count() == 5
 
 

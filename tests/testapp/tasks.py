@@ -117,6 +117,15 @@ def large_result(size: int) -> str:
     return "x" * size
 
 
+@shared_task(name="tests.register_user")
+def register_user(username: str) -> None:
+    """Not deduplicated: it creates a user, and a username taken already fails its INSERT
+    (tests/test_outbox_batches.py, eagerly: inside the relay's batch)."""
+    from django.contrib.auth.models import User
+
+    User.objects.create(username=username)
+
+
 # -- functions under @idempotent_task() called inside a Celery task (test_task_deliveries.py) --
 
 

@@ -11,15 +11,17 @@ from django.db import DatabaseError
 from django.utils.connection import ConnectionDoesNotExist
 
 from django_idempotency import maintenance
+from django_idempotency._validation import MAX_INT
 
 T = TypeVar("T")
 
 
 def positive_int(value: str) -> int:
-    """An argparse type: a whole number above zero."""
+    """An argparse type: a whole number from 1 to ``MAX_INT``, as the settings of batch
+    sizes and limits admit (every database's ``LIMIT`` takes it)."""
     number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    if not 1 <= number <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer up to {MAX_INT}")
     return number
 
 
