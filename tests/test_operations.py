@@ -191,6 +191,27 @@ def test_one_key_sent_in_every_language_runs_the_view_once(
     assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
 
 
+class BesideALanguage:
+    urlpatterns = shapes_urls.beside_a_language
+
+
+@pytest.mark.django_db
+@in_languages
+@override_settings(ROOT_URLCONF=BesideALanguage)
+def test_a_view_of_its_own_at_a_languages_spelling_is_another_operation(client):
+    """``fr/charges/`` outside ``i18n_patterns`` (listed first, so Django resolves it there)
+    is another endpoint than the i18n view's ``en/charges/``: never its operation."""
+    key = new_key()
+    assert post(client, "/fr/charges/", key).status_code == 201
+    assert post(client, "/en/charges/", key).status_code == 201
+    assert Charge.objects.filter(account="transfer").count() == 1
+    assert Charge.objects.filter(account="refund").count() == 1
+    assert sorted(IdempotencyRecord.objects.values_list("operation", flat=True)) == [
+        "POST en/charges/",
+        "POST fr/charges/",
+    ]
+
+
 @in_languages
 @override_settings(ROOT_URLCONF=InEveryLanguage)
 def test_the_audit_lists_a_view_in_every_language_once_under_its_one_operation():

@@ -156,4 +156,10 @@ def _in_languages(prefix_default_language: bool) -> list[Any]:
 
 
 in_every_language = _in_languages(prefix_default_language=True)
+# A view of its own at ``fr/charges/``, outside i18n_patterns and before it (so it is the one
+# Django resolves there): another endpoint, never the i18n view's French spelling.
+beside_a_language = [
+    path("fr/charges/", TransferView.as_view()),
+    *_in_languages(prefix_default_language=True),
+]
 default_language_unprefixed = _in_languages(prefix_default_language=False)
