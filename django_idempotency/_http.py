@@ -544,7 +544,7 @@ def _route_spelling(inner: Any, account: str, operation: str) -> tuple[str, str]
         or hasattr(inner, "LANGUAGE_CODE")
     ):
         return None
-    canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None))
+    canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None), match.func)
     if canonical == route or operation != storable_name(f"{inner.method} {canonical}"):
         return None  # not a twin, or the operation is not the route's (a viewset's)
     return account, storable_name(f"{inner.method} {route}")
@@ -561,7 +561,7 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     match = inner.resolver_match
     where = (
         # DRF's format suffix (``charges.json``) is the same endpoint as ``charges/``.
-        _routes.canonical_route(match.route, getattr(inner, "urlconf", None))
+        _routes.canonical_route(match.route, getattr(inner, "urlconf", None), match.func)
         if match is not None and match.route
         else (f"{fallback.__module__}.{fallback.__qualname__}")
     )

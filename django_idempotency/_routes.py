@@ -53,10 +53,13 @@ def _default_prefix(pattern: LocalePrefixPattern) -> str:
     return f"{settings.LANGUAGE_CODE}/" if pattern.prefix_default_language else ""
 
 
-def canonical_route(route: str, urlconf: Any = None) -> str:
-    """The route that names ``route``'s endpoint: the plain pattern's for DRF's format
-    suffix twin of a pattern, else ``route`` itself."""
-    route = _in_default_language(route, urlconf)
+def canonical_route(route: str, urlconf: Any = None, view: Any = None) -> str:
+    """The route that names ``route``'s endpoint: the default language's spelling of a route
+    of ``i18n_patterns``, the plain pattern's for DRF's format suffix twin of a pattern,
+    else ``route`` itself. ``view``: the view the request resolved to, where known; a route
+    that spells a language's prefix is that language's only when its view is the one
+    ``i18n_patterns`` has there."""
+    route = _in_default_language(route, urlconf, view)
     if not any(marker in route for marker in SUFFIXES):
         return route  # most requests: no table to read
     return suffix_twins(urlconf).get(route, route)
@@ -64,19 +67,20 @@ def canonical_route(route: str, urlconf: Any = None) -> str:
 
 class _Locale:
     """A URLconf's ``i18n_patterns``: its prefix, and each route below it as it follows a
-    language's prefix (without a regex's ``^``), mapped to its spelling after no prefix."""
+    language's prefix (without a regex's ``^``), mapped to its spelling after no prefix and
+    the views found there (several: DRF's format suffixes may name one route twice)."""
 
     __slots__ = ("pattern", "routes")
 
     def __init__(self, pattern: LocalePrefixPattern, below: URLResolver) -> None:
         self.pattern = pattern
-        self.routes: dict[str, str] = {}
-        for levels in _leaves(below, ()):
+        self.routes: dict[str, tuple[str, list[Any]]] = {}
+        for levels, callback in _leaves(below, ()):
             route = join(levels)
-            self.routes[route.removeprefix("^")] = route
+            self.routes.setdefault(route.removeprefix("^"), (route, []))[1].append(callback)
 
 
-def _in_default_language(route: str, urlconf: Any) -> str:
+def _in_default_language(route: str, urlconf: Any, view: Any) -> str:
     """``route`` as the default language spells it, where a language's prefix of
     ``i18n_patterns`` begins it (``fr/charges/``: ``en/charges/``); else ``route``."""
     resolver = get_resolver(urlconf)
@@ -95,21 +99,25 @@ def _in_default_language(route: str, urlconf: Any) -> str:
     if locale is None:
         return route  # no i18n_patterns: most projects
     language, slash, rest = route.partition("/")
-    if not slash or rest not in locale.routes:
-        return route
+    found = locale.routes.get(rest) if slash else None
+    if found is None or (view is not None and view not in found[1]):
+        return route  # not below i18n_patterns, or another view at that spelling
     if language.lower() not in {code.lower() for code, _ in settings.LANGUAGES}:
         return route
     prefix = _default_prefix(locale.pattern)
-    return prefix + rest if prefix else locale.routes[rest]
+    return prefix + rest if prefix else found[0]
 
 
-def _leaves(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
-    """The levels of every pattern below ``resolver``, its own pattern left out."""
+def _leaves(
+    resolver: URLResolver, levels: tuple[Any, ...]
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The levels and the view of every pattern below ``resolver``, its own pattern left
+    out."""
     for pattern in resolver.url_patterns:
         if isinstance(pattern, URLResolver):
             yield from _leaves(pattern, (*levels, pattern.pattern))
         else:
-            yield (*levels, pattern.pattern)
+            yield (*levels, pattern.pattern), pattern.callback
 
 
 def suffix_twins(urlconf: Any = None) -> dict[str, str]:
