@@ -419,10 +419,11 @@ class _Owner:
                 return None
             case _recovery.Undecided(answer=answer):
                 # A 5xx (or a transient or unstorable answer) is no outcome to replay
-                # forever: the client gets it, the claim is released, and the next retry
-                # runs afresh.
-                self.claim.release()
-                _recovery.announce(context, context.record_id, name, "released")
+                # forever, and no decision either (the provider could not be asked): the
+                # client gets it, and the lease is given back, so the next retry asks the
+                # policy again, as run_once does. Released, the next retry would run the
+                # view (its external call) again without asking.
+                self.claim.give_back()
                 undecided: HttpResponseBase = answer
                 return undecided
             case _recovery.Closed(outcome=outcome, answer=answer):
