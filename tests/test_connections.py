@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test import AsyncClient, Client
 
@@ -115,3 +116,57 @@ def test_an_async_ninja_operation_runs_under_atomic_requests(user, atomic_reques
     assert again.content == first.content
     assert again["Idempotent-Replayed"] == "true"
     assert Charge.objects.filter(account="peek").count() == 1
+
+
+def asgi_requests(user: Any, *requests: tuple[str, str, str | None]) -> list[Any]:
+    """``(method, url, key)`` one after another through Django's ASGI test client."""
+
+    async def scenario() -> list[Any]:
+        c = AsyncClient()
+        await sync_to_async(c.force_login)(user)
+        try:
+            answers = []
+            for method, where, key in requests:
+                headers = {} if key is None else {"Idempotency-Key": key}
+                call = c.post if method == "POST" else c.get
+                answers.append(
+                    await call(where, "{}", content_type="application/json", headers=headers)
+                    if method == "POST"
+                    else await call(where)
+                )
+            return answers
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    return asyncio.run(scenario())
+
+
+def test_resume_on_a_class_views_dispatch_runs_under_asgi_and_atomic_requests(
+    user, atomic_requests
+):
+    key = new_key()
+    first, again, unprotected = asgi_requests(
+        user,
+        ("POST", "/peek/cbv-dispatch-resume/", key),
+        ("POST", "/peek/cbv-dispatch-resume/", key),
+        ("GET", "/peek/cbv-dispatch-resume/", None),
+    )
+    assert first.status_code == 201, first.content
+    # "resume" runs the body outside a transaction: each step commits as it finishes.
+    assert json.loads(first.content) == {"seen": True, "atomic": False}
+    assert again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert json.loads(unprotected.content) == {"atomic": True}
+    assert Charge.objects.filter(account="peek").count() == 1
+
+
+def test_resume_on_one_method_of_a_class_view_under_asgi_says_to_decorate_dispatch(
+    user, atomic_requests
+):
+    # Under ASGI Django's handler cannot pass the request's method on before it wraps the
+    # view in the request's transaction, so a view that protects some of its methods only
+    # stays in it: "resume" cannot run there. The refusal names the way out.
+    with pytest.raises(ImproperlyConfigured, match="dispatch"):
+        asgi_requests(user, ("POST", "/peek/cbv-resume/", new_key()))
+    assert Charge.objects.filter(account="peek").count() == 0
+    assert not IdempotencyRecord.objects.exists()

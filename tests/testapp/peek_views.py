@@ -64,6 +64,28 @@ class CbvView(View):
         return answer(request)
 
 
+class CbvResumeView(CbvView):
+    """``"resume"`` on ``post`` alone: under ASGI the view stays in ``ATOMIC_REQUESTS``'s
+    transaction (the request's method cannot reach Django's wrapping), where the policy's
+    steps could not commit as they finish."""
+
+    @method_decorator(idempotent(operation="peek.cbv-resume", recovery="resume"))
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return answer(request)
+
+
+@method_decorator(idempotent(operation="peek.cbv-dispatch-resume", recovery="resume"), "dispatch")
+class CbvDispatchResumeView(View):
+    """The same under ``"resume"``, on ``dispatch``: every method reaches the engine, so the
+    view leaves ``ATOMIC_REQUESTS``'s transaction under ASGI too."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        return answer(request)
+
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return answer(request)
+
+
 def run_once_view(request: HttpRequest) -> HttpResponse:
     """Unprotected: calls ``run_once`` with the request's key, inside whatever transaction
     the request is in (``ATOMIC_REQUESTS``)."""
@@ -86,6 +108,8 @@ def run_once_view(request: HttpRequest) -> HttpResponse:
 urlpatterns: list[Any] = [
     path("decorator/", decorator_view),
     path("cbv/", CbvView.as_view()),
+    path("cbv-resume/", CbvResumeView.as_view()),
+    path("cbv-dispatch-resume/", CbvDispatchResumeView.as_view()),
     path("run-once/", run_once_view),
 ]
 
