@@ -343,6 +343,18 @@ def discard_broken(alias: str) -> bool:
     return True
 
 
+#: Where a protected view is inside the request's transaction, and the ways out.
+_VIEWS_LEFT_IN = (
+    "A protected view is inside one only where it stays in ATOMIC_REQUESTS' transaction: "
+    "under ASGI, a class-based view or a django-ninja path that protects some of its "
+    "methods only (Django wraps the view before the request's method can reach the "
+    "package), and a view reached through a per-request URLconf. Decorate the class's "
+    "dispatch (method_decorator(idempotent(...), name='dispatch')) so that every method "
+    "reaches the engine, give a ninja path's plain operations a path of their own, or put "
+    "transaction.non_atomic_requests on the view."
+)
+
+
 def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
     """Raise ``ImproperlyConfigured`` where the claim could not keep its promise:
 
@@ -362,17 +374,15 @@ def refuse_unkeepable(alias: str, policy: str, where: str) -> None:
             f"{where} uses the recovery policy 'resume' inside a transaction of the caller's "
             f"on {alias!r}. Its steps must each commit as they finish, so that a later "
             "attempt finds them after a crash; inside the caller's transaction they would "
-            "commit only with it. Call it outside transaction.atomic() (for views: the mixin "
-            "and plain @idempotent views are taken out of ATOMIC_REQUESTS; put "
-            "@transaction.non_atomic_requests above @api_view)."
+            f"commit only with it. Call it outside transaction.atomic(). {_VIEWS_LEFT_IN}"
         )
     if not of(alias).separate_claims and declared.durable_claim:
         raise ImproperlyConfigured(
             f"{where} uses the recovery policy {policy!r} inside a transaction on the SQLite "
             f"database {alias!r}. SQLite cannot commit the claim on its own while that "
             "transaction is open, so the policy could not hold across a crash. Call it "
-            "outside transaction.atomic() (for views: turn ATOMIC_REQUESTS off, or put "
-            "@transaction.non_atomic_requests above @api_view), or use PostgreSQL or MariaDB."
+            "outside transaction.atomic(), or use PostgreSQL or MariaDB. "
+            f"{_VIEWS_LEFT_IN}"
         )
     level = of(alias).snapshot_isolation(connection)
     if level is not None:
