@@ -453,3 +453,26 @@ def test_headers_nested_past_the_decoder_are_refused_everywhere_and_never_run_ag
     )
     assert first.status_code == 201
     assert Charge.objects.count() == 2
+
+
+def test_a_damaged_key_id_under_a_configured_key_is_resealed_by_the_rotation(api):
+    """One character of the key id stored before the token changed: the token is intact and
+    a configured key opens it, so its retries replay. The rotation opens and reseals it
+    rather than counting it unreadable, and then no check names a key it does not need."""
+    key = new_key()
+    with keys(K1):
+        first = api.post("/charges/", CHARGE, key=key)
+    record = IdempotencyRecord.objects.get()
+    kid = crypto.key_id(K1)
+    damaged_kid = ("0" if kid[0] != "0" else "1") + kid[1:]
+    stored = str(record.response_headers)
+    IdempotencyRecord.objects.update(response_headers=stored.replace(kid, damaged_kid, 1))
+    with keys(K2, K1):
+        replayed(first, api.post("/charges/", CHARGE, key=key))
+        result = crypto.rotate(using="default")
+        assert (result.records, result.unreadable) == (1, 0)
+        assert e026(checks.run_checks(databases=["default"])) == []
+    with keys(K2):
+        replayed(first, api.post("/charges/", CHARGE, key=key))
+    assert crypto.sealed_with(IdempotencyRecord.objects.get().response_headers) == crypto.key_id(K2)
+    assert Charge.objects.count() == 1
