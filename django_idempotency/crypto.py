@@ -166,7 +166,8 @@ def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Hea
 
     token = stored_headers.split(":", 2)[2]
     try:
-        headers = json.loads(keys.fernet.decrypt(token))
+        # read_json: sealed JSON nested past Python's decoder is damage like any other.
+        headers = _storable.read_json(keys.fernet.decrypt(token).decode("utf-8"))
         if stored_body is None:
             return headers, None
         return headers, keys.fernet.decrypt(base64.urlsafe_b64encode(bytes(stored_body)))
@@ -288,7 +289,15 @@ class _Walk:
                 page = page.select_for_update(
                     skip_locked=features.has_select_for_update_skip_locked
                 )
-            found = list(page.values_list("pk", "response_headers", *self.fence)[:size])
+            # The headers as their JSON text, decoded here: a set the JSON field could not
+            # decode (nested past Python's decoder) is counted, never the end of the walk.
+            page = page.annotate(_headers_text=Cast("response_headers", TextField()))
+            found = [
+                (pk, _decoded(text), *version)
+                for pk, text, *version in page.values_list("pk", "_headers_text", *self.fence)[
+                    :size
+                ]
+            ]
             todo = [row for row in found if self._needs_sealing(row[1])]
             if self.result.dry_run:
                 self.tally[self.counter] += len(todo)
@@ -302,16 +311,37 @@ class _Walk:
         return len(found)
 
     def _needs_sealing(self, stored_headers: Any) -> bool:
+        if stored_headers is _UNDECODABLE:
+            self.tally["unreadable"] += 1
+            return False
         kid = sealed_with(stored_headers)
         if kid == self.keys.first:
             self.tally["current"] += 1
             return False
-        if kid is not None and kid not in self.keys.ids:
+        if (
+            kid is not None
+            and kid not in self.keys.ids
+            and not self._headers_open(kid, stored_headers)
+        ):
             self.tally["unreadable"] += 1
             return False
         if kid is None and not _storable.header_pairs(stored_headers):
             # Damaged in the clear: sealing it would only hide the damage.
             self.tally["unreadable"] += 1
+            return False
+        return True
+
+    def _headers_open(self, kid: str, stored_headers: str) -> bool:
+        # A key id is not authenticated, its token is: one that no configured key has (a
+        # damaged id) is taken at its word only once no configured key opens the token of
+        # the headers, which the batch has read already.
+        if not kid:
+            return False
+        from cryptography.fernet import InvalidToken
+
+        try:
+            self.keys.fernet.decrypt(stored_headers.split(":", 2)[2])
+        except InvalidToken:
             return False
         return True
 
@@ -348,6 +378,17 @@ class _Walk:
             return False
         connection = connections[self.rows.db]
         return vendor.statement_limit(connection, body, json.dumps(headers)) is not None
+
+
+#: Stored headers whose JSON text cannot be decoded (see ``_decoded``).
+_UNDECODABLE = object()
+
+
+def _decoded(text: Any) -> Any:
+    try:
+        return _storable.read_json(text)
+    except (TypeError, ValueError):
+        return _UNDECODABLE
 
 
 def rotate(

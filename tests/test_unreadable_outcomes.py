@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from django.core import checks
 from django.core.management import call_command
+from django.db import connection
 from django.test import Client, override_settings
 from django.utils import timezone
 
@@ -413,3 +414,65 @@ def test_run_once_a_result_whose_body_is_gone_raises_record_unreadable():
     with pytest.raises(RecordUnreadable):
         run_once(counted(calls), 3, **IDENTITY, key="m-null")
     assert calls == [3]
+
+
+# JSON nested deeper than Python's decoder goes (its recursion limit), yet a valid document
+# that SQLite, PostgreSQL and MariaDB store: another program's writing, or damage.
+DEEP = "[" * 1500 + "]" * 1500
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+def test_headers_nested_past_the_decoder_are_refused_everywhere_and_never_run_again(api, sealed):
+    """The retry is refused (503, not a 500), the admin's page says why, and the rotation
+    counts the record and goes on sealing the records after it."""
+    if not sealed and connection.vendor == "mysql":
+        pytest.skip("MariaDB's JSON columns refuse a document nested 32 levels deep")
+    damaged, after = new_key(), new_key()
+    with keys(*([K2] if sealed else [])):
+        first = api.post("/charges/", CHARGE, key=damaged)
+        api.post("/charges/", CHARGE, key=after)
+    record = IdempotencyRecord.objects.get(key=damaged)
+    if sealed:
+        token = crypto.keys_of((K2,)).fernet.encrypt(DEEP.encode()).decode()
+        IdempotencyRecord.objects.filter(pk=record.pk).update(
+            response_headers=f"fernet:{crypto.key_id(K2)}:{token}"
+        )
+    else:
+        store_raw_json(IdempotencyRecord, record.pk, "response_headers", DEEP)
+    with keys(K1, K2):
+        refused(api.post("/charges/", CHARGE, key=damaged))
+        admin = Client()
+        admin.force_login(UserFactory(is_staff=True, is_superuser=True))
+        page = admin.get(f"/admin/django_idempotency/idempotencyrecord/{record.pk}/change/")
+        assert page.status_code == 200
+        result = crypto.rotate(using="default")
+        refused(api.post("/charges/", CHARGE, key=damaged))
+    assert (result.records, result.unreadable) == (1, 1)
+    assert crypto.sealed_with(IdempotencyRecord.objects.get(key=after).response_headers) == (
+        crypto.key_id(K1)
+    )
+    assert first.status_code == 201
+    assert Charge.objects.count() == 2
+
+
+def test_a_damaged_key_id_under_a_configured_key_is_resealed_by_the_rotation(api):
+    """One character of the key id stored before the token changed: the token is intact and
+    a configured key opens it, so its retries replay. The rotation opens and reseals it
+    rather than counting it unreadable, and then no check names a key it does not need."""
+    key = new_key()
+    with keys(K1):
+        first = api.post("/charges/", CHARGE, key=key)
+    record = IdempotencyRecord.objects.get()
+    kid = crypto.key_id(K1)
+    damaged_kid = ("0" if kid[0] != "0" else "1") + kid[1:]
+    stored = str(record.response_headers)
+    IdempotencyRecord.objects.update(response_headers=stored.replace(kid, damaged_kid, 1))
+    with keys(K2, K1):
+        replayed(first, api.post("/charges/", CHARGE, key=key))
+        result = crypto.rotate(using="default")
+        assert (result.records, result.unreadable) == (1, 0)
+        assert e026(checks.run_checks(databases=["default"])) == []
+    with keys(K2):
+        replayed(first, api.post("/charges/", CHARGE, key=key))
+    assert crypto.sealed_with(IdempotencyRecord.objects.get().response_headers) == crypto.key_id(K2)
+    assert Charge.objects.count() == 1
