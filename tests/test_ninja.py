@@ -266,6 +266,75 @@ def test_above_the_route_decorator_too(api):
     assert IdempotencyRecord.objects.get().operation == "above"
 
 
+def _stacked_calls(api: ApiClient) -> dict[str, list[Any]]:
+    """Two requests with one key to each of ``/a`` and ``/b``: what each answered."""
+    answers: dict[str, list[Any]] = {}
+    for route in ("/a", "/b"):
+        key = new_key()
+        answers[route] = [api.post(route, {}, key=key).get("Idempotent-Replayed") for _ in "12"]
+    return answers
+
+
+def test_a_route_decorator_above_idempotent_above_another_protects_both(api):
+    """``@router.post("/a")`` above ``@idempotent`` above ``@router.post("/b")``: ninja builds
+    ``/b``'s operation before ``@idempotent`` and ``/a``'s after it. Both are protected."""
+    router = Router()
+
+    @router.post("/a")
+    @idempotent
+    @router.post("/b")
+    def stacked(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="stacked", amount=1, currency="EUR").pk}
+
+    with served(router):
+        answers = _stacked_calls(api)
+        rows = {e["url"]: e["protected"] for e in _audit()["endpoints"]}
+    assert answers == {"/a": [None, "true"], "/b": [None, "true"]}
+    assert Charge.objects.count() == 2  # one run per key
+    assert rows == {"/a": True, "/b": True}
+
+
+def test_idempotent_above_two_route_decorators_is_a_check_error(api):
+    """``@idempotent`` above two route decorators reaches the operation of the one right
+    beneath it only (ninja keeps no other): the other route runs unprotected, and ``check``
+    names it rather than letting the function look protected."""
+    from django.core import checks
+
+    from django_idempotency import _check_ids
+
+    router = Router()
+
+    @idempotent
+    @router.post("/a")
+    @router.post("/b")
+    def stacked(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="stacked", amount=1, currency="EUR").pk}
+
+    with served(router):
+        answers = _stacked_calls(api)
+        errors = [
+            m
+            for m in checks.run_checks(tags=[checks.Tags.urls])
+            if m.id == _check_ids.error("NINJA_IDEMPOTENT_ABOVE_ROUTES")
+        ]
+    assert answers == {"/a": [None, "true"], "/b": [None, None]}
+    assert Charge.objects.count() == 3  # /b ran for each request: what the check reports
+    assert len(errors) == 1
+    assert "POST /b" in errors[0].msg
+    assert "stacked" in errors[0].msg
+
+
+def _audit() -> dict[str, Any]:
+    import io
+
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("idempotency_audit", "--format", "json", stdout=out)
+    found: dict[str, Any] = json.loads(out.getvalue())
+    return found
+
+
 def test_twice_is_refused():
     router = Router()
     with pytest.raises(ImproperlyConfigured, match="twice"):
