@@ -71,6 +71,9 @@ class Endpoint:
     #: Whether the operation is derived (a route, a basename and action), not given by the
     #: project: two endpoints deriving one name share its records (:attr:`Audit.shared`).
     derived: bool = field(default=False, compare=False)
+    #: Whether the view carries the package's decorator, which does not reach this route
+    #: (ninja's ``@idempotent`` above another route decorator): check E062.
+    unreached: bool = field(default=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON: the TTL in seconds."""
@@ -130,6 +133,9 @@ class _Protection:
     operation: str
     #: Whether that operation is derived from the route or the viewset (not the project's).
     derived: bool = True
+    #: Whether the options reach the endpoint; not where the view was built before the
+    #: decorator was applied (ninja's ``@idempotent`` above another route decorator).
+    reaches: bool = True
 
 
 @dataclass
@@ -205,6 +211,8 @@ def _endpoint(
 ) -> Endpoint:
     if protection is None or not protection.options.protects(method):
         return Endpoint(method, url, route, name, view, protected=False)
+    if not protection.reaches:
+        return Endpoint(method, url, route, name, view, protected=False, unreached=True)
     options = protection.options
     operation = options.operation or protection.operation.format(method=method, route=route)
     derived = options.operation is None and protection.derived
@@ -352,8 +360,14 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
     walk.ninja_seen[id(path_view)] = index + 1
     if index >= len(path_view.operations):
         return []
+    from django_idempotency.ninja import intended
+
     operation = path_view.operations[index]
     found = getattr(operation, "idempotency_options", None)
+    reaches = isinstance(found, _options.Options)
+    if not reaches:
+        # Built before the function's @idempotent was applied: it does not reach this route.
+        found = intended(operation.view_func)
     protection = (
         _Protection(
             "ninja",
@@ -361,6 +375,7 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
             operation.operation_id or _ROUTE_OPERATION,
             # An operation_id is the project's own name for the operation.
             derived=operation.operation_id is None,
+            reaches=reaches,
         )
         if isinstance(found, _options.Options)
         else None

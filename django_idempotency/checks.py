@@ -184,6 +184,35 @@ def check_drf_dispatch(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+@register(Tags.urls)
+def check_ninja_routes_out_of_reach(**kwargs: Any) -> list[CheckMessage]:
+    """E062: ninja's ``@idempotent`` above two route decorators of one function. ninja keeps
+    the operation of the last one only, so the decorator protects that route and never
+    reaches the one beneath it, which runs unprotected."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency._endpoints import audit
+
+    try:
+        endpoints = audit().endpoints
+    except ImproperlyConfigured:  # a wrong view attribute: the audit and the view report it
+        return []
+    return [
+        _error(
+            "NINJA_IDEMPOTENT_ABOVE_ROUTES",
+            f"ninja @idempotent on {e.view} is above the route decorator of {e.method} "
+            f"{e.url} and another one: it never reached that route's operation, which runs "
+            "unprotected.",
+            hint=(
+                "Put @idempotent beneath every route decorator of the function, right above "
+                "the def."
+            ),
+        )
+        for e in endpoints
+        if e.unreached
+    ]
+
+
 @register(Tags.database)
 def check_database(databases: Iterable[str] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """``check --database <alias>``: the package's tables on ``DATABASE`` (E052), and
