@@ -324,6 +324,53 @@ def test_idempotent_above_two_route_decorators_is_a_check_error(api):
     assert "stacked" in errors[0].msg
 
 
+def test_one_operation_id_on_two_apis_is_a_check_error(api):
+    """Two API versions, each with its own function under ``operation_id="create_charge"``
+    (OpenAPI wants it unique per document, and each API is a document of its own): both
+    routes derive the one operation, so a key sent to v1 is replayed by v2, whose function
+    never runs. ``check`` names both (E060), as for a basename under two routers."""
+    from types import ModuleType
+
+    from django.core import checks
+    from django.urls import path
+
+    from django_idempotency import _check_ids
+
+    apis = []
+    for version in ("1", "2"):
+        router = Router()
+
+        @router.post("/charges", operation_id="create_charge")
+        @idempotent
+        def create(request: Any, version: str = version) -> dict[str, Any]:
+            pk = Charge.objects.create(account=f"v{version}", amount=1, currency="EUR").pk
+            return {"version": version, "id": pk}
+
+        local = NinjaAPI(urls_namespace=f"tests-ninja-v{version}-{uuid.uuid4().hex}")
+        local.add_router("/", router)
+        apis.append(path(f"v{version}/", local.urls))
+    urlconf = ModuleType("ninja_versions_urls")
+    urlconf.urlpatterns = apis  # type: ignore[attr-defined]
+    with override_settings(ROOT_URLCONF=urlconf):
+        key = new_key()
+        first = api.post("/v1/charges", {}, key=key)
+        other = api.post("/v2/charges", {}, key=key)
+        shared = _audit()["shared_operations"]
+        errors = [
+            m
+            for m in checks.run_checks(tags=[checks.Tags.urls])
+            if m.id == _check_ids.error("OPERATION_SHARED")
+        ]
+    assert other.content == first.content  # v2 answered v1's outcome ...
+    assert list(Charge.objects.values_list("account", flat=True)) == ["v1"]  # ... unrun
+    assert shared == [
+        {"operation": "create_charge", "endpoints": ["POST /v1/charges", "POST /v2/charges"]}
+    ]
+    assert len(errors) == 1
+    assert "POST /v1/charges" in errors[0].msg
+    assert "POST /v2/charges" in errors[0].msg
+
+
 def _audit() -> dict[str, Any]:
     import io
 
