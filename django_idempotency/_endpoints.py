@@ -68,8 +68,9 @@ class Endpoint:
     ttl: timedelta | None = None
     #: Where the key comes from, e.g. ``Idempotency-Key header``.
     key: str | None = None
-    #: Whether the operation is derived (a route, a basename and action), not given by the
-    #: project: two endpoints deriving one name share its records (:attr:`Audit.shared`).
+    #: Whether the operation is derived (a route, a basename and action, a ninja
+    #: ``operation_id``), not given to the package by the project: two endpoints deriving
+    #: one name share its records (:attr:`Audit.shared`).
     derived: bool = field(default=False, compare=False)
     #: Whether the view carries the package's decorator, which does not reach this route
     #: (ninja's ``@idempotent`` above another route decorator): check E062.
@@ -373,8 +374,9 @@ def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
             "ninja",
             found,
             operation.operation_id or _ROUTE_OPERATION,
-            # An operation_id is the project's own name for the operation.
-            derived=operation.operation_id is None,
+            # An operation_id names the operation in its API's OpenAPI document, as a
+            # basename names a viewset in its router: two APIs (v1, v2) may each give one,
+            # and their routes would share its records (E060) unless @idempotent names one.
             reaches=reaches,
         )
         if isinstance(found, _options.Options)

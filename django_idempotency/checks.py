@@ -128,7 +128,8 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
 @register(Tags.urls)
 def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
     """E060: endpoints of two routes that derive one operation name (one basename under two
-    routers, ``v1/`` and ``v2/``). They would share their records: a key sent to one
+    routers, ``v1/`` and ``v2/``; one ninja ``operation_id`` in two APIs). They would
+    share their records: a key sent to one
     replays the other's outcome, and its own view never runs. An operation the project
     gives one of them (``operation=``, ``idempotency_operation``, a basename of its own)
     settles it. The spellings of one endpoint (DRF's format suffixes) are one operation."""
@@ -149,7 +150,8 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
             hint=(
                 "Give all but one an operation of its own: another basename where a "
                 "viewset is registered (router.register(..., basename='charge-v2')), "
-                "idempotency_operation on the view, or @idempotent(operation=...)."
+                "idempotency_operation on the view, or @idempotent(operation=...) (a "
+                "ninja operation_id names the operation in its API's schema only)."
             ),
         )
         for operation, endpoints in shared.items()
