@@ -371,6 +371,43 @@ def test_one_operation_id_on_two_apis_is_a_check_error(api):
     assert "POST /v2/charges" in errors[0].msg
 
 
+def test_the_audit_lists_an_apis_urls_included_twice(api):
+    """``api.urls`` under two prefixes (``v1/`` and ``latest/``): both serve every operation,
+    one of them unprotected. The audit lists both mounts; it listed the first one only, so
+    the unprotected route under ``latest/`` went unreported."""
+    from types import ModuleType
+
+    from django.urls import path
+
+    router = Router()
+
+    @router.post("/protected")
+    @idempotent
+    def protected(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="protected", amount=1, currency="EUR").pk}
+
+    @router.post("/plain")
+    def plain(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="plain", amount=1, currency="EUR").pk}
+
+    local = NinjaAPI(urls_namespace=f"tests-ninja-{uuid.uuid4().hex}")
+    local.add_router("/", router)
+    urls = local.urls
+    urlconf = ModuleType("ninja_twice_urls")
+    urlconf.urlpatterns = [path("v1/", urls), path("latest/", urls)]  # type: ignore[attr-defined]
+    with override_settings(ROOT_URLCONF=urlconf):
+        answers = [api.post(f"/{prefix}/plain", {}, key=new_key()) for prefix in ("v1", "latest")]
+        rows = [(e["url"], e["protected"]) for e in _audit()["endpoints"]]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert Charge.objects.filter(account="plain").count() == 2  # both mounts serve it
+    assert rows == [
+        ("/v1/protected", True),
+        ("/v1/plain", False),
+        ("/latest/protected", True),
+        ("/latest/plain", False),
+    ]
+
+
 def _audit() -> dict[str, Any]:
     import io
 
