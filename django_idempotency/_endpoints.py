@@ -147,8 +147,9 @@ class _Walk:
     left_out: list[str] = field(default_factory=list)
     #: DRF's format-suffix twins: each twin's route, mapped to its plain pattern's.
     twins: dict[str, str] = field(default_factory=dict)
-    # How many patterns of each ninja path view came by: the n-th is its n-th operation.
-    ninja_seen: dict[int, int] = field(default_factory=dict)
+    # How many patterns of each ninja path view came by at each route: the n-th is its n-th
+    # operation (an API's urls included under two prefixes bring the same path views twice).
+    ninja_seen: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def leave_out(self, what: str) -> None:
         if what not in self.left_out:
@@ -203,7 +204,7 @@ def _visit(
         walk.excluded += 1
         return
     name = ":".join((*names, pattern.name)) if pattern.name else None
-    for method, view, protection in _methods(walk, callback):
+    for method, view, protection in _methods(walk, callback, route):
         walk.endpoints.append(_endpoint(method, url, route, name, view, protection))
 
 
@@ -244,14 +245,14 @@ def _wanted(method: str, protection: _Protection | None) -> bool:
 Row = tuple[str, str, "_Protection | None"]
 
 
-def _methods(walk: _Walk, callback: Callable[..., Any]) -> list[Row]:
+def _methods(walk: _Walk, callback: Callable[..., Any], route: str) -> list[Row]:
     """``(method, view name, protection)`` for each listed method of a pattern's view."""
     cls = getattr(callback, "cls", None)
     if cls is not None and is_drf_view(cls):
         return _drf_rows(callback, cls)
     path_view = ninja_path_view(callback)
     if path_view is not None:
-        return _ninja_rows(walk, path_view)
+        return _ninja_rows(walk, path_view, route)
     view_class = getattr(callback, "view_class", None)
     if isinstance(view_class, type):
         return _class_rows(callback, view_class)
@@ -354,11 +355,12 @@ def _is_ninja_page(callback: Any) -> bool:
     )
 
 
-def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
+def _ninja_rows(walk: _Walk, path_view: Any, route: str) -> list[Row]:
     # ninja makes one pattern per operation of a path, each with that operation's name; the
     # first one resolves every method of the path.
-    index = walk.ninja_seen.get(id(path_view), 0)
-    walk.ninja_seen[id(path_view)] = index + 1
+    seen = (id(path_view), route)
+    index = walk.ninja_seen.get(seen, 0)
+    walk.ninja_seen[seen] = index + 1
     if index >= len(path_view.operations):
         return []
     from django_idempotency.ninja import intended
