@@ -69,8 +69,9 @@ class Endpoint:
     #: Where the key comes from, e.g. ``Idempotency-Key header``.
     key: str | None = None
     #: Whether the operation is derived (a route, a basename and action, a ninja
-    #: ``operation_id``), not given to the package by the project: two endpoints deriving
-    #: one name share its records (:attr:`Audit.shared`).
+    #: ``operation_id``, a viewset's ``idempotency_operation`` for each of its actions), not
+    #: given to one endpoint by the project: two endpoints deriving one name share its
+    #: records (:attr:`Audit.shared`).
     derived: bool = field(default=False, compare=False)
     #: Whether the view carries the package's decorator, which does not reach this route
     #: (ninja's ``@idempotent`` above another route decorator): check E062.
@@ -134,6 +135,9 @@ class _Protection:
     operation: str
     #: Whether that operation is derived from the route or the viewset (not the project's).
     derived: bool = True
+    #: Whether the options' own operation is one name for every action of a viewset (its
+    #: ``idempotency_operation``): its actions share it as derived names would.
+    spread: bool = False
     #: Whether the options reach the endpoint; not where the view was built before the
     #: decorator was applied (ninja's ``@idempotent`` above another route decorator).
     reaches: bool = True
@@ -217,7 +221,7 @@ def _endpoint(
         return Endpoint(method, url, route, name, view, protected=False, unreached=True)
     options = protection.options
     operation = options.operation or protection.operation.format(method=method, route=route)
-    derived = options.operation is None and protection.derived
+    derived = protection.derived if options.operation is None else protection.spread
     return Endpoint(
         method,
         url,
@@ -340,7 +344,9 @@ def _mixin_protection(cls: Any, initkwargs: dict[str, Any], action: str | None) 
         name = f"{cls.__name__}.get_idempotency_operation()"
         return _Protection("mixin", options, name, derived=False)
     operation = f"{basename}.{action}" if basename and action else _ROUTE_OPERATION
-    return _Protection("mixin", options, operation)
+    # A viewset's idempotency_operation names each of its actions (and each router's copy):
+    # not one endpoint's own name.
+    return _Protection("mixin", options, operation, spread=action is not None)
 
 
 # -- django-ninja ----------------------------------------------------------------------------

@@ -128,11 +128,12 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
 @register(Tags.urls)
 def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
     """E060: endpoints of two routes that derive one operation name (one basename under two
-    routers, ``v1/`` and ``v2/``; one ninja ``operation_id`` in two APIs). They would
-    share their records: a key sent to one
-    replays the other's outcome, and its own view never runs. An operation the project
-    gives one of them (``operation=``, ``idempotency_operation``, a basename of its own)
-    settles it. The spellings of one endpoint (DRF's format suffixes) are one operation."""
+    routers, ``v1/`` and ``v2/``; one ninja ``operation_id`` in two APIs; two actions of a
+    viewset with one ``idempotency_operation``). They would share their records: a key sent
+    to one replays the other's outcome, and its own view never runs. An operation the
+    project gives one of them (``operation=``, ``idempotency_operation`` on a view that is
+    no viewset, a basename of its own) settles it. The spellings of one endpoint (DRF's
+    format suffixes) are one operation."""
     from django.core.exceptions import ImproperlyConfigured
 
     from django_idempotency._endpoints import audit
@@ -150,8 +151,10 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
             hint=(
                 "Give all but one an operation of its own: another basename where a "
                 "viewset is registered (router.register(..., basename='charge-v2')), "
-                "idempotency_operation on the view, or @idempotent(operation=...) (a "
-                "ninja operation_id names the operation in its API's schema only)."
+                "idempotency_operation on a view that is no viewset (on a viewset it names "
+                "every action: override get_idempotency_operation there), or "
+                "@idempotent(operation=...) (a ninja operation_id names the operation in its "
+                "API's schema only)."
             ),
         )
         for operation, endpoints in shared.items()
