@@ -53,6 +53,7 @@ ERRORS: dict[str, int] = {
     "TABLES_MISSING": 52,  # a database check: check --database
     "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
     "DECORATOR_ON_DRF_DISPATCH": 61,  # a URL check: it would claim before DRF's checks
+    "NINJA_IDEMPOTENT_ABOVE_ROUTES": 62,  # a URL check: a route it does not reach
 }
 
 WARNINGS: dict[str, int] = {

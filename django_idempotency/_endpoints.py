@@ -68,9 +68,14 @@ class Endpoint:
     ttl: timedelta | None = None
     #: Where the key comes from, e.g. ``Idempotency-Key header``.
     key: str | None = None
-    #: Whether the operation is derived (a route, a basename and action), not given by the
-    #: project: two endpoints deriving one name share its records (:attr:`Audit.shared`).
+    #: Whether the operation is derived (a route, a basename and action, a ninja
+    #: ``operation_id``, a viewset's ``idempotency_operation`` for each of its actions), not
+    #: given to one endpoint by the project: two endpoints deriving one name share its
+    #: records (:attr:`Audit.shared`).
     derived: bool = field(default=False, compare=False)
+    #: Whether the view carries the package's decorator, which does not reach this route
+    #: (ninja's ``@idempotent`` above another route decorator): check E062.
+    unreached: bool = field(default=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON: the TTL in seconds."""
@@ -130,6 +135,12 @@ class _Protection:
     operation: str
     #: Whether that operation is derived from the route or the viewset (not the project's).
     derived: bool = True
+    #: Whether the options' own operation is one name for every action of a viewset (its
+    #: ``idempotency_operation``): its actions share it as derived names would.
+    spread: bool = False
+    #: Whether the options reach the endpoint; not where the view was built before the
+    #: decorator was applied (ninja's ``@idempotent`` above another route decorator).
+    reaches: bool = True
 
 
 @dataclass
@@ -140,8 +151,9 @@ class _Walk:
     left_out: list[str] = field(default_factory=list)
     #: DRF's format-suffix twins: each twin's route, mapped to its plain pattern's.
     twins: dict[str, str] = field(default_factory=dict)
-    # How many patterns of each ninja path view came by: the n-th is its n-th operation.
-    ninja_seen: dict[int, int] = field(default_factory=dict)
+    # How many patterns of each ninja path view came by at each route: the n-th is its n-th
+    # operation (an API's urls included under two prefixes bring the same path views twice).
+    ninja_seen: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def leave_out(self, what: str) -> None:
         if what not in self.left_out:
@@ -196,7 +208,7 @@ def _visit(
         walk.excluded += 1
         return
     name = ":".join((*names, pattern.name)) if pattern.name else None
-    for method, view, protection in _methods(walk, callback):
+    for method, view, protection in _methods(walk, callback, route):
         walk.endpoints.append(_endpoint(method, url, route, name, view, protection))
 
 
@@ -205,9 +217,11 @@ def _endpoint(
 ) -> Endpoint:
     if protection is None or not protection.options.protects(method):
         return Endpoint(method, url, route, name, view, protected=False)
+    if not protection.reaches:
+        return Endpoint(method, url, route, name, view, protected=False, unreached=True)
     options = protection.options
     operation = options.operation or protection.operation.format(method=method, route=route)
-    derived = options.operation is None and protection.derived
+    derived = protection.derived if options.operation is None else protection.spread
     return Endpoint(
         method,
         url,
@@ -235,14 +249,14 @@ def _wanted(method: str, protection: _Protection | None) -> bool:
 Row = tuple[str, str, "_Protection | None"]
 
 
-def _methods(walk: _Walk, callback: Callable[..., Any]) -> list[Row]:
+def _methods(walk: _Walk, callback: Callable[..., Any], route: str) -> list[Row]:
     """``(method, view name, protection)`` for each listed method of a pattern's view."""
     cls = getattr(callback, "cls", None)
     if cls is not None and is_drf_view(cls):
         return _drf_rows(callback, cls)
     path_view = ninja_path_view(callback)
     if path_view is not None:
-        return _ninja_rows(walk, path_view)
+        return _ninja_rows(walk, path_view, route)
     view_class = getattr(callback, "view_class", None)
     if isinstance(view_class, type):
         return _class_rows(callback, view_class)
@@ -330,7 +344,9 @@ def _mixin_protection(cls: Any, initkwargs: dict[str, Any], action: str | None) 
         name = f"{cls.__name__}.get_idempotency_operation()"
         return _Protection("mixin", options, name, derived=False)
     operation = f"{basename}.{action}" if basename and action else _ROUTE_OPERATION
-    return _Protection("mixin", options, operation)
+    # A viewset's idempotency_operation names each of its actions (and each router's copy):
+    # not one endpoint's own name.
+    return _Protection("mixin", options, operation, spread=action is not None)
 
 
 # -- django-ninja ----------------------------------------------------------------------------
@@ -345,22 +361,31 @@ def _is_ninja_page(callback: Any) -> bool:
     )
 
 
-def _ninja_rows(walk: _Walk, path_view: Any) -> list[Row]:
+def _ninja_rows(walk: _Walk, path_view: Any, route: str) -> list[Row]:
     # ninja makes one pattern per operation of a path, each with that operation's name; the
     # first one resolves every method of the path.
-    index = walk.ninja_seen.get(id(path_view), 0)
-    walk.ninja_seen[id(path_view)] = index + 1
+    seen = (id(path_view), route)
+    index = walk.ninja_seen.get(seen, 0)
+    walk.ninja_seen[seen] = index + 1
     if index >= len(path_view.operations):
         return []
+    from django_idempotency.ninja import intended
+
     operation = path_view.operations[index]
     found = getattr(operation, "idempotency_options", None)
+    reaches = isinstance(found, _options.Options)
+    if not reaches:
+        # Built before the function's @idempotent was applied: it does not reach this route.
+        found = intended(operation.view_func)
     protection = (
         _Protection(
             "ninja",
             found,
             operation.operation_id or _ROUTE_OPERATION,
-            # An operation_id is the project's own name for the operation.
-            derived=operation.operation_id is None,
+            # An operation_id names the operation in its API's OpenAPI document, as a
+            # basename names a viewset in its router: two APIs (v1, v2) may each give one,
+            # and their routes would share its records (E060) unless @idempotent names one.
+            reaches=reaches,
         )
         if isinstance(found, _options.Options)
         else None

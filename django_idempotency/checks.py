@@ -128,10 +128,12 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
 @register(Tags.urls)
 def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
     """E060: endpoints of two routes that derive one operation name (one basename under two
-    routers, ``v1/`` and ``v2/``). They would share their records: a key sent to one
-    replays the other's outcome, and its own view never runs. An operation the project
-    gives one of them (``operation=``, ``idempotency_operation``, a basename of its own)
-    settles it. The spellings of one endpoint (DRF's format suffixes) are one operation."""
+    routers, ``v1/`` and ``v2/``; one ninja ``operation_id`` in two APIs; two actions of a
+    viewset with one ``idempotency_operation``). They would share their records: a key sent
+    to one replays the other's outcome, and its own view never runs. An operation the
+    project gives one of them (``operation=``, ``idempotency_operation`` on a view that is
+    no viewset, a basename of its own) settles it. The spellings of one endpoint (DRF's
+    format suffixes) are one operation."""
     from django.core.exceptions import ImproperlyConfigured
 
     from django_idempotency._endpoints import audit
@@ -149,7 +151,10 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
             hint=(
                 "Give all but one an operation of its own: another basename where a "
                 "viewset is registered (router.register(..., basename='charge-v2')), "
-                "idempotency_operation on the view, or @idempotent(operation=...)."
+                "idempotency_operation on a view that is no viewset (on a viewset it names "
+                "every action: override get_idempotency_operation there), or "
+                "@idempotent(operation=...) (a ninja operation_id names the operation in its "
+                "API's schema only)."
             ),
         )
         for operation, endpoints in shared.items()
@@ -181,6 +186,35 @@ def check_drf_dispatch(**kwargs: Any) -> list[CheckMessage]:
             ),
         )
         for name in sorted(views)
+    ]
+
+
+@register(Tags.urls)
+def check_ninja_routes_out_of_reach(**kwargs: Any) -> list[CheckMessage]:
+    """E062: ninja's ``@idempotent`` above two route decorators of one function. ninja keeps
+    the operation of the last one only, so the decorator protects that route and never
+    reaches the one beneath it, which runs unprotected."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency._endpoints import audit
+
+    try:
+        endpoints = audit().endpoints
+    except ImproperlyConfigured:  # a wrong view attribute: the audit and the view report it
+        return []
+    return [
+        _error(
+            "NINJA_IDEMPOTENT_ABOVE_ROUTES",
+            f"ninja @idempotent on {e.view} is above the route decorator of {e.method} "
+            f"{e.url} and another one: it never reached that route's operation, which runs "
+            "unprotected.",
+            hint=(
+                "Put @idempotent beneath every route decorator of the function, right above "
+                "the def."
+            ),
+        )
+        for e in endpoints
+        if e.unreached
     ]
 
 

@@ -85,6 +85,8 @@ class IdempotencyMixin:
     #: ``"retry"``, ``"fail"`` or a callable ``recover(record)``; ``None``: ``RECOVERY``.
     idempotency_recovery: _options.Recovery | None = None
     #: The operation's name; ``None``: ``<basename>.<action>`` for viewsets, else the route.
+    #: On a viewset it names every action alike (check E060 reports two of them): name a
+    #: viewset's actions with ``get_idempotency_operation`` instead.
     idempotency_operation: str | None = None
     #: Where the key comes from: a callable called with the request alone (a
     #: :mod:`django_idempotency.sources` helper, or a plain function, which is not bound to

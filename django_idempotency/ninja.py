@@ -116,15 +116,32 @@ def idempotent(
             )
         built = getattr(func, "_ninja_operation", None)
         if isinstance(built, Operation):
-            # Above the route decorator: ninja has built the operation already.
+            # Above the route decorator: ninja has built the operation already. (Only the
+            # last one it built: the operation of a route decorator further down is out of
+            # reach, and check E062 names it; see intended().)
             _protect(built, chosen)
-        else:
-            contribute_operation_callback(func, partial(_protect, options=chosen))
+        # Every operation ninja builds from the function from now on, route decorators above
+        # this one included.
+        contribute_operation_callback(func, partial(_protect, options=chosen))
         return func
 
     if func is not None:
         return decorate(func)
     return decorate
+
+
+def intended(view_func: Callable[..., Any]) -> _options.Options | None:
+    """The options of the ``@idempotent`` applied to ``view_func``, or ``None``.
+
+    Every operation ninja builds from the function once the decorator is applied is
+    protected; one of the function's operations without protection was built before it:
+    the route decorator beneath another one, with ``@idempotent`` above both. That route
+    runs unprotected (check E062)."""
+    for callback in getattr(view_func, "_ninja_contribute_to_operation", ()):
+        if isinstance(callback, partial) and callback.func is _protect:
+            options: _options.Options = callback.keywords["options"]
+            return options
+    return None
 
 
 def _applied_by_ninja() -> bool:

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 from django.urls import path
+from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.routers import SimpleRouter
 from rest_framework.views import APIView
+from rest_framework.viewsets import ViewSet
 
 from django_idempotency._endpoints import audit, duration
 from django_idempotency.drf import IdempotencyMixin
@@ -195,3 +199,55 @@ def test_a_wrong_mixin_attribute_is_an_error_of_the_audit():
         audit()
     with pytest.raises(CommandError, match="idempotency_methods"):
         run()
+
+
+# -- one name for every action of a viewset --------------------------------------------------
+
+
+class Ledger(IdempotencyMixin, ViewSet):
+    """``idempotency_operation`` on a viewset (what E060's hint offered for a basename under
+    two routers) names every action of it: ``create`` and ``close`` are one operation."""
+
+    idempotency_operation = "ledger-v2"
+
+    def create(self, request: Any) -> Response:
+        return Response(
+            {"id": Charge.objects.create(account="create", amount=1, currency="EUR").pk}, status=201
+        )
+
+    @action(detail=False, methods=["post"])
+    def close(self, request: Any) -> Response:
+        return Response({"id": Charge.objects.create(account="close", amount=1, currency="EUR").pk})
+
+
+ledger = SimpleRouter()
+ledger.register("ledger", Ledger, basename="ledger")
+LEDGER_URLS = types.ModuleType("ledger_urls")
+LEDGER_URLS.urlpatterns = ledger.urls  # type: ignore[attr-defined]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF=LEDGER_URLS)
+def test_one_operation_for_several_actions_of_a_viewset_is_a_check_error(user):
+    from django.core import checks
+
+    from django_idempotency import _check_ids
+    from tests.helpers import ApiClient, new_key
+
+    client = ApiClient(user)
+    key = new_key()
+    created = client.post("/ledger/", {}, key=key)
+    closed = client.post("/ledger/close/", {}, key=key)
+    # close answered create's outcome, and never ran: what the check and the audit report.
+    assert closed.content == created.content
+    assert list(Charge.objects.values_list("account", flat=True)) == ["create"]
+    errors = [
+        m
+        for m in checks.run_checks(tags=[checks.Tags.urls])
+        if m.id == _check_ids.error("OPERATION_SHARED")
+    ]
+    assert len(errors) == 1
+    assert "POST /ledger/," in errors[0].msg
+    assert "POST /ledger/close/" in errors[0].msg
+    assert "get_idempotency_operation" in (errors[0].hint or "")
+    assert list(audit().shared) == ["ledger-v2"]

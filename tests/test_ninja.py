@@ -266,6 +266,159 @@ def test_above_the_route_decorator_too(api):
     assert IdempotencyRecord.objects.get().operation == "above"
 
 
+def _stacked_calls(api: ApiClient) -> dict[str, list[Any]]:
+    """Two requests with one key to each of ``/a`` and ``/b``: what each answered."""
+    answers: dict[str, list[Any]] = {}
+    for route in ("/a", "/b"):
+        key = new_key()
+        answers[route] = [api.post(route, {}, key=key).get("Idempotent-Replayed") for _ in "12"]
+    return answers
+
+
+def test_a_route_decorator_above_idempotent_above_another_protects_both(api):
+    """``@router.post("/a")`` above ``@idempotent`` above ``@router.post("/b")``: ninja builds
+    ``/b``'s operation before ``@idempotent`` and ``/a``'s after it. Both are protected."""
+    router = Router()
+
+    @router.post("/a")
+    @idempotent
+    @router.post("/b")
+    def stacked(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="stacked", amount=1, currency="EUR").pk}
+
+    with served(router):
+        answers = _stacked_calls(api)
+        rows = {e["url"]: e["protected"] for e in _audit()["endpoints"]}
+    assert answers == {"/a": [None, "true"], "/b": [None, "true"]}
+    assert Charge.objects.count() == 2  # one run per key
+    assert rows == {"/a": True, "/b": True}
+
+
+def test_idempotent_above_two_route_decorators_is_a_check_error(api):
+    """``@idempotent`` above two route decorators reaches the operation of the one right
+    beneath it only (ninja keeps no other): the other route runs unprotected, and ``check``
+    names it rather than letting the function look protected."""
+    from django.core import checks
+
+    from django_idempotency import _check_ids
+
+    router = Router()
+
+    @idempotent
+    @router.post("/a")
+    @router.post("/b")
+    def stacked(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="stacked", amount=1, currency="EUR").pk}
+
+    with served(router):
+        answers = _stacked_calls(api)
+        errors = [
+            m
+            for m in checks.run_checks(tags=[checks.Tags.urls])
+            if m.id == _check_ids.error("NINJA_IDEMPOTENT_ABOVE_ROUTES")
+        ]
+    assert answers == {"/a": [None, "true"], "/b": [None, None]}
+    assert Charge.objects.count() == 3  # /b ran for each request: what the check reports
+    assert len(errors) == 1
+    assert "POST /b" in errors[0].msg
+    assert "stacked" in errors[0].msg
+
+
+def test_one_operation_id_on_two_apis_is_a_check_error(api):
+    """Two API versions, each with its own function under ``operation_id="create_charge"``
+    (OpenAPI wants it unique per document, and each API is a document of its own): both
+    routes derive the one operation, so a key sent to v1 is replayed by v2, whose function
+    never runs. ``check`` names both (E060), as for a basename under two routers."""
+    from types import ModuleType
+
+    from django.core import checks
+    from django.urls import path
+
+    from django_idempotency import _check_ids
+
+    apis = []
+    for version in ("1", "2"):
+        router = Router()
+
+        @router.post("/charges", operation_id="create_charge")
+        @idempotent
+        def create(request: Any, version: str = version) -> dict[str, Any]:
+            pk = Charge.objects.create(account=f"v{version}", amount=1, currency="EUR").pk
+            return {"version": version, "id": pk}
+
+        local = NinjaAPI(urls_namespace=f"tests-ninja-v{version}-{uuid.uuid4().hex}")
+        local.add_router("/", router)
+        apis.append(path(f"v{version}/", local.urls))
+    urlconf = ModuleType("ninja_versions_urls")
+    urlconf.urlpatterns = apis  # type: ignore[attr-defined]
+    with override_settings(ROOT_URLCONF=urlconf):
+        key = new_key()
+        first = api.post("/v1/charges", {}, key=key)
+        other = api.post("/v2/charges", {}, key=key)
+        shared = _audit()["shared_operations"]
+        errors = [
+            m
+            for m in checks.run_checks(tags=[checks.Tags.urls])
+            if m.id == _check_ids.error("OPERATION_SHARED")
+        ]
+    assert other.content == first.content  # v2 answered v1's outcome ...
+    assert list(Charge.objects.values_list("account", flat=True)) == ["v1"]  # ... unrun
+    assert shared == [
+        {"operation": "create_charge", "endpoints": ["POST /v1/charges", "POST /v2/charges"]}
+    ]
+    assert len(errors) == 1
+    assert "POST /v1/charges" in errors[0].msg
+    assert "POST /v2/charges" in errors[0].msg
+
+
+def test_the_audit_lists_an_apis_urls_included_twice(api):
+    """``api.urls`` under two prefixes (``v1/`` and ``latest/``): both serve every operation,
+    one of them unprotected. The audit lists both mounts; it listed the first one only, so
+    the unprotected route under ``latest/`` went unreported."""
+    from types import ModuleType
+
+    from django.urls import path
+
+    router = Router()
+
+    @router.post("/protected")
+    @idempotent
+    def protected(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="protected", amount=1, currency="EUR").pk}
+
+    @router.post("/plain")
+    def plain(request: Any) -> dict[str, int]:
+        return {"id": Charge.objects.create(account="plain", amount=1, currency="EUR").pk}
+
+    local = NinjaAPI(urls_namespace=f"tests-ninja-{uuid.uuid4().hex}")
+    local.add_router("/", router)
+    urls = local.urls
+    urlconf = ModuleType("ninja_twice_urls")
+    urlconf.urlpatterns = [path("v1/", urls), path("latest/", urls)]  # type: ignore[attr-defined]
+    with override_settings(ROOT_URLCONF=urlconf):
+        answers = [api.post(f"/{prefix}/plain", {}, key=new_key()) for prefix in ("v1", "latest")]
+        rows = [(e["url"], e["protected"]) for e in _audit()["endpoints"]]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert Charge.objects.filter(account="plain").count() == 2  # both mounts serve it
+    assert rows == [
+        ("/v1/protected", True),
+        ("/v1/plain", False),
+        ("/latest/protected", True),
+        ("/latest/plain", False),
+    ]
+
+
+def _audit() -> dict[str, Any]:
+    import io
+
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("idempotency_audit", "--format", "json", stdout=out)
+    found: dict[str, Any] = json.loads(out.getvalue())
+    return found
+
+
 def test_twice_is_refused():
     router = Router()
     with pytest.raises(ImproperlyConfigured, match="twice"):
