@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def test_a_retry_after_the_upgrade_finds_what_a_regex_suffix_stored_under_its_ow
 
     key = new_key()
     with monkeypatch.context() as old_release:
-        old_release.setattr(_routes, "suffix_twins", lambda urlconf=None: {})
+        old_release.setattr(_routes, "twins", lambda urlconf=None: {})
         assert post(client, "/payments.json", key).status_code == 201
     (record,) = IdempotencyRecord.objects.all()
     assert record.operation == r"POST ^payments\.(?P<format>[a-z0-9]+)/?$"
@@ -125,6 +126,87 @@ def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
         ("/refunds/", "POST refunds/"),
         ("/api/ledger/", "ledger.create"),
         ("/payments/", "POST ^payments/$"),
+    ]
+
+
+# -- with and without a trailing slash --------------------------------------------------------
+
+
+class WithAndWithoutSlash:
+    urlpatterns = shapes_urls.with_and_without_slash
+
+
+@pytest.fixture
+def slash_urls() -> Iterator[None]:
+    with override_settings(ROOT_URLCONF=WithAndWithoutSlash):
+        yield
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("slash_urls")
+@pytest.mark.parametrize(
+    ("spellings", "account", "operation"),
+    [
+        (["/deposits/", "/deposits"], "deposit", "POST deposits/"),
+        (["/deposits", "/deposits/"], "deposit", "POST deposits/"),
+        (["/withdrawals", "/withdrawals/"], "withdrawal", "POST withdrawals/"),
+        (["/fees/", "/fees"], "fee", "POST ^fees/$"),
+    ],
+)
+def test_one_key_sent_with_and_without_the_slash_runs_the_view_once(
+    client, spellings, account, operation
+):
+    key = new_key()
+    first, again = (post(client, url, key) for url in spellings)
+    assert first.status_code == 201
+    assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("slash_urls")
+def test_another_view_without_the_slash_is_another_operation(client):
+    key = new_key()
+    assert post(client, "/grants/", key).status_code == 201
+    assert post(client, "/grants", key).status_code == 201
+    assert Charge.objects.filter(account="grant").count() == 1
+    assert Charge.objects.filter(account="deposit").count() == 1
+    assert sorted(IdempotencyRecord.objects.values_list("operation", flat=True)) == [
+        "POST grants",
+        "POST grants/",
+    ]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("slash_urls")
+def test_a_retry_after_the_upgrade_finds_what_the_other_spelling_stored_under_its_route(
+    client, monkeypatch
+):
+    """The previous release named ``deposits`` by its own route. A retry now replays that
+    record, adopted under the first spelling's operation, and the view does not run again."""
+    from django_idempotency import _routes
+
+    key = new_key()
+    with monkeypatch.context() as old_release:
+        old_release.setattr(_routes, "twins", lambda urlconf=None: {})
+        assert post(client, "/deposits", key).status_code == 201
+    assert IdempotencyRecord.objects.get().operation == "POST deposits"
+    retried = post(client, "/deposits", key)
+    assert (retried.status_code, retried["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account="deposit").count() == 1
+    assert IdempotencyRecord.objects.get().operation == "POST deposits/"
+
+
+@override_settings(ROOT_URLCONF=WithAndWithoutSlash)
+def test_the_audit_lists_an_endpoint_with_and_without_its_slash_once():
+    posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
+    assert posts == [
+        ("/deposits/", "POST deposits/"),
+        ("/withdrawals/", "POST withdrawals/"),
+        ("/fees/", "POST ^fees/$"),
+        ("/grants/", "POST grants/"),
+        ("/grants", "POST grants"),
     ]
 
 

@@ -111,6 +111,45 @@ urlpatterns = [
 ]
 
 
+# -- with and without a trailing slash ----------------------------------------------------------
+
+
+@idempotent
+def create_deposit(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("deposit"), status=201)
+
+
+class WithdrawalView(View):
+    @method_decorator(idempotent)
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(written("withdrawal"), status=201)
+
+
+@idempotent
+def create_fee(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("fee"), status=201)
+
+
+@idempotent
+def create_grant(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("grant"), status=201)
+
+
+#: One endpoint written twice, with and without its trailing slash: a function view, a class
+#: view (``as_view()`` called for each), a regex; and, listed without the slash first,
+#: another function view. Beside them, a view of its own at ``grants`` below ``grants/``'s.
+with_and_without_slash = [
+    path("deposits/", create_deposit),
+    path("deposits", create_deposit),
+    path("withdrawals/", WithdrawalView.as_view()),
+    path("withdrawals", WithdrawalView.as_view()),
+    re_path(r"^fees/$", create_fee),
+    re_path(r"^fees$", create_fee),
+    path("grants/", create_grant),
+    path("grants", create_deposit),
+]
+
+
 # -- one basename under two routers --------------------------------------------------------------
 
 
