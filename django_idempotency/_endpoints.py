@@ -169,9 +169,7 @@ def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
 
     ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
     """
-    walk = _Walk(
-        exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.suffix_twins(urlconf)
-    )
+    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.twins(urlconf))
     for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
         _visit(walk, pattern, levels, names)
     return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))

@@ -533,17 +533,13 @@ def _route_spelling(inner: Any, account: str, operation: str) -> tuple[str, str]
     of its endpoint's route, where this release names it by the one spelling
     (``_routes.canonical_route``): DRF's format suffix (0.2.0: ``POST transfers<drf_format_
     suffix:format>``, now ``POST transfers/``), or a language's prefix of ``i18n_patterns``
-    (``POST fr/charges/``, now ``POST en/charges/``). The claim adopts a record written so
-    (``_store.adopt_legacy``), and a retry after the upgrade finds it within its TTL.
-    ``None`` for every other request, with no call made: most routes have neither."""
+    (``POST fr/charges/``, now ``POST en/charges/``), or a view's second spelling with or
+    without its trailing slash (``POST orders``, now ``POST orders/``). The claim adopts a
+    record written so (``_store.adopt_legacy``), and a retry after the upgrade finds it
+    within its TTL. ``None`` for every other request."""
     match = inner.resolver_match
     route = match.route if match is not None else None
-    if not route or not (
-        any(marker in route for marker in _routes.SUFFIXES)
-        # LocaleMiddleware ran: the route may begin with a language's prefix
-        # (i18n_patterns), which earlier releases named an operation of its own.
-        or hasattr(inner, "LANGUAGE_CODE")
-    ):
+    if not route:
         return None
     canonical = _routes.canonical_route(route, getattr(inner, "urlconf", None), match.func)
     if canonical == route or operation != storable_name(f"{inner.method} {canonical}"):
@@ -555,7 +551,8 @@ def route_operation(request: Any, fallback: Callable[..., Any]) -> str:
     """The default operation: the method and the URL pattern's route, e.g. ``POST orders/``.
 
     DRF's format-suffix spelling of a pattern (``orders.json``) is named by the plain
-    pattern's route: one endpoint, one operation. Without a resolved route (a view called
+    pattern's route, a view written with and without its trailing slash by the spelling
+    listed first: one endpoint, one operation. Without a resolved route (a view called
     directly) the view's dotted name stands in.
     """
     inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest

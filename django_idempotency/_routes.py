@@ -6,6 +6,10 @@ and ``transfers.<drf_format_suffix:format>`` are one endpoint. Its default opera
 plain pattern's route, whichever spelling a request took, so one key never runs it twice.
 The audit lists such a twin once, through the same table.
 
+A view written twice, with and without its trailing slash (``path("orders/", view)`` and
+``path("orders", view)``, a class view's ``as_view()`` at each), is one endpoint too: its
+operation is the route of the spelling listed first, through the same table.
+
 ``i18n_patterns`` spell one endpoint once per language (``en/charges/``, ``fr/charges/``,
 and ``charges/`` for the default language where it goes unprefixed). Its operation is the
 route as the default language (``LANGUAGE_CODE``) spells it, whichever language a request
@@ -22,7 +26,7 @@ from typing import Any
 from django.conf import settings
 from django.urls import LocalePrefixPattern, URLPattern, URLResolver, get_resolver
 
-__all__ = ["SUFFIXES", "canonical_route", "join", "suffix_twins"]
+__all__ = ["canonical_route", "join", "twins"]
 
 # How DRF spells a format suffix after the plain pattern's text: a path converter of its own
 # (``<drf_format_suffix:format>``, ``<drf_format_suffix_json_html:format>``) or a regex
@@ -56,13 +60,12 @@ def _default_prefix(pattern: LocalePrefixPattern) -> str:
 def canonical_route(route: str, urlconf: Any = None, view: Any = None) -> str:
     """The route that names ``route``'s endpoint: the default language's spelling of a route
     of ``i18n_patterns``, the plain pattern's for DRF's format suffix twin of a pattern,
-    else ``route`` itself. ``view``: the view the request resolved to, where known; a route
+    the first spelling's for a view written with and without its trailing slash, else
+    ``route`` itself. ``view``: the view the request resolved to, where known; a route
     that spells a language's prefix is that language's only when its view is the one
     ``i18n_patterns`` has there."""
     route = _in_default_language(route, urlconf, view)
-    if not any(marker in route for marker in SUFFIXES):
-        return route  # most requests: no table to read
-    return suffix_twins(urlconf).get(route, route)
+    return twins(urlconf).get(route, route)
 
 
 class _Locale:
@@ -120,8 +123,9 @@ def _leaves(
             yield (*levels, pattern.pattern), pattern.callback
 
 
-def suffix_twins(urlconf: Any = None) -> dict[str, str]:
-    """Every format-suffix twin's full route, mapped to its plain pattern's full route."""
+def twins(urlconf: Any = None) -> dict[str, str]:
+    """Every twin's full route (a format suffix's, the second spelling of a view with and
+    without its trailing slash), mapped to the full route that names its endpoint."""
     resolver = get_resolver(urlconf)
     twins = _TWINS.get(resolver)
     if twins is None:
@@ -143,10 +147,38 @@ def _walk(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[str,
 
 
 def _is_twin(pattern: URLPattern, plain: URLPattern) -> bool:
-    """Whether ``pattern`` is ``plain`` with DRF's format suffix: the same view, and
-    ``plain``'s text (without its ``/`` and ``$``) followed by the suffix."""
-    if pattern.callback is not plain.callback:
+    """Whether ``pattern`` is ``plain`` with DRF's format suffix (``plain``'s text without
+    its ``/`` and ``$``, followed by the suffix) or with its trailing slash added or
+    removed: the same view either way."""
+    if not _same_view(pattern.callback, plain.callback):
         return False
-    stem = str(plain.pattern).rstrip("$").rstrip("/")
-    text = str(pattern.pattern)
-    return text.startswith(stem) and text[len(stem) :].startswith(SUFFIXES)
+    text, plain_text = str(pattern.pattern), str(plain.pattern)
+    stem = plain_text.rstrip("$").rstrip("/")
+    if text.startswith(stem) and text[len(stem) :].startswith(SUFFIXES):
+        return True
+    return (
+        text != plain_text
+        and text.endswith("$") == plain_text.endswith("$")
+        and _unslashed(text) == _unslashed(plain_text)
+    )
+
+
+def _unslashed(text: str) -> str:
+    return text.removesuffix("$").removesuffix("/")
+
+
+def _same_view(one: Any, other: Any) -> bool:
+    """The same function, or ``as_view()`` of one class with the same arguments (a view
+    function of its own per call: Django's ``view_class``, DRF's ``cls`` with a viewset's
+    ``actions``)."""
+    if one is other:
+        return True
+    found = [
+        (
+            getattr(view, "view_class", None) or getattr(view, "cls", None),
+            getattr(view, "view_initkwargs", None) or getattr(view, "initkwargs", None),
+            getattr(view, "actions", None),
+        )
+        for view in (one, other)
+    ]
+    return found[0][0] is not None and found[0] == found[1]
