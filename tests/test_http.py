@@ -370,6 +370,27 @@ def test_cross_tenant_key_collision(user, other_user):
     )
 
 
+def test_another_models_principal_is_named_by_its_model(user):
+    """``request.user`` set to an authenticated instance of another model than the user
+    model (a service account) with the primary key of a user: the default resolver never
+    names both ``user:<pk>``."""
+    from types import SimpleNamespace
+
+    from django.contrib.auth.models import AnonymousUser
+
+    from django_idempotency.accounts import user_account
+    from tests.testapp.models import ProviderCall
+
+    service = ProviderCall(pk=user.pk, key="service")
+    service.is_authenticated = True  # type: ignore[attr-defined]
+    assert user_account(SimpleNamespace(user=user)) == f"user:{user.pk}"
+    assert user_account(SimpleNamespace(user=service)) == f"testapp.providercall:{user.pk}"
+    assert user_account(SimpleNamespace(user=AnonymousUser())) is None
+    # An object that stands for a user without a model of its own (a token's user) is one.
+    token_user = SimpleNamespace(pk=user.pk, is_authenticated=True)
+    assert user_account(SimpleNamespace(user=token_user)) == f"user:{user.pk}"
+
+
 def test_account_from_a_custom_resolver(anon_api):
     key = new_key()
     a = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": "t1"})

@@ -97,6 +97,24 @@ def test_account_is_the_user_ninja_authenticated(user):
     assert Charge.objects.count() == 1
 
 
+def test_another_models_principal_never_shares_the_users_account_of_its_primary_key(user):
+    """A service account (an authenticated instance of another model) whose primary key is a
+    user's: one key sent by both runs twice, each under an account of its own."""
+    client = ApiClient(None)
+    key = new_key()
+    for token in (f"user-{user.pk}", f"service-{user.pk}", f"service-{user.pk}"):
+        answer = client.post(
+            "/ninja/charges/service", CHARGE, key=key, headers={"Authorization": f"Bearer {token}"}
+        )
+        assert answer.status_code == 201
+    assert answer["Idempotent-Replayed"] == "true"  # the service's own retry
+    assert Charge.objects.count() == 2
+    assert set(IdempotencyRecord.objects.values_list("account", flat=True)) == {
+        f"user:{user.pk}",
+        f"testapp.providercall:{user.pk}",
+    }
+
+
 def test_an_authentication_result_that_is_no_user_names_no_account(db):
     client = ApiClient(None)
     response = client.post(

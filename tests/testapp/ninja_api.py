@@ -18,7 +18,7 @@ from ninja.security import HttpBasicAuth, HttpBearer, django_auth
 
 from django_idempotency.ninja import idempotent
 from tests.testapp import provider
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, ProviderCall
 from tests.testapp.views import outcome as django_outcome
 from tests.testapp.views import record_charge, steer, tenant_account
 
@@ -44,6 +44,24 @@ class UserToken(HttpBearer):
         if not token.startswith("user-"):
             return None
         return User.objects.filter(pk=token.removeprefix("user-")).first()
+
+
+class ServiceToken(HttpBearer):
+    """``Authorization: Bearer service-<pk>`` or ``user-<pk>``: the result of the first is
+    an authenticated instance of another model than the user model (a service account),
+    with the primary key the user of the second has."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Any:
+        from django.contrib.auth.models import User
+
+        kind, _, pk = token.partition("-")
+        if kind == "user":
+            return User.objects.filter(pk=pk).first()
+        if kind != "service" or not pk.isdigit():
+            return None
+        service = ProviderCall(pk=int(pk), key="service")
+        service.is_authenticated = True  # type: ignore[attr-defined]
+        return service
 
 
 class OpaqueToken(HttpBearer):
@@ -131,6 +149,12 @@ def create_charge_by_event(request: HttpRequest, payload: ChargeIn) -> Any:
 @router.post("/charges/token", response={201: ChargeOut}, auth=UserToken())
 @idempotent
 def create_charge_with_token(request: HttpRequest, payload: ChargeIn) -> Any:
+    return charge_out(record_charge(request, payload.amount, payload.currency))
+
+
+@router.post("/charges/service", response={201: ChargeOut}, auth=ServiceToken())
+@idempotent
+def create_charge_as_a_service(request: HttpRequest, payload: ChargeIn) -> Any:
     return charge_out(record_charge(request, payload.amount, payload.currency))
 
 
