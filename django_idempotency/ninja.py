@@ -34,6 +34,7 @@ from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
 from django_idempotency import _apidocs, _http, _options, _validation, conf
+from django_idempotency.accounts import principal_account
 from django_idempotency.conf import app_settings
 
 if TYPE_CHECKING:
@@ -51,11 +52,13 @@ _CHECKED = "_idempotency_checks_passed"
 def auth_account(request: HttpRequest) -> str | None:
     """The account of a ninja request when the operation names none.
 
-    With the default ``ACCOUNT_RESOLVER``: ``user:<pk>`` of the user that ninja's
-    authentication returned (``request.auth``, e.g. with ``django_auth`` or a bearer class
-    that answers a user), else of ``request.user``. A project's own ``ACCOUNT_RESOLVER``
-    decides by itself (it can read ``request.auth``). An authentication result that is not a
-    user (a token object, a string) identifies no account: give ``account=``.
+    With the default ``ACCOUNT_RESOLVER``: the account of what ninja's authentication
+    returned (``request.auth``, e.g. with ``django_auth`` or a bearer class that answers a
+    user: ``user:<pk>``; an instance of another model, ``<app_label>.<model_name>:<pk>``,
+    see ``accounts.principal_account``), else of ``request.user``. A project's own
+    ``ACCOUNT_RESOLVER`` decides by itself (it can read ``request.auth``). An authentication
+    result that is not a user (a token object, a string) identifies no account: give
+    ``account=``.
     """
     resolver = app_settings.ACCOUNT_RESOLVER
     auth = getattr(request, "auth", None)
@@ -64,7 +67,7 @@ def auth_account(request: HttpRequest) -> str | None:
         and getattr(auth, "is_authenticated", False) is True
         and getattr(auth, "pk", None) is not None
     ):
-        return f"user:{auth.pk}"  # type: ignore[union-attr]
+        return principal_account(auth)
     account: str | None = resolver(request)
     return account
 
