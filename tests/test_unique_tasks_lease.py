@@ -19,7 +19,12 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from django_idempotency import _unique, outbox
-from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
+from django_idempotency.models import (
+    IdempotencyRecord,
+    OutboxMessage,
+    OutboxStatus,
+    OutboxUniqueKey,
+)
 from tests.helpers import postgres_only, wait_until
 from tests.testapp.models import ProviderCall
 
@@ -109,3 +114,63 @@ def test_a_run_that_fails_after_losing_its_lease_leaves_the_key_to_the_run_that_
     # Once the run that holds it finished, the key is free.
     assert once() != first
     assert OutboxMessage.objects.count() == 2
+
+
+def test_enqueues_of_an_attempt_that_lost_its_lease_roll_back_with_it():
+    """``run_once`` whose lease a retry took over while its body ran: its ``enqueue_once``
+    and ``enqueue`` roll back with its work; the retry's enqueue (waiting meanwhile on the
+    key the late attempt inserted) holds the key."""
+    from django_idempotency import run_once
+    from django_idempotency._once import LeaseTakenOver
+
+    identity = {"account": "a", "operation": "nightly.enqueue", "key": "once"}
+    enqueued, gate = threading.Event(), threading.Event()
+    late: list[BaseException] = []
+    answers: list[Any] = []
+
+    def slow() -> str:
+        outbox.enqueue_once("k", tasks.record_effect, "late")
+        outbox.enqueue(tasks.record_effect, "late-plain")
+        enqueued.set()
+        gate.wait(TIMEOUT)
+        return "late"
+
+    def retry() -> str:
+        outbox.enqueue_once("k", tasks.record_effect, "retry")
+        return "retry"
+
+    def in_a_thread(body: Callable[[], str], lease: int, into: list[Any]) -> threading.Thread:
+        def run() -> None:
+            try:
+                into.append(run_once(body, lease=lease, **identity))
+            except BaseException as exc:  # reported by the test
+                into.append(exc)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    original = in_a_thread(slow, 1, late)
+    assert enqueued.wait(TIMEOUT)
+    wait_until(
+        lambda: IdempotencyRecord.objects.get().lease_expires_at <= timezone.now(),
+        "the late attempt's lease to run out",
+        TIMEOUT,
+    )
+    takeover = in_a_thread(retry, 30, answers)
+    wait_until(
+        lambda: IdempotencyRecord.objects.get().recovery_attempts == 1,
+        "the retry to take the lease over",
+        TIMEOUT,
+    )
+    gate.set()
+    original.join(TIMEOUT)
+    takeover.join(TIMEOUT)
+    assert [type(e) for e in late] == [LeaseTakenOver]
+    assert answers == ["retry"]
+    (message,) = OutboxMessage.objects.all()
+    assert message.args == ["retry"]
+    assert OutboxUniqueKey.objects.get().message_id == message.pk
+    assert IdempotencyRecord.objects.get().status == "completed"
