@@ -567,3 +567,25 @@ def test_the_purge_leaves_a_key_whose_run_still_holds_its_lease():
     maintenance.purge_expired()
     assert once() == first
     assert messages() == 1
+
+
+@needs_tasks
+def test_a_django_task_deferred_past_the_tasks_ttl_holds_its_key_until_it_could_have_run():
+    """``run_after`` two days on: the message is handed over at once and waits in the
+    worker's backend; a day later (the task's TTL) no run is recorded because none was due
+    yet, and the key is still held."""
+    from django_idempotency import tasks_backend
+    from django_idempotency.conf import app_settings
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    later = django_task.using(run_after=timezone.now() + timedelta(days=2))
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("deferred", later, "tag")
+    sent(uuid.UUID(first.id))
+    handed_over = timezone.now() - app_settings.TTL - timedelta(hours=1)
+    OutboxMessage.objects.filter(pk=first.id).update(sent_at=handed_over)
+    OutboxUniqueKey.objects.update(created_at=handed_over)
+    with transaction.atomic():
+        again = tasks_backend.enqueue_once("deferred", later, "tag")
+    assert again.id == first.id
+    assert messages() == 1
