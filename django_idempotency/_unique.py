@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db.models import Exists
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
@@ -306,16 +307,25 @@ def task_operation(task: str) -> str:
 
 
 def finished(alias: str, message_id: object) -> None:
-    """The worker's run of a message ended with an error: its key (if it has one) is free.
+    """A worker's run of a message ended with an error: its key (if it has one) is free.
 
-    A success needs nothing: its record says so."""
+    Unless another delivery of the message holds its run's record under a live lease (it
+    took this run's stale lease over, and runs still): that run holds the key now, and frees
+    it when it ends. A success needs nothing: its record says so."""
     try:
         pk = uuid.UUID(str(message_id))
     except ValueError:
         return
-    OutboxUniqueKey.objects.using(alias).filter(message_id=pk, finished_at=None).update(
-        finished_at=timezone.now()
+    keys = OutboxUniqueKey.objects.using(alias).filter(message_id=pk, finished_at=None)
+    holder = keys.only("task").first()
+    if holder is None:
+        return
+    now = timezone.now()
+    account, operation, key = record_identity(holder.task, pk)
+    running = IdempotencyRecord.objects.using(alias).filter(
+        states.live_lease_q(now), account=account, operation=operation, key=key
     )
+    keys.filter(pk=holder.pk).exclude(Exists(running)).update(finished_at=now)
 
 
 def describe_holder(holder: OutboxUniqueKey, now: datetime | None = None) -> dict[str, Any]:

@@ -40,6 +40,16 @@ class IdempotencyConfig(AppConfig):
 
             tasks_backend.register()
 
+        if importlib.util.find_spec("celery") is not None:
+            # A revoked message is a terminal state of its run: its enqueue_once key frees.
+            from celery.signals import task_revoked
+
+            from django_idempotency import tasks
+
+            task_revoked.connect(
+                tasks.revoked, weak=False, dispatch_uid="django_idempotency.task_revoked"
+            )
+
         if importlib.util.find_spec("prometheus_client") is not None:
             from django_idempotency import metrics  # noqa: F401  (connects the receivers)
 

@@ -130,9 +130,9 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
             audits=IdempotencyAuditRecord.objects.using(alias).filter(
                 archived_at__lte=now - app_settings.AUDIT_RETENTION
             ),
-            outbox=OutboxMessage.objects.using(alias).filter(
-                status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION
-            ),
+            outbox=OutboxMessage.objects.using(alias)
+            .filter(status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION)
+            .exclude(models.Exists(OutboxUniqueKey.may_hold(now))),
             archive=archive,
             batch_size=batch_size,
             max_batches=max_batches,
@@ -430,3 +430,22 @@ class OutboxUniqueKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} {self.key} -> {self.message_id}"
+
+    @classmethod
+    def may_hold(cls, now: datetime) -> models.QuerySet[OutboxUniqueKey]:
+        """The key of the outer query's sent message, where it may still hold at ``now``
+        (``_unique.holds`` decides): a duration not over yet; or a word's, its run not ended
+        with an error, the message sent less long ago than the run's record lives
+        (``run_ttl``). The purge keeps such a message, and so its key, past
+        ``OUTBOX_RETENTION``: a key is never freed by the purge before its time."""
+        kept = models.ExpressionWrapper(
+            models.OuterRef("sent_at") + models.F("run_ttl"), output_field=models.DateTimeField()
+        )
+        return (
+            cls.objects.filter(message_id=models.OuterRef("pk"))
+            .alias(kept=kept)
+            .filter(
+                models.Q(held_until__gt=now)
+                | models.Q(finished_at=None, run_ttl__isnull=False, kept__gt=now)
+            )
+        )

@@ -154,6 +154,12 @@ def enqueue_once(
             f"{target.name!r} is not one. Pass the task, not its name, or give a timedelta."
         )
     run_ttl = _unique.record_ttl(target.function)
+    if run_ttl is not None and target.run_after is not None:
+        # No worker runs it before run_after: a run's record is missing until then too.
+        now, after = timezone.now(), target.run_after
+        if timezone.is_aware(after) and timezone.is_naive(now):  # USE_TZ = False
+            after = timezone.make_naive(after)
+        run_ttl += max(after - now, timedelta(0))
     written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl)
     return written.id if isinstance(written, OutboxMessage) else written
 
@@ -166,6 +172,8 @@ class Target:
     name: str
     delivery: dict[str, Any] | None = None
     function: object = None
+    #: No worker runs the message before this moment (a task's ``run_after``).
+    run_after: datetime | None = None
 
 
 #: ``recognize(task) -> Target | None``, registered by the task frameworks whose tasks the

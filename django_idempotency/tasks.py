@@ -399,6 +399,15 @@ def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
     return limit is None or task.request.retries < limit
 
 
+def revoked(sender: object = None, request: Any = None, **kwargs: Any) -> None:
+    """Celery's ``task_revoked``: a message revoked (or past its ``expires``) that a worker
+    discarded ends there, a terminal state: its ``enqueue_once`` key is free. A run it
+    stopped (``revoke(terminate=True)``) keeps its record's lease, which decides as after a
+    crash (``_unique.finished``)."""
+    task_id = getattr(request, "id", None)
+    _run_failed(task_id if isinstance(task_id, str) else None)
+
+
 def _run_failed(message_id: str | None) -> None:
     if message_id is None:
         return

@@ -379,7 +379,9 @@ def _recognized(task: object) -> outbox.Target | None:
     # outbox.enqueue_once's view of a task of Django's Tasks framework.
     if not isinstance(task, Task):
         return None
-    return outbox.Target(task.module_path, _outbox_backend(task).delivery(task), task.func)
+    return outbox.Target(
+        task.module_path, _outbox_backend(task).delivery(task), task.func, task.run_after
+    )
 
 
 def outbox_backend(alias: Any) -> OutboxBackend:

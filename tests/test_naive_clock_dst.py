@@ -107,3 +107,99 @@ def test_an_enqueue_once_window_across_the_change_holds_its_length(clock):
     assert again == first
     assert OutboxMessage.objects.count() == 1
     assert OutboxUniqueKey.objects.get().held_until == datetime(2027, 3, 14, 4, 0)
+
+
+# -- when daylight saving time ends: the clock repeats an hour ----------------------------------
+# On 2027-11-07 at 06:00 UTC (02:00 EDT) New York's clocks go back to 01:00 EST: every
+# reading from 01:00 to 02:00 comes twice, and a naive time cannot say which it is.
+
+
+def test_a_live_lease_that_ends_in_the_repeated_hour_is_not_taken_over_before_it(clock):
+    calls: list[str] = []
+    identity = {"account": "a", "operation": "op", "key": "fall", "lease": timedelta(minutes=30)}
+    clock.append(datetime(2027, 11, 7, 5, 50, tzinfo=UTC))  # 01:50 EDT: the lease ends 01:20 EST
+
+    def retry() -> str:
+        calls.append("retry")
+        return "retry"
+
+    def first() -> str:
+        calls.append("first")
+        clock.append(datetime(2027, 11, 7, 5, 55, tzinfo=UTC))  # 01:55 EDT: 5 minutes on
+        with pytest.raises(InProgress):
+            run_once(retry, **identity)
+        return "first"
+
+    assert run_once(first, **identity) == "first"
+    assert calls == ["first"]
+    assert IdempotencyRecord.objects.get().status == "completed"
+
+
+def test_a_record_whose_ttl_ends_in_the_repeated_hour_is_replayed_until_then(clock):
+    calls: list[str] = []
+
+    def body() -> str:
+        calls.append("ran")
+        return "done"
+
+    identity = {"account": "a", "operation": "op", "key": "fall-ttl", "ttl": timedelta(hours=1)}
+    clock.append(datetime(2027, 11, 7, 5, 10, tzinfo=UTC))  # 01:10 EDT: the TTL ends 01:10 EST
+    assert run_once(body, **identity) == "done"
+    clock.append(datetime(2027, 11, 7, 5, 15, tzinfo=UTC))  # 01:15 EDT: 5 minutes later
+    assert run_once(body, **identity) == "done"
+    clock.append(datetime(2027, 11, 7, 5, 59, tzinfo=UTC))  # 01:59 EDT: 49 minutes later
+    assert run_once(body, **identity) == "done"
+    assert calls == ["ran"]
+    assert IdempotencyRecord.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("zone", "claimed"),
+    [
+        # 01:55 BST; at 01:00 UTC London goes back to 01:00 GMT, an offset of zero.
+        ("Europe/London", datetime(2027, 10, 31, 0, 55, tzinfo=UTC)),
+        # 01:55 (+11); at 15:00 UTC Lord Howe Island goes back half an hour, to 01:30 (+10:30).
+        ("Australia/Lord_Howe", datetime(2027, 4, 3, 14, 55, tzinfo=UTC)),
+    ],
+)
+def test_a_lease_ending_in_a_repeated_reading_of_any_zone_holds_to_its_end(
+    zone: str, claimed: datetime, monkeypatch: pytest.MonkeyPatch
+):
+    moments = [claimed]
+    monkeypatch.setattr(
+        timezone,
+        "now",
+        lambda: moments[-1].astimezone(zoneinfo.ZoneInfo(zone)).replace(tzinfo=None),
+    )
+    calls: list[str] = []
+    identity = {"account": "a", "operation": "op", "key": zone, "lease": timedelta(minutes=10)}
+
+    def retry() -> str:
+        calls.append("retry")
+        return "retry"
+
+    def first() -> str:
+        calls.append("first")
+        moments.append(claimed + timedelta(minutes=2))  # 01:57, before the clock goes back
+        with pytest.raises(InProgress):
+            run_once(retry, **identity)
+        return "first"
+
+    with override_settings(USE_TZ=False, TIME_ZONE=zone):
+        assert run_once(first, **identity) == "first"
+    assert calls == ["first"]
+
+
+def test_an_enqueue_once_window_ending_in_the_repeated_hour_holds_to_its_end(clock):
+    from django_idempotency import outbox
+    from django_idempotency.models import OutboxMessage
+
+    window = {"unique_until": timedelta(minutes=10)}
+    clock.append(datetime(2027, 11, 7, 5, 55, tzinfo=UTC))  # 01:55 EDT: held until 01:05 EST
+    with transaction.atomic():
+        first = outbox.enqueue_once("nightly", "tests.send", **window)
+    clock.append(datetime(2027, 11, 7, 5, 57, tzinfo=UTC))  # 01:57 EDT: 2 minutes later
+    with transaction.atomic():
+        again = outbox.enqueue_once("nightly", "tests.send", **window)
+    assert again == first
+    assert OutboxMessage.objects.count() == 1

@@ -527,3 +527,65 @@ def test_no_module_compares_a_policy_by_its_name():
                     if isinstance(value, ast.Constant) and value.value in POLICY_WORDS:
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found
+
+
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"})
+def test_the_purge_leaves_a_key_held_for_a_duration_longer_than_the_retention():
+    """At most one a month: the message sent and purged after OUTBOX_RETENTION (7 days)
+    still holds its key for the rest of the month."""
+    from django_idempotency.conf import app_settings
+
+    month = timedelta(days=30)
+    first = once("monthly", unique_until=month)
+    sent(first)
+    past_retention = timezone.now() - app_settings.OUTBOX_RETENTION - timedelta(days=1)
+    OutboxMessage.objects.filter(pk=first).update(sent_at=past_retention)
+    OutboxUniqueKey.objects.update(created_at=past_retention, held_until=past_retention + month)
+    maintenance.purge_expired()
+    assert once("monthly", unique_until=month) == first
+    assert messages() == 1
+    # Once the month is over, the purge takes the message and its key.
+    OutboxUniqueKey.objects.update(held_until=timezone.now() - timedelta(seconds=1))
+    assert maintenance.purge_expired().outbox_deleted == 1
+    assert OutboxUniqueKey.objects.count() == 0
+    assert once("monthly", unique_until=month) != first
+    assert messages() == 1
+
+
+@override_settings(
+    IDEMPOTENCY={
+        "OUTBOX_SENDER": "tests.testapp.outbox.record",
+        "OUTBOX_RETENTION": timedelta(minutes=1),
+    }
+)
+def test_the_purge_leaves_a_key_whose_run_still_holds_its_lease():
+    """A run longer than OUTBOX_RETENTION: its message is not purged from under it."""
+    first = once()
+    sent(first)
+    OutboxMessage.objects.filter(pk=first).update(sent_at=timezone.now() - timedelta(minutes=5))
+    run_record(first, "in_progress", lease=timedelta(minutes=10))
+    maintenance.purge_expired()
+    assert once() == first
+    assert messages() == 1
+
+
+@needs_tasks
+def test_a_django_task_deferred_past_the_tasks_ttl_holds_its_key_until_it_could_have_run():
+    """``run_after`` two days on: the message is handed over at once and waits in the
+    worker's backend; a day later (the task's TTL) no run is recorded because none was due
+    yet, and the key is still held."""
+    from django_idempotency import tasks_backend
+    from django_idempotency.conf import app_settings
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    later = django_task.using(run_after=timezone.now() + timedelta(days=2))
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("deferred", later, "tag")
+    sent(uuid.UUID(first.id))
+    handed_over = timezone.now() - app_settings.TTL - timedelta(hours=1)
+    OutboxMessage.objects.filter(pk=first.id).update(sent_at=handed_over)
+    OutboxUniqueKey.objects.update(created_at=handed_over)
+    with transaction.atomic():
+        again = tasks_backend.enqueue_once("deferred", later, "tag")
+    assert again.id == first.id
+    assert messages() == 1

@@ -60,3 +60,31 @@ def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str):
         wait_until(lambda: effects(tag) == 1, "the next run", timeout=TIMEOUT)
     assert effects(tag) == 1  # the killed run's effect rolled back with it
     assert OutboxUniqueKey.objects.get().message_id == second
+
+
+@pytest.mark.usefixtures("run_queue")
+def test_a_message_revoked_before_its_run_frees_the_key_when_the_worker_discards_it():
+    """Celery's revoke is a terminal state: the worker discards the message without running
+    it, and the key is free at once (not a whole TTL later)."""
+    from tests import celery_app
+
+    framework = framework_named("celery")
+    task, tag = framework.task, "revoked"
+    with ExitStack() as stack:
+        worker = stack.enter_context(framework.worker())
+        first = enqueue_once("k", task, tag, 0.1)
+        replies = celery_app.app.control.revoke(str(first), reply=True, timeout=5)
+        assert replies, "the worker did not acknowledge the revoke"
+        stack.callback(stop_process, framework.relay())
+        wait_until(
+            lambda: not _unique.holds("default", OutboxUniqueKey.objects.get(), timezone.now()),
+            "the revoked message to free its key",
+            timeout=TIMEOUT,
+        )
+        assert worker.poll() is None
+        assert ProviderCall.objects.filter(key__startswith=f"start:{tag}:").count() == 0
+        second = enqueue_once("k", task, tag, 0.1)
+        assert second != first
+        wait_until(lambda: effects(tag) == 1, "the next run", timeout=TIMEOUT)
+    assert effects(tag) == 1
+    assert OutboxUniqueKey.objects.get().message_id == second

@@ -225,12 +225,23 @@ class ClaimResult:
 def later(now: datetime, duration: timedelta) -> datetime:
     """``duration`` after ``now`` in elapsed time. A naive ``now`` (``USE_TZ = False``) is
     local time in the default time zone, where a wall-clock sum would be an hour off
-    across a daylight saving change: the sum is made in UTC and given back as local time."""
+    across a daylight saving change: the sum is made in UTC and given back as local time.
+
+    When daylight saving time ends the clock reads an hour twice, and a naive time cannot
+    say which pass it is of. A moment of the second pass would compare before every
+    reading of the end of the first, and a lease or a TTL ending there would be over up to
+    an hour early: it is given back as the same reading after the repeated hour (up to an
+    hour late, never early)."""
     if timezone.is_aware(now):
         return now + duration
     zone = timezone.get_default_timezone()
     elapsed = timezone.make_aware(now, zone).astimezone(dt_timezone.utc) + duration
-    return timezone.make_naive(elapsed, zone)
+    local = elapsed.astimezone(zone)
+    first, second = local.replace(fold=0).utcoffset(), local.utcoffset()
+    repeated = timedelta(0)
+    if local.fold and first is not None and second is not None and first > second:
+        repeated = first - second
+    return local.replace(tzinfo=None, fold=0) + repeated
 
 
 def from_epoch(seconds: float) -> datetime:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -107,6 +108,27 @@ def hold_unique(tag: str, hold: float) -> dict[str, Any]:
 def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
     """As ``hold_unique``, with a lease shorter than a run that is killed."""
     return held(tag, hold)
+
+
+#: A lease that the first run outlives (tests/test_unique_tasks_lease.py).
+OUTLIVED_LEASE_SECONDS = 2
+#: One gate per run of ``outlives_its_lease``, in the order the runs start: each run waits
+#: for the test to open its gate.
+OUTLIVED_GATES: list[threading.Event] = []
+
+
+@shared_task(name="tests.outlives_its_lease")
+@idempotent_task(lease=OUTLIVED_LEASE_SECONDS)
+def outlives_its_lease(tag: str) -> str:
+    """Each run counts its start, waits for its gate, and writes its effect; the first run
+    then raises (its effect rolled back), every later one returns."""
+    place = ProviderCall.objects.using("provider").filter(key__startswith=f"start:{tag}:").count()
+    ProviderCall.objects.using("provider").create(key=f"start:{tag}:{place}")
+    OUTLIVED_GATES[place].wait(timeout=30)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    if place == 0:
+        raise RuntimeError("the first run fails, long after its lease ran out")
+    return "ok"
 
 
 @shared_task(name="tests.large_result")
