@@ -239,6 +239,19 @@ def _size(n: int) -> str:
     return ngettext("%(size)d byte", "%(size)d bytes", n) % {"size": n}
 
 
+def _sealed_result_html(alias: str, pk: int) -> SafeString:
+    # Read whole (a sealed result cannot be cut before it is opened), one step at a time,
+    # then cut as a result in the clear is.
+    stored = IdempotencyStep.objects.using(alias).filter(pk=pk).values_list("result", flat=True)
+    try:
+        text = crypto.open_step_result(str(stored.get()))
+    except crypto.Unreadable as exc:
+        return format_html("<em>{}</em>", _("Cannot be read (%(why)s).") % {"why": exc})
+    except IdempotencyStep.DoesNotExist:  # deleted since the page read it
+        return format_html("<em>{}</em>", _("no longer recorded"))
+    return _result_html(text[: STEP_PREVIEW_CHARS + 1], len(text.encode()))
+
+
 def _result_html(preview: str, size: int) -> SafeString:
     if len(preview) > STEP_PREVIEW_CHARS:
         shown = preview[:STEP_PREVIEW_CHARS]
@@ -258,7 +271,8 @@ def has_steps(alias: str, record_id: int) -> bool:
 
 def render_steps(alias: str, record_id: int, show_results: bool) -> SafeString:
     """The recorded steps of a record, in the order they were recorded: a table of name,
-    time and result (``show_results``) or the result's size.
+    time and result (``show_results``: opened, when sealed) or the result's size (as
+    stored).
 
     At most :data:`STEPS_SHOWN` steps, each result cut to :data:`STEP_PREVIEW_CHARS`
     characters in the query itself, so a record with many or large steps never makes the
@@ -272,20 +286,24 @@ def render_steps(alias: str, record_id: int, show_results: bool) -> SafeString:
     if show_results:
         rows = rows.annotate(preview=Substr("result", 1, STEP_PREVIEW_CHARS + 1))
     shown = list(
-        rows.values_list("name", "created_at", "size", *(["preview"] if show_results else []))[
-            :STEPS_SHOWN
-        ]
+        rows.values_list(
+            "pk", "name", "created_at", "size", *(["preview"] if show_results else [])
+        )[:STEPS_SHOWN]
     )
+
+    def result(pk: int, size: int, *preview: str) -> SafeString | str:
+        if not show_results:
+            return _size(size)
+        if crypto.step_sealed_with(preview[0]) is not None:
+            return _sealed_result_html(alias, pk)
+        return _result_html(preview[0], size)
+
     body = format_html_join(
         "",
         "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
         (
-            (
-                name,
-                _when(created_at),
-                _result_html(rest[0], size) if show_results else _size(size),
-            )
-            for name, created_at, size, *rest in shown
+            (name, _when(created_at), result(pk, size, *rest))
+            for pk, name, created_at, size, *rest in shown
         ),
     )
     table = format_html(

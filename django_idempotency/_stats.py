@@ -51,6 +51,9 @@ class TableStats:
     # id of that key: their retries are refused until it is configured again. (Found by
     # reading every stored header set: the one figure here that costs a pass over the table.)
     unreadable_by_key: dict[str, int]
+    # Recorded step results sealed with such a key, by its id (another pass, over the steps):
+    # a resumable operation's next attempt that reaches one is refused.
+    unreadable_steps_by_key: dict[str, int]
     taken_at: datetime = field(repr=False)
 
     @property
@@ -58,11 +61,17 @@ class TableStats:
         """How many records' outcomes no configured key opens."""
         return sum(self.unreadable_by_key.values())
 
+    @property
+    def unreadable_steps(self) -> int:
+        """How many recorded step results no configured key opens."""
+        return sum(self.unreadable_steps_by_key.values())
+
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form: the timestamp as ISO 8601."""
         data = asdict(self)
         data["taken_at"] = self.taken_at.isoformat()
         data["unreadable"] = self.unreadable
+        data["unreadable_steps"] = self.unreadable_steps
         return data
 
 
@@ -157,6 +166,7 @@ def collect(using: str | None = None, now: datetime | None = None) -> TableStats
         .filter(status=RecordStatus.IN_PROGRESS, lease_expires_at__lte=now)
         .count(),
         unreadable_by_key=crypto.missing_key_ids(_alias(using)),
+        unreadable_steps_by_key=crypto.missing_step_key_ids(_alias(using)),
         taken_at=now,
     )
 

@@ -24,7 +24,7 @@ from django_idempotency import _store
 from django_idempotency._claims import Claim, LeaseLost, store_failed
 from django_idempotency._context import IdempotencyContext, current
 from django_idempotency._outcomes import refuse_unreadable
-from django_idempotency.crypto import Unreadable
+from django_idempotency.crypto import Unreadable, open_step_result, seal_step_result
 
 __all__ = ["outside_steps", "recording", "step"]
 
@@ -143,11 +143,13 @@ def _run_step(owner: Claim, name: str, func: Callable[..., Any], args: Any, kwar
 
 
 def _record(owner: Claim, name: str, text: str) -> None:
-    """Record step ``name``'s result ``text`` for the record ``owner`` holds, fenced by its
-    lease token: ``LeaseLost`` when another attempt owns the record now."""
+    """Record step ``name``'s result ``text`` for the record ``owner`` holds (sealed when
+    ``ENCRYPTION_KEYS`` is set), fenced by its lease token: ``LeaseLost`` when another
+    attempt owns the record now."""
+    stored = seal_step_result(text)
     try:
         kept = _store.record_step(
-            owner.alias, owner.record_id, owner.token, name, text, timezone.now()
+            owner.alias, owner.record_id, owner.token, name, stored, timezone.now()
         )
     except db.Error as exc:
         raise store_failed(exc) from exc
@@ -160,8 +162,11 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
 
     Inside an operation under the ``"resume"`` recovery policy: ``func`` runs inside
     ``transaction.atomic()`` on the idempotency database, together with the record of
-    ``(name, result)``, fenced by the lease token. A step recorded by an earlier attempt of
-    the operation returns its recorded result without calling ``func``. Either way the
+    ``(name, result)``, fenced by the lease token (the result sealed with the first key of
+    ``ENCRYPTION_KEYS`` when it is set). A step recorded by an earlier attempt of the
+    operation returns its recorded result without calling ``func``; one that no configured
+    key opens, or that is damaged, ends the attempt with ``RecordUnreadable`` (``503`` for
+    a view) and never runs again. Either way the
     value returned is what ``json.loads`` gives back for the result, so a body behaves the
     same on every attempt.
 
@@ -218,9 +223,10 @@ def step(name: str, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any
             steps.running = False
         steps.recorded[name] = recorded
     try:
-        return json.loads(recorded)
+        return json.loads(open_step_result(recorded))
+    except Unreadable as exc:  # sealed, and no configured key opens it
+        unreadable = exc
     except (ValueError, RecursionError):
-        context = current() or IdempotencyContext("", "", "", record_id=steps.claim.record_id)
-        raise refuse_unreadable(
-            context, Unreadable(None, f"the recorded result of step {name!r} is not JSON")
-        ) from None
+        unreadable = Unreadable(None, f"the recorded result of step {name!r} is not JSON")
+    context = current() or IdempotencyContext("", "", "", record_id=steps.claim.record_id)
+    raise refuse_unreadable(context, unreadable) from None

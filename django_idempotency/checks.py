@@ -238,9 +238,10 @@ def check_database(databases: Iterable[str] | None = None, **kwargs: Any) -> lis
 def check_sealed_outcomes(
     databases: Iterable[str] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    """``check --database <alias>``: outcomes sealed with a key that ``ENCRYPTION_KEYS`` does
-    not hold (E026). They are refused until that key is configured again: a key was removed
-    (or the keys emptied) before ``rotate_idempotency_encryption`` resealed them."""
+    """``check --database <alias>``: outcomes and step results sealed with a key that
+    ``ENCRYPTION_KEYS`` does not hold (E026). They are refused until that key is configured
+    again: a key was removed (or the keys emptied) before ``rotate_idempotency_encryption``
+    resealed them."""
     values, problems = conf.validate()
     alias = values.get("DATABASE")
     if problems or alias is None or alias not in (databases or ()):
@@ -251,12 +252,13 @@ def check_sealed_outcomes(
 
     try:
         missing = crypto.missing_key_ids(alias)
+        steps = crypto.missing_step_key_ids(alias)
     except DatabaseError:  # not migrated yet (migrate runs the database checks first)
         return []
     return [
         _error(
             "SEALED_WITH_A_MISSING_KEY",
-            f"{count} stored outcome{'s are' if count != 1 else ' is'} on {alias!r} sealed "
+            f"{_sealed_rows(missing.get(kid, 0), steps.get(kid, 0))} on {alias!r} sealed "
             f"with the key {kid}, which IDEMPOTENCY['ENCRYPTION_KEYS'] does not hold: "
             "their retries are refused (503 idempotency_record_unreadable, RecordUnreadable) "
             "until it is configured again.",
@@ -266,8 +268,16 @@ def check_sealed_outcomes(
                 "records leave at their TTL like any other."
             ),
         )
-        for kid, count in sorted(missing.items())
+        for kid in sorted(missing.keys() | steps.keys())
     ]
+
+
+def _sealed_rows(outcomes: int, steps: int) -> str:
+    """``"2 stored outcomes and 1 step result are"``, without what counts none."""
+    parts = [f"{outcomes} stored outcome{'s' if outcomes != 1 else ''}"] if outcomes else []
+    if steps:
+        parts.append(f"{steps} step result{'s' if steps != 1 else ''}")
+    return " and ".join(parts) + (" is" if len(parts) == 1 and outcomes + steps == 1 else " are")
 
 
 @register(Tags.compatibility)

@@ -15,6 +15,11 @@ larger). A record in progress stores no response, so nothing of it is sealed. Re
 before keys were set stay readable in the clear until ``rotate_idempotency_encryption``
 seals them.
 
+The result of each ``step()`` (a resumable operation's recorded steps) is sealed too, in its
+own text column: ``"fernet:<key id>:<token>"`` in place of its JSON text, which no JSON text
+can be (nothing that is JSON begins with ``f`` but ``false``). It is sealed where it is
+recorded, in the statement that records it; a result recorded in the clear stays readable.
+
 A sealed response that no configured key opens (its key was removed, the keys were emptied,
 a rotation step was skipped, or the row is damaged) is never replayed and never run again:
 within its TTL the record is refused (``503`` ``idempotency_record_unreadable``,
@@ -42,7 +47,7 @@ from django_idempotency import _storable
 from django_idempotency._purge import budgeted_batches
 from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
-from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord
+from django_idempotency.models import IdempotencyAuditRecord, IdempotencyRecord, IdempotencyStep
 from django_idempotency.states import IN_PROGRESS
 
 if TYPE_CHECKING:
@@ -55,11 +60,15 @@ __all__ = [
     "Unreadable",
     "key_id",
     "missing_key_ids",
+    "missing_step_key_ids",
     "open_response",
+    "open_step_result",
     "opened",
     "rotate",
     "seal_response",
+    "seal_step_result",
     "sealed_with",
+    "step_sealed_with",
     "unopenable",
 ]
 
@@ -140,8 +149,35 @@ def seal_response(headers: Headers, body: bytes) -> tuple[Headers | str, bytes]:
 
 def _seal(keys: Keys, headers: Headers, body: bytes) -> tuple[str, bytes]:
     text = json.dumps(headers, separators=(",", ":")).encode("ascii")
-    token = keys.fernet.encrypt(text).decode("ascii")
-    return f"{_PREFIX}{keys.first}:{token}", base64.urlsafe_b64decode(keys.fernet.encrypt(body))
+    return _label(keys, text), base64.urlsafe_b64decode(keys.fernet.encrypt(body))
+
+
+def _label(keys: Keys, data: bytes) -> str:
+    """``data`` sealed with the first key, as stored text: ``"fernet:<key id>:<token>"``."""
+    return f"{_PREFIX}{keys.first}:{keys.fernet.encrypt(data).decode('ascii')}"
+
+
+def _unlabel(keys: Keys | None, label: str, what: str) -> tuple[str, bytes]:
+    """The id of the key that sealed a stored ``"fernet:<key id>:<token>"`` and what it
+    sealed; ``Unreadable`` when no configured key opens it (``what``: the stored value, when
+    it is not such a label at all)."""
+    kid = sealed_with(label)
+    if not kid:
+        raise Unreadable(None, f"{what} is neither in the clear nor sealed")
+    if keys is None:
+        raise Unreadable(kid, "ENCRYPTION_KEYS is empty")
+    # Only now: without keys (and so perhaps without cryptography) nothing is opened.
+    from cryptography.fernet import InvalidToken
+
+    try:
+        return kid, keys.fernet.decrypt(label.split(":", 2)[2])
+    except InvalidToken:
+        raise _unopened(keys, kid) from None
+
+
+def _unopened(keys: Keys, kid: str) -> Unreadable:
+    reason = "no key of ENCRYPTION_KEYS opens it"
+    return Unreadable(kid, reason if kid not in keys.ids else f"{reason} (damaged)")
 
 
 def open_response(stored_headers: Any, stored_body: Any) -> tuple[Headers, bytes | None]:
@@ -156,24 +192,53 @@ def open_response(stored_headers: Any, stored_body: Any) -> tuple[Headers, bytes
 
 
 def _open(keys: Keys | None, stored_headers: str, stored_body: Any) -> tuple[Headers, bytes | None]:
-    kid = sealed_with(stored_headers)
-    if not kid:
-        raise Unreadable(None, "the stored headers are neither JSON headers nor sealed ones")
-    if keys is None:
-        raise Unreadable(kid, "ENCRYPTION_KEYS is empty")
-    # Only now: without keys (and so perhaps without cryptography) nothing is opened.
+    kid, text = _unlabel(keys, stored_headers, "the stored header set")
+    assert keys is not None  # _unlabel opened the headers with them
     from cryptography.fernet import InvalidToken
 
-    token = stored_headers.split(":", 2)[2]
     try:
         # read_json: sealed JSON nested past Python's decoder is damage like any other.
-        headers = _storable.read_json(keys.fernet.decrypt(token).decode("utf-8"))
+        headers = _storable.read_json(text.decode("utf-8"))
         if stored_body is None:
             return headers, None
         return headers, keys.fernet.decrypt(base64.urlsafe_b64encode(bytes(stored_body)))
     except (InvalidToken, ValueError):  # binascii.Error is a ValueError
-        reason = "no key of ENCRYPTION_KEYS opens it"
-        raise Unreadable(kid, reason if kid not in keys.ids else f"{reason} (damaged)") from None
+        raise _unopened(keys, kid) from None
+
+
+def seal_step_result(text: str) -> str:
+    """A step's result (its JSON text) as it is recorded: sealed with the first key of
+    ``ENCRYPTION_KEYS``, or as it is when that is empty (one look at the cached setting)."""
+    keys = app_settings.ENCRYPTION_KEYS
+    if not keys:
+        return text
+    return _label(keys_of(keys), text.encode("utf-8"))
+
+
+def step_sealed_with(result: Any) -> str | None:
+    """The id of the key that sealed a recorded step result; ``None`` when it is in the
+    clear (JSON text), ``""`` when its label is damaged."""
+    if not isinstance(result, str) or not result.startswith(_PREFIX):
+        return None
+    return sealed_with(result)
+
+
+def open_step_result(result: str) -> str:
+    """A recorded step result as its step returned it (JSON text, not checked here): as it
+    is when in the clear, opened with whichever configured key sealed it, ``Unreadable``
+    when none does."""
+    return _open_step_result(_configured(), result)
+
+
+def _open_step_result(keys: Keys | None, result: str) -> str:
+    if step_sealed_with(result) is None:
+        return result
+    kid, text = _unlabel(keys, result, "the recorded step result")
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError:
+        assert keys is not None
+        raise _unopened(keys, kid) from None
 
 
 def opened(stored_headers: Any, stored_body: Any) -> tuple[Headers, Any, Unreadable | None]:
@@ -196,14 +261,23 @@ def missing_key_ids(using: str) -> dict[str, int]:
     header set): for ``manage.py check --database``, the admin and ``idempotency_stats``,
     not for the request path.
     """
+    return _missing(
+        _sealed_key_ids(IdempotencyRecord.objects.using(using).exclude(status=IN_PROGRESS))
+    )
+
+
+def missing_step_key_ids(using: str) -> dict[str, int]:
+    """``{key id: step results}`` of ``using`` sealed with a key that ``ENCRYPTION_KEYS``
+    does not hold (all of them when it is empty): a resumable operation's next attempt that
+    reaches one is refused until that key is configured again. One pass over the steps table,
+    as :func:`missing_key_ids` makes over the records."""
+    return _missing(_labelled(IdempotencyStep.objects.using(using), "result", _PREFIX))
+
+
+def _missing(sealed: QuerySet[Any]) -> dict[str, int]:
     configured = _configured()
     known = configured.ids if configured is not None else frozenset()
-    counts = (
-        _sealed_key_ids(IdempotencyRecord.objects.using(using).exclude(status=IN_PROGRESS))
-        .values_list("sealed_key_id")
-        .annotate(records=Count("*"))
-        .order_by()
-    )
+    counts = sealed.values_list("sealed_key_id").annotate(rows=Count("*")).order_by()
     return {str(kid): int(n) for kid, n in counts if kid not in known}
 
 
@@ -211,11 +285,14 @@ def _sealed_key_ids(records: QuerySet[Any]) -> QuerySet[Any]:
     # The stored headers as JSON text: a sealed set is the JSON string "fernet:<id>:<token>",
     # so its key id is the 12 characters after the quote and the scheme.
     text = Cast("response_headers", TextField())
-    start = len(f'"{_PREFIX}') + 1
-    sealed: QuerySet[Any] = (
-        records.annotate(_headers_text=text)
-        .filter(_headers_text__startswith=f'"{_PREFIX}')
-        .annotate(sealed_key_id=Substr("_headers_text", start, 12))
+    return _labelled(records.annotate(_headers_text=text), "_headers_text", f'"{_PREFIX}')
+
+
+def _labelled(rows: QuerySet[Any], column: str, prefix: str) -> QuerySet[Any]:
+    """Those of ``rows`` whose text ``column`` begins with ``prefix`` and a key id, that id
+    annotated as ``sealed_key_id``."""
+    sealed: QuerySet[Any] = rows.filter(**{f"{column}__startswith": prefix}).annotate(
+        sealed_key_id=Substr(column, len(prefix) + 1, 12)
     )
     return sealed
 
@@ -246,6 +323,8 @@ class RotationResult:
     #: Records and audit records sealed with the first key by this run (plaintext ones too).
     records: int = 0
     audit_records: int = 0
+    #: Results of ``step()`` sealed with the first key by this run.
+    steps: int = 0
     #: Already sealed with the first key: left as they are.
     current: int = 0
     #: Sealed with a key ``ENCRYPTION_KEYS`` no longer holds: left as they are.
@@ -289,16 +368,8 @@ class _Walk:
                 page = page.select_for_update(
                     skip_locked=features.has_select_for_update_skip_locked
                 )
-            # The headers as their JSON text, decoded here: a set the JSON field could not
-            # decode (nested past Python's decoder) is counted, never the end of the walk.
-            page = page.annotate(_headers_text=Cast("response_headers", TextField()))
-            found = [
-                (pk, _decoded(text), *version)
-                for pk, text, *version in page.values_list("pk", "_headers_text", *self.fence)[
-                    :size
-                ]
-            ]
-            todo = [row for row in found if self._needs_sealing(row[1])]
+            found = self._read(page, size)
+            todo = self._todo(found)
             if self.result.dry_run:
                 self.tally[self.counter] += len(todo)
             elif todo:
@@ -309,6 +380,20 @@ class _Walk:
         if found:
             self.last = found[-1][0]
         return len(found)
+
+    def _read(self, page: QuerySet[Any], size: int) -> list[tuple[Any, ...]]:
+        """``(pk, what says how it is sealed, *fence)`` of the batch's rows."""
+        # The headers as their JSON text, decoded here: a set the JSON field could not
+        # decode (nested past Python's decoder) is counted, never the end of the walk.
+        page = page.annotate(_headers_text=Cast("response_headers", TextField()))
+        return [
+            (pk, _decoded(text), *version)
+            for pk, text, *version in page.values_list("pk", "_headers_text", *self.fence)[:size]
+        ]
+
+    def _todo(self, found: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The rows to seal (again); the others counted."""
+        return [row for row in found if self._needs_sealing(row[1])]
 
     def _needs_sealing(self, stored_headers: Any) -> bool:
         if stored_headers is _UNDECODABLE:
@@ -362,7 +447,7 @@ class _Walk:
                     self.tally["unreadable"] += 1
                     continue
             sealed_headers, sealed_body = _seal(self.keys, headers, bytes(body))
-            if self._too_large(sealed_headers, sealed_body):
+            if self._too_large(sealed_body, json.dumps(sealed_headers)):
                 # Its sealed bytes escape to more than its clear ones did: sent, the update
                 # would make the server drop the connection, and every run stop here.
                 self.tally["too_large"] += 1
@@ -372,12 +457,62 @@ class _Walk:
             )
             self.tally[self.counter if updated else "changed"] += 1
 
-    def _too_large(self, headers: str, body: bytes) -> bool:
+    def _too_large(self, body: bytes, text: str) -> bool:
         vendor = of(self.rows.db)
         if vendor.packet_limit_sql is None:  # a server that caps a statement's size
             return False
         connection = connections[self.rows.db]
-        return vendor.statement_limit(connection, body, json.dumps(headers)) is not None
+        return vendor.statement_limit(connection, body, text) is not None
+
+
+#: Of a recorded step result, what says whether and with which key it is sealed.
+_STEP_LABEL = len(_PREFIX) + 12 + 1
+
+
+class _StepWalk(_Walk):
+    """The recorded step results: rows that never change once written (a purge or a new
+    operation may delete them), read by their label first; only those not sealed with the
+    first key are read whole, opened and checked before they are counted or sealed."""
+
+    def _read(self, page: QuerySet[Any], size: int) -> list[tuple[Any, ...]]:
+        page = page.annotate(_label=Substr("result", 1, _STEP_LABEL))
+        return list(page.values_list("pk", "_label")[:size])
+
+    def _todo(self, found: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        pending = []
+        for pk, label in found:
+            if step_sealed_with(label) == self.keys.first:
+                self.tally["current"] += 1
+            else:
+                pending.append(pk)
+        manager = self.rows.model._default_manager.using(self.rows.db)
+        results = dict(manager.filter(pk__in=pending).values_list("pk", "result"))
+        todo = []
+        for pk in pending:
+            if pk not in results:  # deleted meanwhile (SQLite: no row locks)
+                self.tally["changed"] += 1
+                continue
+            try:
+                text = _open_step_result(self.keys, results[pk])
+            except Unreadable:
+                self.tally["unreadable"] += 1
+                continue
+            if _decoded(text) is _UNDECODABLE:
+                # Damaged: sealing it would only hide the damage.
+                self.tally["unreadable"] += 1
+                continue
+            todo.append((pk, text))
+        return todo
+
+    def _reseal(self, todo: list[tuple[Any, ...]]) -> None:
+        manager = self.rows.model._default_manager.using(self.rows.db)
+        for pk, text in todo:
+            sealed = _label(self.keys, text.encode("utf-8"))
+            if self._too_large(b"", sealed):
+                self.tally["too_large"] += 1
+                continue
+            updated = manager.filter(pk=pk).update(result=sealed)
+            self.tally[self.counter if updated else "changed"] += 1
 
 
 #: Stored headers whose JSON text cannot be decoded (see ``_decoded``).
@@ -399,7 +534,9 @@ def rotate(
     progress: Progress | None = None,
 ) -> RotationResult:
     """Seal every stored response of ``using`` with the first key of ``ENCRYPTION_KEYS``:
-    the records' (never one in progress) and the audit records', in bounded batches.
+    the records' (never one in progress) and the audit records', then every recorded step
+    result (those of records in progress too: a step's row is never updated but here), in
+    bounded batches.
 
     Responses in the clear are sealed; those sealed with another configured key are
     opened and sealed again; those already sealed with the first key are left as they are,
@@ -430,11 +567,12 @@ def rotate(
         ),
         # Audit records never change once written: only a purge may delete one meanwhile.
         _Walk(audits.filter(response_body__isnull=False), "audit_records", (), configured, result),
+        _StepWalk(IdempotencyStep.objects.using(using), "steps", (), configured, result),
     )
     for walk in walks:
         for _rows, seconds in budgeted_batches(walk.batch, batch_size or ROTATE_BATCH_SIZE, None):
             result.batches += 1
             result.longest_batch_seconds = max(result.longest_batch_seconds, seconds)
             if progress is not None:
-                progress(result.batches, result.records + result.audit_records)
+                progress(result.batches, result.records + result.audit_records + result.steps)
     return result

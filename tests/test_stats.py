@@ -131,10 +131,13 @@ def test_command_json(table):
         "resumable_stale",
         "unreadable",
         "unreadable_by_key",
+        "unreadable_steps",
+        "unreadable_steps_by_key",
         "taken_at",
         "outbox",
     }
     assert (data["unreadable"], data["unreadable_by_key"]) == (0, {})
+    assert (data["unreadable_steps"], data["unreadable_steps_by_key"]) == (0, {})
     assert data["outbox"] == {
         "by_status": {"pending": 0, "sent": 0, "dead": 0},
         "due": 0,

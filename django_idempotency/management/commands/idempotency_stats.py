@@ -96,6 +96,11 @@ class Command(BaseCommand):
                 (f"  sealed with key {kid}", f"{n:,}")
                 for kid, n in sorted(snapshot.unreadable_by_key.items())
             ],
+            ("unreadable step results", f"{snapshot.unreadable_steps:,}"),
+            *[
+                (f"  sealed with key {kid}", f"{n:,}")
+                for kid, n in sorted(snapshot.unreadable_steps_by_key.items())
+            ],
             ("resumable", ""),
             *_counts(RecordStatus, snapshot.resumable),
             ("  stale leases", f"{snapshot.resumable_stale:,}"),

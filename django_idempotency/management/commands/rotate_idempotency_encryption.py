@@ -19,9 +19,9 @@ class Command(BaseCommand):
     """A thin wrapper around :func:`django_idempotency.maintenance.rotate_encryption`."""
 
     help = (
-        "Seal every stored idempotency response (records and audit records) with the first "
-        "key of IDEMPOTENCY['ENCRYPTION_KEYS']: responses in the clear and those sealed with "
-        "an older key, in bounded batches beside live traffic."
+        "Seal every stored idempotency response (records and audit records) and every "
+        "recorded step result with the first key of IDEMPOTENCY['ENCRYPTION_KEYS']: those in "
+        "the clear and those sealed with an older key, in bounded batches beside live traffic."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -66,6 +66,7 @@ class Command(BaseCommand):
             f"records with key {result.key_id}"
         )
         line += "." if result.dry_run else f" in {result.batches} batches."
+        line += f" {verb} {result.steps} step results with it."
         line += f" {result.current} were sealed with it already."
         if result.unreadable:
             line += (
