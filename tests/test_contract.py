@@ -278,3 +278,27 @@ def test_public_names_import():
 
         assert issubclass(getattr(django_idempotency, name), IdempotencyError)
     assert purge_expired.name.startswith("django_idempotency.")
+
+
+# Every character of 0x21-0x7E is a key's, ',' included: the ★ table names the malformed
+# keys (empty, over 255 characters, outside printable ASCII) and no other.
+@pytest.mark.parametrize("key", [PRINTABLE, "a,b", "order:42,line:7", ",", "a,"])
+def test_a_key_holding_a_comma_is_a_key(api, key):
+    first = api.post("/charges/", CHARGE, key=key)
+    assert first.status_code == 201, first.content
+    again = api.post("/charges/", CHARGE, key=key)
+    assert again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.get().key == key
+
+
+def test_one_key_repeated_and_comma_joined_is_refused(api):
+    """What a server makes of a header sent twice (``k`` and ``k`` arrive as ``k,k``): not a
+    new key, which would run a retry again."""
+    key = new_key()
+    assert api.post("/charges/", CHARGE, key=key).status_code == 201
+    problem(api.post("/charges/", CHARGE, key=f"{key},{key}"), 400, "idempotency_key_invalid")
+    problem(api.post("/charges/", CHARGE, key=f"{key},{key},{key}"), 400, "idempotency_key_invalid")
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.count() == 1
