@@ -10,6 +10,7 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.test import override_settings
 from django.utils import timezone
 
@@ -301,4 +302,368 @@ def test_one_key_repeated_and_comma_joined_is_refused(api):
     problem(api.post("/charges/", CHARGE, key=f"{key},{key}"), 400, "idempotency_key_invalid")
     problem(api.post("/charges/", CHARGE, key=f"{key},{key},{key}"), 400, "idempotency_key_invalid")
     assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.count() == 1
+
+
+# -- ★ Public API: settings fail loudly ---------------------------------------------------
+
+WRONG_SETTINGS = [
+    ("HEADER", None),
+    ("HEADER", ""),
+    ("HEADER", 42),
+    ("HEADER", ["Idempotency-Key"]),
+    ("REQUIRED", None),
+    ("REQUIRED", "yes"),
+    ("REQUIRED", 1),
+    ("TTL", None),
+    ("TTL", 0),
+    ("TTL", -5),
+    ("TTL", True),
+    ("TTL", timedelta(0)),
+    ("TTL", timedelta(seconds=-1)),
+    ("TTL", "24h"),
+    ("LEASE", None),
+    ("LEASE", False),
+    ("LEASE", timedelta(0)),
+    ("LEASE", "60"),
+    ("METHODS", "POST"),
+    ("METHODS", "POST,PATCH"),
+    ("METHODS", None),
+    ("METHODS", ["GET"]),
+    ("METHODS", [1]),
+    ("METHODS", []),
+    ("TRANSIENT_STATUSES", 409),
+    ("TRANSIENT_STATUSES", "409"),
+    ("TRANSIENT_STATUSES", None),
+    ("TRANSIENT_STATUSES", [True]),
+    ("TRANSIENT_STATUSES", [200]),
+    ("RECOVERY", "Fail"),
+    ("RECOVERY", None),
+    ("RECOVERY", 1),
+    ("DATABASE", "nope"),
+    ("DATABASE", None),
+    ("REPLAY_HEADERS", "X-Trace"),
+    ("REPLAY_HEADERS", ["Set-Cookie"]),
+    ("REPLAY_HEADERS", None),
+    ("MAX_RESPONSE_BYTES", 0),
+    ("MAX_RESPONSE_BYTES", True),
+    ("MAX_RESPONSE_BYTES", "1MB"),
+    ("IN_PROGRESS_WAIT", None),
+    ("IN_PROGRESS_WAIT", -1),
+    ("IN_PROGRESS_WAIT", True),
+    ("RETRY_AFTER", 0),
+    ("RETRY_AFTER", True),
+    ("RETRY_AFTER_MAX", None),
+    ("PURGE_BATCH_SIZE", 0),
+    ("PURGE_BATCH_SIZE", None),
+    ("PURGE_BATCH_SIZE", True),
+    ("PURGE_MAX_BATCHES", 0),
+    ("ACCOUNT_RESOLVER", None),
+    ("ACCOUNT_RESOLVER", "no.such.module.resolver"),
+    ("ACCOUNT_RESOLVER", 42),
+    ("FINGERPRINT", None),
+    ("FINGERPRINT", "no.such.fingerprint"),
+    ("AUDIT", "yes"),
+    ("AUDIT_RETENTION", 0),
+    ("ENCRYPTION_KEYS", "not-a-key"),
+    ("ENCRYPTION_KEYS", ["not-a-key"]),
+    ("CLAIM_DATABASE", "nope"),
+    ("CLAIM_TIMEOUT", 0),
+    ("OUTBOX_MAX_ATTEMPTS", 0),
+    ("OUTBOX_MAX_ATTEMPTS", True),
+    ("OUTBOX_RETENTION", None),
+    ("OUTBOX_BATCH_SIZE", "100"),
+    ("OUTBOX_BACKOFF", -1),
+    ("OUTBOX_BACKOFF_MAX", 0),
+    ("OUTBOX_POLL_INTERVAL", False),
+    ("OUTBOX_SENDER", "no.such.sender"),
+    ("OUTBOX_SENDER", None),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), WRONG_SETTINGS)
+def test_a_wrong_setting_is_a_check_error_of_its_own_id(name, value):
+    from django.core import checks
+
+    from django_idempotency import _check_ids
+
+    with override_settings(IDEMPOTENCY={name: value}):
+        errors = [m for m in checks.run_checks() if m.id.startswith("django_idempotency.")]
+        assert _check_ids.error(name) in {m.id for m in errors}, errors
+        assert all(m.level >= checks.ERROR for m in errors if m.id == _check_ids.error(name))
+        with pytest.raises(SystemCheckError):
+            call_command("check", stdout=StringIO(), stderr=StringIO())
+
+
+def test_two_settings_never_share_an_id():
+    from django_idempotency import _check_ids, conf
+
+    ids = [setting.id for setting in conf.SETTINGS]
+    assert len(ids) == len(set(ids))
+    assert set(conf.DEFAULTS) == {s.name for s in conf.SETTINGS}
+    assert len(_check_ids.ERRORS.values()) == len(set(_check_ids.ERRORS.values()))
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("ttl", 0),
+        ("ttl", -1),
+        ("ttl", True),
+        ("ttl", timedelta(0)),
+        ("ttl", "1h"),
+        ("lease", False),
+        ("lease", timedelta(seconds=-1)),
+        ("recovery", "Fail"),
+        ("recovery", 3),
+        ("required", "yes"),
+        ("methods", "POST"),
+        ("methods", ["GET"]),
+        ("operation", 42),
+        ("operation", ""),
+        ("account", 42),
+        ("fingerprint", 42),
+        ("key", 42),
+    ],
+)
+def test_a_wrong_decorator_argument_is_refused_where_it_is_written(argument, value):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency.decorators import idempotent
+
+    with pytest.raises(ImproperlyConfigured):
+
+        @idempotent(**{argument: value})
+        def view(request):  # pragma: no cover - never decorated
+            raise AssertionError
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("ttl", 0),
+        ("ttl", -1),
+        ("ttl", True),
+        ("lease", timedelta(0)),
+        ("recovery", "Fail"),
+        ("recovery", 3),
+    ],
+)
+def test_run_once_refuses_a_wrong_argument_before_it_runs(argument, value):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency import run_once
+
+    calls: list[int] = []
+    with pytest.raises(ImproperlyConfigured):
+        run_once(calls.append, 1, account="a", operation="o", key="k", **{argument: value})
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
+
+
+# -- ★ Any code path: run_once ----------------------------------------------------------
+
+
+def _once(func, *args, key="k", **options):
+    from django_idempotency import run_once
+
+    return run_once(func, *args, account="consumer:t", operation="t.op", key=key, **options)
+
+
+def test_run_once_runs_once_and_returns_the_stored_result():
+    from django_idempotency import current
+
+    calls = []
+
+    def ship(order_id, *, note):
+        ctx = current()
+        calls.append((ctx.key, ctx.operation, ctx.account, ctx.replayed))
+        Charge.objects.create(account="t", amount=order_id, currency="EUR")
+        return {"order": order_id, "note": note, "tuple": (1, 2)}
+
+    first = _once(ship, 7, note="n", ttl=timedelta(days=7))
+    again = _once(ship, 7, note="n")
+    assert first == {"order": 7, "note": "n", "tuple": (1, 2)}
+    assert again == {"order": 7, "note": "n", "tuple": [1, 2]}  # what json.loads gives back
+    assert calls == [("k", "t.op", "consumer:t", False)]
+    assert Charge.objects.count() == 1
+    assert current() is None
+    record = IdempotencyRecord.objects.get()
+    assert timedelta(days=6, hours=23) < record.expires_at - timezone.now() <= timedelta(days=7)
+
+
+def test_run_once_a_result_json_cannot_hold_is_type_error_and_nothing_commits():
+    calls = []
+
+    def work():
+        calls.append(1)
+        Charge.objects.create(account="t", amount=1, currency="EUR")
+        return object()
+
+    with pytest.raises(TypeError):
+        _once(work)
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+    assert _once(lambda: 5) == 5  # released: the key runs afresh
+
+
+def test_run_once_an_exception_rolls_back_releases_and_propagates():
+    def work():
+        Charge.objects.create(account="t", amount=1, currency="EUR")
+        raise LookupError("boom")
+
+    with pytest.raises(LookupError):
+        _once(work)
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_run_once_in_progress_carries_the_lease_left_rounded_up():
+    from django_idempotency import IdempotencyError, InProgress
+
+    _once(lambda: 1)
+    IdempotencyRecord.objects.update(
+        status="in_progress",
+        lease_expires_at=timezone.now() + timedelta(seconds=12, milliseconds=300),
+    )
+    calls: list[object] = []
+    with pytest.raises(InProgress) as caught:
+        _once(calls.append, 1)
+    assert isinstance(caught.value, IdempotencyError)
+    assert type(caught.value.retry_after) is int
+    assert caught.value.retry_after in (13, 12)  # the seconds left, rounded up
+    assert caught.value.retry_after >= 1
+    assert calls == []
+
+
+def test_run_once_fingerprint_mismatch_is_key_reused():
+    from django_idempotency import IdempotencyError, KeyReused
+
+    calls: list[object] = []
+    _once(calls.append, 1, fingerprint={"b": 2, "a": 1})
+    assert _once(calls.append, 1, fingerprint={"a": 1, "b": 2}) is None
+    with pytest.raises(KeyReused) as caught:
+        _once(calls.append, 1, fingerprint={"a": 2})
+    assert isinstance(caught.value, IdempotencyError)
+    assert calls == [1]
+
+
+def test_run_once_under_fail_after_a_crash_is_outcome_unknown():
+    from django_idempotency import IdempotencyError, OutcomeUnknown
+    from django_idempotency.testing import crash, expect_crash
+
+    def dies():
+        crash()
+
+    with expect_crash():
+        _once(dies, recovery="fail", lease=timedelta(seconds=30))
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    calls: list[object] = []
+    with pytest.raises(OutcomeUnknown) as caught:
+        _once(calls.append, 1, recovery="fail")
+    assert isinstance(caught.value, IdempotencyError)
+    with pytest.raises(OutcomeUnknown):
+        _once(calls.append, 1, recovery="fail")
+    assert calls == []
+
+
+def test_step_outside_resume_and_a_name_used_twice():
+    from django_idempotency import step
+
+    with pytest.raises(RuntimeError):
+        step("a", lambda: 1)
+
+    def body():
+        step("a", lambda: 1)
+        step("a", lambda: 2)
+
+    with pytest.raises(ValueError, match=r".*"):
+        _once(body, recovery="resume")
+
+
+@pytest.mark.parametrize(
+    ("account", "operation"),
+    [("a\x00b", "op"), ("a", "o\x00p"), ("a" * 256, "op"), ("a", "o" * 300)],
+)
+def test_names_that_do_not_fit_never_share_a_record(account, operation):
+    from django_idempotency import run_once
+
+    calls: list[object] = []
+    try:
+        run_once(calls.append, 1, account=account, operation=operation, key="k")
+    except ValueError:
+        assert calls == []
+        assert IdempotencyRecord.objects.count() == 0
+        return
+    # stored in a form no other name produces: the spelled transformed form is another record
+    stored = IdempotencyRecord.objects.get()
+    run_once(calls.append, 2, account=stored.account, operation=stored.operation, key="k")
+    run_once(calls.append, 3, account=account, operation=operation, key="k")
+    assert calls == [1, 2]
+
+
+# -- ★ Where the key comes from -----------------------------------------------------------
+
+
+def _event(body):
+    from django.test import Client
+
+    raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return Client().post("/sources/json/", raw, content_type="application/json")
+
+
+@pytest.mark.urls("tests.testapp.source_urls")
+@pytest.mark.parametrize(
+    ("object_id", "key"),
+    [("evt_1", "evt_1"), (123456789012345678901234567890, "123456789012345678901234567890")],
+)
+def test_a_json_source_takes_a_string_as_it_is_and_an_integer_as_its_decimal_string(object_id, key):
+    body = {"data": {"object": {"id": object_id}}}
+    first = _event(body)
+    assert first.status_code < 300, first.content
+    again = _event(body)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert list(IdempotencyRecord.objects.values_list("account", "key")) == [("sender:json", key)]
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.urls("tests.testapp.source_urls")
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"data": {"object": {"id": True}}},
+        {"data": {"object": {"id": 1.5}}},
+        {"data": {"object": {"id": None}}},
+        {"data": {"object": {"id": {"x": 1}}}},
+        {"data": {"object": {"id": ["a"]}}},
+        {"data": {"object": {"id": ""}}},
+        {"data": {"object": {"id": "a b"}}},
+        {"data": {"object": {"id": "x" * 256}}},
+        b"not json",
+    ],
+)
+def test_a_json_source_with_another_value_or_no_json_is_400_invalid(body):
+    answer = _event(body)
+    problem(answer, 400, "idempotency_key_invalid")
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+@pytest.mark.urls("tests.testapp.source_urls")
+def test_a_json_source_without_the_member_is_a_missing_key():
+    problem(_event({"data": {}}), 400, "idempotency_key_missing")
+    problem(_event({"data": {"object": "x"}}), 400, "idempotency_key_missing")
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+@pytest.mark.urls("tests.testapp.source_urls")
+def test_a_double_submitted_form_runs_once(user):
+    client = ApiClient(user).client
+    first = client.post("/sources/form/", {"idempotency_key": "form-1", "item": "a"})
+    again = client.post("/sources/form/", {"item": "a", "idempotency_key": "form-1"})
+    assert first.status_code < 400, first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
     assert IdempotencyRecord.objects.count() == 1
