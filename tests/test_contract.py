@@ -667,3 +667,250 @@ def test_a_double_submitted_form_runs_once(user):
     assert again["Idempotent-Replayed"] == "true"
     assert again.content == first.content
     assert IdempotencyRecord.objects.count() == 1
+
+
+# -- ★ Failing closed, ★ Stored responses protected at rest ---------------------------------
+
+
+def _fernet() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+def test_an_outcome_no_configured_key_opens_is_503_unreadable_and_never_runs_again(user):
+    api = ApiClient(user)
+    first_key, other_key, key = _fernet(), _fernet(), new_key()
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [first_key]}):
+        first = api.post("/charges/", CHARGE, key=key)
+    assert first.status_code == 201
+    assert IdempotencyRecord.objects.get().response_body != first.content
+    for keys in ([other_key], []):
+        with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": keys}):
+            answer = api.post("/charges/", CHARGE, key=key)
+        body = problem(answer, 503, "idempotency_record_unreadable")
+        assert int(answer["Retry-After"]) >= 1
+        assert first_key not in answer.content.decode()
+        assert "ENCRYPTION_KEYS" not in body["detail"]
+    assert Charge.objects.count() == 1
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other_key, first_key]}):
+        again = api.post("/charges/", CHARGE, key=key)
+        assert again.content == first.content
+        assert again["Idempotent-Replayed"] == "true"
+        call_command("rotate_idempotency_encryption", "--batch-size", "1", stdout=StringIO())
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other_key]}):
+        assert api.post("/charges/", CHARGE, key=key).content == first.content
+    assert Charge.objects.count() == 1
+
+
+def test_an_unreachable_store_is_503_and_nothing_runs(api, unreachable_store):
+    answer = api.post("/charges/", CHARGE, key=new_key())
+    body = problem(answer, 503, "idempotency_store_unavailable")
+    assert "not run" in body["detail"]
+    assert Charge.objects.count() == 0
+
+
+def test_the_stored_body_is_shown_only_with_its_permission(user, admin_client):
+    from django.contrib.auth.models import Permission
+
+    from tests.helpers import logged_in
+
+    api = ApiClient(user)
+    api.post("/charges/", {"amount": 4242, "currency": "XBT"}, key=new_key())
+    record = IdempotencyRecord.objects.get()
+    url = f"/admin/django_idempotency/idempotencyrecord/{record.pk}/change/"
+    user.is_staff = True
+    user.save()
+    user.user_permissions.add(Permission.objects.get(codename="view_idempotencyrecord"))
+    without = logged_in(user).get(url)
+    assert without.status_code == 200
+    assert b"XBT" not in without.content
+    user.user_permissions.add(Permission.objects.get(codename="view_response_body"))
+    with_it = logged_in(user).get(url)
+    assert b"XBT" in with_it.content
+    listing = admin_client.get(
+        "/admin/django_idempotency/idempotencyrecord/", {"q": record.key, "status": "completed"}
+    )
+    assert listing.status_code == 200
+    assert record.key.encode() in listing.content
+    assert admin_client.post(
+        "/admin/django_idempotency/idempotencyrecord/add/", {}
+    ).status_code in (403, 404)
+
+
+# -- ★ Fingerprint ----------------------------------------------------------------------
+
+
+def test_the_fingerprint_ignores_json_spelling_query_order_and_transport_headers(api):
+    key = new_key()
+    first = api.post("/charges/?a=1&b=2", b'{"amount":100,"currency":"EUR"}', key=key)
+    assert first.status_code == 201
+    same = api.post(
+        "/charges/?b=2&a=1",
+        b'{ "currency" : "EUR",\n  "amount": 100 }',
+        key=key,
+        headers={"User-Agent": "other/1.0", "traceparent": "00-abc-def-01", "Date": "now"},
+    )
+    assert same["Idempotent-Replayed"] == "true"
+    assert same.content == first.content
+    problem(api.post("/charges/?a=1&b=3", CHARGE, key=key), 422, "idempotency_key_reused")
+    problem(
+        api.post("/charges/?a=1&b=2", {**CHARGE, "extra": None}, key=key),
+        422,
+        "idempotency_key_reused",
+    )
+    assert Charge.objects.count() == 1
+    assert IdempotencyRecord.objects.get().request_hash  # with the algorithm's version
+
+
+def test_the_fingerprint_covers_url_kwargs(api):
+    key = new_key()
+    assert api.post("/charges/1/items/", CHARGE, key=key).status_code == 201
+    problem(api.post("/charges/2/items/", CHARGE, key=key), 422, "idempotency_key_reused")
+    assert Charge.objects.count() == 1
+
+
+def test_a_form_is_its_sorted_pairs_and_a_file_its_content(user):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    client = ApiClient(user).client
+    key = new_key()
+
+    def upload(content: bytes, order: int, name: str = "a.txt"):
+        fields = [("note", "x"), ("tag", "y")]
+        data: dict[str, object] = dict(fields if order else reversed(fields))
+        data["file"] = SimpleUploadedFile(name, content)
+        return client.post("/uploads/", data, headers={"Idempotency-Key": key})
+
+    first = upload(b"one", 0)
+    assert first.status_code < 300, first.content
+    again = upload(b"one", 1)
+    assert again["Idempotent-Replayed"] == "true"
+    problem(upload(b"two", 0), 422, "idempotency_key_reused")
+
+
+# -- ★ One live task per key, ★ Transactional outbox -------------------------------------------
+
+
+def test_enqueue_once_returns_the_live_message_or_raises_and_writes_nothing():
+    from django.db import transaction
+
+    from django_idempotency import IdempotencyError, TaskAlreadyQueued
+    from django_idempotency.models import OutboxMessage
+    from django_idempotency.outbox import enqueue_once
+    from tests.testapp.tasks import record_effect
+
+    with transaction.atomic():
+        first = enqueue_once("nightly", record_effect, "a")
+        assert enqueue_once("nightly", record_effect, "b") == first
+    with transaction.atomic(), pytest.raises(TaskAlreadyQueued) as caught:
+        enqueue_once("nightly", record_effect, "c", on_conflict="raise")
+    assert isinstance(caught.value, IdempotencyError)
+    assert caught.value.message_id == first
+    assert list(OutboxMessage.objects.values_list("id", "args")) == [(first, ["a"])]
+    with transaction.atomic():  # another task's key space
+        other = enqueue_once(
+            "nightly", "tests.record_effect_by_tag", "d", unique_until=timedelta(1)
+        )
+    assert other != first
+    # the key argument is the first positional one: a task's own "key" argument passes through
+    with transaction.atomic():
+        mid = enqueue_once("k2", "tests.record_effect_by_tag", unique_until=timedelta(1), key=1)
+    assert OutboxMessage.objects.get(id=mid).kwargs == {"key": 1}
+
+
+def test_an_enqueue_once_rolled_back_frees_the_key():
+    from django.db import transaction
+
+    from django_idempotency.models import OutboxMessage
+    from django_idempotency.outbox import enqueue_once
+
+    def rolled_back() -> None:
+        with transaction.atomic():
+            enqueue_once("once", "tests.record_effect_by_tag", "a", unique_until=timedelta(1))
+            raise LookupError
+
+    with pytest.raises(LookupError):
+        rolled_back()
+    with transaction.atomic():
+        kept = enqueue_once("once", "tests.record_effect_by_tag", "b", unique_until=timedelta(1))
+    assert list(OutboxMessage.objects.values_list("id", flat=True)) == [kept]
+
+
+def test_enqueue_outside_a_transaction_and_unstorable_arguments():
+    from django.db import transaction
+    from django.db.transaction import TransactionManagementError
+
+    from django_idempotency.models import OutboxMessage
+    from django_idempotency.outbox import enqueue
+
+    with pytest.raises(TransactionManagementError):
+        enqueue("tests.record_effect", "a")
+    with transaction.atomic():
+        for bad in (object(), "nul\x00", "\ud800"):
+            with pytest.raises(TypeError):
+                enqueue("tests.record_effect", bad)
+        message_id = enqueue("tests.record_effect", "ok")
+    assert list(OutboxMessage.objects.values_list("id", "status")) == [(message_id, "pending")]
+    out = StringIO()
+    with override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"}):
+        call_command("relay_outbox", "--once", "--batch-size", "5", stdout=out)
+    assert OutboxMessage.objects.get().status == "sent"
+    assert "1" in out.getvalue()
+
+
+# -- ★ Identity of a record ----------------------------------------------------------------
+
+
+def test_the_default_account_is_the_users_and_keys_never_cross_callers(user, other_user):
+    key = new_key()
+    mine = ApiClient(user).post("/charges/", CHARGE, key=key)
+    theirs = ApiClient(other_user).post("/charges/", CHARGE, key=key)
+    assert mine.status_code == theirs.status_code == 201
+    assert "Idempotent-Replayed" not in theirs
+    assert mine.content != theirs.content
+    assert Charge.objects.count() == 2
+    assert sorted(IdempotencyRecord.objects.values_list("account", flat=True)) == sorted(
+        [f"user:{user.pk}", f"user:{other_user.pk}"]
+    )
+
+
+@pytest.mark.parametrize("path", ["/charges/", "/api/open-charges/"])
+def test_an_anonymous_caller_is_refused_with_a_problem(anon_api, path):
+    answer = anon_api.post(path, CHARGE, key=new_key())
+    assert 400 <= answer.status_code < 500
+    assert answer["Content-Type"] == "application/problem+json"
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_drf_authentication_runs_before_the_claim(anon_api):
+    answer = anon_api.post("/api/charges/", CHARGE, key=new_key())
+    assert answer.status_code in (401, 403)
+    assert answer["Content-Type"] != "application/problem+json"  # DRF's own refusal
+    assert IdempotencyRecord.objects.count() == 0
+    assert Charge.objects.count() == 0
+
+
+def test_a_viewset_operation_is_basename_dot_action(api):
+    api.post("/api/charges/", CHARGE, key=new_key())
+    assert IdempotencyRecord.objects.get().operation == "charge.create"
+
+
+def test_an_in_flight_wait_is_bounded_by_its_setting(user):
+    import time
+
+    api = ApiClient(user)
+    key = new_key()
+    api.post("/charges/", CHARGE, key=key)
+    make_in_progress(key, timedelta(seconds=30))
+    with override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": timedelta(seconds=1)}):
+        started = time.monotonic()
+        answer = api.post("/charges/", CHARGE, key=key)
+        waited = time.monotonic() - started
+    problem(answer, 409, "idempotency_key_in_use")
+    assert 0.9 <= waited < 3
+    started = time.monotonic()
+    problem(api.post("/charges/", CHARGE, key=key), 409, "idempotency_key_in_use")
+    assert time.monotonic() - started < 0.5  # default 0: no wait
+    assert Charge.objects.count() == 1
