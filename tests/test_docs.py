@@ -494,6 +494,30 @@ def test_the_docs_name_no_private_name_of_the_package() -> None:
     assert not named
 
 
+def test_the_readme_shows_the_beat_schedule_to_copy() -> None:
+    """★ Public API: the Celery tasks, "with the beat schedule to copy shown in the README":
+    the tested celery.py section, byte for byte, naming each of the package's tasks."""
+    shown = [block.text for block in blocks(ROOT / "README.md") if block.lang == "python"]
+    schedule = docs_code.section("example_project/celery.py", "celery-app")
+    assert schedule in shown
+    for task in ("purge_expired", "recover_stale_leases", "relay_outbox"):
+        assert f'"task": "django_idempotency.{task}"' in schedule
+
+
+def readme_settings() -> dict[str, str]:
+    """The README's table of settings: each row's name and default."""
+    section = README().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Z_]+)` \| (.*?) \|", section, re.M)
+    return dict(rows)
+
+
+def test_the_readme_documents_every_setting_with_its_default() -> None:
+    """★ Public API: the settings' names "are yours; document them all in the README"."""
+    documented = readme_settings()
+    assert set(documented) == set(conf.DEFAULTS)
+    assert all(default.strip() for default in documented.values())
+
+
 def test_readme_links_to_the_site_name_existing_pages() -> None:
     links = re.findall(re.escape(SITE) + r"([\w-]*)/?(#[\w-]+)?", (ROOT / "README.md").read_text())
     assert len(links) >= 10
