@@ -703,11 +703,14 @@ def test_an_outcome_no_configured_key_opens_is_503_unreadable_and_never_runs_aga
     assert Charge.objects.count() == 1
 
 
-def test_an_unreachable_store_is_503_and_nothing_runs(api, unreachable_store):
-    answer = api.post("/charges/", CHARGE, key=new_key())
+def test_an_unreachable_store_is_503_and_nothing_runs(anon_api, unreachable_store):
+    from tests.testapp.models import ProviderCall
+
+    answer = anon_api.post("/charges/tenant/", CHARGE, key=new_key(), headers={"X-Tenant": "t"})
     body = problem(answer, 503, "idempotency_store_unavailable")
+    assert int(answer["Retry-After"]) >= 1
     assert "not run" in body["detail"]
-    assert Charge.objects.count() == 0
+    assert ProviderCall.objects.using("provider").count() == 0  # the view never ran
 
 
 def test_the_stored_body_is_shown_only_with_its_permission(user, admin_client):
