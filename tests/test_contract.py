@@ -917,3 +917,102 @@ def test_an_in_flight_wait_is_bounded_by_its_setting(user):
     problem(api.post("/charges/", CHARGE, key=key), 409, "idempotency_key_in_use")
     assert time.monotonic() - started < 0.5  # default 0: no wait
     assert Charge.objects.count() == 1
+
+
+def test_only_the_allow_listed_headers_are_replayed(user):
+    api = ApiClient(user)
+    payload = {"status": 201, "headers": {"X-Ledger": "L-1", "X-Other": "o", "Location": "/l/1"}}
+    key = new_key()
+    with override_settings(IDEMPOTENCY={"REPLAY_HEADERS": ["x-ledger"]}):
+        first = api.post("/outcome/", payload, key=key)
+        again = api.post("/outcome/", payload, key=key)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["X-Ledger"] == first["X-Ledger"] == "L-1"
+    assert again["Location"] == "/l/1"
+    assert again["Content-Type"] == first["Content-Type"]
+    assert "X-Other" not in again
+    assert Charge.objects.count() == 1
+
+
+def test_an_exception_in_the_view_rolls_back_and_releases(api):
+    key = new_key()
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            api.post("/outcome/", {"raise": True}, key=key)
+        assert IdempotencyRecord.objects.count() == 0
+        assert Charge.objects.count() == 0
+    assert api.post("/outcome/", {"status": 200}, key=key).status_code == 200
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_step_inside_an_operation_not_under_resume_raises_runtime_error(policy):
+    from django_idempotency import step
+
+    calls: list[object] = []
+
+    def body():
+        return step("a", calls.append, 1)
+
+    with pytest.raises(RuntimeError):
+        _once(body, recovery=policy)
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_a_resumable_operation_skips_its_recorded_steps_after_a_crash():
+    from django_idempotency import step
+    from django_idempotency.testing import crash, expect_crash
+
+    calls: list[str] = []
+
+    def counted(name: str, result: object) -> object:
+        calls.append(name)
+        return result
+
+    def body(die: bool):
+        first = step("one", counted, "one", {"n": 1})
+        if die:
+            crash()
+        second = step("two", counted, "two", 2)
+        return [first, second]
+
+    with expect_crash():
+        _once(body, True, recovery="resume", lease=timedelta(seconds=30))
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert _once(body, False, recovery="resume") == [{"n": 1}, 2]
+    assert _once(body, False, recovery="resume") == [{"n": 1}, 2]
+    assert calls == ["one", "two"]
+
+
+# -- ★ Django's Tasks framework -------------------------------------------------------------
+
+
+def test_a_task_enqueued_through_the_outbox_commits_with_the_transaction():
+    from django.conf import settings
+    from django.db import transaction
+    from django.db.transaction import TransactionManagementError
+
+    from django_idempotency.models import OutboxMessage
+
+    if not settings.HAS_DJANGO_TASKS:
+        pytest.skip("needs django.tasks (or the django-tasks backport) and django-tasks-db")
+    from tests.testapp.tasks_framework import record_effect
+
+    with pytest.raises(TransactionManagementError):
+        record_effect.enqueue("outside")
+    assert OutboxMessage.objects.count() == 0
+
+    def rolled_back() -> None:
+        with transaction.atomic():
+            record_effect.enqueue("rolled-back")
+            raise LookupError
+
+    with pytest.raises(LookupError):
+        rolled_back()
+    assert OutboxMessage.objects.count() == 0
+    with transaction.atomic():
+        result = record_effect.enqueue("kept")
+    message = OutboxMessage.objects.get()
+    assert str(result.id) == str(message.id)
+    assert message.status == "pending"
