@@ -1016,3 +1016,53 @@ def test_a_task_enqueued_through_the_outbox_commits_with_the_transaction():
     message = OutboxMessage.objects.get()
     assert str(result.id) == str(message.id)
     assert message.status == "pending"
+
+
+def an_account_that_is_not_a_string(request):
+    return 42
+
+
+def test_a_resolver_answering_no_string_is_a_500_problem_and_nothing_runs(user):
+    api = ApiClient(user)
+    resolver = "tests.test_contract.an_account_that_is_not_a_string"
+    with override_settings(IDEMPOTENCY={"ACCOUNT_RESOLVER": resolver}):
+        answer = api.post("/charges/", CHARGE, key=new_key())
+    problem(answer, 500, "idempotency_account_invalid")
+    assert Charge.objects.count() == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "s" * 300])
+def test_a_step_name_that_does_not_fit_never_shares_a_record(name):
+    from django_idempotency import step
+
+    calls: list[str] = []
+
+    def body():
+        one = step(name, calls.append, "long")
+        two = step(name[:255] if len(name) > 255 else "a", calls.append, "short")
+        return [one, two]
+
+    try:
+        _once(body, recovery="resume")
+    except ValueError:
+        assert calls == []
+        return
+    assert calls == ["long", "short"]
+
+
+def test_an_attempt_whose_lease_was_taken_over_rolls_back_and_raises_in_progress():
+    import uuid
+
+    from django_idempotency import InProgress
+
+    def taken_over():
+        Charge.objects.create(account="t", amount=1, currency="EUR")
+        # another attempt takes the record over while this one runs
+        IdempotencyRecord.objects.update(lease_token=uuid.uuid4())
+        return "done"
+
+    with pytest.raises(InProgress) as caught:
+        _once(taken_over)
+    assert caught.value.retry_after >= 1
+    assert Charge.objects.count() == 0
