@@ -1066,3 +1066,22 @@ def test_an_attempt_whose_lease_was_taken_over_rolls_back_and_raises_in_progress
         _once(taken_over)
     assert caught.value.retry_after >= 1
     assert Charge.objects.count() == 0
+
+
+def test_check_database_reports_outcomes_sealed_with_a_missing_key(user):
+    from django.core import checks
+
+    from django_idempotency import _check_ids
+
+    api = ApiClient(user)
+    sealing, other = _fernet(), _fernet()
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [sealing]}):
+        api.post("/charges/", CHARGE, key=new_key())
+        assert not [
+            m for m in checks.run_checks(databases=["default"]) if m.id.startswith("django_i")
+        ]
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other]}):
+        found = checks.run_checks(databases=["default"])
+        assert _check_ids.error("SEALED_WITH_A_MISSING_KEY") in {m.id for m in found}
+        without_database = checks.run_checks()
+        assert _check_ids.error("SEALED_WITH_A_MISSING_KEY") not in {m.id for m in without_database}
