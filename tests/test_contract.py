@@ -1085,3 +1085,27 @@ def test_check_database_reports_outcomes_sealed_with_a_missing_key(user):
         assert _check_ids.error("SEALED_WITH_A_MISSING_KEY") in {m.id for m in found}
         without_database = checks.run_checks()
         assert _check_ids.error("SEALED_WITH_A_MISSING_KEY") not in {m.id for m in without_database}
+
+
+def test_a_stale_lease_under_fail_is_an_unknown_outcome_replayed_to_every_retry(api):
+    key = new_key()
+    api.post("/charges/fail-policy/", CHARGE, key=key)
+    make_in_progress(key, timedelta(seconds=-1))  # as a crashed attempt leaves it
+    first = api.post("/charges/fail-policy/", CHARGE, key=key)
+    problem(first, first.status_code, "idempotency_outcome_unknown")
+    again = api.post("/charges/fail-policy/", CHARGE, key=key)
+    assert (again.status_code, again.content) == (first.status_code, first.content)
+    assert IdempotencyRecord.objects.get().status == "failed"
+    assert Charge.objects.count() == 1
+
+
+def test_a_stale_lease_under_retry_runs_again_with_the_same_downstream_key(api):
+    from tests.testapp.models import ProviderCharge
+
+    key = new_key()
+    api.post("/charges/", CHARGE, key=key)
+    make_in_progress(key, timedelta(seconds=-1))
+    again = api.post("/charges/", CHARGE, key=key)
+    assert again.status_code == 201
+    assert "Idempotent-Replayed" not in again
+    assert ProviderCharge.objects.count() == 1  # the provider deduplicated the second call
