@@ -728,6 +728,8 @@ def test_the_stored_body_is_shown_only_with_its_permission(user, admin_client):
     without = logged_in(user).get(url)
     assert without.status_code == 200
     assert b"XBT" not in without.content
+    assert b"application/json" in without.content  # its content type
+    assert str(len(record.response_body)).encode() in without.content  # and its size
     user.user_permissions.add(Permission.objects.get(codename="view_response_body"))
     with_it = logged_in(user).get(url)
     assert b"XBT" in with_it.content
