@@ -11,6 +11,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
@@ -1111,3 +1112,20 @@ def test_a_stale_lease_under_retry_runs_again_with_the_same_downstream_key(api):
     assert again.status_code == 201
     assert "Idempotent-Replayed" not in again
     assert ProviderCharge.objects.count() == 1  # the provider deduplicated the second call
+
+
+# -- ★ Code already inside a transaction -------------------------------------------------
+
+
+def test_under_atomic_requests_the_claim_commits_first_and_other_methods_keep_theirs(
+    api, atomic_requests
+):
+    got = api.client.get("/peek/")
+    assert json.loads(got.content) == {"atomic": True}  # Django's own ATOMIC_REQUESTS
+    answer = api.post("/peek/", {}, key=new_key())
+    assert answer.status_code == 200, answer.content
+    seen = json.loads(answer.content)
+    assert seen["atomic"] is True  # the view's work commits with its record
+    if connection.vendor != "sqlite":
+        assert seen["seen"] == "in_progress"  # another connection saw the claim at once
+    assert IdempotencyRecord.objects.get().status == "completed"
