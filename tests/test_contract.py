@@ -1129,3 +1129,12 @@ def test_under_atomic_requests_the_claim_commits_first_and_other_methods_keep_th
     if connection.vendor != "sqlite":
         assert seen["seen"] == "in_progress"  # another connection saw the claim at once
     assert IdempotencyRecord.objects.get().status == "completed"
+
+
+def test_a_malformed_key_is_refused_where_a_key_is_optional_too(api):
+    problem(api.post("/charges/optional/", CHARGE, key="a b"), 400, "idempotency_key_invalid")
+    problem(api.post("/charges/optional/", CHARGE, key=""), 400, "idempotency_key_invalid")
+    assert Charge.objects.count() == 0
+    assert api.post("/charges/optional/", CHARGE).status_code == 201  # no key: runs, unstored
+    assert IdempotencyRecord.objects.count() == 0
+    assert Charge.objects.count() == 1
