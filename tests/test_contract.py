@@ -1138,3 +1138,49 @@ def test_a_malformed_key_is_refused_where_a_key_is_optional_too(api):
     assert api.post("/charges/optional/", CHARGE).status_code == 201  # no key: runs, unstored
     assert IdempotencyRecord.objects.count() == 0
     assert Charge.objects.count() == 1
+
+
+@pytest.mark.parametrize("path", ["/async/charges/", "/async/where/class/"])
+def test_an_async_view_replays_and_refuses_like_a_sync_one(user, path):
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    client = AsyncClient()
+    client.force_login(user)
+    key = new_key()
+
+    def post(body):
+        return async_to_sync(client.post)(
+            path, body, content_type="application/json", headers={"Idempotency-Key": key}
+        )
+
+    first = post(CHARGE)
+    assert first.status_code < 300, first.content
+    again = post({"currency": "EUR", "amount": 100})
+    assert (again.status_code, again.content) == (first.status_code, first.content)
+    assert again["Idempotent-Replayed"] == "true"
+    problem(post({"amount": 5, "currency": "EUR"}), 422, "idempotency_key_reused")
+    assert IdempotencyRecord.objects.count() == 1
+
+
+def test_recovery_leaves_a_resumable_record_and_purge_removes_its_steps():
+    from django_idempotency import step
+    from django_idempotency.models import IdempotencyStep
+    from django_idempotency.testing import crash, expect_crash
+
+    def body():
+        step("one", lambda: 1)
+        crash()
+
+    with expect_crash():
+        _once(body, recovery="resume", lease=timedelta(seconds=30))
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    out = StringIO()
+    call_command("recover_idempotency", stdout=out)
+    assert IdempotencyRecord.objects.get().status == "in_progress"  # left to the next attempt
+    assert IdempotencyStep.objects.count() == 1
+    assert "1" in out.getvalue()
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    call_command("purge_idempotency", stdout=StringIO())
+    assert IdempotencyRecord.objects.count() == 0
+    assert IdempotencyStep.objects.count() == 0
