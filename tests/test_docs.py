@@ -524,6 +524,16 @@ def test_the_readme_documents_every_setting_with_its_default() -> None:
     assert all(default.strip() for default in documented.values())
 
 
+def test_the_deployment_page_has_the_table_of_topologies() -> None:
+    """★ Beyond one database server: "the docs' deployment page has a table of topologies
+    with what holds on each"."""
+    text = (DOCS / "deployment.md").read_text()
+    section = text.split("\n## Topologies: what holds on each\n", 1)[1].split("\n## ", 1)[0]
+    assert "| topology | what holds | settings it needs | test |" in section
+    for topology in ("Galera", "synchronous standby", "asynchronous standby", "per tenant"):
+        assert re.search(rf"^\| [^|]*{topology}[^|]* \| [^|]+ \|", section, re.M), topology
+
+
 def test_readme_links_to_the_site_name_existing_pages() -> None:
     links = re.findall(re.escape(SITE) + r"([\w-]*)/?(#[\w-]+)?", (ROOT / "README.md").read_text())
     assert len(links) >= 10
