@@ -534,6 +534,17 @@ def test_the_deployment_page_has_the_table_of_topologies() -> None:
         assert re.search(rf"^\| [^|]*{topology}[^|]* \| [^|]+ \|", section, re.M), topology
 
 
+def test_the_readme_shows_the_signature_checked_before_the_claim_for_each_sender() -> None:
+    """★ Where the key comes from: the signature check runs before the claim, "the README
+    shows this for Stripe, GitHub and Standard Webhooks": each recipe's tested view, its
+    verifying decorator above ``@idempotent``."""
+    shown = [block.text for block in blocks(ROOT / "README.md") if block.lang == "python"]
+    for sender in ("stripe", "github", "standard"):
+        view = docs_code.section(f"example_project/recipes/{sender}_webhooks.py", "view")
+        assert view in shown, sender
+        assert view.index("@verify_before_claim(") < view.index("@idempotent(")
+
+
 def test_readme_links_to_the_site_name_existing_pages() -> None:
     links = re.findall(re.escape(SITE) + r"([\w-]*)/?(#[\w-]+)?", (ROOT / "README.md").read_text())
     assert len(links) >= 10
