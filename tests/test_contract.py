@@ -1184,3 +1184,30 @@ def test_recovery_leaves_a_resumable_record_and_purge_removes_its_steps():
     call_command("purge_idempotency", stdout=StringIO())
     assert IdempotencyRecord.objects.count() == 0
     assert IdempotencyStep.objects.count() == 0
+
+
+def test_refusals_name_no_setting_of_the_server(user):
+    from django_idempotency import conf
+
+    api = ApiClient(user)
+    with override_settings(IDEMPOTENCY={"MAX_RESPONSE_BYTES": 10}):
+        too_big = api.post("/outcome/", {"size": 100}, key=new_key())
+    answers = [
+        problem(too_big, 500, "idempotency_response_not_storable"),
+        problem(api.post("/charges/", CHARGE), 400, "idempotency_key_missing"),
+        problem(api.post("/charges/", CHARGE, key="a b"), 400, "idempotency_key_invalid"),
+    ]
+    key = new_key()
+    api.post("/charges/", CHARGE, key=key)
+    answers.append(
+        problem(
+            api.post("/charges/", {**CHARGE, "amount": 2}, key=key), 422, "idempotency_key_reused"
+        )
+    )
+    make_in_progress(key, timedelta(seconds=30))
+    answers.append(problem(api.post("/charges/", CHARGE, key=key), 409, "idempotency_key_in_use"))
+    for body in answers:
+        text = json.dumps(body)
+        assert not [name for name in conf.DEFAULTS if name in text], text
+        assert "IDEMPOTENCY" not in text
+    assert Charge.objects.count() == 1
