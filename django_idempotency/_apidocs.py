@@ -28,9 +28,10 @@ DOCUMENTED_STATUSES = (400, 409, 422, 503)
 # Answers that tell the client when to come back.
 _RETRY_AFTER_STATUSES = frozenset({409, 503})
 
-#: The documented form of a key: printable ASCII without ``,`` (a header sent twice arrives
-#: comma-joined), not starting with ``"`` (a key sent as a structured-field string,
-#: ``"abc"``, is accepted too but not described by the pattern).
+#: The documented form of a key: printable ASCII without ``,`` (``k,k`` is how a header sent
+#: twice arrives, refused), not starting with ``"`` (a key sent as a structured-field string,
+#: ``"abc"``, is accepted too but not described by the pattern): every value it admits is
+#: taken as it is. Other keys holding ``,`` are accepted too.
 KEY_PATTERN = r"^[\x21\x23-\x2B\x2D-\x7E][\x21-\x2B\x2D-\x7E]*$"
 
 _KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"

@@ -7,9 +7,10 @@ import re
 MAX_KEY_LENGTH = 255
 # A usable key, whole: what validate_key accepts, tested at once on the request path.
 _USABLE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}")
-#: A header value that is a usable bare key as it stands: no ``,`` (a header sent twice) and
-#: no leading ``"`` (a structured-field string). What nearly every client sends; the request
-#: path tests it with this one match before it calls :func:`parse_key`.
+#: A header value that is a usable bare key as it stands: no ``,`` (it might be a header sent
+#: twice, which :func:`parse_key` looks at) and no leading ``"`` (a structured-field string).
+#: What nearly every client sends; the request path tests it with this one match before it
+#: calls :func:`parse_key`.
 BARE_KEY = re.compile(rf"[\x21\x23-\x2b\x2d-\x7e][\x21-\x2b\x2d-\x7e]{{0,{MAX_KEY_LENGTH - 1}}}")
 
 
@@ -49,19 +50,25 @@ def _unquote_sf_string(value: str) -> str:
 def parse_key(raw: str) -> str:
     """The key a header value carries, bare (``abc``) or as a structured-field string (``"abc"``).
 
-    A key is 1 to 255 characters of printable ASCII without space (0x21-0x7E). A bare key may
-    not contain ``,``: that is how a header sent twice arrives, and it must not read as a
-    third key.
+    A key is 1 to 255 characters of printable ASCII without space (0x21-0x7E), ``,``
+    included. One key repeated and joined by ``,`` (``k,k``) is refused: that is how a header
+    sent twice arrives, and it must not read as another key than ``k``.
     """
     if BARE_KEY.fullmatch(raw):
         return raw  # a bare key, as nearly every client sends it
     value = raw.strip(" \t")
     if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
         value = _unquote_sf_string(value)
-    elif "," in value:
+    elif _repeated(value):
         # Servers and proxies join repeated header lines with ","; "k,k" is not a new key.
-        raise InvalidKey("a bare key may not contain ','; send the header once")
+        raise InvalidKey("the header was sent more than once; send it once")
     return validate_key(value)
+
+
+def _repeated(value: str) -> bool:
+    """Whether ``value`` is one non-empty key joined to itself by ``,`` (``k,k``, ``k,k,k``)."""
+    first, comma, rest = value.partition(",")
+    return bool(first and comma) and all(part == first for part in rest.split(","))
 
 
 def validate_key(value: object) -> str:

@@ -61,9 +61,10 @@ def test_meta_name():
 def test_every_printable_key_round_trips_bare(key):
     if key.startswith('"') and key.endswith('"') and len(key) >= 2:
         return  # that is the structured-field form, covered below
-    if "," in key:
+    first, comma, rest = key.partition(",")
+    if first and comma and all(part == first for part in rest.split(",")):
         with pytest.raises(InvalidKey):
-            parse_key(key)  # a header sent twice, joined by the server
+            parse_key(key)  # one key sent twice, joined by the server
         return
     assert parse_key(key) == key
 

@@ -55,6 +55,7 @@ def github_delivery_key(request: HttpRequest) -> str | None:
 github_delivery_key.description = DELIVERY.description  # type: ignore[attr-defined]
 
 
+# --8<-- [start:view]
 @csrf_exempt
 @require_POST
 @verify_before_claim(github_signature_error)
@@ -70,3 +71,4 @@ def github_webhook(request: HttpRequest) -> HttpResponse:
     event = request.headers.get("X-GitHub-Event", "")
     WebhookEvent.objects.create(sender="github", event_id=delivery, type=event)
     return JsonResponse({"received": delivery}, status=202)
+    # --8<-- [end:view]

@@ -33,6 +33,7 @@ def standard_signature_error(request: HttpRequest) -> str | None:
     return None
 
 
+# --8<-- [start:view]
 @csrf_exempt
 @require_POST
 @verify_before_claim(standard_signature_error)
@@ -50,3 +51,4 @@ def standard_webhook(request: HttpRequest) -> HttpResponse:
     message_id = request.headers["webhook-id"]
     WebhookEvent.objects.create(sender="standard", event_id=message_id, type=str(kind))
     return JsonResponse({"received": message_id})
+    # --8<-- [end:view]

@@ -36,6 +36,7 @@ def stripe_signature_error(request: HttpRequest) -> str | None:
     return None
 
 
+# --8<-- [start:view]
 @csrf_exempt
 @require_POST
 @verify_before_claim(stripe_signature_error)
@@ -51,3 +52,4 @@ def stripe_webhook(request: HttpRequest) -> HttpResponse:
     event = request.stripe_event  # type: ignore[attr-defined]
     WebhookEvent.objects.create(sender="stripe", event_id=event.id, type=event.type)
     return JsonResponse({"received": event.id})
+    # --8<-- [end:view]
