@@ -210,6 +210,65 @@ def test_the_audit_lists_an_endpoint_with_and_without_its_slash_once():
     ]
 
 
+class SlashSpelledOtherwise:
+    urlpatterns = shapes_urls.slash_spelled_otherwise
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+@pytest.mark.parametrize(
+    ("spellings", "account", "operation"),
+    [
+        (["/remits/", "/remits.json", "/remits", "/remits.api"], "remit", "POST remits/"),
+        (["/remits", "/remits.json"], "remit", "POST remits/"),
+        (["/rebates/", "/rebates"], "rebate", "POST rebates/"),
+        (["/rebates", "/rebates/"], "rebate", "POST rebates/"),
+    ],
+)
+def test_one_key_sent_to_a_slash_twin_spelled_otherwise_runs_the_view_once(
+    client, spellings, account, operation
+):
+    """DRF's format suffix of a view at ``x/`` and at ``x`` (both suffixed spellings are
+    ``x<drf_format_suffix:format>``), and a ``path()`` beside a ``re_path()``: one endpoint."""
+    key = new_key()
+    first = post(client, spellings[0], key)
+    assert first.status_code == 201
+    for url in spellings[1:]:
+        # Never a second run: a replay, or 422 where the format is part of the fingerprint.
+        assert post(client, url, key).status_code in (201, 422), url
+    assert Charge.objects.filter(account=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+def test_one_view_given_other_url_arguments_at_each_spelling_is_two_operations(client):
+    """``bonuses/`` pays cash and ``bonuses`` vouchers: one function, two endpoints. A key sent
+    to both runs each once; neither is refused as the other's request."""
+    key = new_key()
+    assert post(client, "/bonuses/", key).status_code == 201
+    assert post(client, "/bonuses", key).status_code == 201
+    assert sorted(Charge.objects.values_list("account", flat=True)) == [
+        "bonus:cash",
+        "bonus:voucher",
+    ]
+    assert sorted(IdempotencyRecord.objects.values_list("operation", flat=True)) == [
+        "POST bonuses",
+        "POST bonuses/",
+    ]
+
+
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+def test_the_audit_lists_a_slash_twin_spelled_otherwise_as_it_runs():
+    posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
+    assert posts == [
+        ("/remits/", "POST remits/"),
+        ("/rebates/", "POST rebates/"),
+        ("/bonuses/", "POST bonuses/"),
+        ("/bonuses", "POST bonuses"),
+    ]
+
+
 # -- one view in every language (i18n_patterns) -----------------------------------------------
 
 
