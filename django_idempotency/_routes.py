@@ -7,8 +7,10 @@ plain pattern's route, whichever spelling a request took, so one key never runs 
 The audit lists such a twin once, through the same table.
 
 A view written twice, with and without its trailing slash (``path("orders/", view)`` and
-``path("orders", view)``, a class view's ``as_view()`` at each), is one endpoint too: its
-operation is the route of the spelling listed first, through the same table.
+``path("orders", view)``, or ``re_path(r"^orders$", view)``, a class view's ``as_view()`` at
+each), with the same URL arguments, is one endpoint too: its operation is the route of the
+spelling listed first, through the same table; so are the format suffixes of both spellings
+(``orders.<drf_format_suffix:format>`` twice, one text: the first one resolves).
 
 ``i18n_patterns`` spell one endpoint once per language (``en/charges/``, ``fr/charges/``,
 and ``charges/`` for the default language where it goes unprefixed). Its operation is the
@@ -19,6 +21,7 @@ requests.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -129,7 +132,12 @@ def twins(urlconf: Any = None) -> dict[str, str]:
     resolver = get_resolver(urlconf)
     twins = _TWINS.get(resolver)
     if twins is None:
-        twins = dict(_walk(resolver, ()))
+        twins = {}
+        for twin, plain in _walk(resolver, ()):
+            # The first pattern of one text is the one that resolves (DRF's format suffix of
+            # ``x/`` and of ``x`` is one text), and a twin of a twin is named as its plain
+            # pattern is (``x.json`` after ``x``, itself ``x/``'s twin).
+            twins.setdefault(twin, twins.get(plain, plain))
         _TWINS[resolver] = twins
     return twins
 
@@ -149,18 +157,30 @@ def _walk(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[str,
 def _is_twin(pattern: URLPattern, plain: URLPattern) -> bool:
     """Whether ``pattern`` is ``plain`` with DRF's format suffix (``plain``'s text without
     its ``/`` and ``$``, followed by the suffix) or with its trailing slash added or
-    removed: the same view either way."""
-    if not _same_view(pattern.callback, plain.callback):
+    removed (``path("x/")`` beside ``re_path("^x$")`` too): the same view with the same URL
+    arguments either way."""
+    if not _same_view(pattern.callback, plain.callback) or (
+        pattern.default_args != plain.default_args
+    ):
         return False
     text, plain_text = str(pattern.pattern), str(plain.pattern)
     stem = plain_text.rstrip("$").rstrip("/")
     if text.startswith(stem) and text[len(stem) :].startswith(SUFFIXES):
         return True
+    # As the patterns match: a path()'s regex, which a re_path() may spell alike.
+    regex, plain_regex = _regex(pattern), _regex(plain)
     return (
-        text != plain_text
-        and text.endswith("$") == plain_text.endswith("$")
-        and _unslashed(text) == _unslashed(plain_text)
+        regex != plain_regex
+        and regex.endswith("$") == plain_regex.endswith("$")
+        and _unslashed(regex) == _unslashed(plain_regex)
     )
+
+
+def _regex(pattern: URLPattern) -> str:
+    """The regex ``pattern`` matches by, its end written ``$`` (a path()'s is ``\\Z``)."""
+    compiled = getattr(pattern.pattern, "regex", None)  # none on a pattern class of its own
+    regex = compiled.pattern if isinstance(compiled, re.Pattern) else str(pattern.pattern)
+    return regex.removesuffix(r"\Z") + "$" if regex.endswith(r"\Z") else regex
 
 
 def _unslashed(text: str) -> str:
