@@ -24,7 +24,9 @@ pytest.importorskip("rest_framework")
 
 from django.core.checks import run_checks
 from django.core.management import CommandError, call_command
+from django.http import JsonResponse
 from django.test import Client, override_settings
+from rest_framework.urlpatterns import format_suffix_patterns
 
 from django_idempotency import _check_ids
 from django_idempotency.models import IdempotencyRecord
@@ -267,6 +269,47 @@ def test_the_audit_lists_a_slash_twin_spelled_otherwise_as_it_runs():
         ("/bonuses/", "POST bonuses/"),
         ("/bonuses", "POST bonuses"),
     ]
+
+
+def test_the_twins_of_a_large_urlconf_are_found_without_comparing_every_pair(monkeypatch):
+    """Every request reads the twins table, and a process's first request builds it: a
+    router of many viewsets puts thousands of patterns at one level. Each pattern is compared
+    with the patterns that could be its twins, not with every pattern before it (which cost
+    seconds on the first request of every process)."""
+    from django.urls import clear_url_caches, path
+
+    from django_idempotency import _routes
+
+    def view(number: int) -> Any:
+        return lambda request: JsonResponse({"number": number})
+
+    views = [view(number) for number in range(300)]
+
+    class Many:
+        urlpatterns = [
+            *[path(f"items{n}/", v) for n, v in enumerate(views)],
+            *[path(f"items{n}", v) for n, v in enumerate(views)],
+            *format_suffix_patterns([path(f"other{n}/", v) for n, v in enumerate(views)]),
+        ]
+
+    compared = []
+
+    def counted(pattern: Any, plain: Any) -> bool:
+        compared.append(pattern)
+        return is_twin(pattern, plain)
+
+    is_twin = _routes._is_twin
+    monkeypatch.setattr(_routes, "_is_twin", counted)
+    with override_settings(ROOT_URLCONF=Many):
+        try:
+            twins = _routes.twins()
+        finally:
+            clear_url_caches()
+    assert twins == {
+        **{f"items{n}": f"items{n}/" for n in range(300)},
+        **{f"other{n}<drf_format_suffix:format>": f"other{n}/" for n in range(300)},
+    }
+    assert len(compared) <= 2 * 1200, len(compared)
 
 
 # -- one view in every language (i18n_patterns) -----------------------------------------------
