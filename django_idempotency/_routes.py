@@ -144,14 +144,34 @@ def twins(urlconf: Any = None) -> dict[str, str]:
 
 def _walk(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[str, str]]:
     plain: list[URLPattern] = []  # this level's patterns so far
+    # Their positions in ``plain`` by what a twin shares with them: its text before a format
+    # suffix, its regex but for a trailing slash. A pattern is compared with those only (a
+    # router puts thousands of patterns at one level), the one listed last first.
+    by_stem: dict[str, list[int]] = {}
+    by_regex: dict[tuple[str, bool], list[int]] = {}
     for pattern in resolver.url_patterns:
         if isinstance(pattern, URLResolver):
             yield from _walk(pattern, (*levels, pattern.pattern))
             continue
-        twin = next((p for p in reversed(plain) if _is_twin(pattern, p)), None)
+        text, regex = str(pattern.pattern), _regex(pattern)
+        slashless = (_unslashed(regex), regex.endswith("$"))
+        near = {
+            *by_regex.get(slashless, ()),
+            *(i for s in _stems(text) for i in by_stem.get(s, ())),
+        }
+        twin = next(
+            (plain[i] for i in sorted(near, reverse=True) if _is_twin(pattern, plain[i])), None
+        )
         if twin is not None:
             yield join((*levels, pattern.pattern)), join((*levels, twin.pattern))
+        by_stem.setdefault(text.rstrip("$").rstrip("/"), []).append(len(plain))
+        by_regex.setdefault(slashless, []).append(len(plain))
         plain.append(pattern)
+
+
+def _stems(text: str) -> set[str]:
+    """What ``text`` begins with before each format suffix it may have."""
+    return {text[:at] for at in range(len(text)) if text.startswith(SUFFIXES, at)}
 
 
 def _is_twin(pattern: URLPattern, plain: URLPattern) -> bool:
