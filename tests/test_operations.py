@@ -271,6 +271,42 @@ def test_the_audit_lists_a_slash_twin_spelled_otherwise_as_it_runs():
     ]
 
 
+class SlashAtTwoLevels:
+    urlpatterns = shapes_urls.slash_at_two_levels
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashAtTwoLevels)
+@pytest.mark.parametrize(
+    ("spellings", "account", "operation"),
+    [
+        (["/api/levies/", "/api/levies"], "levy", "POST api/levies/"),
+        (["/api/ledger/", "/api/ledger"], "ledger", "ledger.create"),
+    ],
+)
+def test_one_key_sent_to_a_slash_twin_at_another_level_runs_the_view_once(
+    client, spellings, account, operation
+):
+    key = new_key()
+    first, again = (post(client, url, key) for url in spellings)
+    assert first.status_code == 201
+    assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account__startswith=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@override_settings(ROOT_URLCONF=SlashAtTwoLevels)
+def test_a_slash_twin_at_another_level_is_one_endpoint_to_the_audit_and_the_check():
+    """Two routers of one viewset, with and without trailing slashes, are one endpoint: not
+    E060, whose ways out (another basename, an operation of its own) would make them two
+    operations, and a key sent to both would run twice."""
+    report = audit()
+    posts = [(e["url"], e["operation"]) for e in report["endpoints"] if e["method"] == "POST"]
+    assert posts == [("/api/levies/", "POST api/levies/"), ("/api/ledger/", "ledger.create")]
+    assert report["shared_operations"] == []
+    assert [m.id for m in run_checks(tags=["urls"])] == []
+
+
 def test_the_twins_of_a_large_urlconf_are_found_without_comparing_every_pair(monkeypatch):
     """Every request reads the twins table, and a process's first request builds it: a
     router of many viewsets puts thousands of patterns at one level. Each pattern is compared

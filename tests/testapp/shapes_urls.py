@@ -180,6 +180,30 @@ slash_spelled_otherwise = [
 ]
 
 
+@idempotent
+def create_levy(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("levy"), status=201)
+
+
+def _slash_routers() -> list[Any]:
+    """A viewset under a router with trailing slashes and one without, at one prefix."""
+    slashed, unslashed = SimpleRouter(), SimpleRouter(trailing_slash=False)
+    slashed.register("ledger", LedgerViewSet, basename="ledger")
+    unslashed.register("ledger", LedgerViewSet, basename="ledger")
+    return [path("api/", include(slashed.urls)), path("api/", include(unslashed.urls))]
+
+
+#: One endpoint written with and without its trailing slash at two levels of the URLconf:
+#: ``levies/`` in an app's list included under ``api/``, ``api/levies`` at the root; and a
+#: viewset under two routers, with and without trailing slashes, each included under
+#: ``api/``.
+slash_at_two_levels = [
+    path("api/", include([path("levies/", create_levy)])),
+    path("api/levies", create_levy),
+    *_slash_routers(),
+]
+
+
 # -- one basename under two routers --------------------------------------------------------------
 
 
