@@ -7,8 +7,12 @@ plain pattern's route, whichever spelling a request took, so one key never runs 
 The audit lists such a twin once, through the same table.
 
 A view written twice, with and without its trailing slash (``path("orders/", view)`` and
-``path("orders", view)``, a class view's ``as_view()`` at each), is one endpoint too: its
-operation is the route of the spelling listed first, through the same table.
+``path("orders", view)``, or ``re_path(r"^orders$", view)``, a class view's ``as_view()`` at
+each), with the same URL arguments, is one endpoint too, at one level of the URLconf or at
+two (an app's ``orders/`` included under ``api/``, ``api/orders`` at the root; two routers
+of one viewset, with and without trailing slashes): its operation is the route of the
+spelling listed first, through the same table; so are the format suffixes of both spellings
+(``orders.<drf_format_suffix:format>`` twice, one text: the first one resolves).
 
 ``i18n_patterns`` spell one endpoint once per language (``en/charges/``, ``fr/charges/``,
 and ``charges/`` for the default language where it goes unprefixed). Its operation is the
@@ -19,9 +23,10 @@ requests.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.urls import LocalePrefixPattern, URLPattern, URLResolver, get_resolver
@@ -78,9 +83,9 @@ class _Locale:
     def __init__(self, pattern: LocalePrefixPattern, below: URLResolver) -> None:
         self.pattern = pattern
         self.routes: dict[str, tuple[str, list[Any]]] = {}
-        for levels, callback in _leaves(below, ()):
-            route = join(levels)
-            self.routes.setdefault(route.removeprefix("^"), (route, []))[1].append(callback)
+        for levels, leaf in _leaves(below, ()):
+            route = join((*levels, leaf.pattern))
+            self.routes.setdefault(route.removeprefix("^"), (route, []))[1].append(leaf.callback)
 
 
 def _in_default_language(route: str, urlconf: Any, view: Any) -> str:
@@ -113,14 +118,14 @@ def _in_default_language(route: str, urlconf: Any, view: Any) -> str:
 
 def _leaves(
     resolver: URLResolver, levels: tuple[Any, ...]
-) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """The levels and the view of every pattern below ``resolver``, its own pattern left
-    out."""
+) -> Iterator[tuple[tuple[Any, ...], URLPattern]]:
+    """Every view's pattern below ``resolver`` in the order Django tries them, with the
+    levels above it (``resolver``'s own left out)."""
     for pattern in resolver.url_patterns:
         if isinstance(pattern, URLResolver):
             yield from _leaves(pattern, (*levels, pattern.pattern))
         else:
-            yield (*levels, pattern.pattern), pattern.callback
+            yield levels, pattern
 
 
 def twins(urlconf: Any = None) -> dict[str, str]:
@@ -129,38 +134,102 @@ def twins(urlconf: Any = None) -> dict[str, str]:
     resolver = get_resolver(urlconf)
     twins = _TWINS.get(resolver)
     if twins is None:
-        twins = dict(_walk(resolver, ()))
+        twins = {}
+        for twin, plain in _walk(resolver):
+            # The first pattern of one text is the one that resolves (DRF's format suffix of
+            # ``x/`` and of ``x`` is one text), and a twin of a twin is named as its plain
+            # pattern is (``x.json`` after ``x``, itself ``x/``'s twin).
+            twins.setdefault(twin, twins.get(plain, plain))
         _TWINS[resolver] = twins
     return twins
 
 
-def _walk(resolver: URLResolver, levels: tuple[Any, ...]) -> Iterator[tuple[str, str]]:
-    plain: list[URLPattern] = []  # this level's patterns so far
-    for pattern in resolver.url_patterns:
-        if isinstance(pattern, URLResolver):
-            yield from _walk(pattern, (*levels, pattern.pattern))
-            continue
-        twin = next((p for p in reversed(plain) if _is_twin(pattern, p)), None)
+class _Leaf(NamedTuple):
+    pattern: URLPattern
+    #: As ``ResolverMatch.route`` spells it.
+    route: str
+    #: The route without the pattern's own trailing ``/`` and ``$``: what its format suffix
+    #: twin's route begins with.
+    stem: str
+    #: The regex the URL is matched by, every level's joined, its end written ``$``.
+    regex: str
+
+
+def _walk(resolver: URLResolver) -> Iterator[tuple[str, str]]:
+    """``(twin's route, its plain pattern's route)`` of every twin, whatever level of the
+    URLconf each is at (an app's ``orders/`` included under ``api/``, ``api/orders`` at the
+    root)."""
+    seen: list[_Leaf] = []  # the patterns so far
+    # Their positions in ``seen`` by what a twin shares with them: its route before a format
+    # suffix, its regex but for a trailing slash. A pattern is compared with those only (a
+    # router puts thousands of patterns at one level), the one listed last first.
+    by_stem: dict[str, list[int]] = {}
+    by_regex: dict[tuple[str, bool], list[int]] = {}
+    for levels, pattern in _leaves(resolver, ()):
+        above, text = join(levels), str(pattern.pattern)
+        leaf = _Leaf(
+            pattern,
+            join((*levels, pattern.pattern)),
+            _below(above, text.rstrip("$").rstrip("/")),
+            _regex(levels, pattern),
+        )
+        slashless = (_unslashed(leaf.regex), leaf.regex.endswith("$"))
+        near = {
+            *by_regex.get(slashless, ()),
+            *(i for stem in _stems(leaf.route) for i in by_stem.get(stem, ())),
+        }
+        twin = next((seen[i] for i in sorted(near, reverse=True) if _is_twin(leaf, seen[i])), None)
         if twin is not None:
-            yield join((*levels, pattern.pattern)), join((*levels, twin.pattern))
-        plain.append(pattern)
+            yield leaf.route, twin.route
+        by_stem.setdefault(leaf.stem, []).append(len(seen))
+        by_regex.setdefault(slashless, []).append(len(seen))
+        seen.append(leaf)
 
 
-def _is_twin(pattern: URLPattern, plain: URLPattern) -> bool:
-    """Whether ``pattern`` is ``plain`` with DRF's format suffix (``plain``'s text without
+def _below(above: str, text: str) -> str:
+    """A pattern's ``text`` below levels joined as ``above``, as :func:`join` joins it."""
+    return above + text.removeprefix("^") if above else text
+
+
+def _stems(route: str) -> set[str]:
+    """What ``route`` begins with before each format suffix it may have."""
+    return {route[:at] for at in range(len(route)) if route.startswith(SUFFIXES, at)}
+
+
+def _is_twin(leaf: _Leaf, plain: _Leaf) -> bool:
+    """Whether ``leaf`` is ``plain`` with DRF's format suffix (``plain``'s route without
     its ``/`` and ``$``, followed by the suffix) or with its trailing slash added or
-    removed: the same view either way."""
-    if not _same_view(pattern.callback, plain.callback):
+    removed (``path("x/")`` beside ``re_path("^x$")`` too): the same view with the same URL
+    arguments either way."""
+    if not _same_view(leaf.pattern.callback, plain.pattern.callback) or (
+        leaf.pattern.default_args != plain.pattern.default_args
+    ):
         return False
-    text, plain_text = str(pattern.pattern), str(plain.pattern)
-    stem = plain_text.rstrip("$").rstrip("/")
-    if text.startswith(stem) and text[len(stem) :].startswith(SUFFIXES):
+    stem = plain.stem
+    if leaf.route.startswith(stem) and leaf.route[len(stem) :].startswith(SUFFIXES):
         return True
     return (
-        text != plain_text
-        and text.endswith("$") == plain_text.endswith("$")
-        and _unslashed(text) == _unslashed(plain_text)
+        leaf.regex != plain.regex
+        and leaf.regex.endswith("$") == plain.regex.endswith("$")
+        and _unslashed(leaf.regex) == _unslashed(plain.regex)
     )
+
+
+def _regex(levels: tuple[Any, ...], pattern: URLPattern) -> str:
+    """The regex a URL is matched by at ``pattern`` below ``levels``: each level's (a
+    path()'s regex, which a re_path() may spell alike) joined, ``^`` only at its start and
+    only where every level has one (a regex without matches anywhere), its end ``$``."""
+    parts = [_level_regex(level) for level in (*levels, pattern.pattern)]
+    anchored = all(part.startswith("^") for part in parts)
+    regex = ("^" if anchored else "") + "".join(part.removeprefix("^") for part in parts)
+    return regex.removesuffix(r"\Z") + "$" if regex.endswith(r"\Z") else regex
+
+
+def _level_regex(level: Any) -> str:
+    if isinstance(level, LocalePrefixPattern):
+        return "^" + re.escape(_default_prefix(level))
+    compiled = getattr(level, "regex", None)  # none on a pattern class of its own
+    return compiled.pattern if isinstance(compiled, re.Pattern) else str(level)
 
 
 def _unslashed(text: str) -> str:

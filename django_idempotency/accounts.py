@@ -17,12 +17,15 @@ def user_account(request: Any) -> str | None:
     return principal_account(user)
 
 
-def principal_account(principal: Any) -> str:
+def principal_account(principal: Any) -> str | None:
     """``user:<pk>`` for a user (an instance of ``AUTH_USER_MODEL``, of a proxy or a subclass
     of it) or an object that stands for one without a model of its own (a token's user). An
     instance of another model (a service account that an authentication class sets as the
     user) is named by its model, ``<app_label>.<model_name>:<pk>``: it never shares the
-    account of the user whose primary key it has."""
+    account of the user whose primary key it has. ``None`` for one without a primary key (an
+    unsaved user built from a token's claims): ``user:None`` would be every such caller's."""
+    if getattr(principal, "pk", None) is None:
+        return None
     label = getattr(getattr(type(principal), "_meta", None), "label_lower", None)
     if (
         isinstance(label, str)

@@ -391,6 +391,37 @@ def test_another_models_principal_is_named_by_its_model(user):
     assert user_account(SimpleNamespace(user=token_user)) == f"user:{user.pk}"
 
 
+def test_a_principal_without_a_primary_key_is_no_account():
+    """A stateless authentication that sets an unsaved user (built from a token's claims,
+    never stored) or an unsaved instance of another model: ``user:None`` would be every such
+    caller's account, and one key sent by two of them would replay the first one's outcome
+    to the other. Refused as without an account, and nothing runs."""
+    from django.contrib.auth import get_user_model
+    from django.test import RequestFactory
+
+    from tests.testapp import views
+
+    key = new_key()
+    service = ProviderCall(key="service")
+    service.is_authenticated = True  # type: ignore[attr-defined]
+    for principal in (
+        get_user_model()(username="alice"),
+        get_user_model()(username="bob"),
+        service,
+    ):
+        request = RequestFactory().post(
+            "/charges/",
+            json.dumps(CHARGE),
+            content_type="application/json",
+            HTTP_IDEMPOTENCY_KEY=key,
+        )
+        request.user = principal  # type: ignore[assignment]
+        problem(views.charges(request), "idempotency_account_missing", 403)
+    assert Charge.objects.count() == 0
+    assert ProviderCall.objects.count() == 0
+    assert not IdempotencyRecord.objects.exists()
+
+
 def test_account_from_a_custom_resolver(anon_api):
     key = new_key()
     a = anon_api.post("/charges/tenant/", CHARGE, key=key, headers={"X-Tenant": "t1"})

@@ -24,7 +24,9 @@ pytest.importorskip("rest_framework")
 
 from django.core.checks import run_checks
 from django.core.management import CommandError, call_command
+from django.http import JsonResponse
 from django.test import Client, override_settings
+from rest_framework.urlpatterns import format_suffix_patterns
 
 from django_idempotency import _check_ids
 from django_idempotency.models import IdempotencyRecord
@@ -208,6 +210,142 @@ def test_the_audit_lists_an_endpoint_with_and_without_its_slash_once():
         ("/grants/", "POST grants/"),
         ("/grants", "POST grants"),
     ]
+
+
+class SlashSpelledOtherwise:
+    urlpatterns = shapes_urls.slash_spelled_otherwise
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+@pytest.mark.parametrize(
+    ("spellings", "account", "operation"),
+    [
+        (["/remits/", "/remits.json", "/remits", "/remits.api"], "remit", "POST remits/"),
+        (["/remits", "/remits.json"], "remit", "POST remits/"),
+        (["/rebates/", "/rebates"], "rebate", "POST rebates/"),
+        (["/rebates", "/rebates/"], "rebate", "POST rebates/"),
+    ],
+)
+def test_one_key_sent_to_a_slash_twin_spelled_otherwise_runs_the_view_once(
+    client, spellings, account, operation
+):
+    """DRF's format suffix of a view at ``x/`` and at ``x`` (both suffixed spellings are
+    ``x<drf_format_suffix:format>``), and a ``path()`` beside a ``re_path()``: one endpoint."""
+    key = new_key()
+    first = post(client, spellings[0], key)
+    assert first.status_code == 201
+    for url in spellings[1:]:
+        # Never a second run: a replay, or 422 where the format is part of the fingerprint.
+        assert post(client, url, key).status_code in (201, 422), url
+    assert Charge.objects.filter(account=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+def test_one_view_given_other_url_arguments_at_each_spelling_is_two_operations(client):
+    """``bonuses/`` pays cash and ``bonuses`` vouchers: one function, two endpoints. A key sent
+    to both runs each once; neither is refused as the other's request."""
+    key = new_key()
+    assert post(client, "/bonuses/", key).status_code == 201
+    assert post(client, "/bonuses", key).status_code == 201
+    assert sorted(Charge.objects.values_list("account", flat=True)) == [
+        "bonus:cash",
+        "bonus:voucher",
+    ]
+    assert sorted(IdempotencyRecord.objects.values_list("operation", flat=True)) == [
+        "POST bonuses",
+        "POST bonuses/",
+    ]
+
+
+@override_settings(ROOT_URLCONF=SlashSpelledOtherwise)
+def test_the_audit_lists_a_slash_twin_spelled_otherwise_as_it_runs():
+    posts = [(e["url"], e["operation"]) for e in audit()["endpoints"] if e["method"] == "POST"]
+    assert posts == [
+        ("/remits/", "POST remits/"),
+        ("/rebates/", "POST rebates/"),
+        ("/bonuses/", "POST bonuses/"),
+        ("/bonuses", "POST bonuses"),
+    ]
+
+
+class SlashAtTwoLevels:
+    urlpatterns = shapes_urls.slash_at_two_levels
+
+
+@pytest.mark.django_db
+@override_settings(ROOT_URLCONF=SlashAtTwoLevels)
+@pytest.mark.parametrize(
+    ("spellings", "account", "operation"),
+    [
+        (["/api/levies/", "/api/levies"], "levy", "POST api/levies/"),
+        (["/api/ledger/", "/api/ledger"], "ledger", "ledger.create"),
+    ],
+)
+def test_one_key_sent_to_a_slash_twin_at_another_level_runs_the_view_once(
+    client, spellings, account, operation
+):
+    key = new_key()
+    first, again = (post(client, url, key) for url in spellings)
+    assert first.status_code == 201
+    assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+    assert Charge.objects.filter(account__startswith=account).count() == 1
+    assert list(IdempotencyRecord.objects.values_list("operation", flat=True)) == [operation]
+
+
+@override_settings(ROOT_URLCONF=SlashAtTwoLevels)
+def test_a_slash_twin_at_another_level_is_one_endpoint_to_the_audit_and_the_check():
+    """Two routers of one viewset, with and without trailing slashes, are one endpoint: not
+    E060, whose ways out (another basename, an operation of its own) would make them two
+    operations, and a key sent to both would run twice."""
+    report = audit()
+    posts = [(e["url"], e["operation"]) for e in report["endpoints"] if e["method"] == "POST"]
+    assert posts == [("/api/levies/", "POST api/levies/"), ("/api/ledger/", "ledger.create")]
+    assert report["shared_operations"] == []
+    assert [m.id for m in run_checks(tags=["urls"])] == []
+
+
+def test_the_twins_of_a_large_urlconf_are_found_without_comparing_every_pair(monkeypatch):
+    """Every request reads the twins table, and a process's first request builds it: a
+    router of many viewsets puts thousands of patterns at one level. Each pattern is compared
+    with the patterns that could be its twins, not with every pattern before it (which cost
+    seconds on the first request of every process)."""
+    from django.urls import clear_url_caches, path
+
+    from django_idempotency import _routes
+
+    def view(number: int) -> Any:
+        return lambda request: JsonResponse({"number": number})
+
+    views = [view(number) for number in range(300)]
+
+    class Many:
+        urlpatterns = [
+            *[path(f"items{n}/", v) for n, v in enumerate(views)],
+            *[path(f"items{n}", v) for n, v in enumerate(views)],
+            *format_suffix_patterns([path(f"other{n}/", v) for n, v in enumerate(views)]),
+        ]
+
+    compared = []
+
+    def counted(pattern: Any, plain: Any) -> bool:
+        compared.append(pattern)
+        return is_twin(pattern, plain)
+
+    is_twin = _routes._is_twin
+    monkeypatch.setattr(_routes, "_is_twin", counted)
+    with override_settings(ROOT_URLCONF=Many):
+        try:
+            twins = _routes.twins()
+        finally:
+            clear_url_caches()
+    assert twins == {
+        **{f"items{n}": f"items{n}/" for n in range(300)},
+        **{f"other{n}<drf_format_suffix:format>": f"other{n}/" for n in range(300)},
+    }
+    assert len(compared) <= 2 * 1200, len(compared)
 
 
 # -- one view in every language (i18n_patterns) -----------------------------------------------

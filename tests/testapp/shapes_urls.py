@@ -150,6 +150,60 @@ with_and_without_slash = [
 ]
 
 
+@api_view(["POST"])
+@idempotent
+def create_remit(request: Request, format: str | None = None) -> Response:
+    return Response(written("remit"), status=201)
+
+
+@idempotent
+def create_rebate(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("rebate"), status=201)
+
+
+@idempotent
+def create_bonus(request: HttpRequest, kind: str) -> HttpResponse:
+    return JsonResponse(written(f"bonus:{kind}"), status=201)
+
+
+#: The same, spelled less plainly: DRF's format suffixes of both spellings
+#: (``remits.<drf_format_suffix:format>`` twice, after ``remits/`` and after ``remits``); a
+#: ``path()`` beside a ``re_path()`` (``rebates/`` and ``^rebates$``); and one view given
+#: other URL arguments at each spelling (``bonuses/`` pays cash, ``bonuses`` vouchers): two
+#: endpoints of one function.
+slash_spelled_otherwise = [
+    *format_suffix_patterns([path("remits/", create_remit), path("remits", create_remit)]),
+    path("rebates/", create_rebate),
+    re_path(r"^rebates$", create_rebate),
+    path("bonuses/", create_bonus, {"kind": "cash"}),
+    path("bonuses", create_bonus, {"kind": "voucher"}),
+]
+
+
+@idempotent
+def create_levy(request: HttpRequest) -> HttpResponse:
+    return JsonResponse(written("levy"), status=201)
+
+
+def _slash_routers() -> list[Any]:
+    """A viewset under a router with trailing slashes and one without, at one prefix."""
+    slashed, unslashed = SimpleRouter(), SimpleRouter(trailing_slash=False)
+    slashed.register("ledger", LedgerViewSet, basename="ledger")
+    unslashed.register("ledger", LedgerViewSet, basename="ledger")
+    return [path("api/", include(slashed.urls)), path("api/", include(unslashed.urls))]
+
+
+#: One endpoint written with and without its trailing slash at two levels of the URLconf:
+#: ``levies/`` in an app's list included under ``api/``, ``api/levies`` at the root; and a
+#: viewset under two routers, with and without trailing slashes, each included under
+#: ``api/``.
+slash_at_two_levels = [
+    path("api/", include([path("levies/", create_levy)])),
+    path("api/levies", create_levy),
+    *_slash_routers(),
+]
+
+
 # -- one basename under two routers --------------------------------------------------------------
 
 
