@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
@@ -613,3 +614,21 @@ def test_the_purge_leaves_a_key_whose_late_run_holds_its_lease_past_the_tasks_tt
     purged = maintenance.purge_expired().outbox_deleted
     assert once() == first
     assert (purged, messages(), OutboxUniqueKey.objects.count()) == (0, 1, 1)
+
+
+@needs_tasks
+def test_a_django_task_deferred_to_the_last_day_of_the_calendar_holds_its_key_and_purges():
+    """``run_after`` on 9999-12-31: the key's hold (``run_after`` plus the task's TTL)
+    reaches past the last moment a datetime holds. The next enqueue and the purge still
+    answer: the key holds, one message, nothing purged."""
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    last_day = django_task.using(run_after=datetime(9999, 12, 31, tzinfo=dt_timezone.utc))
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("deferred", last_day, "tag")
+    sent(uuid.UUID(first.id))
+    with transaction.atomic():
+        again = tasks_backend.enqueue_once("deferred", last_day, "tag")
+    purged = maintenance.purge_expired(now=timezone.now() + timedelta(days=30)).outbox_deleted
+    assert (again.id, purged, messages(), OutboxUniqueKey.objects.count()) == (first.id, 0, 1, 1)
