@@ -306,6 +306,23 @@ def task_operation(task: str) -> str:
     return f"task:{task}"
 
 
+def running(alias: str, now: datetime) -> list[uuid.UUID]:
+    """The messages whose run's record is in progress under a live lease at ``now`` (as
+    many as runs go on at once): their keys hold whenever their message was sent."""
+    keys = (
+        IdempotencyRecord.objects.using(alias)
+        .filter(states.live_lease_q(now), account=TASK_ACCOUNT)
+        .values_list("key", flat=True)
+    )
+    found = []
+    for key in keys:
+        try:
+            found.append(uuid.UUID(key))
+        except ValueError:
+            continue
+    return found
+
+
 def finished(alias: str, message_id: object) -> None:
     """A worker's run of a message ended with an error: its key (if it has one) is free.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, cast
 
@@ -112,6 +113,8 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         The purge of the ``purge_idempotency`` command, the Celery task and the admin action;
         its batches are described in :func:`django_idempotency._purge.purge`.
         """
+        from django_idempotency import _unique  # (it imports the models)
+
         now = now or timezone.now()
         alias = self.db
         archive = None
@@ -132,7 +135,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
             ),
             outbox=OutboxMessage.objects.using(alias)
             .filter(status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION)
-            .exclude(models.Exists(OutboxUniqueKey.may_hold(now))),
+            .exclude(models.Exists(OutboxUniqueKey.may_hold(now, _unique.running(alias, now)))),
             archive=archive,
             batch_size=batch_size,
             max_batches=max_batches,
@@ -432,20 +435,27 @@ class OutboxUniqueKey(models.Model):
         return f"{self.task} {self.key} -> {self.message_id}"
 
     @classmethod
-    def may_hold(cls, now: datetime) -> models.QuerySet[OutboxUniqueKey]:
+    def may_hold(
+        cls, now: datetime, running: Iterable[uuid.UUID] = ()
+    ) -> models.QuerySet[OutboxUniqueKey]:
         """The key of the outer query's sent message, where it may still hold at ``now``
         (``_unique.holds`` decides): a duration not over yet; or a word's, its run not ended
         with an error, the message sent less long ago than the run's record lives
-        (``run_ttl``). The purge keeps such a message, and so its key, past
+        (``run_ttl``) or its run among ``running`` (those whose record holds a live lease,
+        ``_unique.running``: a run a worker took up later than ``run_ttl`` after the
+        hand-over). The purge keeps such a message, and so its key, past
         ``OUTBOX_RETENTION``: a key is never freed by the purge before its time."""
         kept = models.ExpressionWrapper(
             models.OuterRef("sent_at") + models.F("run_ttl"), output_field=models.DateTimeField()
         )
+        live = models.Q(kept__gt=now)
+        if running := list(running):
+            live |= models.Q(message_id__in=running)
         return (
             cls.objects.filter(message_id=models.OuterRef("pk"))
             .alias(kept=kept)
             .filter(
                 models.Q(held_until__gt=now)
-                | models.Q(finished_at=None, run_ttl__isnull=False, kept__gt=now)
+                | (models.Q(finished_at=None, run_ttl__isnull=False) & live)
             )
         )

@@ -45,6 +45,7 @@ from django_idempotency._senders import (
     Unreadable,
     configured_sender,
 )
+from django_idempotency._validation import MAX_DURATION
 from django_idempotency._vendors import of
 from django_idempotency._wakeup import CHANNEL
 from django_idempotency.conf import app_settings
@@ -156,10 +157,12 @@ def enqueue_once(
     run_ttl = _unique.record_ttl(target.function)
     if run_ttl is not None and target.run_after is not None:
         # No worker runs it before run_after: a run's record is missing until then too.
+        # (At most the longest duration a setting takes: the hold's end, sent_at plus
+        # run_ttl, stays a datetime for a run_after on the calendar's last day.)
         now, after = timezone.now(), target.run_after
         if timezone.is_aware(after) and timezone.is_naive(now):  # USE_TZ = False
             after = timezone.make_naive(after)
-        run_ttl += max(after - now, timedelta(0))
+        run_ttl += min(max(after - now, timedelta(0)), MAX_DURATION)
     written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl)
     return written.id if isinstance(written, OutboxMessage) else written
 

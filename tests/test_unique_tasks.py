@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
@@ -589,3 +590,45 @@ def test_a_django_task_deferred_past_the_tasks_ttl_holds_its_key_until_it_could_
         again = tasks_backend.enqueue_once("deferred", later, "tag")
     assert again.id == first.id
     assert messages() == 1
+
+
+@override_settings(
+    IDEMPOTENCY={
+        "OUTBOX_SENDER": "tests.testapp.outbox.record",
+        "OUTBOX_RETENTION": timedelta(minutes=1),
+    }
+)
+def test_the_purge_leaves_a_key_whose_late_run_holds_its_lease_past_the_tasks_ttl():
+    """The worker took the message up late (a backlog longer than the task's TTL) and runs
+    it now under a live lease: the key still holds (``holds`` reads the live run), so the
+    purge must not take the message and its key from under the run."""
+    from django_idempotency.conf import app_settings
+
+    first = once()
+    sent(first)
+    handed_over = timezone.now() - app_settings.TTL - timedelta(hours=1)
+    OutboxMessage.objects.filter(pk=first).update(sent_at=handed_over)
+    OutboxUniqueKey.objects.update(created_at=handed_over)
+    run_record(first, "in_progress", lease=timedelta(minutes=10))
+    assert once() == first  # the live run holds the key
+    purged = maintenance.purge_expired().outbox_deleted
+    assert once() == first
+    assert (purged, messages(), OutboxUniqueKey.objects.count()) == (0, 1, 1)
+
+
+@needs_tasks
+def test_a_django_task_deferred_to_the_last_day_of_the_calendar_holds_its_key_and_purges():
+    """``run_after`` on 9999-12-31: the key's hold (``run_after`` plus the task's TTL)
+    reaches past the last moment a datetime holds. The next enqueue and the purge still
+    answer: the key holds, one message, nothing purged."""
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_effect as django_task
+
+    last_day = django_task.using(run_after=datetime(9999, 12, 31, tzinfo=dt_timezone.utc))
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("deferred", last_day, "tag")
+    sent(uuid.UUID(first.id))
+    with transaction.atomic():
+        again = tasks_backend.enqueue_once("deferred", last_day, "tag")
+    purged = maintenance.purge_expired(now=timezone.now() + timedelta(days=30)).outbox_deleted
+    assert (again.id, purged, messages(), OutboxUniqueKey.objects.count()) == (first.id, 0, 1, 1)
