@@ -27,7 +27,7 @@ from django_idempotency.models import (
     OutboxStatus,
     OutboxUniqueKey,
 )
-from tests.helpers import postgres_only
+from tests.helpers import in_thread, postgres_only
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -632,3 +632,50 @@ def test_a_django_task_deferred_to_the_last_day_of_the_calendar_holds_its_key_an
         again = tasks_backend.enqueue_once("deferred", last_day, "tag")
     purged = maintenance.purge_expired(now=timezone.now() + timedelta(days=30)).outbox_deleted
     assert (again.id, purged, messages(), OutboxUniqueKey.objects.count()) == (first.id, 0, 1, 1)
+
+
+@postgres_only  # the worker's run starts on a connection of its own, mid-purge
+@override_settings(
+    IDEMPOTENCY={
+        "OUTBOX_SENDER": "tests.testapp.outbox.record",
+        "OUTBOX_RETENTION": timedelta(microseconds=1),
+    }
+)
+def test_a_run_the_worker_takes_up_while_the_purge_runs_keeps_its_message_and_key():
+    """The purge reads which runs hold a live lease, then purges the records, the audit
+    records and only then the outbox: a late run (a backlog past the task's TTL) that a
+    worker takes up meanwhile holds the key (``holds`` reads its live lease), so its
+    message and key are not purged from under it, and the next enqueue writes nothing."""
+    from django_idempotency.conf import app_settings
+
+    first = once()
+    sent(first)
+    handed_over = timezone.now() - app_settings.TTL - timedelta(hours=1)
+    OutboxMessage.objects.filter(pk=first).update(sent_at=handed_over)
+    OutboxUniqueKey.objects.update(created_at=handed_over)
+    IdempotencyRecord.objects.create(  # an expired record: the purge's first batch
+        account="user:1",
+        operation="op",
+        key="old",
+        request_hash="-",
+        status="completed",
+        expires_at=timezone.now() - timedelta(days=1),
+    )
+    started: list[bool] = []
+
+    def worker_takes_it_up(batches: int, rows: int) -> None:
+        if started:
+            return
+        worker = threading.Thread(
+            target=in_thread(lambda: run_record(first, "in_progress", lease=timedelta(minutes=10)))
+        )
+        worker.start()
+        worker.join(timeout=30)
+        started.append(not worker.is_alive())
+
+    result = maintenance.purge_expired(progress=worker_takes_it_up)
+    assert started == [True]
+    assert (result.deleted, result.outbox_deleted) == (1, 0)
+    assert (messages(), OutboxUniqueKey.objects.count()) == (1, 1)
+    assert once() == first  # the live run holds the key
+    assert messages() == 1
