@@ -70,9 +70,12 @@ class Archive:
 
 @dataclass(frozen=True)
 class _Table:
-    """One table's part of a run: what to delete, in which order, and where its figures go."""
+    """One table's part of a run: what to delete, in which order, and where its figures go.
 
-    candidates: QuerySet[Any]
+    ``select`` gives the rows to delete; it is called again in every batch's transaction, so
+    a selection that reads the live state (the outbox's running runs) reads it fresh."""
+
+    select: Callable[[], QuerySet[Any]]
     order: str
     rows_field: str
     batches_field: str
@@ -83,7 +86,7 @@ def purge(
     *,
     records: QuerySet[Any],
     audits: QuerySet[Any],
-    outbox: QuerySet[Any],
+    outbox: Callable[[], QuerySet[Any]],
     archive: Archive | None,
     batch_size: int | None = None,
     max_batches: int | None = None,
@@ -91,7 +94,8 @@ def purge(
     progress: Progress | None = None,
 ) -> PurgeResult:
     """Delete ``records`` (copying each batch with ``archive`` first, in the same
-    transaction, when it is given), then ``audits``, then ``outbox``, in bounded batches.
+    transaction, when it is given), then ``audits``, then what ``outbox()`` selects (called
+    in each of its batches' transactions), in bounded batches.
 
     Each batch is one short transaction; on PostgreSQL one ``DELETE ... WHERE id IN (SELECT
     ... LIMIT n FOR UPDATE SKIP LOCKED)``, so concurrent purgers and live claims never wait on
@@ -106,17 +110,17 @@ def purge(
     if size <= 0 or (limit is not None and limit <= 0):
         raise ValueError("batch_size and max_batches must be positive")
     tables = (
-        _Table(records, "expires_at", "deleted", "batches", archive),
-        _Table(audits, "archived_at", "audit_deleted", "audit_batches"),
+        _Table(lambda: records, "expires_at", "deleted", "batches", archive),
+        _Table(lambda: audits, "archived_at", "audit_deleted", "audit_batches"),
         _Table(outbox, "sent_at", "outbox_deleted", "outbox_batches"),
     )
     result = PurgeResult(dry_run=dry_run)
     for table in tables:
         if dry_run:
-            rows, batches, complete = _count(table.candidates, size, limit)
+            rows, batches, complete = _count(table.select(), size, limit)
         else:
             rows = batches = 0
-            run = functools.partial(_delete_batch, table)
+            run = functools.partial(_delete_batch, records.db, table)
             for deleted, seconds in budgeted_batches(run, size, limit):
                 rows, batches = rows + deleted, batches + 1
                 setattr(result, table.rows_field, rows)
@@ -187,12 +191,11 @@ def budgeted_batches(
             current = min(size, current * 2)
 
 
-def _delete_batch(table: _Table, size: int) -> int:
-    candidates = table.candidates
-    alias = candidates.db
+def _delete_batch(alias: str, table: _Table, size: int) -> int:
     features = connections[alias].features
     shape = of(alias).purge_batch
     with transaction.atomic(using=alias):
+        candidates = table.select()  # read in this batch's transaction
         pick = candidates.select_for_update(
             skip_locked=features.has_select_for_update_skip_locked
         ).order_by(table.order)

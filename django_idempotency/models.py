@@ -128,14 +128,23 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
                 ),
                 params=(now, PURGED),
             )
+
+        def outbox() -> models.QuerySet[OutboxMessage]:
+            # Called in each batch's transaction: which runs hold a live lease is read again
+            # there, so a run a worker took up while the records were purged keeps its key.
+            running = _unique.running(alias, now)
+            return (
+                OutboxMessage.objects.using(alias)
+                .filter(status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION)
+                .exclude(models.Exists(OutboxUniqueKey.may_hold(now, running)))
+            )
+
         return _purge.purge(
             records=self.filter(expired_q(now)),
             audits=IdempotencyAuditRecord.objects.using(alias).filter(
                 archived_at__lte=now - app_settings.AUDIT_RETENTION
             ),
-            outbox=OutboxMessage.objects.using(alias)
-            .filter(status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION)
-            .exclude(models.Exists(OutboxUniqueKey.may_hold(now, _unique.running(alias, now)))),
+            outbox=outbox,
             archive=archive,
             batch_size=batch_size,
             max_batches=max_batches,
