@@ -23,7 +23,7 @@ from django_idempotency.models import (
     IdempotencyStep,
     RecordStatus,
 )
-from tests.helpers import NOW, bulk_records, completed, in_progress
+from tests.helpers import NOW, bulk_records, completed, in_progress, keys
 
 pytestmark = pytest.mark.django_db
 
@@ -146,6 +146,43 @@ def test_manager_delete_expired_is_the_same_purge():
 def test_bad_batch_size_is_refused():
     with pytest.raises(ValueError, match="positive"):
         maintenance.purge_expired(batch_size=0)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "3", 2**63])
+def test_every_maintenance_entry_refuses_the_counts_its_command_refuses(value: Any):
+    """The relay's ``batch_size`` takes what ``OUTBOX_BATCH_SIZE`` admits; the purge's, the
+    recovery's and the rotation's counts (the Python API and the beat tasks alike) take what
+    their commands and settings admit, a whole number from 1 to 2147483647, and refuse the
+    rest before touching anything: ``limit=0`` does not quietly recover nothing."""
+    from cryptography.fernet import Fernet
+
+    from django_idempotency import tasks
+
+    completed(expires_in=-timedelta(seconds=1), key="expired")
+    stale = in_progress(lease_in=-timedelta(seconds=1), key="stale")
+    plain = completed(expires_in=timedelta(hours=1), key="plain", response_body=b"{}")
+    refused = []
+    calls = [
+        lambda: maintenance.purge_expired(batch_size=value, now=NOW),
+        lambda: maintenance.purge_expired(max_batches=value, now=NOW),
+        lambda: tasks.purge_expired.apply(kwargs={"max_batches": value}).get(),
+        lambda: maintenance.recover_stale_leases(limit=value, now=NOW),
+        lambda: tasks.recover_stale_leases.apply(kwargs={"limit": value}).get(),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="whole number from 1 to 2147483647"):
+            call()
+        refused.append(call)
+    with keys(Fernet.generate_key().decode()):
+        with pytest.raises(ValueError, match="whole number from 1 to 2147483647"):
+            maintenance.rotate_encryption(batch_size=value)
+        refused.append(maintenance.rotate_encryption)
+    assert len(refused) == 6
+    assert remaining_keys() == {"expired", "stale", "plain"}
+    stale.refresh_from_db()
+    plain.refresh_from_db()
+    assert (stale.status, stale.recovery_attempts) == (RecordStatus.IN_PROGRESS, 0)
+    assert bytes(plain.response_body) == b"{}"
 
 
 # -- the audit trail --------------------------------------------------------------------------
