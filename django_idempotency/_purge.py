@@ -21,7 +21,7 @@ from typing import Any
 from django.db import connections, models, transaction
 from django.db.models import QuerySet
 
-from django_idempotency import _retry, signals
+from django_idempotency import _retry, _validation, signals
 from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
 
@@ -105,10 +105,9 @@ def purge(
     bounds each table separately. ``progress(batches, rows)`` is called after every batch
     with the run's running totals. Sends ``records_purged`` unless ``dry_run``.
     """
-    size = batch_size if batch_size is not None else app_settings.PURGE_BATCH_SIZE
-    limit = max_batches if max_batches is not None else app_settings.PURGE_MAX_BATCHES
-    if size <= 0 or (limit is not None and limit <= 0):
-        raise ValueError("batch_size and max_batches must be positive")
+    size = _validation.counted_argument("batch_size", batch_size) or app_settings.PURGE_BATCH_SIZE
+    limit = _validation.counted_argument("max_batches", max_batches)
+    limit = limit if limit is not None else app_settings.PURGE_MAX_BATCHES
     tables = (
         _Table(lambda: records, "expires_at", "deleted", "batches", archive),
         _Table(lambda: audits, "archived_at", "audit_deleted", "audit_batches"),

@@ -163,11 +163,8 @@ def _sender(sender: Sender | None) -> Sender:
 def _batch_size(batch_size: int | None) -> int:
     """The batch size asked for, or ``OUTBOX_BATCH_SIZE``; ``ValueError`` for anything the
     setting would not admit (``True``, ``1.5``, ``"3"``, past ``MAX_INT``)."""
-    size = batch_size if batch_size is not None else app_settings.OUTBOX_BATCH_SIZE
-    try:
-        return _validation.positive_int(size)
-    except _validation.Invalid as exc:
-        raise ValueError(f"batch_size {exc}") from None
+    size = _validation.counted_argument("batch_size", batch_size)
+    return size if size is not None else app_settings.OUTBOX_BATCH_SIZE
 
 
 def _relay_batch(alias: str, size: int, send: Sender, now: datetime) -> RelayResult:

@@ -89,6 +89,18 @@ def positive_int(value: Any) -> int:
     return _counted(value, f"a whole number from 1 to {MAX_INT}")
 
 
+def counted_argument(name: str, value: Any) -> int | None:
+    """A count given to a maintenance function (``batch_size``, ``max_batches``, ``limit``):
+    ``None`` (its default), or what its setting and its command admit, a whole number from 1
+    to ``MAX_INT``; ``ValueError`` naming ``name`` for anything else."""
+    if value is None:
+        return None
+    try:
+        return positive_int(value)
+    except Invalid as exc:
+        raise ValueError(f"{name} {exc}") from None
+
+
 def optional_positive_int(value: Any) -> int | None:
     """A whole number from 1 to ``MAX_INT``, or ``None``."""
     if value is None:

@@ -43,7 +43,7 @@ from django.db import connections, transaction
 from django.db.models import Count, QuerySet, TextField
 from django.db.models.functions import Cast, Substr
 
-from django_idempotency import _storable
+from django_idempotency import _storable, _validation
 from django_idempotency._purge import budgeted_batches
 from django_idempotency._vendors import of
 from django_idempotency.conf import app_settings
@@ -548,6 +548,7 @@ def rotate(
     replaced or completed anew since the batch read it is left alone. ``progress(batches,
     sealed)`` is called after each batch. Raises ``ImproperlyConfigured`` without keys.
     """
+    batch_size = _validation.counted_argument("batch_size", batch_size)
     configured = _configured()
     if configured is None:
         raise ImproperlyConfigured(

@@ -19,7 +19,7 @@ from datetime import datetime
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import _once, _outcomes, _policies, _recovery, _store, crypto
+from django_idempotency import _once, _outcomes, _policies, _recovery, _store, _validation, crypto
 from django_idempotency._claims import Claim
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
@@ -163,6 +163,7 @@ def recover_stale_leases(
     taken over meanwhile is left alone. Attempts are counted on the record
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
     """
+    limit = _validation.counted_argument("limit", limit)
     alias = using or app_settings.DATABASE
     now = now or timezone.now()
     result = RecoveryResult(dry_run=dry_run)

@@ -144,7 +144,7 @@ def test_manager_delete_expired_is_the_same_purge():
 
 
 def test_bad_batch_size_is_refused():
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number from 1"):
         maintenance.purge_expired(batch_size=0)
 
 
