@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import transaction
 from django.utils import timezone
 
 from django_idempotency import crypto, maintenance
@@ -258,3 +259,36 @@ def test_rotation_in_batches_beside_live_claims_and_completions(user, tmp_path):
     assert leftover.records == 0
     assert key_ids() == {crypto.key_id(NEW): rows + len(sent)}
     assert not IdempotencyRecord.objects.filter(status="in_progress").exists()
+
+
+@postgres_only
+def test_a_record_another_transaction_holds_is_counted_as_left_for_the_next_run():
+    """A batch skips the rows another transaction locks (a claim's ON CONFLICT on a retry,
+    an admin's save): such a record keeps its old key, and the run must say so, not report
+    a walk that sealed everything it did not skip."""
+    for n in range(5):
+        record_under(OLD, n)
+    held = IdempotencyRecord.objects.get(key="r-2")
+    locked, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with transaction.atomic():
+            IdempotencyRecord.objects.select_for_update().filter(pk=held.pk).get()
+            locked.set()
+            leave.wait(WAIT)
+
+    holder = threading.Thread(target=in_thread(hold))
+    holder.start()
+    try:
+        assert locked.wait(WAIT)
+        with keys(NEW, OLD):
+            out = StringIO()
+            call_command("rotate_idempotency_encryption", stdout=out)
+    finally:
+        leave.set()
+        holder.join(WAIT)
+    with keys(NEW, OLD):
+        left = maintenance.rotate_encryption(dry_run=True)
+    assert left.records == 1  # r-2 is still sealed with the old key
+    assert "Sealed 4 idempotency records" in out.getvalue()
+    assert "1 were in use by another transaction and left as they are" in out.getvalue()
