@@ -332,6 +332,9 @@ class RotationResult:
     #: Replaced, completed anew or deleted between the batch's read and its write: left to
     #: whoever changed them (a new completion is sealed with the first key already).
     changed: int = 0
+    #: Held by another transaction when their batch came (a claim's lock, an edit): left
+    #: under their key; a run that found none is needed before a key is removed.
+    in_use: int = 0
     #: Larger, once sealed, than one statement the database takes (MariaDB's and MySQL's
     #: ``max_allowed_packet``): left as they are, readable.
     too_large: int = 0
@@ -358,17 +361,23 @@ class _Walk:
 
     def batch(self, size: int) -> int:
         self.tally = dict.fromkeys(
-            ("current", "unreadable", "changed", "too_large", self.counter), 0
+            ("current", "unreadable", "changed", "too_large", "in_use", self.counter), 0
         )
         alias = self.rows.db
         with transaction.atomic(using=alias):
             page = self.rows.filter(pk__gt=self.last).order_by("pk")
+            skip = connections[alias].features.has_select_for_update_skip_locked
+            ids: list[Any] | None = None
+            if not self.result.dry_run and skip:
+                # The batch's rows first, unlocked: those the locked read then skips are held
+                # by another transaction, left under their key and counted.
+                ids = list(page.values_list("pk", flat=True)[:size])
+                page = page.filter(pk__in=ids)
             if not self.result.dry_run:
-                features = connections[alias].features
-                page = page.select_for_update(
-                    skip_locked=features.has_select_for_update_skip_locked
-                )
+                page = page.select_for_update(skip_locked=skip)
             found = self._read(page, size)
+            if ids is not None:
+                self.tally["in_use"] = len(ids) - len(found)
             todo = self._todo(found)
             if self.result.dry_run:
                 self.tally[self.counter] += len(todo)
@@ -377,9 +386,10 @@ class _Walk:
         # Counted once the batch committed: a batch run again after a deadlock counts once.
         for name, count in self.tally.items():
             setattr(self.result, name, getattr(self.result, name) + count)
-        if found:
-            self.last = found[-1][0]
-        return len(found)
+        walked = ids if ids is not None else [row[0] for row in found]
+        if walked:
+            self.last = walked[-1]
+        return len(walked)
 
     def _read(self, page: QuerySet[Any], size: int) -> list[tuple[Any, ...]]:
         """``(pk, what says how it is sealed, *fence)`` of the batch's rows."""

@@ -75,6 +75,11 @@ class Command(BaseCommand):
             )
         if result.changed:
             line += f" {result.changed} changed meanwhile and were left to that change."
+        if result.in_use:
+            line += (
+                f" {result.in_use} were in use by another transaction and left as they are:"
+                " run it again."
+            )
         if result.too_large:
             line += (
                 f" {result.too_large} would be larger sealed than one statement the database"
