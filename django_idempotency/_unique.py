@@ -34,6 +34,7 @@ from django_idempotency._vendors import of
 from django_idempotency.exceptions import TaskAlreadyQueued
 from django_idempotency.keys import validate_key
 from django_idempotency.models import (
+    TASK_ACCOUNT,
     IdempotencyRecord,
     OutboxMessage,
     OutboxStatus,
@@ -61,9 +62,6 @@ BY_MESSAGE = "idempotent_task_by_message"
 RECORD_TTL = "idempotent_task_ttl"
 #: ``on_conflict``: what an enqueue that meets a live message does.
 ON_CONFLICT = ("return", "raise")
-#: The account of every ``@idempotent_task`` record: no request's account is ever "task",
-#: so task records and request records never collide.
-TASK_ACCOUNT = "task"
 # An enqueue that finds the key's row gone, or taken first by another, starts over; this
 # bounds it.
 _ATTEMPTS = 3
@@ -304,23 +302,6 @@ def record_identity(task: str, message_id: uuid.UUID) -> tuple[str, str, str]:
 def task_operation(task: str) -> str:
     """The operation of an ``@idempotent_task`` record: ``task:<task name>``."""
     return f"task:{task}"
-
-
-def running(alias: str, now: datetime) -> list[uuid.UUID]:
-    """The messages whose run's record is in progress under a live lease at ``now`` (as
-    many as runs go on at once): their keys hold whenever their message was sent."""
-    keys = (
-        IdempotencyRecord.objects.using(alias)
-        .filter(states.live_lease_q(now), account=TASK_ACCOUNT)
-        .values_list("key", flat=True)
-    )
-    found = []
-    for key in keys:
-        try:
-            found.append(uuid.UUID(key))
-        except ValueError:
-            continue
-    return found
 
 
 def finished(alias: str, message_id: object) -> None:

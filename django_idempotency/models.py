@@ -113,8 +113,6 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         The purge of the ``purge_idempotency`` command, the Celery task and the admin action;
         its batches are described in :func:`django_idempotency._purge.purge`.
         """
-        from django_idempotency import _unique  # (it imports the models)
-
         now = now or timezone.now()
         alias = self.db
         archive = None
@@ -132,7 +130,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         def outbox() -> models.QuerySet[OutboxMessage]:
             # Called in each batch's transaction: which runs hold a live lease is read again
             # there, so a run a worker took up while the records were purged keeps its key.
-            running = _unique.running(alias, now)
+            running = running_tasks(alias, now)
             return (
                 OutboxMessage.objects.using(alias)
                 .filter(status=OutboxStatus.SENT, sent_at__lte=now - app_settings.OUTBOX_RETENTION)
@@ -151,6 +149,29 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
             dry_run=dry_run,
             progress=progress,
         )
+
+
+#: The account of every ``@idempotent_task`` record: no request's account is ever "task",
+#: so task records and request records never collide.
+TASK_ACCOUNT = "task"
+
+
+def running_tasks(alias: str, now: datetime) -> list[uuid.UUID]:
+    """The outbox messages whose run's record (``@idempotent_task``, keyed by the message)
+    is in progress under a live lease at ``now`` (as many as runs go on at once): their
+    ``enqueue_once`` keys hold whenever their message was sent."""
+    keys = (
+        IdempotencyRecord.objects.using(alias)
+        .filter(states.live_lease_q(now), account=TASK_ACCOUNT)
+        .values_list("key", flat=True)
+    )
+    found = []
+    for key in keys:
+        try:
+            found.append(uuid.UUID(key))
+        except ValueError:
+            continue
+    return found
 
 
 class IdempotencyRecord(models.Model):
@@ -451,7 +472,7 @@ class OutboxUniqueKey(models.Model):
         (``_unique.holds`` decides): a duration not over yet; or a word's, its run not ended
         with an error, the message sent less long ago than the run's record lives
         (``run_ttl``) or its run among ``running`` (those whose record holds a live lease,
-        ``_unique.running``: a run a worker took up later than ``run_ttl`` after the
+        ``running_tasks``: a run a worker took up later than ``run_ttl`` after the
         hand-over). The purge keeps such a message, and so its key, past
         ``OUTBOX_RETENTION``: a key is never freed by the purge before its time."""
         kept = models.ExpressionWrapper(
