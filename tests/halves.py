@@ -2,9 +2,10 @@
 
 ``python -m tests.halves NAME COMMAND [ARGS...]`` runs ``COMMAND`` twice at once, with
 ``TEST_SHARD=1/2`` and ``TEST_SHARD=2/2`` in its environment (``tests/conftest.py`` then keeps
-the test files of that half). Each half writes to ``$REPORTS/pytest-NAME-K.log`` (``REPORTS``
-defaults to ``.venv/reports``); when both are done, both logs are printed, then each half's
-closing line. The exit status is 1 when either half failed.
+the test files of that half); ``PARTS=3`` in the environment runs it three times, in thirds.
+Each part writes to ``$REPORTS/pytest-NAME-K.log`` (``REPORTS`` defaults to
+``.venv/reports``); when all are done, their logs are printed, then each part's closing
+line. The exit status is 1 when any part failed.
 
 A suite on a database server spends much of its time waiting (on the server, on the
 workers and processes it starts, on leases running out). In ``make test`` beside the SQLite
@@ -32,11 +33,12 @@ def main(argv: list[str]) -> int:
     name, command = argv[0], argv[1:]
     reports = Path(os.environ.get("REPORTS", ROOT / ".venv" / "reports"))
     reports.mkdir(parents=True, exist_ok=True)
+    parts = int(os.environ.get("PARTS", "2"))
     runs: list[tuple[Path, subprocess.Popen[bytes]]] = []
-    for half in (1, 2):
-        log = reports / f"pytest-{name}-{half}.log"
+    for part in range(1, parts + 1):
+        log = reports / f"pytest-{name}-{part}.log"
         with log.open("wb") as out:
-            env = {**os.environ, "TEST_SHARD": f"{half}/2"}
+            env = {**os.environ, "TEST_SHARD": f"{part}/{parts}"}
             runs.append((log, subprocess.Popen(command, stdout=out, stderr=out, env=env)))
     failed = [process.wait() != 0 for _, process in runs]
     for log, _ in runs:

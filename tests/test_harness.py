@@ -33,6 +33,20 @@ def test_the_halves_split_files_and_cover_the_suite(request):
     assert first(request.node) != second(request.node)
 
 
+def test_the_thirds_place_the_server_suites_apart_and_cover_the_suite(request):
+    from tests.conftest import PLACED_IN_THIRDS
+
+    parts = [shard_of(f"{k}/3") for k in (1, 2, 3)]
+    assert sum(part(request.node) for part in parts) == 1
+
+    class Item:
+        def __init__(self, path: str) -> None:
+            self.nodeid = f"{path}::test"
+
+    for path, index in PLACED_IN_THIRDS.items():
+        assert [part(Item(path)) for part in parts] == [k == index for k in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("value", ["0/2", "3/2", "half", "1/0"])
 def test_a_wrong_shard_is_a_usage_error(value):
     with pytest.raises(pytest.UsageError, match="TEST_SHARD must be k/n"):
