@@ -16,7 +16,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
-from tests.helpers import ApiClient, make_in_progress, new_key
+from tests.helpers import ApiClient, make_in_progress, needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -243,6 +243,7 @@ def test_purge_options(api):
     assert IdempotencyRecord.objects.count() == 0
 
 
+@needs_drf
 def test_public_names_import():
     from django_idempotency import (  # noqa: F401
         IdempotencyError,
@@ -680,6 +681,7 @@ def _fernet() -> str:
 
 
 def test_an_outcome_no_configured_key_opens_is_503_unreadable_and_never_runs_again(user):
+    pytest.importorskip("cryptography")
     api = ApiClient(user)
     first_key, other_key, key = _fernet(), _fernet(), new_key()
     with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [first_key]}):
@@ -799,6 +801,7 @@ def test_a_form_is_its_sorted_pairs_and_a_file_its_content(user):
 
 
 def test_enqueue_once_returns_the_live_message_or_raises_and_writes_nothing():
+    pytest.importorskip("celery")
     from django.db import transaction
 
     from django_idempotency import IdempotencyError, TaskAlreadyQueued
@@ -881,7 +884,7 @@ def test_the_default_account_is_the_users_and_keys_never_cross_callers(user, oth
     )
 
 
-@pytest.mark.parametrize("path", ["/charges/", "/api/open-charges/"])
+@pytest.mark.parametrize("path", ["/charges/", pytest.param("/api/open-charges/", marks=needs_drf)])
 def test_an_anonymous_caller_is_refused_with_a_problem(anon_api, path):
     answer = anon_api.post(path, CHARGE, key=new_key())
     assert 400 <= answer.status_code < 500
@@ -890,6 +893,7 @@ def test_an_anonymous_caller_is_refused_with_a_problem(anon_api, path):
     assert IdempotencyRecord.objects.count() == 0
 
 
+@needs_drf
 def test_drf_authentication_runs_before_the_claim(anon_api):
     answer = anon_api.post("/api/charges/", CHARGE, key=new_key())
     assert answer.status_code in (401, 403)
@@ -898,6 +902,7 @@ def test_drf_authentication_runs_before_the_claim(anon_api):
     assert Charge.objects.count() == 0
 
 
+@needs_drf
 def test_a_viewset_operation_is_basename_dot_action(api):
     api.post("/api/charges/", CHARGE, key=new_key())
     assert IdempotencyRecord.objects.get().operation == "charge.create"
@@ -1072,6 +1077,7 @@ def test_an_attempt_whose_lease_was_taken_over_rolls_back_and_raises_in_progress
 
 
 def test_check_database_reports_outcomes_sealed_with_a_missing_key(user):
+    pytest.importorskip("cryptography")
     from django.core import checks
 
     from django_idempotency import _check_ids

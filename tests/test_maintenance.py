@@ -154,6 +154,7 @@ def test_every_maintenance_entry_refuses_the_counts_its_command_refuses(value: A
     recovery's and the rotation's counts (the Python API and the beat tasks alike) take what
     their commands and settings admit, a whole number from 1 to 2147483647, and refuse the
     rest before touching anything: ``limit=0`` does not quietly recover nothing."""
+    pytest.importorskip("cryptography")
     from cryptography.fernet import Fernet
 
     from django_idempotency import tasks
