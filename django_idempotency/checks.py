@@ -125,6 +125,19 @@ def check_outbox_sender(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+def _audit() -> Any:
+    """The URL audit the checks of the URLconf read, or ``None`` where a view's attribute is
+    wrong (the audit and the view report that)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency._endpoints import audit
+
+    try:
+        return audit()
+    except ImproperlyConfigured:
+        return None
+
+
 @register(Tags.urls)
 def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
     """E060: endpoints of two routes that derive one operation name (one basename under two
@@ -134,14 +147,11 @@ def check_shared_operations(**kwargs: Any) -> list[CheckMessage]:
     project gives one of them (``operation=``, ``idempotency_operation`` on a view that is
     no viewset, a basename of its own) settles it. The spellings of one endpoint (DRF's
     format suffixes) are one operation."""
-    from django.core.exceptions import ImproperlyConfigured
 
-    from django_idempotency._endpoints import audit
-
-    try:
-        shared = audit().shared
-    except ImproperlyConfigured:  # a wrong view attribute: the audit and the view report it
+    report = _audit()
+    if report is None:
         return []
+    shared = report.shared
     return [
         _error(
             "OPERATION_SHARED",
@@ -194,14 +204,11 @@ def check_ninja_routes_out_of_reach(**kwargs: Any) -> list[CheckMessage]:
     """E062: ninja's ``@idempotent`` above two route decorators of one function. ninja keeps
     the operation of the last one only, so the decorator protects that route and never
     reaches the one beneath it, which runs unprotected."""
-    from django.core.exceptions import ImproperlyConfigured
 
-    from django_idempotency._endpoints import audit
-
-    try:
-        endpoints = audit().endpoints
-    except ImproperlyConfigured:  # a wrong view attribute: the audit and the view report it
+    report = _audit()
+    if report is None:
         return []
+    endpoints = report.endpoints
     return [
         _error(
             "NINJA_IDEMPOTENT_ABOVE_ROUTES",
