@@ -210,6 +210,7 @@ def idempotent_task(
                 _steady_callbacks(task, f"{name}:{delivery}")
                 body = _handing_over(body)
             token = _RUNNING.set(_RUNNING.get() | {running})
+            body, raised = _noting_errors(body)
             try:
                 value = call_once(
                     body,
@@ -230,19 +231,25 @@ def idempotent_task(
                     wait=_waited_out(checked["lease"]) if django else None,
                     encode=_stored_unless_replaced,
                 ).value
-            except LeaseTakenOver:
-                logger.warning("a task delivery lost its lease; its work was rolled back")
-                return None
-            except OutcomeUnknown:
-                logger.warning("skipped a delivery of %s: its record was marked failed", name)
-                return None
-            except InProgress as exc:
-                return _in_progress(item[0] if item is not None else task, name, exc.retry_after)
             except Exception as exc:
+                # What the body raised is the body's error, whatever its class: an
+                # InProgress or an OutcomeUnknown of a run_once inside it is no answer
+                # about this delivery's own record.
+                by_body = any(exc is error for error in raised)
+                if not by_body and isinstance(exc, LeaseTakenOver):
+                    logger.warning("a task delivery lost its lease; its work was rolled back")
+                    return None
+                if not by_body and isinstance(exc, OutcomeUnknown):
+                    logger.warning("skipped a delivery of %s: its record was marked failed", name)
+                    return None
+                if not by_body and isinstance(exc, InProgress):
+                    return _in_progress(
+                        item[0] if item is not None else task, name, exc.retry_after
+                    )
                 # The run ended with an error: a key of enqueue_once it holds is free. Not
                 # when Celery retries it: self.retry() inside the body, or autoretry_for
                 # around this wrapper.
-                if _ended(exc) and not _retried(task, exc):
+                if (by_body or _ended(exc)) and not _retried(task, exc):
                     _run_failed(message if message is not None else _task_id(task))
                 raise
             finally:
@@ -365,6 +372,23 @@ def is_idempotent_task(func: Callable[..., Any]) -> bool:
     """Whether ``func`` is under ``@idempotent_task()``: the relay then hands it the
     message's id (``MESSAGE_ARGUMENT``)."""
     return bool(getattr(func, _MARK, False))
+
+
+def _noting_errors(
+    body: Callable[..., Any],
+) -> tuple[Callable[..., Any], list[BaseException]]:
+    """``body``, and the list of what it raised: told apart from what the engine raises
+    about the delivery's own record (an error of the body's may be of any class)."""
+    raised: list[BaseException] = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return body(*args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    return run, raised
 
 
 def _ended(exc: BaseException) -> bool:

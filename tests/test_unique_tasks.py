@@ -7,6 +7,7 @@ and racing processes: ``tests/test_unique_tasks_servers.py``.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,14 @@ from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import InvalidKey, TaskAlreadyQueued, _unique, maintenance, outbox
+from django_idempotency import (
+    InvalidKey,
+    OutcomeUnknown,
+    TaskAlreadyQueued,
+    _unique,
+    maintenance,
+    outbox,
+)
 from django_idempotency.models import (
     IdempotencyRecord,
     OutboxMessage,
@@ -33,7 +41,14 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 celery = pytest.importorskip("celery", reason="Celery is an optional dependency")
 
-from tests.testapp.tasks import fail_once, record_effect, record_effect_by_tag  # noqa: E402
+from tests.testapp.models import ProviderCall  # noqa: E402
+from tests.testapp.tasks import (  # noqa: E402
+    calls_a_closed_operation,
+    enqueues_a_follow_up,
+    fail_once,
+    record_effect,
+    record_effect_by_tag,
+)
 
 TASK = "tests.record_effect"
 
@@ -242,6 +257,48 @@ def test_a_run_that_succeeded_frees_its_key_through_its_record():
     record_effect.apply(args=("eager-unique",), task_id=str(first))
     assert IdempotencyRecord.objects.get(key=str(first)).status == "completed"
     assert once("k", record_effect, "eager-unique") != first
+
+
+def effects(tag: str) -> int:
+    return ProviderCall.objects.filter(key=f"effect:{tag}").count()
+
+
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_whose_body_raised_an_idempotency_error_frees_its_key():
+    """TaskAlreadyQueued from an enqueue_once inside the body is the body's error like any
+    other: the run failed, and its key is free at once (not a day later, the task's TTL)."""
+    once("follow-up", "tests.follow_up", unique_until=timedelta(hours=1))
+    first = once("k", enqueues_a_follow_up, "refused")
+    sent(first)
+    with pytest.raises(TaskAlreadyQueued):
+        enqueues_a_follow_up.apply(args=("refused",), task_id=str(first), throw=True)
+    assert effects("refused") == 0
+    assert OutboxUniqueKey.objects.get(key="k").finished_at is not None
+    assert once("k", enqueues_a_follow_up, "refused") != first
+    assert messages() == 3
+
+
+@pytest.mark.usefixtures("eager_celery")
+def test_outcome_unknown_from_the_body_fails_the_run_and_frees_its_key():
+    """An operation under run_once inside the body, closed as failed, answers
+    OutcomeUnknown: the task's run failed (its work rolled back, Celery told so), which is
+    not the skip of a delivery whose own record was closed."""
+    IdempotencyRecord.objects.create(
+        account="consumer:tests",
+        operation="closed",
+        key="unknown",
+        request_hash=hashlib.sha256(b"").hexdigest(),
+        status="failed",
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    first = once("k", calls_a_closed_operation, "unknown")
+    sent(first)
+    result = calls_a_closed_operation.apply(args=("unknown",), task_id=str(first))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, OutcomeUnknown)
+    assert effects("unknown") == 0
+    assert not IdempotencyRecord.objects.filter(key=str(first)).exists()  # runs again
+    assert once("k", calls_a_closed_operation, "unknown") != first
 
 
 # -- refusals: nothing written ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from celery import Task, shared_task
@@ -129,6 +130,33 @@ def outlives_its_lease(tag: str) -> str:
     if place == 0:
         raise RuntimeError("the first run fails, long after its lease ran out")
     return "ok"
+
+
+@shared_task(name="tests.enqueues_a_follow_up")
+@idempotent_task()
+def enqueues_a_follow_up(tag: str) -> str:
+    """Writes its effect, then enqueues a follow-up under the key ``follow-up``, which
+    raises ``TaskAlreadyQueued`` (an ``IdempotencyError``) while another one is live: the
+    run fails (tests/test_unique_tasks.py)."""
+    from django_idempotency.outbox import enqueue_once
+
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    enqueue_once(
+        "follow-up", "tests.follow_up", unique_until=timedelta(hours=1), on_conflict="raise"
+    )
+    return "ok"
+
+
+@shared_task(name="tests.calls_a_closed_operation")
+@idempotent_task()
+def calls_a_closed_operation(tag: str) -> str:
+    """Writes its effect, then calls an operation under ``run_once`` whose record was
+    closed as failed: ``OutcomeUnknown`` from the body fails the run
+    (tests/test_unique_tasks.py)."""
+    from django_idempotency import run_once
+
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return run_once(str, tag, account="consumer:tests", operation="closed", key=tag)
 
 
 @shared_task(name="tests.large_result")
