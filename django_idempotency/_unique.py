@@ -17,7 +17,7 @@ when its lease runs out, as a claim's would.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -148,7 +148,9 @@ def write_once(
         holder = _holder(alias, task, wanted.key, _LOCKED)
         if holder is None:
             continue  # its message was deleted meanwhile: the key is free again
-        if holds(alias, holder, now):  # taken over meanwhile by another enqueue
+        # Taken over meanwhile by another enqueue; or its run, read in a snapshot older
+        # than its redelivery's takeover of the run's stale lease, runs again.
+        if holds(alias, holder, now, newest=True):
             return _conflict(task, holder, wanted)
         message = build()
         message.save(using=alias, force_insert=True)
@@ -239,15 +241,18 @@ def _newest(queryset: Any, clause: str) -> Any:
     return queryset.model.objects.raw(f"{sql}{clause}", params, using=queryset.db)
 
 
-def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
-    """Whether ``holder``'s message still holds its key at ``now`` (is live)."""
+def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = False) -> bool:
+    """Whether ``holder``'s message still holds its key at ``now`` (is live). ``newest``:
+    its message and its run read as last committed, whatever the caller's snapshot (a
+    takeover's decision; the first look may see an older state, which a takeover
+    reads again)."""
     until = _policies.unique_until_of(holder.unique_until)
     if until.by_time:
         return holder.held_until is not None and holder.held_until > now
     if holder.finished_at is not None:
         return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
-    fresh = of(alias).fresh_read
+    fresh = of(alias).newest_read if newest else of(alias).fresh_read
     if fresh:  # the newest state, not the snapshot's
         found = [(m.status, m.sent_at) for m in _newest(messages.only("status", "sent_at"), fresh)]
         status, sent_at = found[0] if found else (None, None)
@@ -258,12 +263,19 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime) -> bool:
     if status == OutboxStatus.DEAD:
         return not until.frees_at_finish
     account, operation, key = record_identity(holder.task, holder.message_id)
-    run = (
-        IdempotencyRecord.objects.using(alias)
-        .filter(account=account, operation=operation, key=key)
-        .values("status", "lease_expires_at")
-        .first()
+    runs = IdempotencyRecord.objects.using(alias).filter(
+        account=account, operation=operation, key=key
     )
+    run: Mapping[str, Any] | None
+    if newest and fresh:
+        rows = list(_newest(runs.only("status", "lease_expires_at"), fresh))
+        run = (
+            {"status": rows[0].status, "lease_expires_at": rows[0].lease_expires_at}
+            if rows
+            else None
+        )
+    else:
+        run = runs.values("status", "lease_expires_at").first()
     if run is None:
         # Sent, and no worker started it yet; unless that was longer ago than the worker
         # keeps its record of a run (the task's ttl): then its record was purged, or the

@@ -16,7 +16,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 from django.utils import timezone
@@ -425,6 +425,59 @@ def test_enqueues_racing_for_a_freed_key_give_one_new_message():
     (new,) = set(answers)
     assert new != first
     assert OutboxUniqueKey.objects.get().message_id == new
+
+
+@pytest.fixture
+def repeatable_read() -> Any:
+    """The default connection in ``REPEATABLE READ``: a transaction reads one snapshot."""
+    connection = connections["default"]
+    if connection.vendor == "postgresql":
+        import psycopg
+
+        level: object = psycopg.IsolationLevel.REPEATABLE_READ
+    else:
+        level = "repeatable read"
+    options = dict(connection.settings_dict.get("OPTIONS", {}))
+    connection.close()
+    connection.settings_dict["OPTIONS"] = {**options, "isolation_level": level}
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["OPTIONS"] = options
+
+
+@postgres_only
+@pytest.mark.usefixtures("repeatable_read")
+def test_a_snapshot_older_than_a_redeliverys_takeover_never_frees_the_key():
+    """The run's worker died (its lease ran out) and a redelivery took the run over, after
+    the enqueue's transaction took its snapshot: that snapshot's stale lease must not free
+    the key while the run runs again. MariaDB reads the newest rows; PostgreSQL refuses
+    the transaction (a serialization failure, to retry)."""
+    first = once()
+    sent(first)
+    run_record(first, "in_progress", lease=timedelta(seconds=-1))
+    _, _, key = _unique.record_identity(TASK, first)
+
+    def redelivery_takes_the_run_over() -> None:
+        IdempotencyRecord.objects.filter(key=key).update(
+            lease_token=uuid.uuid4(), lease_expires_at=timezone.now() + timedelta(minutes=1)
+        )
+
+    try:
+        with transaction.atomic():
+            # The caller's own work reads first: its snapshot is taken here.
+            assert IdempotencyRecord.objects.get(key=key).lease_expires_at < timezone.now()
+            worker = threading.Thread(target=in_thread(redelivery_takes_the_run_over))
+            worker.start()
+            worker.join(timeout=10)
+            answer = outbox.enqueue_once("nightly", record_effect, "tag")
+    except OperationalError:
+        assert connections["default"].vendor == "postgresql"
+    else:
+        assert answer == first
+    assert messages() == 1
+    assert OutboxUniqueKey.objects.get().message_id == first
 
 
 # -- Django's Tasks framework through OutboxBackend ------------------------------------------------

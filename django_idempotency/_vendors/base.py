@@ -139,6 +139,11 @@ class Vendor:
     #: snapshot may be older (MariaDB's ``REPEATABLE READ``): ``enqueue_once`` reading the
     #: key's holder after the unique constraint refused its insert.
     fresh_read: str = ""
+    #: What a read appends to see the newest committed row whatever the isolation level
+    #: (a shared row lock; under ``REPEATABLE READ`` on PostgreSQL, a serialization failure
+    #: when the row changed after the snapshot): ``enqueue_once`` deciding, under the key's
+    #: row lock, that the key's holder is no longer live.
+    newest_read: str = ""
     #: ``enqueue_once`` writes its key and its message in one statement
     #: (``INSERT ... ON CONFLICT DO NOTHING``); otherwise both inserts in a savepoint,
     #: rolled back when the unique constraint refuses the key.

@@ -119,6 +119,7 @@ class MySQL(Vendor):
 
     purge_batch = "by key"
     fresh_read = " LOCK IN SHARE MODE"
+    newest_read = " LOCK IN SHARE MODE"
 
     identity_sql = "SELECT DATABASE(), @@hostname, @@port, @@datadir"
     packet_limit_sql = "SELECT @@max_allowed_packet"

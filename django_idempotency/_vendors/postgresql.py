@@ -163,6 +163,7 @@ class PostgreSQL(Vendor):
     table_bytes_sql = "SELECT pg_total_relation_size(%s::regclass)"
     loose_index_scan = True
     insert_on_conflict = True
+    newest_read = " FOR SHARE"
     notify_sql = "SELECT pg_notify(%s, '')"
 
     identity_sql = "SELECT current_database(), system_identifier FROM pg_control_system()"
