@@ -102,6 +102,12 @@ def test_a_held_key_returns_the_live_message_and_writes_nothing():
     assert OutboxUniqueKey.objects.count() == 1
 
 
+def test_other_arguments_under_a_held_key_write_nothing_and_answer_the_live_message():
+    first = once("nightly", record_effect, "first")
+    assert once("nightly", record_effect, "second") == first
+    assert list(OutboxMessage.objects.values_list("args", flat=True)) == [["first"]]
+
+
 def test_on_conflict_raise_carries_the_live_message_id_and_leaves_the_transaction_usable():
     first = once()
     with transaction.atomic():
