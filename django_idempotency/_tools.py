@@ -327,8 +327,8 @@ class _Tool:
         self.owner = _owner(func)
 
     def wrapper(self) -> Callable[..., Any]:
-        if inspect.iscoroutinefunction(self.func):
-            coroutine = async_to_sync(self.func)
+        if inspect.iscoroutinefunction(self.func) or inspect.isasyncgenfunction(self.func):
+            coroutine = async_to_sync(_awaiting(self.func))
 
             @functools.wraps(self.func)
             async def async_tool(*receiver: Any, **arguments: Any) -> Any:
@@ -419,7 +419,7 @@ class _Tool:
                 return self.refused(
                     _problems.KEY_MISSING, f"{operation} needs an idempotency key: {where}"
                 )
-            return self.convert(context, body(**arguments))
+            return self.convert(context, _finished(body(**arguments)))
         account = self.account_of(context)
         if account is None:
             return self.refused(
@@ -430,7 +430,7 @@ class _Tool:
         started = time.monotonic()
         try:
             once = call_once(
-                lambda: self.convert(context, body(**arguments)),
+                lambda: self.convert(context, _finished(body(**arguments))),
                 (),
                 {},
                 account=account,
@@ -559,6 +559,40 @@ def _belongs(receiver: Any, owner: tuple[str, str] | None) -> bool:
         return False
     cls = receiver if isinstance(receiver, type) else type(receiver)
     return any((c.__module__, c.__qualname__) == owner for c in cls.__mro__)
+
+
+def _awaiting(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (an ``async def`` or an async generator function) as a coroutine function
+    whose value is the answer read to its end (see :func:`_settled`)."""
+
+    @functools.wraps(func)
+    async def awaiting(*args: Any, **kwargs: Any) -> Any:
+        return await _settled(func(*args, **kwargs))
+
+    return awaiting
+
+
+async def _settled(value: Any) -> Any:
+    """``value`` awaited, and an async generator collected into a list, as FastMCP does."""
+    if inspect.isawaitable(value):
+        value = await value
+    if inspect.isasyncgen(value):
+        return [item async for item in value]
+    return value
+
+
+def _finished(value: Any) -> Any:
+    """What a tool's body handed back, read to its end before it is converted and stored, as
+    FastMCP reads it: an awaitable awaited (a plain ``def`` handing back its async body's
+    coroutine, as a project's own decorator does), a generator and an async generator
+    collected into a list. Their code runs only then: stored unread, a record would complete
+    for a body that never ran, and replay the generator's name. The engine's thread waits;
+    the code's ORM calls come back to it, inside the record's transaction."""
+    if inspect.isawaitable(value) or inspect.isasyncgen(value):
+        value = async_to_sync(_settled)(value)
+    if inspect.isgenerator(value):
+        return list(value)
+    return value
 
 
 def _on_an_event_loop() -> bool:

@@ -6,6 +6,7 @@ values), registration options, mounted servers. Effects are counted as in ``test
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import types
@@ -20,6 +21,7 @@ pytest.importorskip("fastmcp")
 import anyio
 import fastmcp
 import pydantic
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from fastmcp import FastMCP
 from fastmcp.dependencies import Depends
@@ -473,6 +475,65 @@ def test_a_tool_returning_none_answers_its_client(framework):
     ran_once(first)
     replayed(first, call(server, {"order_id": 1, "idempotency_key": key}, name="cancel"))
     assert effects() == (1, 1, 1)
+
+
+def _bodies(shape: str, effect: Any = refund_effect) -> Any:
+    """A refund tool's function of ``shape``, whose body is entered only when its answer is
+    read to its end: a generator, an async generator, or a plain ``def`` (a project's
+    decorator made with ``functools.wraps``) that hands back its async body's coroutine. The
+    answer leaves the refund's row id out: two runs answer alike."""
+    if shape == "generator":
+
+        def refund(order_id: int, idempotency_key: str) -> Any:
+            effect(order_id, 5)
+            yield {"order": order_id}
+
+        return refund
+    if shape == "async generator":
+
+        async def refund(order_id: int, idempotency_key: str) -> Any:  # type: ignore[misc]
+            await sync_to_async(effect)(order_id, 5)
+            yield {"order": order_id}
+
+        return refund
+
+    async def refund(order_id: int, idempotency_key: str) -> Any:  # type: ignore[misc,no-redef]
+        await sync_to_async(effect)(order_id, 5)
+        return {"order": order_id}
+
+    @functools.wraps(refund)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return refund(*args, **kwargs)
+
+    return logged
+
+
+@pytest.mark.parametrize("shape", ["generator", "async generator", "coroutine"])
+def test_a_tool_whose_answer_is_a_generator_or_a_coroutine_runs_once_and_replays(framework, shape):
+    """FastMCP awaits what a tool's function hands back and reads a generator to its end: the
+    body runs there. Protected, the body runs once, inside the record's transaction, and the
+    agent gets the answer the unprotected tool gives under FastMCP, first and on the retry;
+    never a record completed by a body that never ran."""
+    unprotected = FastMCP("plain")  # its body writes nothing: FastMCP's threads keep no rows
+    unprotected.tool()(_bodies(shape, effect=lambda order_id, amount: None))
+    expected = call(unprotected, {"order_id": 1, "idempotency_key": new_key()})
+    assert not expected.is_error, expected
+
+    server = server_of(framework)
+    server.tool()(protect(framework)(_bodies(shape)))
+    key = new_key()
+    first = call(server, {"order_id": 1, "idempotency_key": key})
+    ran_once(first)
+    assert effects() == (1, 1, 1)  # the body ran, and its row committed with the record
+    if framework == "fastmcp":
+        assert first.content == expected.content
+        assert first.structured_content == expected.structured_content
+    else:  # the SDK answers the same items its own way
+        text = first.content[0].text  # type: ignore[union-attr]
+        assert '"order": 1' in text, first
+    replayed(first, call(server, {"order_id": 1, "idempotency_key": key}))
+    assert effects() == (1, 1, 1)
+    assert IdempotencyRecord.objects.get(key=key).status == RecordStatus.COMPLETED
 
 
 def test_one_key_through_both_frameworks_refund_tools_is_one_refund():
