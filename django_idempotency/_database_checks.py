@@ -22,12 +22,15 @@ __all__ = ["missing_tables", "not_the_same_database"]
 
 
 def missing_tables(alias: str, databases: Iterable[str]) -> list[CheckMessage]:
-    """E052: the package's tables (or a later migration of them) are missing on ``alias``."""
+    """E052: the package's tables (or a later migration of them) are missing on ``alias``;
+    under django-tenants with the package among the tenant apps, in a tenant's schema."""
     if alias not in databases or _under_migrate():
         return []
     from django.db.migrations.loader import MigrationLoader
 
     connection = connections[alias]
+    if _tenant_layout(connection):
+        return _missing_in_tenants(alias)
     try:
         tables = set(connection.introspection.table_names())
         loader = MigrationLoader(connection, ignore_no_migrations=True)
@@ -111,6 +114,115 @@ def not_the_same_database(
             id=_check_ids.error("CLAIM_DATABASE_ELSEWHERE"),
         )
     ]
+
+
+def _tenant_layout(connection: Any) -> bool:
+    """Whether the tables belong in the tenants' schemas: django-tenants' backend (it keeps a
+    tenant on the connection) with the package among the ``TENANT_APPS``. The connection's
+    own schema (the public one, under ``check``) then says nothing of them."""
+    import importlib.util
+
+    from django.conf import settings
+
+    from django_idempotency.checks import _names_this_app
+
+    tenant_apps = getattr(settings, "TENANT_APPS", None)
+    return (
+        callable(getattr(connection, "set_tenant", None))
+        and importlib.util.find_spec("django_tenants") is not None
+        and isinstance(tenant_apps, (list, tuple))
+        and _names_this_app(tenant_apps)
+    )
+
+
+#: The schemas E052 names in its message; the others are counted.
+_NAMED = 5
+
+
+def _missing_in_tenants(alias: str) -> list[CheckMessage]:
+    """E052 under django-tenants: the tenants whose schema lacks a table of the package, or
+    a migration of it (the public schema among them only where the package is a shared app
+    too). The tables of every schema in one query, their migrations in one per 100."""
+    from django.conf import settings
+    from django.db.migrations.loader import MigrationLoader
+    from django_tenants.utils import get_public_schema_name, get_tenant_model
+
+    from django_idempotency.checks import _names_this_app
+
+    config = apps.get_app_config("django_idempotency")
+    tables = sorted(m._meta.db_table for m in config.get_models() if m._meta.managed)
+    connection = connections[alias]
+    public = get_public_schema_name()
+    in_public = _names_this_app(getattr(settings, "SHARED_APPS", ()))
+    try:
+        schemas = sorted(
+            name
+            for name in get_tenant_model()
+            .objects.using(alias)
+            .values_list("schema_name", flat=True)
+            if name != public or in_public
+        )
+        if in_public and public not in schemas:
+            schemas.insert(0, public)
+        loader = MigrationLoader(None, ignore_no_migrations=True)
+        migrations = sorted(name for app, name in loader.graph.nodes if app == config.label)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c"
+                " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.relkind IN ('r', 'p') AND n.nspname = ANY(%s)"
+                " AND c.relname = ANY(%s)",
+                [schemas, [*tables, "django_migrations"]],
+            )
+            present: dict[str, set[str]] = {}
+            for schema, table in cursor.fetchall():
+                present.setdefault(schema, set()).add(table)
+            recorded = sorted(s for s, found in present.items() if "django_migrations" in found)
+            applied = _applied(connection, cursor, config.label, recorded)
+    except DatabaseError:  # cannot connect, or the shared schema is not migrated yet
+        return []
+    broken = [
+        schema
+        for schema in schemas
+        if not set(tables) <= present.get(schema, set())
+        or not set(migrations) <= applied.get(schema, set())
+    ]
+    if not broken:
+        return []
+    named = ", ".join(repr(schema) for schema in broken[:_NAMED])
+    if len(broken) > _NAMED:
+        named += f" and {len(broken) - _NAMED} more"
+    which = "the schema of the tenant" if len(broken) == 1 else "the schemas of the tenants"
+    return [
+        Error(
+            f"The idempotency database {alias!r} is not migrated in {which} {named}: the "
+            "package's tables (or a later migration of them) are missing there. Every "
+            "protected request of such a tenant would be refused (503 "
+            "idempotency_store_unavailable), and all_tenants_command stops at it: the "
+            "purge, the recovery and the relay of the tenants after it would not run.",
+            hint=f"Run: python manage.py migrate_schemas --schema={broken[0]}"
+            + (", and so for each (migrate_schemas --tenant: all)" if len(broken) > 1 else ""),
+            id=_check_ids.error("TABLES_MISSING"),
+        )
+    ]
+
+
+def _applied(connection: Any, cursor: Any, app: str, schemas: list[str]) -> dict[str, set[str]]:
+    """The package's migrations that each schema's ``django_migrations`` records."""
+    quote = connection.ops.quote_name
+    applied: dict[str, set[str]] = {}
+    for start in range(0, len(schemas), 100):  # one statement per 100 schemas
+        chunk = schemas[start : start + 100]
+        cursor.execute(
+            " UNION ALL ".join(
+                f"SELECT %s, name FROM {quote(schema)}.django_migrations WHERE app = %s"
+                for schema in chunk
+            ),
+            [value for schema in chunk for value in (schema, app)],
+        )
+        for schema, name in cursor.fetchall():
+            applied.setdefault(schema, set()).add(name)
+    return applied
 
 
 def _identity(connection: Any, vendor: Vendor) -> tuple[Any, ...]:

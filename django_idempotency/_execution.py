@@ -195,7 +195,8 @@ def run_resumable(
     has nothing to store: a 5xx), the recorded steps are kept and the lease is given back at
     once, so the next attempt resumes at once. ``LeaseLost`` when another attempt owns the
     record now: at a step, or at the completion. The connection lost in the body (in a
-    step, or between them) is ``StoreUnavailable`` (``ran``), the lease given back.
+    step, or between them), or a step's transaction refused as a deadlock or a conflict, is
+    ``StoreUnavailable`` (``ran``), the lease given back.
     """
     try:
         recorded = _store.recorded_steps(claim.alias, claim.record_id)
@@ -211,9 +212,12 @@ def run_resumable(
         raise
     except db.Error as exc:
         claim.give_back()
-        if _lost(exc, claim.alias, raw):
-            # The connection lost in a step (or between them): the store's failure, as in
-            # one transaction (run_fenced); the steps recorded before it are kept.
+        refused = isinstance(exc, db.OperationalError) and _retry.is_retryable(exc)
+        if refused or _lost(exc, claim.alias, raw):
+            # The connection lost in a step (or between them), or a step's transaction
+            # refused as a deadlock, a serialization failure or a Galera certification
+            # conflict (a retry is asked for): the store's failure, as in one transaction
+            # (run_fenced); the steps recorded before it are kept.
             raise store_failed(exc) from exc
         raise
     except BaseException:

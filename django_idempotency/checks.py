@@ -323,19 +323,16 @@ def _names_this_app(apps: Iterable[object]) -> bool:
     )
 
 
-#: The recovery policies whose promise a lost claim breaks: the operation must never run twice.
-_NEVER_TWICE = ("fail", "resume")
-
-
 @register(Tags.database)
 def check_synchronous_standby(
     databases: Iterable[str] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """``check --database <alias>`` on PostgreSQL: a primary with streaming standbys, none of
     them synchronous (or ``synchronous_commit`` at ``local`` or ``off``), while an operation's
-    recovery policy is ``"fail"`` or ``"resume"`` (W020). A claim committed on the primary
-    may not have reached the standby that takes over: the retry then finds no record and
-    runs the operation again, which those policies promise never to do."""
+    recovery policy needs a durable claim: ``"fail"``, ``"resume"`` or a callable (W020). A
+    claim committed on the primary may not have reached the standby that takes over: the
+    retry then finds no record and runs the operation again, which the first two promise
+    never to do, and which the callable is never asked about."""
     values, problems = conf.validate()
     alias = values.get("DATABASE")
     if problems or alias is None or alias not in (databases or ()):
@@ -360,8 +357,9 @@ def check_synchronous_standby(
             "NO_SYNCHRONOUS_STANDBY",
             f"{alias!r} streams to {standbys} standby server{'s' if standbys != 1 else ''} "
             f"asynchronously ({why}), and {', '.join(policies)} use the recovery policy "
-            "'fail' or 'resume': after a failover, a claim the standby never received is "
-            "lost, and a retry runs that operation again.",
+            "'fail', 'resume' or a callable: after a failover, a claim the standby never "
+            "received is lost, and a retry runs that operation again, its policy never "
+            "asked.",
             hint=(
                 "Name the standby in synchronous_standby_names (synchronous_commit 'on', "
                 "'remote_write' or 'remote_apply'), for the whole server or for the role "
@@ -426,20 +424,24 @@ def _server_row(alias: str, sql: str) -> tuple[Any, ...] | None:
 
 
 def _never_twice_policies(default: Any) -> list[str]:
-    """What uses ``"fail"`` or ``"resume"``: the ``RECOVERY`` setting, and the operations
-    the URL audit finds with such a policy of their own."""
+    """What uses a recovery policy whose claim must be durable (``"fail"``, ``"resume"``, a
+    callable: every one but ``"retry"``): the ``RECOVERY`` setting, and the operations the
+    URL audit finds with such a policy of their own."""
     from django_idempotency import _endpoints
+    from django_idempotency._policies import recovery_policy
+    from django_idempotency._recovery import recovery_name
+
+    def durable(policy: Any) -> bool:
+        return policy is not None and recovery_policy(policy).durable_claim
 
     found = []
-    if isinstance(default, str) and default in _NEVER_TWICE:
-        found.append(f"IDEMPOTENCY['RECOVERY'] ({default!r})")
+    if durable(default):
+        found.append(f"IDEMPOTENCY['RECOVERY'] ({recovery_name(default)!r})")
     try:
         endpoints = _endpoints.audit().endpoints
     except Exception:  # a URLconf that does not import: reported by Django's own checks
         endpoints = []
-    operations = sorted(
-        {e.operation for e in endpoints if e.recovery in _NEVER_TWICE and e.operation}
-    )
+    operations = sorted({e.operation for e in endpoints if durable(e.recovery) and e.operation})
     if operations:
         found.append("the operations " + ", ".join(repr(o) for o in operations[:5]))
         if len(operations) > 5:

@@ -429,6 +429,42 @@ def test_no_synchronous_standby_is_not_reported_of_a_server_without_standbys():
     assert check_synchronous_standby(databases=[]) == []
 
 
+def streaming_asynchronously(monkeypatch) -> None:
+    """The server of ``default`` as a primary with one asynchronous standby, as W020 reads it
+    (tests/test_standby.py reads a real one)."""
+    from django_idempotency import _vendors, checks
+
+    monkeypatch.setattr(type(_vendors.of("default")), "replication_sql", "SELECT 1")
+    monkeypatch.setattr(checks, "_server_row", lambda alias, sql: ("", "on", 1))
+
+
+@pytest.mark.parametrize(
+    "recovery", ["fail", "resume", "tests.testapp.views.recover_by_asking_provider"]
+)
+@pytest.mark.django_db
+def test_no_synchronous_standby_is_reported_of_each_policy_whose_claim_must_be_durable(
+    monkeypatch, recovery
+):
+    """A claim lost in a failover is never recovered: its retry runs afresh. That breaks
+    "fail" and "resume", and bypasses a callable policy, which is never asked; "retry"
+    runs again by design."""
+    from django_idempotency.checks import check_synchronous_standby
+
+    streaming_asynchronously(monkeypatch)
+    with override_settings(
+        IDEMPOTENCY={"RECOVERY": recovery}, ROOT_URLCONF="tests.no_such_urlconf"
+    ):
+        (warning,) = check_synchronous_standby(databases=["default"])
+        assert warning.id == "django_idempotency.W020"
+        assert f"IDEMPOTENCY['RECOVERY'] ({recovery!r})" in warning.msg
+    with override_settings(IDEMPOTENCY={"RECOVERY": "retry"}, ROOT_URLCONF="tests.no_such_urlconf"):
+        assert check_synchronous_standby(databases=["default"]) == []
+    # The URL audit's operations: the test URLconf's callable policy among them.
+    with override_settings(IDEMPOTENCY={"RECOVERY": "retry"}):
+        (warning,) = check_synchronous_standby(databases=["default"])
+        assert "'charges.create-callable'" in warning.msg
+
+
 @pytest.mark.django_db
 @override_settings(IDEMPOTENCY={"RECOVERY": "fail"}, ROOT_URLCONF="tests.no_such_urlconf")
 def test_no_synchronous_standby_survives_a_urlconf_that_does_not_import():

@@ -375,3 +375,62 @@ def test_the_database_gauges_read_the_schema_they_are_collected_in(database):
         assert pending() == 1
     with schema_context("beta"):
         assert pending() == 0
+
+
+@contextlib.contextmanager
+def tenant_without_tables(name: str) -> Iterator[None]:
+    """A tenant whose schema exists but was never migrated (``auto_create_schema`` off, the
+    schema made by hand): what a failed or skipped ``migrate_schemas`` leaves."""
+    tenant = Client(schema_name=name, name=name)
+    tenant.auto_create_schema = False
+    tenant.save()
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE SCHEMA {name}")
+    Domain.objects.create(domain=f"{name}.test", tenant=tenant, is_primary=True)
+    try:
+        yield
+    finally:
+        connection.set_schema_to_public()
+        Client.objects.filter(schema_name=name).delete()
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+
+
+def test_check_database_reads_the_tables_in_each_tenants_schema(database):
+    """``check --database default`` on the layout above: the public schema has no records
+    by design, and says nothing of it (exit status 0); a tenant whose schema lacks the
+    tables is named, with django-tenants' command that migrates it."""
+    done = manage("check", "--database", "default")
+    assert done.returncode == 0, done.stderr
+    assert "E052" not in done.stdout + done.stderr
+
+    with tenant_without_tables("bare"):
+        done = manage("check", "--database", "default")
+        assert done.returncode == 1, done.stdout
+        (line,) = [line for line in done.stderr.splitlines() if "E052" in line]
+        assert "'bare'" in line
+        assert not any(other in line for other in ("alpha", "beta", "public"))
+        assert "migrate_schemas --schema=bare" in done.stderr
+        # What it warns of: that tenant's requests are refused, the others' are not.
+        assert post("bare", "k")[0] == 503
+        assert post("alpha", "k")[0] == 201
+
+    # A tenant whose tables are there but whose last migration is not recorded.
+    with schema_context("beta"), connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM django_migrations WHERE app = 'django_idempotency'"
+            " AND name = '0012_mysql_text_charset' RETURNING id"
+        )
+        assert cursor.fetchall()
+    try:
+        done = manage("check", "--database", "default")
+        assert done.returncode == 1, done.stdout
+        (line,) = [line for line in done.stderr.splitlines() if "E052" in line]
+        assert "'beta'" in line
+        assert "alpha" not in line
+    finally:
+        with schema_context("beta"), connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO django_migrations (app, name, applied) VALUES"
+                " ('django_idempotency', '0012_mysql_text_charset', now())"
+            )

@@ -193,3 +193,46 @@ def test_under_resume_a_step_whose_connection_is_lost_is_store_unavailable() -> 
     record = IdempotencyRecord.objects.get()
     assert record.status == RecordStatus.IN_PROGRESS
     assert record.lease_expires_at <= timezone.now()
+
+
+@on_postgresql
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
+def test_under_resume_a_step_refused_as_a_deadlock_or_a_conflict_is_store_unavailable(
+    sqlstate: str,
+) -> None:
+    """A resumable operation's step has its transaction refused by the server (a deadlock,
+    a serialization failure; on Galera a certification conflict, at its COMMIT when
+    another node took the record over): the store's failure, as in one transaction (503 /
+    StoreUnavailable, ran), never the view's 500. The step before it is kept, the failing
+    step's write rolled back, the lease given back; the next attempt resumes after the
+    first step, which never runs again."""
+    from django_idempotency import step
+
+    ran: list[str] = []
+
+    def first() -> str:
+        ran.append("first")
+        ProviderCall.objects.using("provider").create(key="first")
+        return "one"
+
+    def second() -> str:
+        ran.append("second")
+        if ran.count("second") == 1:  # refused the first time only
+            refused_as(sqlstate)()
+        return "two"
+
+    def body() -> str:
+        return step("first", first) + step("second", second)
+
+    with pytest.raises(StoreUnavailable) as refused:
+        run_once(body, **IDENTITY, key="k-1", recovery="resume")
+    assert refused.value.ran
+    assert provider_calls() == 2  # the first step's, and the refused step's own
+    assert committed_charges() == 0
+    record = IdempotencyRecord.objects.get()
+    assert record.status == RecordStatus.IN_PROGRESS
+    assert record.lease_expires_at <= timezone.now()
+
+    assert run_once(body, **IDENTITY, key="k-1", recovery="resume") == "onetwo"
+    assert ran == ["first", "second", "second"]
+    assert provider_calls() == 2
