@@ -348,15 +348,20 @@ def check_synchronous_standby(
     row = _server_row(alias, sql)
     if row is None:
         return []
-    names, commit, standbys = row
-    if not standbys or (names and commit not in ("local", "off")):
+    names, commit, standbys, unsynchronised = row
+    if not standbys or (names and commit not in ("local", "off") and not unsynchronised):
         return []
-    why = f"synchronous_commit is {commit!r}" if names else "synchronous_standby_names is empty"
+    if not names:
+        why = "synchronous_standby_names is empty"
+    elif commit in ("local", "off"):
+        why = f"synchronous_commit is {commit!r}"
+    else:
+        why = f"synchronous_standby_names does not name {unsynchronised} of them"
     return [
         _warning(
             "NO_SYNCHRONOUS_STANDBY",
-            f"{alias!r} streams to {standbys} standby server{'s' if standbys != 1 else ''} "
-            f"asynchronously ({why}), and {', '.join(policies)} use the recovery policy "
+            f"{alias!r} streams to {standbys} standby server{'s' if standbys != 1 else ''}, "
+            f"not all synchronously ({why}), and {', '.join(policies)} use the recovery policy "
             "'fail', 'resume' or a callable: after a failover, a claim the standby never "
             "received is lost, and a retry runs that operation again, its policy never "
             "asked.",

@@ -435,7 +435,7 @@ def streaming_asynchronously(monkeypatch) -> None:
     from django_idempotency import _vendors, checks
 
     monkeypatch.setattr(type(_vendors.of("default")), "replication_sql", "SELECT 1")
-    monkeypatch.setattr(checks, "_server_row", lambda alias, sql: ("", "on", 1))
+    monkeypatch.setattr(checks, "_server_row", lambda alias, sql: ("", "on", 1, 1))
 
 
 @pytest.mark.parametrize(
@@ -463,6 +463,31 @@ def test_no_synchronous_standby_is_reported_of_each_policy_whose_claim_must_be_d
     with override_settings(IDEMPOTENCY={"RECOVERY": "retry"}):
         (warning,) = check_synchronous_standby(databases=["default"])
         assert "'charges.create-callable'" in warning.msg
+
+
+@pytest.mark.parametrize(
+    ("row", "warned"),
+    [
+        (("s1", "on", 1, 0), False),  # the one standby is synchronous
+        (("s1", "on", 2, 1), True),  # a second, asynchronous standby could be promoted
+        (("s1", "local", 1, 0), True),  # named, but commits do not wait for it
+        (("", "on", 0, 0), False),  # no physical standby (a logical subscriber is not one)
+    ],
+)
+@pytest.mark.django_db
+def test_no_synchronous_standby_is_reported_while_any_standby_streams_asynchronously(
+    monkeypatch, row: tuple[object, ...], warned: bool
+):
+    from django_idempotency import _vendors, checks
+    from django_idempotency.checks import check_synchronous_standby
+
+    monkeypatch.setattr(type(_vendors.of("default")), "replication_sql", "SELECT 1")
+    monkeypatch.setattr(checks, "_server_row", lambda alias, sql: row)
+    with override_settings(IDEMPOTENCY={"RECOVERY": "fail"}):
+        found = check_synchronous_standby(databases=["default"])
+    assert [w.id for w in found] == (["django_idempotency.W020"] if warned else [])
+    if row == ("s1", "on", 2, 1):
+        assert "does not name 1 of them" in found[0].msg
 
 
 @pytest.mark.django_db

@@ -160,8 +160,9 @@ class Vendor:
     #: The statement that names the database and the server an alias reaches, to tell
     #: whether two aliases reach the same one (E051), or ``None``.
     identity_sql: str | None = None
-    #: The statement that gives ``synchronous_standby_names``, ``synchronous_commit`` and
-    #: the number of streaming standbys, for W020 (a claim that a failover may lose), or
+    #: The statement that gives ``synchronous_standby_names``, ``synchronous_commit``, the
+    #: number of streaming standbys and how many of them are asynchronous, for W020 (a claim
+    #: that a failover may lose), or
     #: ``None`` where the database has no such replication to ask about.
     replication_sql: str | None = None
     #: The statement that gives the largest statement the session accepts, in bytes, for

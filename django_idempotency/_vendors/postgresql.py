@@ -167,8 +167,13 @@ class PostgreSQL(Vendor):
     notify_sql = "SELECT pg_notify(%s, '')"
 
     identity_sql = "SELECT current_database(), system_identifier FROM pg_control_system()"
+    # The standbys a failover can promote: physical streaming replication, not a logical
+    # subscriber (a walsender of a logical slot) nor a base backup being taken.
     replication_sql = (
         "SELECT current_setting('synchronous_standby_names'),"
         " current_setting('synchronous_commit'),"
-        " (SELECT count(*) FROM pg_stat_replication)"
+        " count(*), count(*) FILTER (WHERE r.sync_state = 'async')"
+        " FROM pg_stat_replication r"
+        " WHERE r.state <> 'backup' AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s"
+        " WHERE s.slot_type = 'logical' AND s.active_pid = r.pid)"
     )
