@@ -8,8 +8,8 @@ migrates: there the tables are missing by nature, and the check leaves them to i
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from django.apps import apps
 from django.core.checks import CheckMessage, Error
@@ -18,7 +18,9 @@ from django.db import DatabaseError, connections
 from django_idempotency import _check_ids
 from django_idempotency._vendors import Vendor, of_connection
 
-__all__ = ["missing_tables", "not_the_same_database"]
+__all__ = ["in_each_schema", "missing_tables", "not_the_same_database", "tenant_schemas"]
+
+T = TypeVar("T")
 
 
 def missing_tables(alias: str, databases: Iterable[str]) -> list[CheckMessage]:
@@ -139,31 +141,56 @@ def _tenant_layout(connection: Any) -> bool:
 _NAMED = 5
 
 
-def _missing_in_tenants(alias: str) -> list[CheckMessage]:
-    """E052 under django-tenants: the tenants whose schema lacks a table of the package, or
-    a migration of it (the public schema among them only where the package is a shared app
-    too). The tables of every schema in one query, their migrations in one per 100."""
+def tenant_schemas(alias: str) -> list[str] | None:
+    """The schemas the package's tables belong in on ``alias`` under django-tenants with the
+    package among the tenant apps: every tenant's (the public one only where the package is
+    a shared app too). ``None`` without that layout, where the connection's own schema holds
+    them. Raises ``DatabaseError`` where the tenants cannot be read."""
+    if not _tenant_layout(connections[alias]):
+        return None
     from django.conf import settings
-    from django.db.migrations.loader import MigrationLoader
     from django_tenants.utils import get_public_schema_name, get_tenant_model
 
     from django_idempotency.checks import _names_this_app
 
+    public = get_public_schema_name()
+    in_public = _names_this_app(getattr(settings, "SHARED_APPS", ()))
+    schemas = sorted(
+        name
+        for name in get_tenant_model().objects.using(alias).values_list("schema_name", flat=True)
+        if name != public or in_public
+    )
+    if in_public and public not in schemas:
+        schemas.insert(0, public)
+    return schemas
+
+
+def in_each_schema(alias: str, schemas: list[str], read: Callable[[], T]) -> dict[str, T]:
+    """``read()`` with the connection of ``alias`` set to each of ``schemas`` in turn, the
+    connection's own tenant set back afterwards: ``{schema: what it read}``."""
+    connection: Any = connections[alias]  # django-tenants' wrapper
+    before = connection.tenant
+    found: dict[str, T] = {}
+    try:
+        for schema in schemas:
+            connection.set_schema(schema)
+            found[schema] = read()
+    finally:
+        connection.set_tenant(before)
+    return found
+
+
+def _missing_in_tenants(alias: str) -> list[CheckMessage]:
+    """E052 under django-tenants: the tenants whose schema lacks a table of the package, or
+    a migration of it (see :func:`tenant_schemas`). The tables of every schema in one query,
+    their migrations in one per 100."""
+    from django.db.migrations.loader import MigrationLoader
+
     config = apps.get_app_config("django_idempotency")
     tables = sorted(m._meta.db_table for m in config.get_models() if m._meta.managed)
     connection = connections[alias]
-    public = get_public_schema_name()
-    in_public = _names_this_app(getattr(settings, "SHARED_APPS", ()))
     try:
-        schemas = sorted(
-            name
-            for name in get_tenant_model()
-            .objects.using(alias)
-            .values_list("schema_name", flat=True)
-            if name != public or in_public
-        )
-        if in_public and public not in schemas:
-            schemas.insert(0, public)
+        schemas = tenant_schemas(alias) or []
         loader = MigrationLoader(None, ignore_no_migrations=True)
         migrations = sorted(name for app, name in loader.graph.nodes if app == config.label)
         with connection.cursor() as cursor:

@@ -253,19 +253,35 @@ def check_sealed_outcomes(
     alias = values.get("DATABASE")
     if problems or alias is None or alias not in (databases or ()):
         return []  # a wrong setting is reported by check_settings
+    from collections import Counter
+
     from django.db import DatabaseError
 
     from django_idempotency import crypto
+    from django_idempotency._database_checks import in_each_schema, tenant_schemas
 
+    def read() -> tuple[dict[str, int], dict[str, int]]:
+        return crypto.missing_key_ids(alias), crypto.missing_step_key_ids(alias)
+
+    missing: Counter[str] = Counter()
+    steps: Counter[str] = Counter()
+    where: dict[str, list[str]] = {}
     try:
-        missing = crypto.missing_key_ids(alias)
-        steps = crypto.missing_step_key_ids(alias)
+        schemas = tenant_schemas(alias)
+        # Under django-tenants, each tenant's schema (E052 names one without the tables).
+        found = {"": read()} if schemas is None else in_each_schema(alias, schemas, read)
     except DatabaseError:  # not migrated yet (migrate runs the database checks first)
         return []
+    for schema, (outcomes, results) in found.items():
+        missing.update(outcomes)
+        steps.update(results)
+        for kid in outcomes.keys() | results.keys():
+            where.setdefault(kid, []).append(schema)
     return [
         _error(
             "SEALED_WITH_A_MISSING_KEY",
-            f"{_sealed_rows(missing.get(kid, 0), steps.get(kid, 0))} on {alias!r} sealed "
+            f"{_sealed_rows(missing.get(kid, 0), steps.get(kid, 0))} on {alias!r}"
+            f"{_in_schemas(where[kid])} sealed "
             f"with the key {kid}, which IDEMPOTENCY['ENCRYPTION_KEYS'] does not hold: "
             "their retries are refused (503 idempotency_record_unreadable, RecordUnreadable) "
             "until it is configured again.",
@@ -277,6 +293,18 @@ def check_sealed_outcomes(
         )
         for kid in sorted(missing.keys() | steps.keys())
     ]
+
+
+def _in_schemas(schemas: list[str]) -> str:
+    """``" (in the schemas of the tenants 'a', 'b')"``; nothing outside django-tenants."""
+    named = [schema for schema in schemas if schema]
+    if not named:
+        return ""
+    listed = ", ".join(repr(schema) for schema in named[:5])
+    if len(named) > 5:
+        listed += f" and {len(named) - 5} more"
+    which = "the schema of the tenant" if len(named) == 1 else "the schemas of the tenants"
+    return f" (in {which} {listed})"
 
 
 def _sealed_rows(outcomes: int, steps: int) -> str:

@@ -434,3 +434,27 @@ def test_check_database_reads_the_tables_in_each_tenants_schema(database):
                 "INSERT INTO django_migrations (app, name, applied) VALUES"
                 " ('django_idempotency', '0012_mysql_text_charset', now())"
             )
+
+
+def test_check_database_reports_sealed_outcomes_in_each_tenants_schema(database):
+    """E026 reads the records of every tenant's schema (the public one has none): an
+    outcome sealed with a key no longer configured is reported with its tenant named."""
+    fernet = pytest.importorskip("cryptography.fernet")
+    from django_idempotency import crypto
+
+    old, new = (fernet.Fernet.generate_key().decode() for _ in range(2))
+    keys = {**getattr(settings, "IDEMPOTENCY", {}), "ENCRYPTION_KEYS": [old]}
+    with override_settings(IDEMPOTENCY=keys):
+        assert post("alpha", "sealed")[0] == 201
+    keys["ENCRYPTION_KEYS"] = [new]
+    with override_settings(IDEMPOTENCY=keys):
+        done = manage("check", "--database", "default")
+    assert done.returncode == 1, done.stdout
+    (line,) = [line for line in done.stderr.splitlines() if "E026" in line]
+    assert "1 stored outcome is" in line
+    assert crypto.key_id(old) in line
+    assert "'alpha'" in line
+    assert "beta" not in line
+    with override_settings(IDEMPOTENCY={**keys, "ENCRYPTION_KEYS": [new, old]}):
+        done = manage("check", "--database", "default")
+    assert done.returncode == 0, done.stderr
