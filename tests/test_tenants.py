@@ -434,3 +434,22 @@ def test_check_database_reads_the_tables_in_each_tenants_schema(database):
                 "INSERT INTO django_migrations (app, name, applied) VALUES"
                 " ('django_idempotency', '0012_mysql_text_charset', now())"
             )
+
+
+def test_check_database_reads_a_tenant_whose_schema_name_holds_a_percent_sign(database):
+    """django-tenants accepts ``%`` in a schema name (only quotes, backslashes, ``;`` and
+    line ends are refused). E052 reads each migrated schema's ``django_migrations`` in one
+    statement with parameters: such a name must not turn that statement into a refused one,
+    which would leave every other tenant's missing tables unreported."""
+    from django_idempotency._database_checks import missing_tables
+
+    tenant = Client.objects.create(schema_name="acme%eu", name="acme%eu")
+    try:
+        with tenant_without_tables("bare"):
+            (error,) = missing_tables("default", ["default"])
+            assert error.id == "django_idempotency.E052"
+            assert "'bare'" in error.msg
+            assert "acme" not in error.msg  # migrated: not named
+    finally:
+        connection.set_schema_to_public()
+        tenant.delete(force_drop=True)
