@@ -308,7 +308,7 @@ def test_outcome_unknown_from_the_body_fails_the_run_and_frees_its_key():
     assert once("k", calls_a_closed_operation, "unknown") != first
 
 
-@postgres_only  # the body's transaction refused as a deadlock (SQLSTATE 40P01)
+@postgres_only  # the body's transaction refused as a deadlock (40P01; MariaDB's 1213)
 @pytest.mark.usefixtures("eager_celery")
 def test_a_run_whose_transaction_the_database_refused_frees_its_key():
     """The body's transaction refused as a deadlock is StoreUnavailable (ran): the work
