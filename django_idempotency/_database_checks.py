@@ -236,7 +236,12 @@ def _missing_in_tenants(alias: str) -> list[CheckMessage]:
 
 def _applied(connection: Any, cursor: Any, app: str, schemas: list[str]) -> dict[str, set[str]]:
     """The package's migrations that each schema's ``django_migrations`` records."""
-    quote = connection.ops.quote_name
+
+    def quote(schema: str) -> str:
+        # The name is part of the statement's text, which takes parameters: a "%" in it
+        # (django-tenants accepts one) is doubled, or the statement would be refused.
+        return str(connection.ops.quote_name(schema)).replace("%", "%%")
+
     applied: dict[str, set[str]] = {}
     for start in range(0, len(schemas), 100):  # one statement per 100 schemas
         chunk = schemas[start : start + 100]

@@ -43,6 +43,7 @@ from django_idempotency.exceptions import (
     InProgress,
     OutcomeTooLarge,
     OutcomeUnknown,
+    StoreUnavailable,
 )
 from django_idempotency.keys import InvalidKey
 
@@ -393,7 +394,12 @@ def _noting_errors(
 
 def _ended(exc: BaseException) -> bool:
     """Whether a run that raised ``exc`` ended (rather than meeting another's record): a
-    result too large to store ends every run of it the same way, as an error."""
+    result too large to store ends every run of it the same way, as an error; so does a
+    body that ran and whose work the store refused or lost (``StoreUnavailable`` with
+    ``ran``: a deadlock, a serialization failure, the connection lost), its claim released
+    or its lease given back."""
+    if isinstance(exc, StoreUnavailable):
+        return exc.ran
     return isinstance(exc, OutcomeTooLarge) or not isinstance(exc, IdempotencyError)
 
 

@@ -458,3 +458,22 @@ def test_check_database_reports_sealed_outcomes_in_each_tenants_schema(database)
     with override_settings(IDEMPOTENCY={**keys, "ENCRYPTION_KEYS": [new, old]}):
         done = manage("check", "--database", "default")
     assert done.returncode == 0, done.stderr
+
+
+def test_check_database_reads_a_tenant_whose_schema_name_holds_a_percent_sign(database):
+    """django-tenants accepts ``%`` in a schema name (only quotes, backslashes, ``;`` and
+    line ends are refused). E052 reads each migrated schema's ``django_migrations`` in one
+    statement with parameters: such a name must not turn that statement into a refused one,
+    which would leave every other tenant's missing tables unreported."""
+    from django_idempotency._database_checks import missing_tables
+
+    tenant = Client.objects.create(schema_name="acme%eu", name="acme%eu")
+    try:
+        with tenant_without_tables("bare"):
+            (error,) = missing_tables("default", ["default"])
+            assert error.id == "django_idempotency.E052"
+            assert "'bare'" in error.msg
+            assert "acme" not in error.msg  # migrated: not named
+    finally:
+        connection.set_schema_to_public()
+        tenant.delete(force_drop=True)

@@ -48,6 +48,7 @@ from tests.testapp.tasks import (  # noqa: E402
     fail_once,
     record_effect,
     record_effect_by_tag,
+    refused_by_the_database,
 )
 
 TASK = "tests.record_effect"
@@ -305,6 +306,27 @@ def test_outcome_unknown_from_the_body_fails_the_run_and_frees_its_key():
     assert effects("unknown") == 0
     assert not IdempotencyRecord.objects.filter(key=str(first)).exists()  # runs again
     assert once("k", calls_a_closed_operation, "unknown") != first
+
+
+@postgres_only  # the body's transaction refused as a deadlock (40P01; MariaDB's 1213)
+@pytest.mark.usefixtures("eager_celery")
+def test_a_run_whose_transaction_the_database_refused_frees_its_key():
+    """The body's transaction refused as a deadlock is StoreUnavailable (ran): the work
+    rolled back, the claim released ("retry"), and nothing runs the message again. The
+    run ended with an error: its key is free at once, not held a day (the task's TTL) by a
+    sent message without a record."""
+    from django_idempotency import StoreUnavailable
+
+    first = once("k", refused_by_the_database, "refused")
+    sent(first)
+    result = refused_by_the_database.apply(args=("refused",), task_id=str(first))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, StoreUnavailable)
+    assert effects("refused") == 0
+    assert not IdempotencyRecord.objects.filter(key=str(first)).exists()
+    assert OutboxUniqueKey.objects.get(key="k").finished_at is not None
+    assert once("k", refused_by_the_database, "refused") != first
+    assert messages() == 2
 
 
 # -- refusals: nothing written ---------------------------------------------------------------------

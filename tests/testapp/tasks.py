@@ -159,6 +159,24 @@ def calls_a_closed_operation(tag: str) -> str:
     return run_once(str, tag, account="consumer:tests", operation="closed", key=tag)
 
 
+@shared_task(name="tests.refused_by_the_database")
+@idempotent_task()
+def refused_by_the_database(tag: str) -> str:
+    """Writes its effect, then has its transaction refused by the server as a deadlock
+    (PostgreSQL's SQLSTATE 40P01, MariaDB's error 1213): the engine answers
+    ``StoreUnavailable``, and the run ended with an error (tests/test_unique_tasks.py)."""
+    from django.db import connection
+
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'refused'"
+            if connection.vendor == "mysql"
+            else "DO $$ BEGIN RAISE EXCEPTION 'refused' USING ERRCODE = '40P01'; END $$"
+        )
+    return "ok"
+
+
 @shared_task(name="tests.large_result")
 @idempotent_task()
 def large_result(size: int) -> str:
