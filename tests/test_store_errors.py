@@ -316,24 +316,38 @@ def test_over_http_a_recovery_that_cannot_store_its_outcome_is_a_503(
     assert Charge.objects.count() == 0
 
 
-def conflict(calls: list[str]) -> str:
-    """The work writes, then the database refuses its transaction as a serialization
-    failure (SQLSTATE 40001): what a Galera certification conflict (error 1213) or a
-    deadlock is to the work's own statement."""
+#: What a server says when it refuses a transaction to be retried: PostgreSQL's
+#: serialization failure; MariaDB's deadlock (also a Galera certification conflict) and its
+#: "record has changed since last read" (``innodb_snapshot_isolation``, on by default from
+#: MariaDB 11.6).
+CONFLICTS = (
+    [
+        "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213",
+        "SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = 1020",
+    ]
+    if connection.vendor == "mysql"
+    else ["DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$"]
+)
+
+
+def conflict(calls: list[str], refusal: str = CONFLICTS[0]) -> str:
+    """The work writes, then the database refuses its transaction as a conflict: what a
+    Galera certification conflict (error 1213) or a deadlock is to the work's own
+    statement."""
     effect(calls, "conflicted")
     with connection.cursor() as cursor:
-        cursor.execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
+        cursor.execute(refusal)
     return "unreachable"
 
 
-@on_postgresql
-def test_a_conflict_in_the_work_is_store_unavailable_and_the_retry_runs_once():
+@pytest.mark.parametrize("refusal", CONFLICTS)
+def test_a_conflict_in_the_work_is_store_unavailable_and_the_retry_runs_once(refusal: str):
     """The database asks for the transaction to be retried: a refusal to retry (503 with
     Retry-After over HTTP), the work rolled back and the claim released, never the work's
     error (a 500)."""
     calls: list[str] = []
     with pytest.raises(StoreUnavailable) as refused:
-        run_once(conflict, calls, **IDENTITY, key="k-conflict")
+        run_once(conflict, calls, refusal, **IDENTITY, key="k-conflict")
     assert isinstance(refused.value.__cause__, OperationalError)
     assert Charge.objects.count() == 0
     assert not IdempotencyRecord.objects.filter(key="k-conflict").exists()

@@ -31,6 +31,10 @@ __all__ = ["ANY_SERVER", "MySQL"]
 
 # InnoDB's deadlock (and Galera's certification conflict), and a lock wait that timed out.
 _DEADLOCK, _LOCK_WAIT_TIMEOUT = 1213, 1205
+#: "Record has changed since last read": under ``innodb_snapshot_isolation`` (MariaDB's
+#: default from 11.6), a locking read or write of a row changed after the transaction's
+#: snapshot; the transaction is to be retried, as after a deadlock.
+_CHANGED_SINCE_READ = 1020
 # The connection itself lost: 2002 and 2003 (cannot connect), 2006 (the server has gone
 # away), 2013 (lost during a query; also a read_timeout that expired), 1053 (the server is
 # shutting down), 1927 (the connection was killed), 4031 (disconnected by the server for
@@ -88,7 +92,7 @@ class MySQL(Vendor):
         number = _error_number(exc)
         if number == _LOCK_WAIT_TIMEOUT:
             return not bounded
-        return number == _DEADLOCK
+        return number in (_DEADLOCK, _CHANGED_SINCE_READ)
 
     def connection_lost(self, exc: Error) -> bool:
         return _error_number(exc) in _LOST
