@@ -158,7 +158,9 @@ class Vendor:
     #: exactly when their names are equal (E051).
     single_file: bool = False
     #: The statement that names the database and the server an alias reaches, to tell
-    #: whether two aliases reach the same one (E051), or ``None``.
+    #: whether two aliases reach the same one (E051), or ``None``. Its first two columns
+    #: name the database and the server; a third, where the vendor has one, the schema in
+    #: which the connection finds the record table (``%(table)s``, its name).
     identity_sql: str | None = None
     #: The statement that gives ``synchronous_standby_names``, ``synchronous_commit`` and
     #: the number of streaming standbys, for W020 (a claim that a failover may lose), or

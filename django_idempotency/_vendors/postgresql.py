@@ -166,7 +166,15 @@ class PostgreSQL(Vendor):
     newest_read = " FOR SHARE"
     notify_sql = "SELECT pg_notify(%s, '')"
 
-    identity_sql = "SELECT current_database(), system_identifier FROM pg_control_system()"
+    # The schema too where the connection's search_path finds the record table: the same
+    # database seen through another search_path (a pooler that drops the "options" which
+    # set DATABASE's) reaches other tables.
+    identity_sql = (
+        "SELECT current_database(), system_identifier, n.nspname"
+        " FROM pg_control_system()"
+        " LEFT JOIN pg_class c ON c.oid = to_regclass(quote_ident(%(table)s))"
+        " LEFT JOIN pg_namespace n ON n.oid = c.relnamespace"
+    )
     replication_sql = (
         "SELECT current_setting('synchronous_standby_names'),"
         " current_setting('synchronous_commit'),"
