@@ -528,3 +528,53 @@ def test_on_mariadb_claim_database_bounds_its_lock_wait_too():
                 cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
                 assert cursor.fetchone()[0] == seconds
     connections["claims"].close()
+
+
+@pytest.fixture
+def autocommit_off() -> Iterator[None]:
+    """``DATABASES["default"]["AUTOCOMMIT"] = False``: the project manages its transactions
+    itself, every connection of that alias in one from its first statement."""
+    connection.close()
+    connection.settings_dict["AUTOCOMMIT"] = False
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["AUTOCOMMIT"] = True
+
+
+@pytest.mark.parametrize("opened_first", [False, True], ids=["unopened", "opened"])
+def test_with_autocommit_off_the_claim_commits_at_once_and_the_work_with_the_caller(
+    autocommit_off, opened_first
+):
+    """The caller's connection is in its transaction from its first statement: the claim
+    goes to a connection of its own, in autocommit whatever the alias says, and the work
+    and the completion commit when the caller commits. Before, a connection not yet opened
+    was taken for one in autocommit (the claim, on it, committed only with the work: no
+    other connection saw it while the body ran), and the claim connection took AUTOCOMMIT
+    off from the caller's entry (no claim ever committed: each call ran its body, lost its
+    lease, and left nothing for a retry to find)."""
+    calls: list[str] = []
+    seen: list[bool] = []
+    key = f"ac-{opened_first}"
+
+    def body(tag: str) -> str:
+        calls.append(tag)
+        # Another connection sees the claim while the body runs: it committed at once.
+        seen.append(IdempotencyRecord.objects.using("provider").filter(key=key).exists())
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        return tag
+
+    outcomes = []
+    for tag in ("a", "b"):
+        if opened_first:
+            Charge.objects.count()
+        outcomes.append(run_once(body, tag, **IDENTITY, key=key))
+        connection.commit()
+    assert outcomes == ["a", "a"]
+    assert calls == ["a"]
+    assert seen == [True]
+    # As committed, read on another connection.
+    records = IdempotencyRecord.objects.using("provider").filter(key=key)
+    assert list(records.values_list("status", flat=True)) == [RecordStatus.COMPLETED]
+    assert Charge.objects.using("provider").count() == 1
