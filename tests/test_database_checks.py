@@ -110,6 +110,10 @@ def other_schema() -> Iterator[str]:
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's schemas")
+@pytest.mark.skipif(
+    os.environ.get("TEST_DB") == "pgbouncer",
+    reason="PgBouncer refuses the options startup parameter that sets the search_path",
+)
 def test_e051_a_claim_database_whose_search_path_finds_other_tables(other_schema):
     """Same server, same database, another record table: each claim is made where the work
     never completes it, so the body runs, loses its lease and runs again after it."""
