@@ -87,6 +87,13 @@ def test_e051_not_for_a_claim_database_on_the_same_database():
         assert found(E051) == []
 
 
+def let_go(alias: Any) -> None:
+    """Close ``alias``'s connection, and its Django pool where it has one."""
+    alias.close()
+    if getattr(alias, "pool", None) is not None:
+        alias.close_pool()
+
+
 @pytest.fixture
 def other_schema() -> Iterator[str]:
     """The alias ``claims`` on the same database, with a ``search_path`` that finds the
@@ -97,13 +104,13 @@ def other_schema() -> Iterator[str]:
     schema = f"idem_elsewhere_{os.getpid()}"
     with connections["provider"].cursor() as cursor:
         cursor.execute(f"CREATE SCHEMA {schema}")
-    claims.close()
+    let_go(claims)
     claims.settings_dict["OPTIONS"] = {**saved, "options": f"-c search_path={schema}"}
     try:
         call_command("migrate", "django_idempotency", database="claims", stdout=StringIO())
         yield schema
     finally:
-        claims.close()
+        let_go(claims)  # a Django pool's connections keep the search_path they were made with
         claims.settings_dict["OPTIONS"] = saved
         with connections["provider"].cursor() as cursor:
             cursor.execute(f"DROP SCHEMA {schema} CASCADE")
