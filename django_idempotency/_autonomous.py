@@ -94,7 +94,13 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
     claims = app_settings.CLAIM_DATABASE
     if claims is not None:
         claim = connections[claims]
-        if claim.in_atomic_block or (claim.connection is not None and not claim.get_autocommit()):
+        if claim.in_atomic_block or not (
+            claim.get_autocommit()
+            if claim.connection is not None
+            else claim.settings_dict.get("AUTOCOMMIT", True)
+        ):
+            # (An unopened connection whose entry turns AUTOCOMMIT off would begin a
+            # transaction with the claim, never committed: check E038 reports that entry.)
             raise ImproperlyConfigured(
                 f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
                 "claims must commit at once. Open no transaction on that alias."

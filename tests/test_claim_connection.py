@@ -21,6 +21,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connection, connections, transaction
 from django.test import override_settings
 from django.utils import timezone
@@ -578,3 +579,22 @@ def test_with_autocommit_off_the_claim_commits_at_once_and_the_work_with_the_cal
     records = IdempotencyRecord.objects.using("provider").filter(key=key)
     assert list(records.values_list("status", flat=True)) == [RecordStatus.COMPLETED]
     assert Charge.objects.using("provider").count() == 1
+
+
+def test_a_claim_database_with_autocommit_off_is_refused_before_anything_runs():
+    """Check E038 reports it; a claim that comes all the same is refused, its connection not
+    yet opened too (before, its claim never committed: the body ran and lost its lease)."""
+    calls: list[str] = []
+    claims = connections["claims"]
+    claims.close()
+    claims.settings_dict["AUTOCOMMIT"] = False
+    try:
+        with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}), transaction.atomic():
+            Charge.objects.count()  # the caller's transaction is under way
+            with pytest.raises(ImproperlyConfigured, match="CLAIM_DATABASE"):
+                run_once(effect, calls, "a", "default", **IDENTITY, key="k-1")
+    finally:
+        claims.close()
+        claims.settings_dict["AUTOCOMMIT"] = True
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
