@@ -12,6 +12,8 @@ The aliases ``pooled`` (PostgreSQL through a Django pool of one connection) and 
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -598,3 +600,89 @@ def test_a_claim_database_with_autocommit_off_is_refused_before_anything_runs():
         claims.settings_dict["AUTOCOMMIT"] = True
     assert calls == []
     assert IdempotencyRecord.objects.count() == 0
+
+
+class FreezingProxy:
+    """A TCP proxy in front of the database server that, once frozen, accepts new
+    connections and never answers them (a server that stopped answering, a network that
+    drops packets), while the connections made before keep going."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.frozen = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[Any] = [self.listener]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.sockets.append(client)
+            if self.frozen.is_set():
+                continue  # held open, never answered
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            self.sockets.append(server)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: Any, target: Any) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            FreezingProxy.end(target)
+
+    @staticmethod
+    def end(sock: Any) -> None:
+        # shutdown() first: a close() alone leaves the socket open while another thread
+        # is still blocked reading it, and the server's session with it.
+        for step in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+            with contextlib.suppress(OSError):
+                step()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            self.end(sock)
+
+
+@on_postgresql
+def test_the_claims_own_connection_waits_to_connect_no_longer_than_claim_timeout():
+    """The project's connect_timeout is longer than CLAIM_TIMEOUT: the claim's own
+    connection (made inside the caller's transaction) is bounded by the shorter one, as its
+    statements are. Before, the project's 10 s were kept for it."""
+    alias = connections["claims"]
+    saved = dict(alias.settings_dict)
+    proxy = FreezingProxy(int(connections["default"].settings_dict["PORT"] or 5432))
+    close_claims()
+    alias.settings_dict.update(
+        HOST="127.0.0.1",
+        PORT=str(proxy.port),
+        OPTIONS={**saved["OPTIONS"], "connect_timeout": 10},
+    )
+    calls: list[str] = []
+    bounded = {"DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=2)}
+    try:
+        with override_settings(IDEMPOTENCY=bounded), transaction.atomic(using="claims"):
+            Charge.objects.using("claims").count()  # the caller's connection, through the proxy
+            proxy.frozen.set()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                run_once(effect, calls, "a", "claims", **IDENTITY, key="k-1")
+            waited = time.monotonic() - started
+    finally:
+        close_claims()
+        alias.settings_dict.clear()
+        alias.settings_dict.update(saved)
+        proxy.close()
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
+    assert waited < 6, f"the claim waited {waited:.1f} s for its connection"

@@ -8,7 +8,20 @@ from typing import Any
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["Vendor"]
+__all__ = ["Vendor", "at_most"]
+
+
+def at_most(options: dict[str, Any], name: str, seconds: int) -> None:
+    """Bound the timeout ``options[name]`` of a claim connection of the package's own to
+    ``seconds``: set where the project's entry has none, lowered where its own is longer
+    (or none at all: ``0``), kept where it is shorter."""
+    given = options.get(name)
+    try:
+        number = float(given) if given is not None else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number <= 0 or number > seconds:
+        options[name] = seconds
 
 
 class Vendor:

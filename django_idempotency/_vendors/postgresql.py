@@ -12,7 +12,7 @@ from typing import Any
 from django.db import Error, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_idempotency._vendors.base import Vendor
+from django_idempotency._vendors.base import Vendor, at_most
 
 __all__ = [
     "CLAIM",
@@ -139,7 +139,7 @@ class PostgreSQL(Vendor):
 
     def claim_connection_options(self, options: dict[str, Any], seconds: int) -> str | None:
         # libpq's least connect timeout is 2 s; the statements are bounded by the watchdog.
-        options.setdefault("connect_timeout", max(2, seconds))
+        at_most(options, "connect_timeout", max(2, seconds))
         return None
 
     def snapshot_isolation(self, connection: BaseDatabaseWrapper) -> str | None:
