@@ -118,7 +118,7 @@ def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
         connect = options.get("connect_timeout")
         if connect is None:
             waits.append("no connect_timeout in its OPTIONS (a connect may wait for ever)")
-        elif float(connect) > max(limit, 2):
+        elif float(connect) <= 0 or float(connect) > max(limit, 2):  # 0: no timeout at all
             waits.append(f"its connect_timeout ({connect} s)")
     if waits:
         yield _warning(

@@ -408,6 +408,10 @@ def test_w011_a_claim_database_that_may_wait_longer_than_claim_timeout(settings,
         assert "pool's timeout (30 s)" in pool.msg
         monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": {"timeout": 2}})
         assert [m for m in check_settings() if m.id == "django_idempotency.W011"] == []
+        # 0 is no connect timeout at all (libpq, mysqlclient).
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 0})
+        (forever,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
+        assert "connect_timeout (0 s)" in forever.msg
 
 
 @pytest.mark.parametrize(
