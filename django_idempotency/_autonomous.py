@@ -82,16 +82,25 @@ def in_callers_transaction(connection: BaseDatabaseWrapper) -> bool:
     if connection.in_atomic_block:
         blocks: list[Any] = connection.atomic_blocks
         return not (blocks and getattr(blocks[0], "_from_testcase", False))
-    # Only an open connection can have had autocommit turned off (Django connects in
-    # autocommit); an unopened one is in autocommit as soon as it connects.
-    return connection.connection is not None and not connection.get_autocommit()
+    if connection.connection is None:
+        # An unopened connection is in autocommit as soon as it connects, unless its entry
+        # turns autocommit off (AUTOCOMMIT: False, a project that manages its transactions
+        # itself): then its first statement begins the caller's transaction.
+        return not connection.settings_dict.get("AUTOCOMMIT", True)
+    return not connection.get_autocommit()
 
 
 def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
     claims = app_settings.CLAIM_DATABASE
     if claims is not None:
         claim = connections[claims]
-        if claim.in_atomic_block or (claim.connection is not None and not claim.get_autocommit()):
+        if claim.in_atomic_block or not (
+            claim.get_autocommit()
+            if claim.connection is not None
+            else claim.settings_dict.get("AUTOCOMMIT", True)
+        ):
+            # (An unopened connection whose entry turns AUTOCOMMIT off would begin a
+            # transaction with the claim, never committed: check E038 reports that entry.)
             raise ImproperlyConfigured(
                 f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) is inside a transaction: its "
                 "claims must commit at once. Open no transaction on that alias."
@@ -126,8 +135,9 @@ def _second_connection(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
 
 def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
     """The caller's ``DATABASES`` entry for a claim connection of its own: the same server
-    and options (the same PgBouncer), never the caller's Django pool, and a connect timeout
-    within ``CLAIM_TIMEOUT`` where none is set."""
+    and options (the same PgBouncer), never the caller's Django pool, in autocommit (an
+    entry with ``AUTOCOMMIT`` off included), and a connect timeout within
+    ``CLAIM_TIMEOUT`` where none is set."""
     options = {k: v for k, v in connection.settings_dict["OPTIONS"].items() if k != "pool"}
     seconds = _whole_seconds(app_settings.CLAIM_TIMEOUT)
     # Each vendor's bounds: a connect timeout, and on MariaDB the statements' and the
@@ -136,6 +146,8 @@ def _claim_settings(connection: BaseDatabaseWrapper) -> dict[str, Any]:
     return {
         **connection.settings_dict,
         "OPTIONS": options,
+        # Its claims commit at once, whatever the caller's entry says of autocommit.
+        "AUTOCOMMIT": True,
         _BOUND: app_settings.CLAIM_TIMEOUT,
         _AFTER_CONNECT: after_connect,
     }

@@ -90,9 +90,12 @@ def claim(op: Operation) -> tuple[_store.ClaimResult, Claim | None]:
 def _claim(op: Operation, now: datetime) -> _store.ClaimResult:
     connection = connections[op.alias]
     # Connected in autocommit outside any atomic block (the request path's usual state) is
-    # no caller's transaction: known from two attributes, without asking _autonomous.
+    # no caller's transaction: known from the attributes, without asking _autonomous. (The
+    # flag outlives a closed connection: an entry with AUTOCOMMIT off reconnects without.)
     if (
-        connection.autocommit and not connection.in_atomic_block
+        connection.autocommit
+        and not connection.in_atomic_block
+        and connection.settings_dict.get("AUTOCOMMIT", True)
     ) or not _autonomous.in_callers_transaction(connection):
         # The usual case: autocommit (or a test case's transaction), where the claim
         # commits at once on the caller's own connection.

@@ -78,7 +78,8 @@ def not_the_same_database(
 
     Told from the settings where they differ in engine, or in the file of SQLite; else,
     under ``check --database <DATABASE>``, from both connections (the server's own name for
-    the database and for itself).
+    the database and for itself, and on PostgreSQL the schema in which each finds the
+    record table).
     """
     if claims is None or claims == alias:
         return []
@@ -100,7 +101,12 @@ def not_the_same_database(
         if ours == claimed:
             return []
         why = f"it reaches the database {claimed[0]!r}, {alias!r} reaches {ours[0]!r}"
-        if ours[0] == claimed[0]:
+        if ours[:2] == claimed[:2]:
+            why = (
+                f"its search_path finds the record table in the schema {claimed[2]!r}, "
+                f"that of {alias!r} in {ours[2]!r}"
+            )
+        elif ours[0] == claimed[0]:
             why = f"it reaches a database named {claimed[0]!r} on another server"
     return [
         Error(
@@ -109,9 +115,9 @@ def not_the_same_database(
             "completed where the work commits: every such call would lose its lease and "
             "run again.",
             hint=(
-                f"Point {claims!r} at the same database as {alias!r} (the same server and "
-                "database name; through a pooler of its own if you like), or set "
-                "CLAIM_DATABASE to None."
+                f"Point {claims!r} at the same database as {alias!r} (the same server, "
+                "database name and search_path; through a pooler of its own if you like), "
+                "or set CLAIM_DATABASE to None."
             ),
             id=_check_ids.error("CLAIM_DATABASE_ELSEWHERE"),
         )
@@ -259,9 +265,15 @@ def _applied(connection: Any, cursor: Any, app: str, schemas: list[str]) -> dict
 
 def _identity(connection: Any, vendor: Vendor) -> tuple[Any, ...]:
     # What names a database on its server, as seen from a connection to it (through a
-    # pooler too: PgBouncer's database name is an alias, the server's is not).
+    # pooler too: PgBouncer's database name is an alias, the server's is not), and where
+    # the vendor says, the schema in which the connection finds the record table.
+    sql = vendor.identity_sql or ""
     with connection.cursor() as cursor:
-        cursor.execute(vendor.identity_sql)
+        if "%(table)s" in sql:
+            record = apps.get_model("django_idempotency", "IdempotencyRecord")
+            cursor.execute(sql, {"table": record._meta.db_table})
+        else:
+            cursor.execute(sql)
         return tuple(cursor.fetchone())
 
 

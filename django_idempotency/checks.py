@@ -37,7 +37,41 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
         messages += _check_claim_database(values["CLAIM_DATABASE"], values["CLAIM_TIMEOUT"])
     if claims and "DATABASE" in values:
         messages += _check_claim_tenant(values["DATABASE"], claims)
+        if claims != values["DATABASE"]:
+            messages += _check_claim_transactions(claims)
     return messages
+
+
+def _check_claim_transactions(claims: str) -> Iterable[CheckMessage]:
+    """E038: ``CLAIM_DATABASE``'s entry opens transactions of its own (``ATOMIC_REQUESTS``, as
+    a copy of ``DATABASE``'s entry often carries, or ``AUTOCOMMIT`` off). Its claims must
+    commit at once: inside such a transaction every claim made in a caller's transaction
+    would be refused when it comes (``ImproperlyConfigured``, a ``500`` for a request)."""
+    database = settings.DATABASES[claims]
+    opened = [
+        name
+        for name, opens in (
+            ("ATOMIC_REQUESTS", bool(database.get("ATOMIC_REQUESTS", False))),
+            ("AUTOCOMMIT", not database.get("AUTOCOMMIT", True)),
+        )
+        if opens
+    ]
+    if opened:
+        said = " and ".join(
+            "ATOMIC_REQUESTS is on" if name == "ATOMIC_REQUESTS" else "AUTOCOMMIT is off"
+            for name in opened
+        )
+        yield _error(
+            "CLAIM_DATABASE",
+            f"IDEMPOTENCY['CLAIM_DATABASE'] ({claims!r}) opens transactions of its own "
+            f"({said} for it): its claims must commit at once, so every claim made inside "
+            "a caller's transaction would be refused.",
+            hint=(
+                f"Leave ATOMIC_REQUESTS off and AUTOCOMMIT on for {claims!r} (a copy of "
+                "another DATABASES entry carries them along); the requests keep their "
+                "transactions on the other aliases."
+            ),
+        )
 
 
 def _check_claim_tenant(alias: str, claims: str) -> Iterable[CheckMessage]:
@@ -75,13 +109,16 @@ def _check_claim_database(alias: str, timeout: Any) -> Iterable[CheckMessage]:
     engine = database.get("ENGINE", "")
     pool = options.get("pool")
     waits: list[str] = []
-    if isinstance(pool, dict) and float(pool.get("timeout", 30)) > limit:
-        waits.append(f"its pool's timeout ({pool.get('timeout', 30)} s)")
+    if pool:
+        # OPTIONS["pool"] = True is a pool of psycopg-pool's defaults: it waits 30 s.
+        waited = pool.get("timeout", 30) if isinstance(pool, dict) else 30
+        if float(waited) > limit:
+            waits.append(f"its pool's timeout ({waited} s)")
     if engine.endswith(("postgresql", "mysql")):
         connect = options.get("connect_timeout")
         if connect is None:
             waits.append("no connect_timeout in its OPTIONS (a connect may wait for ever)")
-        elif float(connect) > max(limit, 2):
+        elif float(connect) <= 0 or float(connect) > max(limit, 2):  # 0: no timeout at all
             waits.append(f"its connect_timeout ({connect} s)")
     if waits:
         yield _warning(

@@ -293,6 +293,26 @@ def test_e038_a_claim_database_that_cannot_follow_the_tenant(
         assert "tenant" in found[0].msg
 
 
+@pytest.mark.parametrize(
+    ("entry", "value", "said"),
+    [("ATOMIC_REQUESTS", True, "ATOMIC_REQUESTS"), ("AUTOCOMMIT", False, "AUTOCOMMIT")],
+)
+def test_e038_a_claim_database_that_opens_transactions(monkeypatch, entry, value, said):
+    """A CLAIM_DATABASE whose DATABASES entry opens a transaction (ATOMIC_REQUESTS, as a
+    copy of DATABASE's entry often carries, or AUTOCOMMIT off) holds its claims until that
+    transaction ends: every claim made inside a caller's transaction would be refused at
+    run time. Told by the settings, before any request."""
+    monkeypatch.setitem(django_settings.DATABASES["claims"], entry, value)
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        found = [m for m in check_settings() if m.id == "django_idempotency.E038"]
+    assert [m.id for m in found] == ["django_idempotency.E038"]
+    assert "'claims'" in found[0].msg
+    assert said in found[0].msg
+    monkeypatch.setitem(django_settings.DATABASES["claims"], entry, not value)
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        assert [m for m in check_settings() if m.id == "django_idempotency.E038"] == []
+
+
 def test_check_command_passes_with_defaults():
     call_command("check", stdout=StringIO())
 
@@ -382,6 +402,16 @@ def test_w011_a_claim_database_that_may_wait_longer_than_claim_timeout(settings,
         monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": {"timeout": 30}})
         (pool,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
         assert "pool's timeout (30 s)" in pool.msg
+        # A pool of Django's defaults (OPTIONS["pool"] = True) waits psycopg-pool's 30 s.
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": True})
+        (pool,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
+        assert "pool's timeout (30 s)" in pool.msg
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 2, "pool": {"timeout": 2}})
+        assert [m for m in check_settings() if m.id == "django_idempotency.W011"] == []
+        # 0 is no connect timeout at all (libpq, mysqlclient).
+        monkeypatch.setitem(claims, "OPTIONS", {"connect_timeout": 0})
+        (forever,) = [m for m in check_settings() if m.id == "django_idempotency.W011"]
+        assert "connect_timeout (0 s)" in forever.msg
 
 
 @pytest.mark.parametrize(

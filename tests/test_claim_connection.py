@@ -12,6 +12,8 @@ The aliases ``pooled`` (PostgreSQL through a Django pool of one connection) and 
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connection, connections, transaction
 from django.test import override_settings
 from django.utils import timezone
@@ -528,3 +531,158 @@ def test_on_mariadb_claim_database_bounds_its_lock_wait_too():
                 cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
                 assert cursor.fetchone()[0] == seconds
     connections["claims"].close()
+
+
+@pytest.fixture
+def autocommit_off() -> Iterator[None]:
+    """``DATABASES["default"]["AUTOCOMMIT"] = False``: the project manages its transactions
+    itself, every connection of that alias in one from its first statement."""
+    connection.close()
+    connection.settings_dict["AUTOCOMMIT"] = False
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["AUTOCOMMIT"] = True
+
+
+@pytest.mark.parametrize("opened_first", [False, True], ids=["unopened", "opened"])
+def test_with_autocommit_off_the_claim_commits_at_once_and_the_work_with_the_caller(
+    autocommit_off, opened_first
+):
+    """The caller's connection is in its transaction from its first statement: the claim
+    goes to a connection of its own, in autocommit whatever the alias says, and the work
+    and the completion commit when the caller commits. Before, a connection not yet opened
+    was taken for one in autocommit (the claim, on it, committed only with the work: no
+    other connection saw it while the body ran), and the claim connection took AUTOCOMMIT
+    off from the caller's entry (no claim ever committed: each call ran its body, lost its
+    lease, and left nothing for a retry to find)."""
+    calls: list[str] = []
+    seen: list[bool] = []
+    key = f"ac-{opened_first}"
+
+    def body(tag: str) -> str:
+        calls.append(tag)
+        # Another connection sees the claim while the body runs: it committed at once.
+        seen.append(IdempotencyRecord.objects.using("provider").filter(key=key).exists())
+        Charge.objects.create(account="consumer", amount=1, currency="EUR")
+        return tag
+
+    outcomes = []
+    for tag in ("a", "b"):
+        if opened_first:
+            Charge.objects.count()
+        outcomes.append(run_once(body, tag, **IDENTITY, key=key))
+        connection.commit()
+    assert outcomes == ["a", "a"]
+    assert calls == ["a"]
+    assert seen == [True]
+    # As committed, read on another connection.
+    records = IdempotencyRecord.objects.using("provider").filter(key=key)
+    assert list(records.values_list("status", flat=True)) == [RecordStatus.COMPLETED]
+    assert Charge.objects.using("provider").count() == 1
+
+
+def test_a_claim_database_with_autocommit_off_is_refused_before_anything_runs():
+    """Check E038 reports it; a claim that comes all the same is refused, its connection not
+    yet opened too (before, its claim never committed: the body ran and lost its lease)."""
+    calls: list[str] = []
+    claims = connections["claims"]
+    claims.close()
+    claims.settings_dict["AUTOCOMMIT"] = False
+    try:
+        with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}), transaction.atomic():
+            Charge.objects.count()  # the caller's transaction is under way
+            with pytest.raises(ImproperlyConfigured, match="CLAIM_DATABASE"):
+                run_once(effect, calls, "a", "default", **IDENTITY, key="k-1")
+    finally:
+        claims.close()
+        claims.settings_dict["AUTOCOMMIT"] = True
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
+
+
+class FreezingProxy:
+    """A TCP proxy in front of the database server that, once frozen, accepts new
+    connections and never answers them (a server that stopped answering, a network that
+    drops packets), while the connections made before keep going."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.frozen = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[Any] = [self.listener]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.sockets.append(client)
+            if self.frozen.is_set():
+                continue  # held open, never answered
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            self.sockets.append(server)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self.pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def pipe(source: Any, target: Any) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            FreezingProxy.end(target)
+
+    @staticmethod
+    def end(sock: Any) -> None:
+        # shutdown() first: a close() alone leaves the socket open while another thread
+        # is still blocked reading it, and the server's session with it.
+        for step in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+            with contextlib.suppress(OSError):
+                step()
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            self.end(sock)
+
+
+@on_postgresql
+def test_the_claims_own_connection_waits_to_connect_no_longer_than_claim_timeout():
+    """The project's connect_timeout is longer than CLAIM_TIMEOUT: the claim's own
+    connection (made inside the caller's transaction) is bounded by the shorter one, as its
+    statements are. Before, the project's 10 s were kept for it."""
+    alias = connections["claims"]
+    saved = dict(alias.settings_dict)
+    proxy = FreezingProxy(int(connections["default"].settings_dict["PORT"] or 5432))
+    close_claims()
+    alias.settings_dict.update(
+        HOST="127.0.0.1",
+        PORT=str(proxy.port),
+        OPTIONS={**saved["OPTIONS"], "connect_timeout": 10},
+    )
+    calls: list[str] = []
+    bounded = {"DATABASE": "claims", "CLAIM_TIMEOUT": timedelta(seconds=2)}
+    try:
+        with override_settings(IDEMPOTENCY=bounded), transaction.atomic(using="claims"):
+            Charge.objects.using("claims").count()  # the caller's connection, through the proxy
+            proxy.frozen.set()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                run_once(effect, calls, "a", "claims", **IDENTITY, key="k-1")
+            waited = time.monotonic() - started
+    finally:
+        close_claims()
+        alias.settings_dict.clear()
+        alias.settings_dict.update(saved)
+        proxy.close()
+    assert calls == []
+    assert IdempotencyRecord.objects.count() == 0
+    assert waited < 6, f"the claim waited {waited:.1f} s for its connection"

@@ -22,8 +22,11 @@ import pytest
 from django.core import checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.test import override_settings
+
+from django_idempotency import IdempotencyError, run_once
+from django_idempotency.models import IdempotencyRecord
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -82,6 +85,54 @@ def test_e051_not_for_a_claim_database_on_the_same_database():
     with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
         assert found(E051, databases=["default"]) == []
         assert found(E051) == []
+
+
+def let_go(alias: Any) -> None:
+    """Close ``alias``'s connection, and its Django pool where it has one."""
+    alias.close()
+    if getattr(alias, "pool", None) is not None:
+        alias.close_pool()
+
+
+@pytest.fixture
+def other_schema() -> Iterator[str]:
+    """The alias ``claims`` on the same database, with a ``search_path`` that finds the
+    package's tables (migrated there) in another schema; the schema's name. As when a
+    pooler in front of it drops the ``options`` that set ``DATABASE``'s schema."""
+    claims = connections["claims"]
+    saved = dict(claims.settings_dict["OPTIONS"])
+    schema = f"idem_elsewhere_{os.getpid()}"
+    with connections["provider"].cursor() as cursor:
+        cursor.execute(f"CREATE SCHEMA {schema}")
+    let_go(claims)
+    claims.settings_dict["OPTIONS"] = {**saved, "options": f"-c search_path={schema}"}
+    try:
+        call_command("migrate", "django_idempotency", database="claims", stdout=StringIO())
+        yield schema
+    finally:
+        let_go(claims)  # a Django pool's connections keep the search_path they were made with
+        claims.settings_dict["OPTIONS"] = saved
+        with connections["provider"].cursor() as cursor:
+            cursor.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's schemas")
+@pytest.mark.skipif(
+    os.environ.get("TEST_DB") == "pgbouncer",
+    reason="PgBouncer refuses the options startup parameter that sets the search_path",
+)
+def test_e051_a_claim_database_whose_search_path_finds_other_tables(other_schema):
+    """Same server, same database, another record table: each claim is made where the work
+    never completes it, so the body runs, loses its lease and runs again after it."""
+    calls: list[int] = []
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        with pytest.raises(IdempotencyError), transaction.atomic():
+            run_once(lambda: calls.append(1), account="a", operation="o", key="k")
+        (error,) = found(E051, databases=["default"])
+    assert calls == [1]  # what E051 is there to prevent: a body whose outcome is never kept
+    assert IdempotencyRecord.objects.count() == 0
+    assert other_schema in error.msg
+    assert "search_path" in error.msg
 
 
 def test_e051_another_engine_is_told_without_a_connection(elsewhere):

@@ -8,7 +8,20 @@ from typing import Any
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["Vendor"]
+__all__ = ["Vendor", "at_most"]
+
+
+def at_most(options: dict[str, Any], name: str, seconds: int) -> None:
+    """Bound the timeout ``options[name]`` of a claim connection of the package's own to
+    ``seconds``: set where the project's entry has none, lowered where its own is longer
+    (or none at all: ``0``), kept where it is shorter."""
+    given = options.get(name)
+    try:
+        number = float(given) if given is not None else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number <= 0 or number > seconds:
+        options[name] = seconds
 
 
 class Vendor:
@@ -158,7 +171,9 @@ class Vendor:
     #: exactly when their names are equal (E051).
     single_file: bool = False
     #: The statement that names the database and the server an alias reaches, to tell
-    #: whether two aliases reach the same one (E051), or ``None``.
+    #: whether two aliases reach the same one (E051), or ``None``. Its first two columns
+    #: name the database and the server; a third, where the vendor has one, the schema in
+    #: which the connection finds the record table (``%(table)s``, its name).
     identity_sql: str | None = None
     #: The statement that gives ``synchronous_standby_names``, ``synchronous_commit``, the
     #: number of streaming standbys and how many of them are asynchronous, for W020 (a claim

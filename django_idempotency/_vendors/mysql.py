@@ -25,7 +25,7 @@ from typing import Any
 from django.db import Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_idempotency._vendors.base import Vendor
+from django_idempotency._vendors.base import Vendor, at_most
 
 __all__ = ["ANY_SERVER", "MySQL"]
 
@@ -67,7 +67,7 @@ class MySQL(Vendor):
 
     def claim_connection_options(self, options: dict[str, Any], seconds: int) -> str | None:
         for name in ("connect_timeout", "read_timeout", "write_timeout"):
-            options.setdefault(name, seconds + 1)
+            at_most(options, name, seconds + 1)
         # The server gives up a lock wait too, or it would commit the claim after the
         # client left (read_timeout ends only the client's wait): a claim that fails closed
         # leaves nothing behind. The project's own init_command is left as it wrote it (a

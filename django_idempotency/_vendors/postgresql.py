@@ -12,7 +12,7 @@ from typing import Any
 from django.db import Error, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_idempotency._vendors.base import Vendor
+from django_idempotency._vendors.base import Vendor, at_most
 
 __all__ = [
     "CLAIM",
@@ -139,7 +139,7 @@ class PostgreSQL(Vendor):
 
     def claim_connection_options(self, options: dict[str, Any], seconds: int) -> str | None:
         # libpq's least connect timeout is 2 s; the statements are bounded by the watchdog.
-        options.setdefault("connect_timeout", max(2, seconds))
+        at_most(options, "connect_timeout", max(2, seconds))
         return None
 
     def snapshot_isolation(self, connection: BaseDatabaseWrapper) -> str | None:
@@ -166,7 +166,15 @@ class PostgreSQL(Vendor):
     newest_read = " FOR SHARE"
     notify_sql = "SELECT pg_notify(%s, '')"
 
-    identity_sql = "SELECT current_database(), system_identifier FROM pg_control_system()"
+    # The schema too where the connection's search_path finds the record table: the same
+    # database seen through another search_path (a pooler that drops the "options" which
+    # set DATABASE's) reaches other tables.
+    identity_sql = (
+        "SELECT current_database(), system_identifier, n.nspname"
+        " FROM pg_control_system()"
+        " LEFT JOIN pg_class c ON c.oid = to_regclass(quote_ident(%(table)s))"
+        " LEFT JOIN pg_namespace n ON n.oid = c.relnamespace"
+    )
     # The standbys a failover can promote: physical streaming replication, not a logical
     # subscriber (a walsender of a logical slot) nor a base backup being taken.
     replication_sql = (
