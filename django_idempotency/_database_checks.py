@@ -18,7 +18,13 @@ from django.db import DatabaseError, connections
 from django_idempotency import _check_ids
 from django_idempotency._vendors import Vendor, of_connection
 
-__all__ = ["in_each_schema", "missing_tables", "not_the_same_database", "tenant_schemas"]
+__all__ = [
+    "in_each_schema",
+    "missing_tables",
+    "names_this_app",
+    "not_the_same_database",
+    "tenant_schemas",
+]
 
 T = TypeVar("T")
 
@@ -124,6 +130,16 @@ def not_the_same_database(
     ]
 
 
+def names_this_app(apps: Iterable[object]) -> bool:
+    """Whether a list of apps (``INSTALLED_APPS``, django-tenants' ``SHARED_APPS`` or
+    ``TENANT_APPS``) names this package, by its name or its app config."""
+    return any(
+        isinstance(app, str)
+        and (app == "django_idempotency" or app.startswith("django_idempotency.apps."))
+        for app in apps
+    )
+
+
 def _tenant_layout(connection: Any) -> bool:
     """Whether the tables belong in the tenants' schemas: django-tenants' backend (it keeps a
     tenant on the connection) with the package among the ``TENANT_APPS``. The connection's
@@ -132,14 +148,12 @@ def _tenant_layout(connection: Any) -> bool:
 
     from django.conf import settings
 
-    from django_idempotency.checks import _names_this_app
-
     tenant_apps = getattr(settings, "TENANT_APPS", None)
     return (
         callable(getattr(connection, "set_tenant", None))
         and importlib.util.find_spec("django_tenants") is not None
         and isinstance(tenant_apps, (list, tuple))
-        and _names_this_app(tenant_apps)
+        and names_this_app(tenant_apps)
     )
 
 
@@ -157,10 +171,8 @@ def tenant_schemas(alias: str) -> list[str] | None:
     from django.conf import settings
     from django_tenants.utils import get_public_schema_name, get_tenant_model
 
-    from django_idempotency.checks import _names_this_app
-
     public = get_public_schema_name()
-    in_public = _names_this_app(getattr(settings, "SHARED_APPS", ()))
+    in_public = names_this_app(getattr(settings, "SHARED_APPS", ()))
     schemas = sorted(
         name
         for name in get_tenant_model().objects.using(alias).values_list("schema_name", flat=True)

@@ -295,7 +295,6 @@ def check_sealed_outcomes(
     from django.db import DatabaseError
 
     from django_idempotency import crypto
-    from django_idempotency._database_checks import in_each_schema, tenant_schemas
 
     def read() -> tuple[dict[str, int], dict[str, int]]:
         return crypto.missing_key_ids(alias), crypto.missing_step_key_ids(alias)
@@ -304,9 +303,13 @@ def check_sealed_outcomes(
     steps: Counter[str] = Counter()
     where: dict[str, list[str]] = {}
     try:
-        schemas = tenant_schemas(alias)
+        schemas = _database_checks.tenant_schemas(alias)
         # Under django-tenants, each tenant's schema (E052 names one without the tables).
-        found = {"": read()} if schemas is None else in_each_schema(alias, schemas, read)
+        found = (
+            {"": read()}
+            if schemas is None
+            else _database_checks.in_each_schema(alias, schemas, read)
+        )
     except DatabaseError:  # not migrated yet (migrate runs the database checks first)
         return []
     for schema, (outcomes, results) in found.items():
@@ -362,7 +365,7 @@ def check_tenant_apps(**kwargs: Any) -> list[CheckMessage]:
     tenant = getattr(settings, "TENANT_APPS", None)
     if not isinstance(shared, (list, tuple)) or not isinstance(tenant, (list, tuple)):
         return []
-    if not _names_this_app(shared) or _names_this_app(tenant):
+    if not _database_checks.names_this_app(shared) or _database_checks.names_this_app(tenant):
         return []
     return [
         _warning(
@@ -378,14 +381,6 @@ def check_tenant_apps(**kwargs: Any) -> list[CheckMessage]:
             ),
         )
     ]
-
-
-def _names_this_app(apps: Iterable[object]) -> bool:
-    return any(
-        isinstance(app, str)
-        and (app == "django_idempotency" or app.startswith("django_idempotency.apps."))
-        for app in apps
-    )
 
 
 @register(Tags.database)
