@@ -116,20 +116,29 @@ def _dispatch_of_an_async_view(func: Any) -> bool:
     """Whether ``func`` is a plain method of a class-based view whose handlers are ``async
     def``: ``method_decorator(idempotent, name="dispatch")`` hands the decorator Django's
     ``View.dispatch``, bound to the view (in a ``functools.partial``), which returns the
-    handler's coroutine. It is protected as an ``async def`` view is."""
-    bound = getattr(func, "func", func)
+    handler's coroutine. It is protected as an ``async def`` view is.
+
+    So is the plain function of a decorator beneath ``@idempotent`` in ``method_decorator``'s
+    list (``[idempotent, csrf_exempt]``): it wraps that partial (``functools.wraps`` leaves
+    the chain of functions in ``__wrapped__``, ending at the partial) and hands back what
+    ``dispatch`` returns."""
+    written = inspect.unwrap(func, stop=lambda f: not inspect.isfunction(f))
+    bound = getattr(written, "func", written)
     view = getattr(bound, "__self__", None)
     return isinstance(view, View) and bool(type(view).view_is_async)
 
 
 def _awaiting(func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` as a coroutine function, for ``async_to_sync``: an ``async def`` view as it
-    is, the ``dispatch`` of an async class-based view awaiting what it returns."""
+    is, the ``dispatch`` of an async class-based view awaiting what it returns (a plain
+    decorator's function around it may answer without calling it: a response, not
+    awaited)."""
     if inspect.iscoroutinefunction(func):
         return func
 
     async def awaited(*args: Any, **kwargs: Any) -> Any:
-        return await func(*args, **kwargs)
+        answer = func(*args, **kwargs)
+        return await answer if inspect.isawaitable(answer) else answer
 
     return awaited
 
@@ -218,7 +227,8 @@ def idempotent(
             # the async view runs back on the event loop from there; its async ORM calls then
             # come back to that same thread, inside the transaction. A client that goes away
             # does not cut it short (_http.run_to_the_end).
-            sync_view = async_to_sync(_awaiting(func))
+            coroutine_view = _awaiting(func)
+            sync_view = async_to_sync(coroutine_view)
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
@@ -229,7 +239,7 @@ def idempotent(
                         request, chosen, wrapper.__dict__.get("_non_atomic_requests")
                     )
                 ):
-                    response: HttpResponseBase = await func(request, *args, **kwargs)
+                    response: HttpResponseBase = await coroutine_view(request, *args, **kwargs)
                     return response
                 return await _http.run_to_the_end(lambda: handle(request, args, kwargs, sync_view))
 

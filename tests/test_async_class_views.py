@@ -32,6 +32,8 @@ pytestmark = [
 PATHS = {
     "/payouts/": "async_payout",
     "/refunds/async/": "async_refund",
+    # The decorator first in method_decorator's list, above csrf_exempt's plain function.
+    "/refunds/async/listed/": "async_listed",
     "/notes/async/": "async_note",  # the decorator on the handler: protected already
 }
 
@@ -81,6 +83,24 @@ def test_a_missing_key_is_refused_and_get_is_untouched(user):
     assert not IdempotencyRecord.objects.exists()
 
 
+def test_listed_first_under_asgi_get_passes_by_and_a_missing_key_is_refused(user):
+    # The unprotected GET awaits what csrf_exempt's plain function hands back, on the event
+    # loop; the POST without its key is refused before anything runs.
+    client = AsyncClient()
+    client.force_login(user)
+
+    async def scenario():
+        got = await client.get("/refunds/async/listed/")
+        posted = await client.post("/refunds/async/listed/", {}, content_type="application/json")
+        return got, posted
+
+    got, posted = run(scenario())
+    assert (got.status_code, got.json()) == (200, {"refunds": 0})
+    assert posted.status_code == 400
+    assert not Charge.objects.exists()
+    assert not IdempotencyRecord.objects.exists()
+
+
 def test_the_audit_lists_them_as_protected_and_they_are(user):
     out = io.StringIO()
     call_command("idempotency_audit", "--format", "json", stdout=out)
@@ -92,6 +112,7 @@ def test_the_audit_lists_them_as_protected_and_they_are(user):
     assert rows == {
         "/payouts/": (True, "POST payouts/"),
         "/refunds/async/": (True, "refunds.async"),
+        "/refunds/async/listed/": (True, "refunds.async-listed"),
         "/notes/async/": (True, "notes.async"),
     }
     assert IdempotencyRecord.objects.filter(operation="POST payouts/").count() == 0

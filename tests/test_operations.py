@@ -123,6 +123,7 @@ def test_the_audit_lists_one_endpoint_once_with_its_one_operation():
     assert posts == [
         ("/payouts/", "POST payouts/"),
         ("/refunds/async/", "refunds.async"),
+        ("/refunds/async/listed/", "refunds.async-listed"),
         ("/notes/async/", "notes.async"),
         ("/transfers/", "POST transfers/"),
         ("/refunds/", "POST refunds/"),

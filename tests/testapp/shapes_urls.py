@@ -2,7 +2,7 @@
 protects or is refused), each unsafe handler writing one ``Charge`` that the tests count:
 
 - ``method_decorator(idempotent, name="dispatch")`` on a class whose handlers are
-  ``async def``;
+  ``async def``, alone or first in a list of decorators (``[idempotent, csrf_exempt]``);
 - DRF format suffixes: ``transfers/`` and ``transfers.json`` (``format_suffix_patterns``),
   for the mixin and for ``@api_view``, a router's suffixed routes, and regex patterns
   included under an empty prefix (``payments/``: Django keeps the included route's ``^``);
@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
 from django.views import View
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -63,6 +64,19 @@ class AsyncRefundView(View):
         return JsonResponse(await awritten("async_refund"), status=201)
 
 
+@method_decorator([idempotent(operation="refunds.async-listed"), csrf_exempt], name="dispatch")
+class AsyncListedRefundView(View):
+    """The decorator first in method_decorator's list: it wraps csrf_exempt's plain function,
+    which hands back the handler's coroutine."""
+
+    async def get(self, request: HttpRequest) -> HttpResponse:
+        count = await Charge.objects.filter(account="async_listed").acount()
+        return JsonResponse({"refunds": count})
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return JsonResponse(await awritten("async_listed"), status=201)
+
+
 class AsyncNoteView(View):
     """The decorator on the async handler itself."""
 
@@ -102,6 +116,7 @@ router.register("ledger", LedgerViewSet, basename="ledger")
 urlpatterns = [
     path("payouts/", AsyncPayoutView.as_view()),
     path("refunds/async/", AsyncRefundView.as_view()),
+    path("refunds/async/listed/", AsyncListedRefundView.as_view()),
     path("notes/async/", AsyncNoteView.as_view()),
     *format_suffix_patterns(
         [path("transfers/", TransferView.as_view()), path("refunds/", create_refund)]
