@@ -131,7 +131,8 @@ def is_storable(response: HttpResponseBase) -> bool:
 
 
 def stored_headers(response: HttpResponseBase) -> list[list[str]]:
-    """The headers kept with a response: ``Content-Type``, ``Location`` and the allow-list."""
+    """The headers kept with a response: ``Content-Type``, ``Location``,
+    ``Content-Encoding`` and the allow-list."""
     return [[name, response[name]] for name in app_settings.stored_headers if name in response]
 
 

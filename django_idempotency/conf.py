@@ -49,7 +49,10 @@ NEVER_STORED_HEADERS = frozenset(
         "vary",
     }
 )
-ALWAYS_STORED_HEADERS = ("Content-Type", "Location")
+# Content-Encoding with them: a body the view compressed (@gzip_page beneath @idempotent) is
+# bytes that only it makes readable, and a replay without it is compressed bytes taken for
+# JSON. Content-Type first: the replay hands it to the response's constructor.
+ALWAYS_STORED_HEADERS = ("Content-Type", "Location", "Content-Encoding")
 
 
 def _replay_headers(value: Any) -> tuple[str, ...]:
@@ -420,7 +423,8 @@ class IdempotencySettings:
 
     @property
     def stored_headers(self) -> tuple[str, ...]:
-        """Every response header a record keeps: ``Content-Type``, ``Location``, the extras."""
+        """Every response header a record keeps: ``Content-Type``, ``Location``,
+        ``Content-Encoding``, the extras."""
         return _stored_headers(self.REPLAY_HEADERS)
 
     @property

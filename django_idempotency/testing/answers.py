@@ -107,9 +107,9 @@ def _through(
 def assert_replay(original: Answer | HttpResponseBase, replay: Answer | HttpResponseBase) -> None:
     """Assert that ``replay`` replays ``original`` byte for byte.
 
-    The same status, body bytes, ``Content-Type`` and ``Location``; ``replay`` is marked
-    ``Idempotent-Replayed: true`` and ``original`` is not. Takes test client responses and
-    `Answer`s alike.
+    The same status, body bytes, ``Content-Type``, ``Location`` and ``Content-Encoding``;
+    ``replay`` is marked ``Idempotent-Replayed: true`` and ``original`` is not. Takes test
+    client responses and `Answer`s alike.
     """
     first, again = Answer.of(original), Answer.of(replay)
     assert first.error is None, f"the first attempt got {first.describe()}"
@@ -126,7 +126,7 @@ def assert_replay(original: Answer | HttpResponseBase, replay: Answer | HttpResp
     assert again.body == first.body, (
         f"the replay's body differs: {again.body[:200]!r} against {first.body[:200]!r}"
     )
-    for name in ("content-type", "location"):
+    for name in ("content-type", "location", "content-encoding"):
         assert again.headers.get(name) == first.headers.get(name), (
             f"the replay's {name} is {again.headers.get(name)!r}, "
             f"the first attempt's {first.headers.get(name)!r}"
