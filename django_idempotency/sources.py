@@ -33,6 +33,7 @@ from django.http import QueryDict
 from django.http.multipartparser import MultiPartParserError
 from django.http.request import RawPostDataException
 
+from django_idempotency import _validation
 from django_idempotency.fingerprint import NotJSON, django_request, json_body
 from django_idempotency.keys import InvalidKey, parse_key
 
@@ -63,6 +64,11 @@ class Header:
 
     def __init__(self, name: str) -> None:
         self.name = _name(name, "sources.header()'s header name")
+        try:
+            _validation.header_name(name)
+        except _validation.Invalid as exc:
+            # A name no header can have (a space, a colon): the key would never be found.
+            raise ImproperlyConfigured(f"sources.header()'s header name {exc}") from None
         #: How the engine and the OpenAPI schema describe where the key is.
         self.description = f"{self.name} header"
 

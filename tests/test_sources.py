@@ -158,6 +158,11 @@ def test_each_source_is_spelled_as_it_was_made(source: Any, spelled: str) -> Non
     [
         (sources.header, ""),
         (sources.header, None),
+        # No header has such a name: the source would never find a key.
+        (sources.header, "X-GitHub-Delivery "),
+        (sources.header, "X GitHub Delivery"),
+        (sources.header, "X-GitHub-Delivery:"),
+        (sources.header, "X-Delivery\r\nX-Other"),
         (sources.json, ""),
         (sources.json, "data..id"),
         (sources.json, ".id"),
