@@ -62,6 +62,10 @@ def _parsed(body: bytes) -> Any:
     return json.loads(body)
 
 
+def _raw(request: HttpRequest, content_type: str) -> dict[str, str]:
+    return {"raw": hashlib.sha256(request.body).hexdigest(), "type": content_type}
+
+
 def _sorted_pairs(data: QueryDict) -> list[list[str]]:
     return sorted([key, value] for key, values in data.lists() for value in values)
 
@@ -181,7 +185,13 @@ def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> by
         "body": _body_of(request, inner),
     }
     form.update(parts)
-    text = _encode(form)
+    try:
+        text = _encode(form)
+    except RecursionError:
+        # A JSON body a key source parsed higher up the stack, nested too deep to encode
+        # down here: its bytes, as for a body too deep to parse.
+        form["body"] = _raw(inner, (inner.content_type or "").lower())
+        text = _encode(form)
     # A JSON body may escape a lone surrogate ("\ud800"); "surrogatepass" encodes it, and
     # every valid string exactly as before, so no stored fingerprint changes.
     return text.encode("utf-8", "surrogatepass")
