@@ -327,6 +327,57 @@ def test_a_form_without_its_key_field_is_refused(user: Any) -> None:
     assert runs("form") == 0
 
 
+def multipart(*fields: tuple[str, str], boundary: str = "x") -> bytes:
+    """A ``multipart/form-data`` body of ``fields``, in their order (a name may repeat)."""
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        for name, value in fields
+    ]
+    return ("".join(parts) + f"--{boundary}--\r\n").encode()
+
+
+# Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
+# replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
+# on them.
+NO_TEXT_CHARSETS = ["rot13", "base64", "idna", "punycode", "undefined"]
+
+
+@pytest.mark.parametrize("charset", NO_TEXT_CHARSETS)
+@pytest.mark.parametrize(
+    "form", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
+)
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_form_in_a_charset_that_reads_no_text_is_an_invalid_key(
+    user: Any, method: str, form: str, charset: str
+) -> None:
+    client = Client()
+    client.force_login(user)
+    fields = (("idempotency_key", "k-1"), ("amount", "10"))
+    body = multipart(*fields) if form.startswith("multipart") else b"idempotency_key=k-1&amount=10"
+    response = client.generic(
+        method, "/sources/form/", body, content_type=f"{form}; charset={charset}"
+    )
+    assert "the form could not be read" in problem(response, "idempotency_key_invalid")["detail"]
+    assert runs("form") == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_a_posted_form_django_refuses_to_read_is_an_invalid_key(user: Any) -> None:
+    """Django reads an urlencoded POST in UTF-8 only and refuses another charset: the key
+    cannot be read, which the problem answer says (not Django's bare 400 page)."""
+    client = Client()
+    client.force_login(user)
+    response = client.generic(
+        "POST",
+        "/sources/form/",
+        b"idempotency_key=k-1&amount=10",
+        content_type="application/x-www-form-urlencoded; charset=latin-1",
+    )
+    assert "UTF-8" in problem(response, "idempotency_key_invalid")["detail"]
+    assert runs("form") == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
 # -- the DRF mixin and @api_view ---------------------------------------------------------
 
 
