@@ -39,6 +39,7 @@ from django_idempotency.fingerprint import (
     django_request,
     form_charset_reads_text,
     json_body,
+    multipart_form,
 )
 from django_idempotency.keys import InvalidKey, parse_key
 
@@ -139,8 +140,8 @@ class JSONField:
 
 class FormField:
     """The key is a field of a submitted form (``application/x-www-form-urlencoded`` or
-    ``multipart/form-data``), e.g. a hidden input filled when the form is rendered: a form
-    submitted twice runs once. A field sent more than once, or a form
+    ``multipart/form-data``, whatever the method), e.g. a hidden input filled when the form
+    is rendered: a form submitted twice runs once. A field sent more than once, or a form
     that cannot be read (a broken multipart body, a charset that reads no text), is an
     invalid key; a body of another content type carries no key."""
 
@@ -158,13 +159,12 @@ class FormField:
                 f"the form could not be read (its charset {inner.encoding!r} reads no text)"
             )
         try:
-            if inner.method == "POST":
+            if content_type == "multipart/form-data":
+                data = multipart_form(inner)[0]
+            elif inner.method == "POST":
                 data = inner.POST
-            elif content_type == "application/x-www-form-urlencoded":
+            else:  # Django parses forms for POST only
                 data = QueryDict(inner.body, encoding=inner.encoding)
-            else:
-                # Django parses forms for POST only; a multipart PATCH carries no key here.
-                return None
         except (MultiPartParserError, BadRequest) as exc:
             # A broken multipart body; Django refusing an urlencoded POST not in UTF-8.
             raise InvalidKey(f"the form could not be read ({exc})") from None

@@ -336,6 +336,32 @@ def multipart(*fields: tuple[str, str], boundary: str = "x") -> bytes:
     return ("".join(parts) + f"--{boundary}--\r\n").encode()
 
 
+def test_a_multipart_patch_carries_its_form_key(user: Any) -> None:
+    """Django parses a form for POST only; the source reads a multipart PATCH too, as the
+    fingerprint does: the key in its field runs the view once."""
+    client = Client()
+    client.force_login(user)
+    token = new_key()
+    body = multipart(("idempotency_key", token), ("amount", "10"))
+    content_type = "multipart/form-data; boundary=x"
+    first = client.generic("PATCH", "/sources/form/", body, content_type=content_type)
+    again = client.generic("PATCH", "/sources/form/", body, content_type=content_type)
+    assert first.status_code == again.status_code == 302, first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Location"] == first["Location"]
+    assert runs("form") == 1
+    assert IdempotencyRecord.objects.filter(key=token).count() == 1
+    twice = multipart(("idempotency_key", "k1"), ("idempotency_key", "k2"))
+    refused = client.generic("PATCH", "/sources/form/", twice, content_type=content_type)
+    assert "2 times" in problem(refused, "idempotency_key_invalid")["detail"]
+    missing = client.generic(
+        "PATCH", "/sources/form/", multipart(("amount", "10")), content_type=content_type
+    )
+    problem(missing, "idempotency_key_missing")
+    assert runs("form") == 1
+    assert IdempotencyRecord.objects.count() == 1
+
+
 # Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
 # replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
 # on them.
