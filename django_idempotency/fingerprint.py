@@ -8,6 +8,7 @@ the hash of their content, the query string as sorted pairs. Transport metadata
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -18,12 +19,15 @@ from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest, QueryDict
 from django.http.multipartparser import MultiPartParserError
 from django.http.request import RawPostDataException
+from django.utils.datastructures import MultiValueDict
 
 DEFAULT_VERSION = "v1"
 
 # Where the parsed JSON body is kept on the request, so that a key source and the
 # fingerprint parse it once between them.
 _JSON_BODY = "_idempotency_json_body"
+# The same for the form of a multipart request that is not a POST (Django parses POST's).
+_MULTIPART_FORM = "_idempotency_multipart_form"
 
 
 class NotJSON(ValueError):
@@ -62,6 +66,48 @@ def _parsed(body: bytes) -> Any:
     return json.loads(body)
 
 
+@functools.lru_cache(maxsize=16)
+def _decodes_text(encoding: str) -> bool:
+    try:
+        bytes(range(256)).decode(encoding, "replace")
+    except (LookupError, UnicodeError):
+        return False
+    return True
+
+
+def form_charset_reads_text(request: HttpRequest) -> bool:
+    """Whether Django's form parsers can decode text in the request's charset.
+
+    Django takes any charset Python has a codec for: ``rot13`` or ``base64``, which decode
+    no text, and ``idna``, ``punycode`` or ``undefined``, which cannot replace what they
+    fail to decode, make its form parsers raise (``LookupError``, ``UnicodeError``). No
+    charset, the most common case, is Django's default, which reads text.
+    """
+    encoding = request.encoding
+    return encoding is None or _decodes_text(encoding)
+
+
+def multipart_form(request: HttpRequest) -> tuple[QueryDict, MultiValueDict[str, Any]]:
+    """The fields and files of a ``multipart/form-data`` request.
+
+    ``request.POST`` and ``request.FILES`` for a POST; Django parses no other method's
+    form, so it is parsed here from the body, once per request (a key source and the
+    fingerprint share it). Raises what Django's parser raises (``MultiPartParserError``
+    for a broken body).
+    """
+    if request.method == "POST":
+        return request.POST, request.FILES
+    parsed = request.__dict__.get(_MULTIPART_FORM)
+    if parsed is None:
+        parsed = request.parse_file_upload(request.META, io.BytesIO(request.body))
+        request.__dict__[_MULTIPART_FORM] = parsed
+    return parsed
+
+
+def _raw(request: HttpRequest, content_type: str) -> dict[str, str]:
+    return {"raw": hashlib.sha256(request.body).hexdigest(), "type": content_type}
+
+
 def _sorted_pairs(data: QueryDict) -> list[list[str]]:
     return sorted([key, value] for key, values in data.lists() for value in values)
 
@@ -92,27 +138,24 @@ def _files(files: Any) -> list[list[str]]:
 
 def _canonical_body(request: HttpRequest) -> Any:
     content_type = (request.content_type or "").lower()
-    if content_type == "multipart/form-data":
-        if request.method == "POST":
-            return {"form": _sorted_pairs(request.POST), "files": _files(request.FILES)}
+    if content_type == "multipart/form-data" and form_charset_reads_text(request):
         try:
-            post, files = request.parse_file_upload(request.META, io.BytesIO(request.body))
+            post, files = multipart_form(request)
         except MultiPartParserError:
+            if request.method == "POST":
+                raise  # Django's answer: 400, before the claim
             return {"raw": hashlib.sha256(request.body).hexdigest()}
         return {"form": _sorted_pairs(post), "files": _files(files)}
-    body = request.body
-    if content_type == "application/x-www-form-urlencoded":
+    if content_type == "application/x-www-form-urlencoded" and form_charset_reads_text(request):
         encoding = request.encoding or "utf-8"
-        try:
-            return {"form": _sorted_pairs(QueryDict(body, encoding=encoding))}
-        except LookupError:
-            pass  # a charset that names no text encoding (rot13, hex): compare the raw bytes
+        return {"form": _sorted_pairs(QueryDict(request.body, encoding=encoding))}
     if content_type == "application/json" or content_type.endswith("+json"):
         try:
             return {"json": json_body(request)}
         except NotJSON:
             pass  # the view answers this one; compare the raw bytes
-    return {"raw": hashlib.sha256(body).hexdigest(), "type": content_type}
+    # Anything else, and a form in a charset that reads no text: its bytes.
+    return _raw(request, content_type)
 
 
 def _body_of(request: Any, inner: HttpRequest) -> Any:
@@ -181,7 +224,13 @@ def canonical_request(request: Any, parts: Iterable[tuple[str, Any]] = ()) -> by
         "body": _body_of(request, inner),
     }
     form.update(parts)
-    text = _encode(form)
+    try:
+        text = _encode(form)
+    except RecursionError:
+        # A JSON body a key source parsed higher up the stack, nested too deep to encode
+        # down here: its bytes, as for a body too deep to parse.
+        form["body"] = _raw(inner, (inner.content_type or "").lower())
+        text = _encode(form)
     # A JSON body may escape a lone surrogate ("\ud800"); "surrogatepass" encodes it, and
     # every valid string exactly as before, so no stored fingerprint changes.
     return text.encode("utf-8", "surrogatepass")

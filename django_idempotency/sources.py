@@ -28,12 +28,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import QueryDict
 from django.http.multipartparser import MultiPartParserError
 from django.http.request import RawPostDataException
 
-from django_idempotency.fingerprint import NotJSON, django_request, json_body
+from django_idempotency import _validation
+from django_idempotency.fingerprint import (
+    NotJSON,
+    django_request,
+    form_charset_reads_text,
+    json_body,
+    multipart_form,
+)
 from django_idempotency.keys import InvalidKey, parse_key
 
 __all__ = [
@@ -50,6 +57,8 @@ __all__ = [
 
 KeySource = Callable[[Any], "str | None"]
 
+_FORMS = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+
 
 def _name(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
@@ -63,6 +72,11 @@ class Header:
 
     def __init__(self, name: str) -> None:
         self.name = _name(name, "sources.header()'s header name")
+        try:
+            _validation.header_name(name)
+        except _validation.Invalid as exc:
+            # A name no header can have (a space, a colon): the key would never be found.
+            raise ImproperlyConfigured(f"sources.header()'s header name {exc}") from None
         #: How the engine and the OpenAPI schema describe where the key is.
         self.description = f"{self.name} header"
 
@@ -126,8 +140,10 @@ class JSONField:
 
 class FormField:
     """The key is a field of a submitted form (``application/x-www-form-urlencoded`` or
-    ``multipart/form-data``), e.g. a hidden input filled when the form is rendered: a form
-    submitted twice runs once. A field sent more than once is an invalid key."""
+    ``multipart/form-data``, whatever the method), e.g. a hidden input filled when the form
+    is rendered: a form submitted twice runs once. A field sent more than once, or a form
+    that cannot be read (a broken multipart body, a charset that reads no text), is an
+    invalid key; a body of another content type carries no key."""
 
     def __init__(self, field: str) -> None:
         self.field = _name(field, "sources.form()'s field name")
@@ -135,16 +151,22 @@ class FormField:
 
     def __call__(self, request: Any) -> str | None:
         inner = django_request(request)
+        content_type = (inner.content_type or "").lower()
+        if content_type not in _FORMS:
+            return None
+        if not form_charset_reads_text(inner):
+            raise InvalidKey(
+                f"the form could not be read (its charset {inner.encoding!r} reads no text)"
+            )
         try:
-            if inner.method == "POST":
+            if content_type == "multipart/form-data":
+                data = multipart_form(inner)[0]
+            elif inner.method == "POST":
                 data = inner.POST
-            elif (inner.content_type or "").lower() == "application/x-www-form-urlencoded":
+            else:  # Django parses forms for POST only
                 data = QueryDict(inner.body, encoding=inner.encoding)
-            else:
-                # Django parses forms for POST only; a multipart PATCH carries no key here.
-                return None
-        except (MultiPartParserError, LookupError) as exc:
-            # A broken multipart body, or a charset that names no text encoding.
+        except (MultiPartParserError, BadRequest) as exc:
+            # A broken multipart body; Django refusing an urlencoded POST not in UTF-8.
             raise InvalidKey(f"the form could not be read ({exc})") from None
         values = data.getlist(self.field)
         if not values:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -119,3 +120,49 @@ def test_the_canonical_text_is_json_dumps_with_sorted_keys_byte_for_byte():
     }
     text = json.dumps(expected, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert canonical_request(request) == text.encode("utf-8", "surrogatepass")
+
+
+def nested(depth: int, inner: bytes = b"") -> bytes:
+    return b'{"id":"evt_1","x":' + b"[" * depth + inner + b"]" * depth + b"}"
+
+
+def parsed(body: bytes):
+    """A request whose JSON body was parsed here, as a key source parses it; ``None`` when
+    it is too deep to parse from this frame."""
+    from django_idempotency.fingerprint import NotJSON, json_body
+
+    request = rf.post("/x/", body, content_type="application/json")
+    try:
+        json_body(request)
+    except NotJSON:
+        return None
+    return request
+
+
+def below(frames: int, call):
+    """``call()``, from ``frames`` Python frames deeper than this one."""
+    return call() if frames == 0 else below(frames - 1, call)
+
+
+def test_a_json_body_parsed_higher_up_the_stack_than_it_can_be_encoded_is_hashed_by_its_bytes():
+    """A key source parses the body where the stack is shallow; a custom fingerprint
+    calls ``canonical_request`` deeper down. A body nested just within what the parse
+    managed is hashed by its bytes there, the same on every retry, never a RecursionError
+    (on interpreters whose C recursion limit counts Python frames)."""
+    low, high = 1, 100_000  # the deepest nesting parsed from here
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if parsed(nested(middle)) else (low, middle - 1)
+    depth = low - 3  # room for one more level in the other body, parsed a frame deeper
+
+    def fingerprint(inner: bytes) -> bytes:
+        request = parsed(nested(depth, inner))
+        assert request is not None
+        return below(40, lambda: canonical_request(request))
+
+    first, again, other = fingerprint(b""), fingerprint(b""), fingerprint(b"[]")
+    assert first == again != other
+    body = json.loads(first)["body"]
+    if "raw" in body:  # too deep to encode down there: its bytes
+        raw = hashlib.sha256(nested(depth)).hexdigest()
+        assert body == {"raw": raw, "type": "application/json"}

@@ -290,6 +290,39 @@ def test_bodies_the_fingerprint_cannot_canonicalise_still_run_once(
     assert Charge.objects.count() == (1 if status == 201 else 0)
 
 
+# Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
+# replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
+# on them. A view that reads the raw body (as a webhook's does) answers such a request.
+NO_TEXT_CHARSETS = ["rot13", "base64", "idna", "punycode", "undefined"]
+
+
+@pytest.mark.parametrize("charset", NO_TEXT_CHARSETS)
+@pytest.mark.parametrize(
+    "form", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
+)
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_form_charset_that_reads_no_text_is_fingerprinted_by_its_bytes(
+    api, method, form, charset
+):
+    """``/charges/`` reads the raw body as JSON, whatever the Content-Type says: it runs
+    once, a retry replays it, and the same key with other bytes is a ``422``."""
+    key, content_type = new_key(), f"{form}; charset={charset}"
+
+    def send(payload):
+        body = json.dumps(payload).encode()
+        return api.client.generic(
+            method, "/charges/", body, content_type=content_type, headers={"Idempotency-Key": key}
+        )
+
+    first = send(CHARGE)
+    assert first.status_code == 201, first.content[:300]
+    again = send(CHARGE)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert_problem(send({**CHARGE, "amount": 7}), "idempotency_key_reused", 422)
+    assert counts() == (1, 1, 1)
+
+
 def test_a_body_over_the_upload_limit_is_refused_before_the_claim(api, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1024
     body = json.dumps({"amount": 1, "pad": "x" * 2048}).encode()

@@ -158,6 +158,11 @@ def test_each_source_is_spelled_as_it_was_made(source: Any, spelled: str) -> Non
     [
         (sources.header, ""),
         (sources.header, None),
+        # No header has such a name: the source would never find a key.
+        (sources.header, "X-GitHub-Delivery "),
+        (sources.header, "X GitHub Delivery"),
+        (sources.header, "X-GitHub-Delivery:"),
+        (sources.header, "X-Delivery\r\nX-Other"),
         (sources.json, ""),
         (sources.json, "data..id"),
         (sources.json, ".id"),
@@ -320,6 +325,83 @@ def test_a_form_without_its_key_field_is_refused(user: Any) -> None:
     client.force_login(user)
     problem(client.post("/sources/form/", {"amount": "10"}), "idempotency_key_missing")
     assert runs("form") == 0
+
+
+def multipart(*fields: tuple[str, str], boundary: str = "x") -> bytes:
+    """A ``multipart/form-data`` body of ``fields``, in their order (a name may repeat)."""
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        for name, value in fields
+    ]
+    return ("".join(parts) + f"--{boundary}--\r\n").encode()
+
+
+def test_a_multipart_patch_carries_its_form_key(user: Any) -> None:
+    """Django parses a form for POST only; the source reads a multipart PATCH too, as the
+    fingerprint does: the key in its field runs the view once."""
+    client = Client()
+    client.force_login(user)
+    token = new_key()
+    body = multipart(("idempotency_key", token), ("amount", "10"))
+    content_type = "multipart/form-data; boundary=x"
+    first = client.generic("PATCH", "/sources/form/", body, content_type=content_type)
+    again = client.generic("PATCH", "/sources/form/", body, content_type=content_type)
+    assert first.status_code == again.status_code == 302, first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Location"] == first["Location"]
+    assert runs("form") == 1
+    assert IdempotencyRecord.objects.filter(key=token).count() == 1
+    twice = multipart(("idempotency_key", "k1"), ("idempotency_key", "k2"))
+    refused = client.generic("PATCH", "/sources/form/", twice, content_type=content_type)
+    assert "2 times" in problem(refused, "idempotency_key_invalid")["detail"]
+    missing = client.generic(
+        "PATCH", "/sources/form/", multipart(("amount", "10")), content_type=content_type
+    )
+    problem(missing, "idempotency_key_missing")
+    assert runs("form") == 1
+    assert IdempotencyRecord.objects.count() == 1
+
+
+# Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
+# replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
+# on them.
+NO_TEXT_CHARSETS = ["rot13", "base64", "idna", "punycode", "undefined"]
+
+
+@pytest.mark.parametrize("charset", NO_TEXT_CHARSETS)
+@pytest.mark.parametrize(
+    "form", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
+)
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_form_in_a_charset_that_reads_no_text_is_an_invalid_key(
+    user: Any, method: str, form: str, charset: str
+) -> None:
+    client = Client()
+    client.force_login(user)
+    fields = (("idempotency_key", "k-1"), ("amount", "10"))
+    body = multipart(*fields) if form.startswith("multipart") else b"idempotency_key=k-1&amount=10"
+    response = client.generic(
+        method, "/sources/form/", body, content_type=f"{form}; charset={charset}"
+    )
+    assert "the form could not be read" in problem(response, "idempotency_key_invalid")["detail"]
+    assert runs("form") == 0
+    assert IdempotencyRecord.objects.count() == 0
+
+
+def test_a_posted_form_django_refuses_to_read_is_an_invalid_key(user: Any) -> None:
+    """Django reads an urlencoded POST in UTF-8 only and refuses another charset: the key
+    cannot be read, which the problem answer says (not Django's bare 400 page)."""
+    client = Client()
+    client.force_login(user)
+    response = client.generic(
+        "POST",
+        "/sources/form/",
+        b"idempotency_key=k-1&amount=10",
+        content_type="application/x-www-form-urlencoded; charset=latin-1",
+    )
+    assert "UTF-8" in problem(response, "idempotency_key_invalid")["detail"]
+    assert runs("form") == 0
+    assert IdempotencyRecord.objects.count() == 0
 
 
 # -- the DRF mixin and @api_view ---------------------------------------------------------
