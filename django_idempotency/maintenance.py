@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from django.db import connections
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -60,6 +61,19 @@ class RecoveryResult:
     policies: dict[str, int] = field(default_factory=dict)
 
 
+def _alias(using: str | None) -> str:
+    """The database alias ``using`` names, ``DATABASE`` when it is ``None``.
+
+    Any other alias must be in ``DATABASES`` (``ConnectionDoesNotExist`` otherwise), the
+    empty one too: a queryset's ``using("")`` would quietly fall back on the routers'
+    database, and a purge meant for no database would purge the default one.
+    """
+    if using is None:
+        return app_settings.DATABASE
+    connections[using]  # raises ConnectionDoesNotExist for an unknown alias
+    return using
+
+
 # -- purge ------------------------------------------------------------------------------------
 
 
@@ -78,7 +92,7 @@ def purge_expired(
     ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
     described in ``django_idempotency._purge.purge``.
     """
-    return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
+    return IdempotencyRecord.objects.using(_alias(using)).delete_expired(
         batch_size=batch_size,
         max_batches=max_batches,
         dry_run=dry_run,
@@ -104,7 +118,7 @@ def rotate_encryption(
     ``django_idempotency.crypto.rotate``.
     """
     return crypto.rotate(
-        using=using or app_settings.DATABASE,
+        using=_alias(using),
         batch_size=batch_size,
         dry_run=dry_run,
         progress=progress,
@@ -164,7 +178,7 @@ def recover_stale_leases(
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
     """
     limit = _validation.counted_argument("limit", limit)
-    alias = using or app_settings.DATABASE
+    alias = _alias(using)
     now = now or timezone.now()
     result = RecoveryResult(dry_run=dry_run)
     policies: Counter[str] = Counter()

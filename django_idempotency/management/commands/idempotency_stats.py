@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import TextChoices
 
 from django_idempotency import _stats
-from django_idempotency.conf import app_settings
+from django_idempotency.management.commands.purge_idempotency import database_alias
 from django_idempotency.models import OutboxStatus, RecordStatus
 
 
@@ -66,9 +65,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or app_settings.DATABASE
-        if alias not in settings.DATABASES:
-            raise CommandError(f"Unknown database {alias!r}.")
+        alias = database_alias(options)
         snapshot = _stats.collect(using=alias)
         messages = _stats.outbox(using=alias, now=snapshot.taken_at)
         if options["unique_keys"] < 0:
