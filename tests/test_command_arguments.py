@@ -90,3 +90,32 @@ def test_the_relay_refuses_an_empty_alias_too():
         outbox.relay(using="", once=True, sender=lambda message: sent.append(message.task))
     assert sent == []
     assert OutboxMessage.objects.get().status == OutboxStatus.PENDING
+
+
+@pytest.mark.parametrize("value", ["-1", "99999999999999999999", "2147483648", "1.5", "abc"])
+def test_stats_refuses_a_unique_keys_count_out_of_range_before_reading(value):
+    """``--unique-keys`` takes 0 to 2147483647, as every count of the commands does: a
+    larger one was a LIMIT the database refused, with a traceback."""
+    with pytest.raises(CommandError, match="--unique-keys"):
+        run("idempotency_stats", "--unique-keys", value)
+
+
+def test_stats_takes_zero_unique_keys():
+    assert "unique keys" not in run("idempotency_stats", "--unique-keys", "0")
+
+
+def test_stats_names_a_status_it_does_not_know_instead_of_failing():
+    """A row another program wrote with a status this release does not know (a newer
+    release's, a hand edit) is counted under that status, in the text as in the JSON."""
+    RecordFactory()
+    damaged = RecordFactory()
+    IdempotencyRecord.objects.filter(pk=damaged.pk).update(status="archived")
+    message = OutboxMessage.objects.create(task="tasks.mail", args=[], kwargs={})
+    OutboxMessage.objects.filter(pk=message.pk).update(status="held")
+
+    lines = run("idempotency_stats", "--unique-keys", "0").splitlines()
+
+    assert any(line.split() == ["completed", "1"] for line in lines), lines
+    assert any(line.split() == ["archived", "(unknown", "status)", "1"] for line in lines), lines
+    assert any(line.split() == ["held", "(unknown", "status)", "1"] for line in lines), lines
+    assert any(line.split() == [OutboxStatus.PENDING.label, "0"] for line in lines), lines

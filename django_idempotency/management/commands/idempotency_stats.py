@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import TextChoices
 
 from django_idempotency import _stats
-from django_idempotency.management.commands.purge_idempotency import database_alias
+from django_idempotency.management.commands.purge_idempotency import (
+    count_or_zero,
+    database_alias,
+)
 from django_idempotency.models import OutboxStatus, RecordStatus
 
 
@@ -35,9 +38,17 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds:.1f} s"
 
 
+def _label(labels: type[TextChoices], status: str) -> str:
+    # A status this release does not know (a newer release's, a hand edit) is named as
+    # stored: the figures of a damaged table are what the command is run for.
+    if status in labels.values:
+        return str(labels(status).label)
+    return f"{status} (unknown status)"
+
+
 def _counts(labels: type[TextChoices], counts: dict[str, int]) -> list[tuple[str, str]]:
     # One indented line per status, under the heading before it.
-    return [(f"  {labels(status).label}", f"{n:,}") for status, n in counts.items()]
+    return [(f"  {_label(labels, status)}", f"{n:,}") for status, n in counts.items()]
 
 
 class Command(BaseCommand):
@@ -57,7 +68,7 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
         parser.add_argument(
             "--unique-keys",
-            type=int,
+            type=count_or_zero,
             default=20,
             metavar="N",
             help="List the N newest keys of enqueue_once with the message holding each "
@@ -68,8 +79,6 @@ class Command(BaseCommand):
         alias = database_alias(options)
         snapshot = _stats.collect(using=alias)
         messages = _stats.outbox(using=alias, now=snapshot.taken_at)
-        if options["unique_keys"] < 0:
-            raise CommandError("--unique-keys must be 0 or more.")
         keys = _stats.unique_keys(alias, options["unique_keys"], snapshot.taken_at)
         if options["json"]:
             data = {**snapshot.as_dict(), "outbox": messages.as_dict(), "unique_keys": keys}

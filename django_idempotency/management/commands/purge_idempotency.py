@@ -27,6 +27,14 @@ def positive_int(value: str) -> int:
     return number
 
 
+def count_or_zero(value: str) -> int:
+    """An argparse type: a whole number from 0 to ``MAX_INT`` (0: none)."""
+    number = int(value)
+    if not 0 <= number <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"{value} is not a whole number from 0 to {MAX_INT}")
+    return number
+
+
 def database_alias(options: dict[str, Any]) -> str:
     """The alias ``--database`` names, ``IDEMPOTENCY['DATABASE']`` when it is not given.
 
