@@ -119,3 +119,21 @@ def test_stats_names_a_status_it_does_not_know_instead_of_failing():
     assert any(line.split() == ["archived", "(unknown", "status)", "1"] for line in lines), lines
     assert any(line.split() == ["held", "(unknown", "status)", "1"] for line in lines), lines
     assert any(line.split() == [OutboxStatus.PENDING.label, "0"] for line in lines), lines
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("unreachable_store")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["idempotency_stats"],
+        ["idempotency_stats", "--json"],
+        ["purge_idempotency"],
+        ["recover_idempotency"],
+    ],
+)
+def test_a_database_that_cannot_be_read_is_a_command_error(command):
+    """Status 1 with the database's message, as the purge's docs say of every maintenance
+    command, not a traceback."""
+    with pytest.raises(CommandError, match="failed: "):
+        run(*command)

@@ -12,6 +12,7 @@ from django_idempotency import _stats
 from django_idempotency.management.commands.purge_idempotency import (
     count_or_zero,
     database_alias,
+    run_job,
 )
 from django_idempotency.models import OutboxStatus, RecordStatus
 
@@ -77,9 +78,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias = database_alias(options)
-        snapshot = _stats.collect(using=alias)
-        messages = _stats.outbox(using=alias, now=snapshot.taken_at)
-        keys = _stats.unique_keys(alias, options["unique_keys"], snapshot.taken_at)
+        # A database that cannot be read (down, not migrated) is status 1 with its message.
+        snapshot = run_job("statistics", _stats.collect, using=alias)
+        messages = run_job("statistics", _stats.outbox, using=alias, now=snapshot.taken_at)
+        keys = run_job(
+            "statistics",
+            _stats.unique_keys,
+            using=alias,
+            limit=options["unique_keys"],
+            now=snapshot.taken_at,
+        )
         if options["json"]:
             data = {**snapshot.as_dict(), "outbox": messages.as_dict(), "unique_keys": keys}
             self.stdout.write(json.dumps(data, indent=2))
