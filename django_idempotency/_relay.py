@@ -143,7 +143,8 @@ def _outside_transactions(using: str | None) -> str:
     with the caller. (A test case's own transactions are no caller's: inside them the test's
     messages count as committed.)
     """
-    alias = using or app_settings.DATABASE
+    # None is the default; "" names no database, and connections[""] refuses it.
+    alias = app_settings.DATABASE if using is None else using
     if in_callers_transaction(connections[alias]):
         raise TransactionManagementError(
             f"the outbox relay must not run inside a transaction on {alias!r} "

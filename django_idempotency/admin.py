@@ -25,6 +25,7 @@ arguments hold: they are read as stored and shown through :mod:`django_idempoten
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -54,6 +55,24 @@ from django_idempotency.models import (
 
 #: Who may see stored response bodies and headers (they can carry personal data).
 VIEW_BODY_PERMISSION = "django_idempotency.view_response_body"
+
+
+class _RecordsDatabase:
+    """The ``_non_atomic_requests`` of a view (what ``transaction.non_atomic_requests``
+    sets) naming the records' database, ``DATABASE`` as it is on each request.
+
+    Under ``ATOMIC_REQUESTS`` the changelist's actions would otherwise run inside the
+    request's transaction: every batch of *Purge expired records* a savepoint, every row it
+    deleted locked until the page is answered. The maintenance jobs commit each batch and
+    each record on their own, and refuse to run inside a caller's transaction; the
+    changelist itself only reads.
+    """
+
+    def __contains__(self, alias: object) -> bool:
+        return alias == app_settings.DATABASE
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((app_settings.DATABASE,))
 
 
 class ReadOnlyAdminMixin:
@@ -196,6 +215,14 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         return shown
 
     # -- queries ---------------------------------------------------------------------------
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        """The list and its actions, outside ``ATOMIC_REQUESTS``' transaction on the records'
+        database (:class:`_RecordsDatabase`): the actions commit as they go."""
+        return super().changelist_view(request, extra_context)
+
+    # Read by Django's handler on each request, on the URL's view, which copies it from here.
+    changelist_view._non_atomic_requests = _RecordsDatabase()  # type: ignore[attr-defined]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[IdempotencyRecord]:
         # Records live on the IDEMPOTENCY database, whatever the project's routers say.

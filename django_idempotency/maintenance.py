@@ -16,10 +16,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from django.db import connections
 from django.db.models import QuerySet
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import _once, _outcomes, _policies, _recovery, _store, _validation, crypto
+from django_idempotency import (
+    _autonomous,
+    _once,
+    _outcomes,
+    _policies,
+    _recovery,
+    _store,
+    _validation,
+    crypto,
+)
 from django_idempotency._claims import Claim
 from django_idempotency._purge import Progress, PurgeResult
 from django_idempotency.conf import app_settings
@@ -60,6 +71,31 @@ class RecoveryResult:
     policies: dict[str, int] = field(default_factory=dict)
 
 
+def _alias(using: str | None, job: str) -> str:
+    """The database alias ``using`` names, ``DATABASE`` when it is ``None``, for ``job``.
+
+    Any other alias must be in ``DATABASES`` (``ConnectionDoesNotExist`` otherwise), the
+    empty one too: a queryset's ``using("")`` would quietly fall back on the routers'
+    database, and a purge meant for no database would purge the default one.
+
+    ``TransactionManagementError`` inside a transaction of the caller's on that database
+    (``transaction.atomic()``, ``ATOMIC_REQUESTS``, autocommit turned off), as the outbox
+    relay: there each batch would be a savepoint, every row the job touched would stay
+    locked until that transaction ends (a claim reusing a purged key waits for all of it),
+    the whole run would roll back with it after its signals were sent, and a recovery
+    callable would be called inside it.
+    """
+    alias = app_settings.DATABASE if using is None else using
+    if _autonomous.in_callers_transaction(connections[alias]):
+        raise TransactionManagementError(
+            f"the {job} must run outside any transaction on {alias!r} (transaction.atomic(), "
+            "ATOMIC_REQUESTS, autocommit turned off): each of its batches commits on its "
+            "own, and inside a transaction every row it touched would stay locked until that "
+            "transaction ends. Run it outside any transaction on that database."
+        )
+    return alias
+
+
 # -- purge ------------------------------------------------------------------------------------
 
 
@@ -78,7 +114,7 @@ def purge_expired(
     ``IdempotencyRecord.objects.using(using).delete_expired(...)``, whose batches are
     described in ``django_idempotency._purge.purge``.
     """
-    return IdempotencyRecord.objects.using(using or app_settings.DATABASE).delete_expired(
+    return IdempotencyRecord.objects.using(_alias(using, "purge")).delete_expired(
         batch_size=batch_size,
         max_batches=max_batches,
         dry_run=dry_run,
@@ -104,7 +140,7 @@ def rotate_encryption(
     ``django_idempotency.crypto.rotate``.
     """
     return crypto.rotate(
-        using=using or app_settings.DATABASE,
+        using=_alias(using, "key rotation"),
         batch_size=batch_size,
         dry_run=dry_run,
         progress=progress,
@@ -164,7 +200,7 @@ def recover_stale_leases(
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
     """
     limit = _validation.counted_argument("limit", limit)
-    alias = using or app_settings.DATABASE
+    alias = _alias(using, "recovery")
     now = now or timezone.now()
     result = RecoveryResult(dry_run=dry_run)
     policies: Counter[str] = Counter()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import TextChoices
 
 from django_idempotency import _stats
-from django_idempotency.conf import app_settings
+from django_idempotency.management.commands.purge_idempotency import (
+    count_or_zero,
+    database_alias,
+    run_job,
+)
 from django_idempotency.models import OutboxStatus, RecordStatus
 
 
@@ -36,9 +39,17 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds:.1f} s"
 
 
+def _label(labels: type[TextChoices], status: str) -> str:
+    # A status this release does not know (a newer release's, a hand edit) is named as
+    # stored: the figures of a damaged table are what the command is run for.
+    if status in labels.values:
+        return str(labels(status).label)
+    return f"{status} (unknown status)"
+
+
 def _counts(labels: type[TextChoices], counts: dict[str, int]) -> list[tuple[str, str]]:
     # One indented line per status, under the heading before it.
-    return [(f"  {labels(status).label}", f"{n:,}") for status, n in counts.items()]
+    return [(f"  {_label(labels, status)}", f"{n:,}") for status, n in counts.items()]
 
 
 class Command(BaseCommand):
@@ -58,7 +69,7 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
         parser.add_argument(
             "--unique-keys",
-            type=int,
+            type=count_or_zero,
             default=20,
             metavar="N",
             help="List the N newest keys of enqueue_once with the message holding each "
@@ -66,14 +77,17 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or app_settings.DATABASE
-        if alias not in settings.DATABASES:
-            raise CommandError(f"Unknown database {alias!r}.")
-        snapshot = _stats.collect(using=alias)
-        messages = _stats.outbox(using=alias, now=snapshot.taken_at)
-        if options["unique_keys"] < 0:
-            raise CommandError("--unique-keys must be 0 or more.")
-        keys = _stats.unique_keys(alias, options["unique_keys"], snapshot.taken_at)
+        alias = database_alias(options)
+        # A database that cannot be read (down, not migrated) is status 1 with its message.
+        snapshot = run_job("statistics", _stats.collect, using=alias)
+        messages = run_job("statistics", _stats.outbox, using=alias, now=snapshot.taken_at)
+        keys = run_job(
+            "statistics",
+            _stats.unique_keys,
+            using=alias,
+            limit=options["unique_keys"],
+            now=snapshot.taken_at,
+        )
         if options["json"]:
             data = {**snapshot.as_dict(), "outbox": messages.as_dict(), "unique_keys": keys}
             self.stdout.write(json.dumps(data, indent=2))

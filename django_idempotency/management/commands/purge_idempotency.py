@@ -6,12 +6,14 @@ import argparse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from django.utils.connection import ConnectionDoesNotExist
 
 from django_idempotency import maintenance
 from django_idempotency._validation import MAX_INT
+from django_idempotency.conf import app_settings
 
 T = TypeVar("T")
 
@@ -23,6 +25,28 @@ def positive_int(value: str) -> int:
     if not 1 <= number <= MAX_INT:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer up to {MAX_INT}")
     return number
+
+
+def count_or_zero(value: str) -> int:
+    """An argparse type: a whole number from 0 to ``MAX_INT`` (0: none)."""
+    number = int(value)
+    if not 0 <= number <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"{value} is not a whole number from 0 to {MAX_INT}")
+    return number
+
+
+def database_alias(options: dict[str, Any]) -> str:
+    """The alias ``--database`` names, ``IDEMPOTENCY['DATABASE']`` when it is not given.
+
+    An alias that ``DATABASES`` does not hold is a ``CommandError`` before anything runs,
+    the empty one too: ``--database "$ALIAS"`` with the variable unset names no database,
+    and must not fall back on the default one (and purge it)."""
+    alias = options["database"]
+    if alias is None:
+        return app_settings.DATABASE
+    if alias not in settings.DATABASES:
+        raise CommandError(f"Unknown database {alias!r}.")
+    return str(alias)
 
 
 def add_common_arguments(parser: CommandParser, dry_run_help: str) -> None:
@@ -69,7 +93,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         verbosity = int(options["verbosity"])
         bounds = {
-            "using": options["database"],
+            "using": database_alias(options),
             "batch_size": options["batch_size"],
             "max_batches": options["max_batches"],
         }

@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_idempotency import maintenance
 from django_idempotency.management.commands.purge_idempotency import (
     add_common_arguments,
+    database_alias,
     positive_int,
     run_job,
 )
@@ -33,7 +34,7 @@ class Command(BaseCommand):
         result = run_job(
             "recovery",
             maintenance.recover_stale_leases,
-            using=options["database"],
+            using=database_alias(options),
             limit=options["limit"],
             dry_run=options["dry_run"],
         )

@@ -10,13 +10,15 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency import outbox
-from django_idempotency.conf import app_settings
-from django_idempotency.management.commands.purge_idempotency import positive_int, run_job
+from django_idempotency.management.commands.purge_idempotency import (
+    database_alias,
+    positive_int,
+    run_job,
+)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -65,12 +67,10 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             # A wrong setting (the sender's or any other) is a command error, like a wrong option.
-            alias = options["database"] or app_settings.DATABASE
+            alias = database_alias(options)
             sender = outbox.configured_sender()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
-        if alias not in settings.DATABASES:
-            raise CommandError(f"Unknown database {alias!r}.")
         # -v 2: a line per message, once its batch committed.
         report = self.report if int(options["verbosity"]) >= 2 else None
         with stop_on_signals() as stopping:

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_idempotency import crypto, maintenance
 from django_idempotency.management.commands.purge_idempotency import (
     add_common_arguments,
+    database_alias,
     positive_int,
     run_job,
 )
@@ -37,6 +38,7 @@ class Command(BaseCommand):
         add_common_arguments(parser, "Count what would be sealed; change nothing.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        alias = database_alias(options)
         verbosity = int(options["verbosity"])
 
         def progress(batches: int, sealed: int) -> None:
@@ -47,7 +49,7 @@ class Command(BaseCommand):
             result = run_job(
                 "rotation",
                 maintenance.rotate_encryption,
-                using=options["database"],
+                using=alias,
                 batch_size=options["batch_size"],
                 dry_run=options["dry_run"],
                 progress=progress,
