@@ -385,15 +385,20 @@ class _Owner:
 
     def recover(self) -> HttpResponseBase | None:
         """The recovery policy's answer, or ``None`` to run the view."""
-        policy = self.protected.recovery
         context = self.protected.context
+        claimed_under = self.state.recovery_policy
+        runs_under = self.protected.operation.recovery_policy
         try:
+            # The policy the crashed attempt was claimed under has its say (a deploy may
+            # have changed the view's since).
+            policy = _recovery.deciding(claimed_under, self.protected.recovery)
             recovered = _recovery.recover(
                 self.claim,
                 resolve_recovery(policy),
                 key=context.key,
                 operation=context.operation,
                 as_outcome=outcome_of,
+                runs_under=runs_under if claimed_under not in (None, runs_under) else None,
             )
         except StoreUnavailable:
             self.claim.give_back()
