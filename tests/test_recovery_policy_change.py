@@ -210,14 +210,44 @@ def test_in_progress_is_still_in_progress():
 
 
 def test_an_expired_record_starts_afresh_under_the_new_policy():
-    """Past its TTL a record is absent: its replacement is claimed under today's policy and
-    runs (MySQL reads a column assigned earlier in the same ``SET`` as its new value: the
-    takeover's ``CASE`` reads the old row everywhere)."""
+    """Past its TTL a record is absent: its replacement is claimed under today's policy,
+    counts no recovery attempt, and runs (MySQL reads a column assigned earlier in the same
+    ``SET`` as its new value: the takeover's ``CASE`` reads the old row everywhere)."""
     effects: list[str] = []
     key = new_key()
     run_once(lambda: effects.append("first") or 1, **IDENTITY, key=key, recovery="fail")
     IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
     assert run_once(lambda: effects.append("again") or 2, **IDENTITY, key=key) == 2
     record = IdempotencyRecord.objects.get()
-    assert record.recovery_policy == "retry"
+    assert (record.recovery_policy, record.recovery_attempts) == ("retry", 0)
     assert effects == ["first", "again"]
+
+
+@pytest.mark.parametrize("policy", ["fail", f"{__name__}.ask_the_provider", "resume"])
+def test_an_expired_record_runs_again_as_a_new_request_whatever_its_policy(policy):
+    """A retry after the TTL is a new request: never taken for a stale lease, whose recovery
+    policy would close it ("fail": outcome unknown, without running) or answer for it."""
+    effects: list[str] = []
+    key = new_key()
+    ASKED.clear()
+    run_once(lambda: effects.append("first") or 1, **IDENTITY, key=key, recovery=policy)
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert run_once(lambda: effects.append("again") or 2, **IDENTITY, key=key, recovery=policy) == 2
+    assert (effects, ASKED) == (["first", "again"], [])
+    assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+def test_a_view_retried_after_the_ttl_runs_again_under_fail(user):
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+
+    def post() -> Any:
+        return client.post(
+            "/charges/fail-policy/", CHARGE, content_type="application/json", headers=headers
+        )
+
+    assert post().status_code == 201
+    IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    again = post()
+    assert again.status_code == 201, again.content
+    assert Charge.objects.count() == 2

@@ -297,12 +297,16 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
         f"{quote('recovery_policy')} = CASE WHEN {states.EXPIRED.sql(quote)}"
         f" THEN %(recovery_policy)s ELSE {quote('recovery_policy')} END"
     ]
-    assignments += [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS if c != "recovery_policy"]
     # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
+    # Read before the status, the lease and the TTL are assigned, as the policy is: after
+    # them, MySQL found every record replaced not expired, and an expired record's
+    # replacement was taken for a stale lease taken over, which met its recovery policy
+    # ("fail" closed a new request without running it).
     assignments.append(
         f"{quote('recovery_attempts')} = CASE WHEN {states.EXPIRED.sql(quote)} THEN 0"
         f" ELSE {quote('recovery_attempts')} + 1 END"
     )
+    assignments += [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS if c != "recovery_policy"]
     sql = (
         f"UPDATE {table(alias)} SET {', '.join(assignments)}"
         f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"
