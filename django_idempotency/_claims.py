@@ -198,6 +198,19 @@ class Claim:
                 return False
             return self._store(outcome, now)
 
+    def record_policy(self, policy: str) -> bool:
+        """Store ``policy`` (a recovery policy's stored name) on the stale record this claim
+        took over, before the body runs under it, committed at once: should this attempt
+        crash too, its own policy decides. ``False`` when the record is no longer this
+        claim's; ``StoreUnavailable`` when the statement fails."""
+        try:
+            with _autonomous.claiming(self.alias):
+                return _store.record_policy(self.alias, self.record_id, self.token, policy)
+        except db.Error as exc:
+            raise StoreUnavailable(
+                f"nothing ran: the recovery policy could not be recorded ({exc})"
+            ) from exc
+
     def release(self) -> None:
         """Delete the claim, committed at once (the claim was): a retry runs afresh at once.
 

@@ -37,6 +37,7 @@ from django_idempotency._outcomes import (
 )
 from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency._storable import remembered_names, storable_name
+from django_idempotency._validation import FINGERPRINT_LENGTH, describe
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import OutcomeTooLarge, RecordUnreadable, StoreUnavailable
@@ -198,7 +199,36 @@ def protected(
         legacy = _route_spelling(inner, stored_account, stored_operation)
     context = IdempotencyContext(key=key, operation=stored_operation, account=stored_account)
     inner.idempotency = context
-    return _Protected.of(request, context, terms, legacy).answer(call_view)
+    try:
+        guarded = _Protected.of(request, context, terms, legacy)
+    except _Unfingerprinted as exc:
+        logger.error("%s: %s", stored_operation, exc)
+        return _problems.FINGERPRINT_INVALID.response(
+            "The server could not fingerprint this request; nothing was run."
+        )
+    return guarded.answer(call_view)
+
+
+class _Unfingerprinted(Exception):
+    """The fingerprint answered what a record cannot hold: nothing ran, and nothing was
+    claimed (stored as text, a number would compare unequal to itself on every retry)."""
+
+
+def _hash_of(request: Any, terms: Terms) -> str:
+    """The request's fingerprint, as the record stores it: text of at most 64 characters
+    (a SHA-256's hex digits), without NUL."""
+    request_hash = terms.fingerprint(request)
+    if (
+        request_hash.__class__ is not str
+        or len(request_hash) > FINGERPRINT_LENGTH
+        or "\x00" in request_hash
+    ):
+        raise _Unfingerprinted(
+            f"the fingerprint {terms.fingerprint_version} answered "
+            f"{describe(request_hash)}, not text of at most {FINGERPRINT_LENGTH} characters "
+            "(IDEMPOTENCY['FINGERPRINT'] or the view's fingerprint=)"
+        )
+    return request_hash
 
 
 class _Protected:
@@ -222,7 +252,7 @@ class _Protected:
         terms: Terms,
         legacy: tuple[str, ...] | None = None,
     ) -> _Protected:
-        request_hash = terms.fingerprint(request)
+        request_hash = _hash_of(request, terms)
         if legacy is not None and legacy[1] != context.operation:
             # The earlier release's fingerprint read its spelling of the operation.
             legacy = (*legacy, _hashed_as(request, context, legacy[1], terms))
@@ -385,15 +415,20 @@ class _Owner:
 
     def recover(self) -> HttpResponseBase | None:
         """The recovery policy's answer, or ``None`` to run the view."""
-        policy = self.protected.recovery
         context = self.protected.context
+        claimed_under = self.state.recovery_policy
+        runs_under = self.protected.operation.recovery_policy
         try:
+            # The policy the crashed attempt was claimed under has its say (a deploy may
+            # have changed the view's since).
+            policy = _recovery.deciding(claimed_under, self.protected.recovery)
             recovered = _recovery.recover(
                 self.claim,
                 resolve_recovery(policy),
                 key=context.key,
                 operation=context.operation,
                 as_outcome=outcome_of,
+                runs_under=runs_under if claimed_under not in (None, runs_under) else None,
             )
         except StoreUnavailable:
             self.claim.give_back()

@@ -271,7 +271,7 @@ def call_once(
         key=op.key, operation=op.operation, account=op.account, record_id=state.id
     )
     if result.took_over_stale_lease:
-        recovered = _recover(op, owned, resolve_recovery(policy), encode)
+        recovered = _recover(op, owned, policy, state.recovery_policy, encode)
         if recovered is not None:
             return OnceResult(recovered, replayed=False)
     try:
@@ -370,15 +370,26 @@ def _duplicate(op: Operation, state: RecordState, decode: Callable[[bytes], Any]
     )
 
 
-def _recover(op: Operation, owned: Claim, policy: Any, encode: Callable[[Any], Outcome]) -> Any:
-    """The recovery policy's answer to return, or ``None`` to run the callable."""
+def _recover(
+    op: Operation,
+    owned: Claim,
+    current: Any,
+    claimed_under: str | None,
+    encode: Callable[[Any], Outcome],
+) -> Any:
+    """The recovery policy's answer to return, or ``None`` to run the callable.
+    ``current``: the call's policy; ``claimed_under``: the stored one of the stale record
+    (which has its say, :func:`._recovery.deciding`)."""
+    runs_under = op.recovery_policy if claimed_under not in (None, op.recovery_policy) else None
     try:
+        policy = resolve_recovery(_recovery.deciding(claimed_under, current))
         recovered = _recovery.recover(
             owned,
             policy,
             key=op.key,
             operation=op.operation,
             as_outcome=encode,  # raises TypeError for an answer it cannot store
+            runs_under=runs_under,
         )
     except Exception:  # StoreUnavailable, or a policy that could not decide
         owned.give_back()

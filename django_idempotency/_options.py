@@ -112,7 +112,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "lease": _validation.duration,
     "recovery": _validation.recovery,
     "account": _validation.callable_ref,
-    "fingerprint": _validation.callable_ref,
+    "fingerprint": _validation.fingerprint,
     "methods": lambda value: tuple(sorted(_validation.methods(value))),
     "key": _validation.callable_ref,
     "wait": _validation.duration_or_zero,

@@ -53,6 +53,9 @@ ACCOUNT_MISSING = Problem(
 ACCOUNT_INVALID = Problem(
     "idempotency_account_invalid", 500, "The caller's account could not be named"
 )
+FINGERPRINT_INVALID = Problem(
+    "idempotency_fingerprint_invalid", 500, "The request's fingerprint could not be made"
+)
 KEY_REUSED = Problem(
     "idempotency_key_reused", 422, "Idempotency-Key reused with a different request"
 )
@@ -100,6 +103,7 @@ ALL_PROBLEMS = (
     KEY_INVALID,
     ACCOUNT_MISSING,
     ACCOUNT_INVALID,
+    FINGERPRINT_INVALID,
     KEY_REUSED,
     KEY_IN_USE,
     LEASE_LOST,

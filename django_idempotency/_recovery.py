@@ -33,6 +33,7 @@ __all__ = [
     "Run",
     "Undecided",
     "announce",
+    "deciding",
     "recover",
     "recovery_name",
     "resolve_recovery",
@@ -92,6 +93,7 @@ def recover(
     as_outcome: Callable[[Any], Outcome | None],
     now: datetime | None = None,
     counted: bool = False,
+    runs_under: str | None = None,
 ) -> Recovered:
     """Apply a recovery policy to the stale record ``claim`` holds.
 
@@ -102,10 +104,14 @@ def recover(
     recovery job). ``StoreUnavailable`` when the record cannot be read or the outcome
     stored; a callable that raises propagates. Either way the caller decides what becomes of
     the lease.
+
+    ``runs_under``: the stored name of the policy the operation would run again under, where
+    it is not the one the record was claimed under (see :func:`deciding`); before the answer
+    is to run again, the record takes it (``Lost`` when it is no longer this claim's).
     """
     declared = _policies.recovery_policy(policy)
     if declared.reruns:
-        return Run(resumed=declared.resumable)
+        return _run(claim, runs_under, resumed=declared.resumable)
     if not declared.asks_callable:
         return _close(claim, failure_outcome(key, operation), None, now, counted)
     assert callable(policy)
@@ -121,11 +127,54 @@ def recover(
         return Lost()
     answer = policy(record)
     if answer is None:
-        return Run()
+        return _run(claim, runs_under)
     outcome = as_outcome(answer)
     if outcome is None:
         return Undecided(answer)
     return _close(claim, outcome, answer, now, counted)
+
+
+def _run(claim: Claim, runs_under: str | None, resumed: bool = False) -> Run | Lost:
+    if runs_under is not None and not claim.record_policy(runs_under):
+        return Lost()
+    return Run(resumed=resumed)
+
+
+def deciding(claimed_under: str | None, policy: Policy) -> Policy:
+    """The policy that decides a stale lease claimed under ``claimed_under`` (the record's
+    stored policy; ``None`` where unknown) and taken over by an attempt under ``policy``.
+
+    The same policy decides as always. Otherwise the crashed attempt's promise holds, and
+    the stricter of the two decides: a claim under ``"retry"`` promised nothing (the new
+    policy decides); one under ``"fail"`` is never run again; one under ``"resume"`` is
+    resumed only by a body that resumes, and is closed as ``"fail"`` closes it otherwise
+    (its recorded steps would run again); a callable claimed under is asked before a body
+    under ``"retry"`` or ``"resume"`` runs, and a callable that can no longer be imported
+    closes the record as ``"fail"`` does. A new callable over an old one decides.
+    """
+    if claimed_under is None or claimed_under == recovery_name(policy):
+        return policy
+    stored = _policies.recovery_policy(claimed_under)
+    current = _policies.recovery_policy(policy)
+    if stored.reruns and not stored.resumable:  # "retry"
+        return policy
+    if stored.asks_callable and not current.asks_callable and current.reruns:
+        try:
+            asked: Any = resolve_recovery(claimed_under)
+        except Exception:  # whatever the import raised: never run blindly
+            asked = None
+        if callable(asked):
+            found: Policy = asked
+            return found
+        logger.warning(
+            "the recovery policy %s that a stale record was claimed under cannot be "
+            "imported: the record is closed as 'fail' closes it",
+            claimed_under,
+        )
+        return _policies.FAIL.name
+    if stored.asks_callable and current.asks_callable:
+        return policy
+    return _policies.FAIL.name
 
 
 def _close(

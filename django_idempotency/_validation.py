@@ -265,6 +265,25 @@ def callable_ref(value: Any) -> Callable[..., Any]:
     return result
 
 
+#: The longest fingerprint, and fingerprint version, a record stores (their columns).
+FINGERPRINT_LENGTH = 64
+
+
+def fingerprint(value: Any) -> Callable[..., Any]:
+    """A fingerprint: :func:`callable_ref`, whose ``fingerprint_version`` (where it declares
+    one) fits the record's column."""
+    function = callable_ref(value)
+    version = getattr(function, "fingerprint_version", None)
+    if version and len(str(version)) > FINGERPRINT_LENGTH:
+        raise Invalid(
+            f"a callable whose fingerprint_version has at most {FINGERPRINT_LENGTH} "
+            "characters (the record stores it beside each hash)",
+            value,
+            f"its fingerprint_version has {len(str(version))}",
+        )
+    return function
+
+
 def recovery(value: Any) -> str | Callable[..., Any]:
     """A recovery policy: ``"retry"``, ``"fail"``, ``"resume"``, a callable or the dotted path
     of one.

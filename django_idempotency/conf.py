@@ -102,7 +102,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "FINGERPRINT",
         "django_idempotency.fingerprint.default_fingerprint",
-        _validation.callable_ref,
+        _validation.fingerprint,
     ),
     Setting("RECOVERY", _policies.RETRY.name, _validation.recovery),
     Setting("DATABASE", "default", _database),

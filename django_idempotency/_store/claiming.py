@@ -288,12 +288,25 @@ def _takeover_sql(alias: str, guarded: bool = False) -> str:
     reads the record and answers it as it stands (in progress: ``409`` / ``InProgress``).
     """
     quote = connections[alias].ops.quote_name
-    assignments = [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS]
+    # A stale lease keeps the policy it was claimed under: the crashed attempt's recovery is
+    # that policy's to decide (_recovery.deciding), and the owner records its own policy
+    # once it is to run (Claim.record_policy). An expired record starts afresh under the
+    # claim's. First among the assignments: MySQL reads a column assigned before it in the
+    # same SET as its new value.
+    assignments = [
+        f"{quote('recovery_policy')} = CASE WHEN {states.EXPIRED.sql(quote)}"
+        f" THEN %(recovery_policy)s ELSE {quote('recovery_policy')} END"
+    ]
     # Attempts count the takeovers of a stale lease; a fresh start after expiry resets them.
+    # Read before the status, the lease and the TTL are assigned, as the policy is: after
+    # them, MySQL found every record replaced not expired, and an expired record's
+    # replacement was taken for a stale lease taken over, which met its recovery policy
+    # ("fail" closed a new request without running it).
     assignments.append(
         f"{quote('recovery_attempts')} = CASE WHEN {states.EXPIRED.sql(quote)} THEN 0"
         f" ELSE {quote('recovery_attempts')} + 1 END"
     )
+    assignments += [f"{quote(c)} = %({c})s" for c in _TAKEOVER_COLUMNS if c != "recovery_policy"]
     sql = (
         f"UPDATE {table(alias)} SET {', '.join(assignments)}"
         f" WHERE {quote('id')} = %(id)s AND {states.REPLACEABLE.sql(quote)}"

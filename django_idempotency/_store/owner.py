@@ -31,6 +31,7 @@ __all__ = [
     "count_attempt",
     "forget_steps",
     "give_back",
+    "record_policy",
     "record_step",
     "recorded_steps",
     "refuse_too_large",
@@ -84,6 +85,19 @@ def give_back(alias: str, record_id: int, token: uuid.UUID, now: datetime) -> bo
     """
     ends = prepared(alias, "lease_expires_at", now)
     return _owned(alias, _give_back_sql(alias), [ends], record_id, token)
+
+
+@functools.lru_cache(maxsize=8)
+def _record_policy_sql(alias: str) -> str:
+    q = connections[alias].ops.quote_name
+    return f"UPDATE {table(alias)} SET {q('recovery_policy')} = %s WHERE {owned_by(q)}"
+
+
+def record_policy(alias: str, record_id: int, token: uuid.UUID, policy: str) -> bool:
+    """Store the recovery policy this attempt runs under on the stale record it took over
+    (which kept the one it was claimed under until its recovery decided); ``False``: the
+    lease was lost."""
+    return _owned(alias, _record_policy_sql(alias), [policy], record_id, token)
 
 
 @functools.lru_cache(maxsize=8)

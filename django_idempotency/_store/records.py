@@ -39,6 +39,7 @@ STATE_COLUMNS = (
     "response_status",
     "response_headers",
     "response_body",
+    "recovery_policy",
 )
 
 # What the claim hands back of a record in its way, in this order (RecordState.in_the_way):
@@ -79,6 +80,10 @@ class RecordState:
     #: damaged); ``None`` when it can. Within its TTL such a record is refused, never run
     #: again.
     unreadable: crypto.Unreadable | None = None
+    #: The recovery policy the record was claimed under (its stored name); ``None`` where
+    #: it was not read (PostgreSQL's claim hands a record in its way back without it). A
+    #: stale lease taken over keeps it until its recovery decided (``_recovery.deciding``).
+    recovery_policy: str | None = None
 
     @classmethod
     def from_row(
@@ -218,6 +223,7 @@ class ClaimResult:
             response_status=None,
             response_headers=[],
             response_body=None,
+            recovery_policy=op.recovery_policy,
         )
         return cls(state, claimed=True)
 

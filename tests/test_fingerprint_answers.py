@@ -1,0 +1,106 @@
+"""What a project's fingerprint answers, and the version it declares.
+
+The record stores the fingerprint as text of at most 64 characters, and its version in a
+column of 64. A fingerprint that answers something else (a number, ``None``, a SHA-512's
+128 hex digits) is refused on the first request, where nothing ran, with a problem that
+says the server is at fault: never a first request that runs and then a ``422`` for every
+honest retry (a number stored as text compares unequal to the number), a ``503`` saying
+the store is down, or a fingerprint that works on SQLite and fails on PostgreSQL. A version
+longer than its column is a check Error, and refused where the view is decorated.
+Effects counted: the charges written, the records stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse
+from django.test import override_settings
+
+from django_idempotency import checks
+from django_idempotency.decorators import idempotent
+from django_idempotency.models import IdempotencyRecord
+from tests.helpers import logged_in, new_key
+from tests.testapp.models import Charge
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+CHARGE = {"amount": 250, "currency": "EUR"}
+
+
+def as_number(request: Any) -> Any:
+    return 12345
+
+
+def as_none(request: Any) -> Any:
+    return None
+
+
+def as_sha512(request: Any) -> str:
+    return hashlib.sha512(request.body).hexdigest()
+
+
+def with_a_nul(request: Any) -> str:
+    return "a\x00b"
+
+
+def long_version(request: Any) -> str:
+    return hashlib.sha256(request.body).hexdigest()
+
+
+long_version.fingerprint_version = "v" * 65  # type: ignore[attr-defined]
+
+
+def short_version(request: Any) -> str:
+    return hashlib.sha256(request.body).hexdigest()
+
+
+short_version.fingerprint_version = "v" * 64  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("answer", ["as_number", "as_none", "as_sha512", "with_a_nul"])
+def test_an_answer_the_record_cannot_hold_is_refused_before_anything_runs(user, answer):
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.{answer}"}):
+        answers = [
+            client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+            for _ in range(2)
+        ]
+    assert [a.status_code for a in answers] == [500, 500]
+    assert {a.json()["code"] for a in answers} == {"idempotency_fingerprint_invalid"}
+    assert "FINGERPRINT" not in answers[0].content.decode()  # the settings are the log's
+    assert (Charge.objects.count(), IdempotencyRecord.objects.count()) == (0, 0)
+
+
+def test_a_version_longer_than_its_column_is_a_check_error():
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.long_version"}):
+        errors = [e for e in checks.check_settings() if e.id == "django_idempotency.E015"]
+    assert len(errors) == 1
+    assert "fingerprint_version" in errors[0].msg
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.short_version"}):
+        assert not [e for e in checks.check_settings() if e.id == "django_idempotency.E015"]
+
+
+def test_a_view_given_a_version_longer_than_its_column_is_refused_where_it_is_decorated():
+    with pytest.raises(ImproperlyConfigured, match="fingerprint_version"):
+
+        @idempotent(fingerprint=long_version)
+        def view(request: HttpRequest) -> HttpResponse:
+            return HttpResponse()
+
+
+def test_a_version_of_64_characters_is_stored_and_replayed(user):
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.short_version"}):
+        answers = [
+            client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+            for _ in range(2)
+        ]
+    assert [a.status_code for a in answers] == [201, 201]
+    assert answers[1].headers["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
