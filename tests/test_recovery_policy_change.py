@@ -40,10 +40,15 @@ def ask_the_provider(record: IdempotencyRecord) -> Any:
     return {"shipped": "per the provider"}
 
 
+def _noted(effects: list[str], what: str, result: Any) -> Any:
+    effects.append(what)
+    return result
+
+
 def _crashed(policy: str, key: str, effects: list[str], with_step: bool = False) -> None:
     def body() -> str:
         if with_step:
-            step("ship", lambda: effects.append("shipped") or "parcel-1")
+            step("ship", lambda: _noted(effects, "shipped", "parcel-1"))
         else:
             effects.append("shipped")
         crash()
@@ -126,7 +131,7 @@ def test_the_same_policy_is_untouched():
     effects: list[str] = []
     key = new_key()
     _crashed("retry", key, effects)
-    assert run_once(lambda: effects.append("again") or "ok", **IDENTITY, key=key) == "ok"
+    assert run_once(lambda: _noted(effects, "again", "ok"), **IDENTITY, key=key) == "ok"
     assert effects == ["shipped", "again"]
 
 
@@ -215,9 +220,9 @@ def test_an_expired_record_starts_afresh_under_the_new_policy():
     ``SET`` as its new value: the takeover's ``CASE`` reads the old row everywhere)."""
     effects: list[str] = []
     key = new_key()
-    run_once(lambda: effects.append("first") or 1, **IDENTITY, key=key, recovery="fail")
+    run_once(lambda: _noted(effects, "first", 1), **IDENTITY, key=key, recovery="fail")
     IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert run_once(lambda: effects.append("again") or 2, **IDENTITY, key=key) == 2
+    assert run_once(lambda: _noted(effects, "again", 2), **IDENTITY, key=key) == 2
     record = IdempotencyRecord.objects.get()
     assert (record.recovery_policy, record.recovery_attempts) == ("retry", 0)
     assert effects == ["first", "again"]
@@ -230,9 +235,9 @@ def test_an_expired_record_runs_again_as_a_new_request_whatever_its_policy(polic
     effects: list[str] = []
     key = new_key()
     ASKED.clear()
-    run_once(lambda: effects.append("first") or 1, **IDENTITY, key=key, recovery=policy)
+    run_once(lambda: _noted(effects, "first", 1), **IDENTITY, key=key, recovery=policy)
     IdempotencyRecord.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert run_once(lambda: effects.append("again") or 2, **IDENTITY, key=key, recovery=policy) == 2
+    assert run_once(lambda: _noted(effects, "again", 2), **IDENTITY, key=key, recovery=policy) == 2
     assert (effects, ASKED) == (["first", "again"], [])
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
 
