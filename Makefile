@@ -108,27 +108,35 @@ check-migrations: $(STAMP)
 
 # Both databases always run, each under coverage.py (parallel mode: one data file per run,
 # combined at the end), the PostgreSQL suite in three parts (tests/halves.py with PARTS=3:
-# TEST_SHARD, whole files each; it waits on servers, workers and leases more than it computes);
+# TEST_SHARD, whole files each; it waits on servers, workers and leases more than it computes),
+# and after SQLite, in its lane, the django-tenants suite (tests/test_tenants.py on PostgreSQL
+# with tests.tenants.settings: the checks and jobs that read every tenant's schema);
 # the summary shows each run's closing pytest line and the coverage of them all together,
 # and the target fails if any run failed or the coverage is below the floor of
 # pyproject.toml ([tool.coverage.report] fail_under).
 test: lint check-migrations
 	@mkdir -p $(REPORTS)
 	@$(BIN)/coverage erase
-	@echo "==> pytest with TEST_DB=sqlite, and TEST_DB=postgres in three parts (tests/halves.py),"; \
+	@echo "==> pytest with TEST_DB=sqlite (then the django-tenants suite), and TEST_DB=postgres in"; \
+	echo "    three parts (tests/halves.py),"; \
 	echo "    side by side, each on databases of its own; output in $(REPORTS)/pytest-*.log;"; \
 	echo "    a progress line every 30 s (minutes:seconds, then each run's percentage)"; \
-	rm -f $(REPORTS)/pytest-sqlite.log $(REPORTS)/pytest-postgres-*.log; \
+	rm -f $(REPORTS)/pytest-sqlite.log $(REPORTS)/pytest-postgres-*.log \
+		$(REPORTS)/pytest-tenants-covered.log; \
 	$(BIN)/python -m tests.progress $(REPORTS)/pytest-sqlite.log \
 		$(REPORTS)/pytest-postgres-1.log $(REPORTS)/pytest-postgres-2.log \
 		$(REPORTS)/pytest-postgres-3.log & progress=$$!; \
-	TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1 & sqlite=$$!; \
+	( TEST_DB=sqlite $(BIN)/coverage run -m pytest > $(REPORTS)/pytest-sqlite.log 2>&1; \
+	  lane=$$?; \
+	  TEST_DB=postgres $(BIN)/coverage run -m pytest --ds=tests.tenants.settings \
+		tests/test_tenants.py > $(REPORTS)/pytest-tenants-covered.log 2>&1 || lane=1; \
+	  exit $$lane ) & sqlite=$$!; \
 	failed=0; \
 	PARTS=3 REPORTS=$(REPORTS) TEST_DB=postgres $(BIN)/python -m tests.halves postgres \
 		$(BIN)/coverage run -m pytest > /dev/null || failed=1; \
 	wait $$sqlite || failed=1; \
 	kill $$progress; \
-	for run in sqlite postgres-1 postgres-2 postgres-3; do \
+	for run in sqlite postgres-1 postgres-2 postgres-3 tenants-covered; do \
 		echo "==> pytest run $$run"; \
 		cat $(REPORTS)/pytest-$$run.log; \
 	done; \
@@ -138,10 +146,10 @@ test: lint check-migrations
 	$(BIN)/coverage report --format=total > $(REPORTS)/coverage-total.txt || failed=1; \
 	echo; \
 	echo "==> Test summary"; \
-	for run in sqlite postgres-1 postgres-2 postgres-3; do \
-		printf '  %-11s %s\n' "$$run:" "$$(tail -n 1 $(REPORTS)/pytest-$$run.log)"; \
+	for run in sqlite postgres-1 postgres-2 postgres-3 tenants-covered; do \
+		printf '  %-16s %s\n' "$$run:" "$$(tail -n 1 $(REPORTS)/pytest-$$run.log)"; \
 	done; \
-	printf '  %-11s %s%% of lines and branches (floor: %s%%)\n' "coverage:" \
+	printf '  %-16s %s%% of lines and branches (floor: %s%%)\n' "coverage:" \
 		"$$(cat $(REPORTS)/coverage-total.txt)" \
 		"$$($(BIN)/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["coverage"]["report"]["fail_under"])')"; \
 	exit $$failed
