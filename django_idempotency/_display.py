@@ -432,6 +432,14 @@ def summary_html(headers: Any, body: bytes | None) -> SafeString:
     )
 
 
+def arguments_summary_html(size: int) -> SafeString:
+    return format_html(
+        "{}<br><em>{}</em>",
+        ngettext("%(size)d byte", "%(size)d bytes", size) % {"size": size},
+        _("The arguments are shown to users with the view_response_body permission."),
+    )
+
+
 def unreadable_html(exc: crypto.Unreadable) -> SafeString:
     return format_html(
         "<em>{}</em>",

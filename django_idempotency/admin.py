@@ -101,6 +101,28 @@ class ReadOnlyAdminMixin:
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
+    #: The fields of the detail page that show stored data (bodies, headers, step results,
+    #: task arguments), each with what takes its place (``None``: nothing) for a user
+    #: without ``view_response_body``.
+    stored_data_fields: dict[str, str | None] = {}
+
+    def has_view_response_body_permission(self, request: HttpRequest) -> bool:
+        """See stored data (bodies, headers, step results, task arguments):
+        ``django_idempotency.view_response_body``."""
+        return bool(request.user.has_perm(VIEW_BODY_PERMISSION))
+
+    def shown_to(self, request: HttpRequest, fieldsets: list[Any]) -> list[Any]:
+        """``fieldsets`` as ``request``'s user may see them: without ``view_response_body``,
+        every field of :attr:`stored_data_fields` replaced by its summary."""
+        if self.has_view_response_body_permission(request):
+            return fieldsets
+        hidden = self.stored_data_fields
+        shown = []
+        for name, options in fieldsets:
+            fields = [hidden.get(f, f) if isinstance(f, str) else f for f in options["fields"]]
+            shown.append((name, {**options, "fields": [f for f in fields if f is not None]}))
+        return shown
+
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
         # Every filter of the URL, ours and the admin's own, compares its value with a
         # column: one no column holds (a NUL, which PostgreSQL refuses in any text
@@ -188,31 +210,22 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         """Purge expired records: the model's ``delete`` permission."""
         return self._has_model_perm(request, "delete")
 
-    def has_view_response_body_permission(self, request: HttpRequest) -> bool:
-        """See stored bodies and headers: ``django_idempotency.view_response_body``."""
-        return bool(request.user.has_perm(VIEW_BODY_PERMISSION))
+    # Without view_response_body, the body's size and content type take the place of the
+    # stored headers and body, and the steps' result sizes that of their results.
+    stored_data_fields = {
+        "response_headers_pretty": None,
+        "response_body_pretty": "response_summary",
+        "steps_pretty": "steps_summary",
+    }
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
-        # Without the permission, the body's size and content type take the place of the
-        # stored headers and body, and the steps' result sizes that of their results.
         fieldsets = list(super().get_fieldsets(request, obj))
         if obj is not None and (
             _policies.recovery_policy(obj.recovery_policy).resumable
             or _display.has_steps(app_settings.DATABASE, obj.pk)
         ):
             fieldsets.insert(2, (_("Steps"), {"fields": ("steps_pretty",)}))
-        if self.has_view_response_body_permission(request):
-            return fieldsets
-        hidden = {
-            "response_headers_pretty": None,
-            "response_body_pretty": "response_summary",
-            "steps_pretty": "steps_summary",
-        }
-        shown = []
-        for name, options in fieldsets:
-            fields = [hidden.get(f, f) if isinstance(f, str) else f for f in options["fields"]]
-            shown.append((name, {**options, "fields": [f for f in fields if f is not None]}))
-        return shown
+        return self.shown_to(request, fieldsets)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -435,7 +448,10 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
     search_fields = ("=id", "=task", "=unique_key__key")
     search_help_text = _("An exact message id, task name or unique key.")
     actions = ("requeue",)
-    readonly_fields = ("args_pretty", "kwargs_pretty", "unique_key_held")
+    readonly_fields = ("args_pretty", "kwargs_pretty", "arguments_summary", "unique_key_held")
+    # Task arguments are the customers' data as stored bodies are: without
+    # view_response_body, their size takes their place.
+    stored_data_fields = {"args_pretty": "arguments_summary", "kwargs_pretty": None}
     fieldsets = (
         (
             None,
@@ -460,6 +476,9 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         """Requeue dead messages: the model's ``change`` permission, never used for edits."""
         return self._has_model_perm(request, "change")
 
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        return self.shown_to(request, list(super().get_fieldsets(request, obj)))
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
         # Messages live on the IDEMPOTENCY database, whatever the project's routers say. The
         # arguments are read only on the detail page, undecoded (_display.stored_columns).
@@ -474,6 +493,12 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
     def kwargs_pretty(self, message: OutboxMessage) -> SafeString:
         """The keyword arguments, as indented JSON (or as stored)."""
         return _display.render_json(_display.stored_columns(message, *_ARGUMENT_COLUMNS)["kwargs"])
+
+    @admin.display(description=_("arguments"))
+    def arguments_summary(self, message: OutboxMessage) -> SafeString:
+        """The arguments' size as stored, for users who may not see them."""
+        stored = _display.stored_columns(message, *_ARGUMENT_COLUMNS).values()
+        return _display.arguments_summary_html(sum(len((text or "").encode()) for text in stored))
 
     @admin.display(description=_("unique key"))
     def unique_key_held(self, message: OutboxMessage) -> str:

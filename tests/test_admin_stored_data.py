@@ -24,7 +24,7 @@ from django.test import Client
 from django_idempotency import _display, outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.factories import RecordFactory, UserFactory, store_raw_json
-from tests.helpers import logged_in
+from tests.helpers import logged_in, staff_with
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -211,3 +211,23 @@ def test_every_stored_outbox_message_renders(admin_client, column, text, shown):
 def test_an_unknown_message_id_is_not_found(admin_client):
     response = admin_client.get(f"{MESSAGES}{uuid.uuid4()}/change/")
     assert response.status_code == 302  # the admin's "does not exist" redirect
+
+
+@pytest.mark.parametrize("may_see", [False, True], ids=["view-only", "view_response_body"])
+def test_an_outbox_messages_arguments_are_shown_only_with_view_response_body(may_see):
+    """Task arguments are the customers' data as much as stored bodies are: a staff user who
+    may view the outbox but not ``view_response_body`` sees their size, not their values."""
+    codenames = ["view_outboxmessage", *(["view_response_body"] if may_see else [])]
+    client = logged_in(staff_with(*codenames))
+    with transaction.atomic():
+        message_id = outbox.enqueue("tests.a", "ada@example.com", note="card ending 4242")
+    before = stored_messages()
+    listing, detail = pages(client, MESSAGES, message_id)
+    assert str(message_id) in listing
+    assert ("ada@example.com" in detail) is may_see
+    assert ("card ending 4242" in detail) is may_see
+    assert ("view_response_body permission" in detail) is not may_see
+    if not may_see:
+        stored = _display.stored_columns(OutboxMessage.objects.get(pk=message_id), "args", "kwargs")
+        assert f"{sum(len(text.encode()) for text in stored.values())} bytes" in detail
+    assert stored_messages() == before
