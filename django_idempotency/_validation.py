@@ -25,7 +25,8 @@ from django_idempotency._policies import RECOVERY_POLICIES
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # An RFC 9110 token: what a header or a method name may consist of.
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+# Matched whole (fullmatch): "$" would let a trailing newline through ("POST\n").
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Sequences: the concrete collection types only, so a str, bytes, a dict or a generator
 # is never taken apart into its characters, keys or items.
 _COLLECTIONS = (list, tuple, set, frozenset)
@@ -151,7 +152,7 @@ def methods(value: Any) -> frozenset[str]:
     if not names:
         raise Invalid(expected, value)
     for name in names:
-        if not isinstance(name, str) or not _TOKEN.match(name):
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
             raise Invalid(expected, value, f"{describe(name)} is not a method name")
     result = frozenset(name.upper() for name in names)
     safe = sorted(result & SAFE_METHODS)
@@ -166,7 +167,7 @@ def methods(value: Any) -> frozenset[str]:
 
 def header_name(value: Any) -> str:
     """An HTTP header name (an RFC 9110 token)."""
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise Invalid('an HTTP header name such as "Idempotency-Key"', value)
     return value
 
@@ -180,7 +181,7 @@ def header_names(value: Any, refused: frozenset[str]) -> tuple[str, ...]:
     names = _collection(value, expected)
     seen: dict[str, str] = {}
     for name in names:
-        if not isinstance(name, str) or not _TOKEN.match(name):
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
             raise Invalid(expected, value, f"{describe(name)} is not a header name")
         seen.setdefault(name.lower(), name)
     never = sorted(set(seen) & refused)
