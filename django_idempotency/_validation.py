@@ -22,6 +22,7 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_idempotency._policies import RECOVERY_POLICIES
+from django_idempotency._storable import text_problem
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # An RFC 9110 token: what a header or a method name may consist of.
@@ -270,17 +271,32 @@ def callable_ref(value: Any) -> Callable[..., Any]:
 FINGERPRINT_LENGTH = 64
 
 
+def fingerprint_text(value: Any) -> str | None:
+    """``value`` as the record stores a fingerprint or its version (a plain ``str``), or
+    ``None`` when it cannot: not text, longer than ``FINGERPRINT_LENGTH``, or text no
+    database column holds (a NUL, which PostgreSQL refuses; a lone surrogate, which no
+    database encodes)."""
+    if not isinstance(value, str) or len(value) > FINGERPRINT_LENGTH or "\x00" in value:
+        return None
+    # A SafeString, a numpy str_: text all the same, stored as a plain str.
+    text: str = value if value.__class__ is str else str.__str__(value)
+    if not text.isascii() and text_problem(text) is not None:
+        return None
+    return text
+
+
 def fingerprint(value: Any) -> Callable[..., Any]:
     """A fingerprint: :func:`callable_ref`, whose ``fingerprint_version`` (where it declares
     one) fits the record's column."""
     function = callable_ref(value)
     version = getattr(function, "fingerprint_version", None)
-    if version and len(str(version)) > FINGERPRINT_LENGTH:
+    if version and fingerprint_text(str(version)) is None:
         raise Invalid(
             f"a callable whose fingerprint_version has at most {FINGERPRINT_LENGTH} "
-            "characters (the record stores it beside each hash)",
+            "characters, none of them a NUL or a lone surrogate (the record stores it "
+            "beside each hash)",
             value,
-            f"its fingerprint_version has {len(str(version))}",
+            f"its fingerprint_version is {describe(str(version))}",
         )
     return function
 
