@@ -119,9 +119,9 @@ def test_a_stricter_policy_decides_a_claim_made_under_retry():
 
 
 def test_a_body_run_again_is_recorded_under_the_policy_it_runs_under():
-    """A claim made under ``"retry"`` taken over under ``"fail"`` by a callable that answers
-    "run": the attempt that runs now is under ``"fail"``, and if it crashes too the recovery
-    job (which reads the stored policy) never runs it again."""
+    """A claim made under ``"retry"`` taken over under ``"resume"``: the attempt that runs
+    now is under ``"resume"``, and if it crashes too the recovery job (which reads the stored
+    policy) leaves it to be resumed, and its recorded step is not run again."""
     effects: list[str] = []
     key = new_key()
     _crashed("retry", key, effects)
