@@ -161,3 +161,36 @@ def test_a_version_of_64_characters_is_stored_and_replayed(user):
     assert [a.status_code for a in answers] == [201, 201]
     assert answers[1].headers["Idempotent-Replayed"] == "true"
     assert Charge.objects.count() == 1
+
+
+def a_fingerprint_whose_dotted_path_runs_past_its_column_v1(request: Any) -> str:
+    return hashlib.sha256(b"v1" + request.body).hexdigest()
+
+
+def a_fingerprint_whose_dotted_path_runs_past_its_column_v2(request: Any) -> str:
+    return hashlib.sha256(b"v2" + request.body).hexdigest()
+
+
+def test_two_fingerprints_whose_paths_differ_past_64_characters_are_two_versions(user):
+    """Without a declared ``fingerprint_version`` the version is the dotted path, cut to its
+    column: two paths alike in their first 64 characters were one version, so a deploy from
+    ``..._v1`` to ``..._v2`` compared the new hashes with the old ones, and every honest
+    retry of a key sent before it got ``422``."""
+    v1 = f"{__name__}.a_fingerprint_whose_dotted_path_runs_past_its_column_v1"
+    v2 = f"{__name__}.a_fingerprint_whose_dotted_path_runs_past_its_column_v2"
+    assert len(v1) > 64
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+
+    def post() -> Any:
+        return client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": v1}):
+        assert post().status_code == 201
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": v2}):
+        retry = post()
+    assert retry.status_code == 201, retry.content
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    (version,) = IdempotencyRecord.objects.values_list("fingerprint_version", flat=True)
+    assert len(version) <= 64
+    assert Charge.objects.count() == 1
