@@ -37,7 +37,7 @@ from django_idempotency._outcomes import (
 )
 from django_idempotency._recovery import recovery_name, resolve_recovery
 from django_idempotency._storable import remembered_names, storable_name
-from django_idempotency._validation import FINGERPRINT_LENGTH, describe
+from django_idempotency._validation import FINGERPRINT_LENGTH, describe, fingerprint_text
 from django_idempotency.conf import app_settings
 from django_idempotency.crypto import Unreadable
 from django_idempotency.exceptions import OutcomeTooLarge, RecordUnreadable, StoreUnavailable
@@ -216,17 +216,21 @@ class _Unfingerprinted(Exception):
 
 def _hash_of(request: Any, terms: Terms) -> str:
     """The request's fingerprint, as the record stores it: text of at most 64 characters
-    (a SHA-256's hex digits), without NUL."""
-    request_hash = terms.fingerprint(request)
+    (a SHA-256's hex digits), without a NUL or a lone surrogate."""
+    answer = terms.fingerprint(request)
     if (
-        request_hash.__class__ is not str
-        or len(request_hash) > FINGERPRINT_LENGTH
-        or "\x00" in request_hash
+        answer.__class__ is str
+        and len(answer) <= FINGERPRINT_LENGTH
+        and answer.isascii()
+        and "\x00" not in answer
     ):
+        return answer  # the usual answer, a hex digest: checked here, on every request
+    request_hash = fingerprint_text(answer)
+    if request_hash is None:
         raise _Unfingerprinted(
-            f"the fingerprint {terms.fingerprint_version} answered "
-            f"{describe(request_hash)}, not text of at most {FINGERPRINT_LENGTH} characters "
-            "(IDEMPOTENCY['FINGERPRINT'] or the view's fingerprint=)"
+            f"the fingerprint {terms.fingerprint_version} answered {describe(answer)}, not "
+            f"text of at most {FINGERPRINT_LENGTH} characters without a NUL or a lone "
+            "surrogate (IDEMPOTENCY['FINGERPRINT'] or the view's fingerprint=)"
         )
     return request_hash
 

@@ -22,10 +22,12 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_idempotency._policies import RECOVERY_POLICIES
+from django_idempotency._storable import text_problem
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # An RFC 9110 token: what a header or a method name may consist of.
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+# Matched whole (fullmatch): "$" would let a trailing newline through ("POST\n").
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Sequences: the concrete collection types only, so a str, bytes, a dict or a generator
 # is never taken apart into its characters, keys or items.
 _COLLECTIONS = (list, tuple, set, frozenset)
@@ -151,7 +153,7 @@ def methods(value: Any) -> frozenset[str]:
     if not names:
         raise Invalid(expected, value)
     for name in names:
-        if not isinstance(name, str) or not _TOKEN.match(name):
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
             raise Invalid(expected, value, f"{describe(name)} is not a method name")
     result = frozenset(name.upper() for name in names)
     safe = sorted(result & SAFE_METHODS)
@@ -166,7 +168,7 @@ def methods(value: Any) -> frozenset[str]:
 
 def header_name(value: Any) -> str:
     """An HTTP header name (an RFC 9110 token)."""
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise Invalid('an HTTP header name such as "Idempotency-Key"', value)
     return value
 
@@ -180,7 +182,7 @@ def header_names(value: Any, refused: frozenset[str]) -> tuple[str, ...]:
     names = _collection(value, expected)
     seen: dict[str, str] = {}
     for name in names:
-        if not isinstance(name, str) or not _TOKEN.match(name):
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
             raise Invalid(expected, value, f"{describe(name)} is not a header name")
         seen.setdefault(name.lower(), name)
     never = sorted(set(seen) & refused)
@@ -269,17 +271,32 @@ def callable_ref(value: Any) -> Callable[..., Any]:
 FINGERPRINT_LENGTH = 64
 
 
+def fingerprint_text(value: Any) -> str | None:
+    """``value`` as the record stores a fingerprint or its version (a plain ``str``), or
+    ``None`` when it cannot: not text, longer than ``FINGERPRINT_LENGTH``, or text no
+    database column holds (a NUL, which PostgreSQL refuses; a lone surrogate, which no
+    database encodes)."""
+    if not isinstance(value, str) or len(value) > FINGERPRINT_LENGTH or "\x00" in value:
+        return None
+    # A SafeString, a numpy str_: text all the same, stored as a plain str.
+    text: str = value if value.__class__ is str else str.__str__(value)
+    if not text.isascii() and text_problem(text) is not None:
+        return None
+    return text
+
+
 def fingerprint(value: Any) -> Callable[..., Any]:
     """A fingerprint: :func:`callable_ref`, whose ``fingerprint_version`` (where it declares
     one) fits the record's column."""
     function = callable_ref(value)
     version = getattr(function, "fingerprint_version", None)
-    if version and len(str(version)) > FINGERPRINT_LENGTH:
+    if version and fingerprint_text(str(version)) is None:
         raise Invalid(
             f"a callable whose fingerprint_version has at most {FINGERPRINT_LENGTH} "
-            "characters (the record stores it beside each hash)",
+            "characters, none of them a NUL or a lone surrogate (the record stores it "
+            "beside each hash)",
             value,
-            f"its fingerprint_version has {len(str(version))}",
+            f"its fingerprint_version is {describe(str(version))}",
         )
     return function
 

@@ -245,8 +245,20 @@ default_fingerprint.fingerprint_version = DEFAULT_VERSION  # type: ignore[attr-d
 
 
 def fingerprint_version(function: Any) -> str:
-    """The version stored beside a hash: the function's ``fingerprint_version`` or its path."""
+    """The version stored beside a hash: the function's ``fingerprint_version`` or its path.
+
+    A path longer than the column (64 characters) is kept as its first 47 characters, a
+    ``~`` and 16 hex digits of its SHA-256: two paths alike in their first 64 characters
+    (``..._v1`` and ``..._v2``) are two versions, never one."""
     version = getattr(function, "fingerprint_version", None)
     if version:
         return str(version)
-    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"[:64]
+    path = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    if len(path) <= _VERSION_LENGTH:
+        return path
+    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{path[: _VERSION_LENGTH - 17]}~{digest}"
+
+
+# The record's column for the version (_validation.FINGERPRINT_LENGTH).
+_VERSION_LENGTH = 64

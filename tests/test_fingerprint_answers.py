@@ -47,6 +47,18 @@ def with_a_nul(request: Any) -> str:
     return "a\x00b"
 
 
+def with_a_lone_surrogate(request: Any) -> str:
+    return "a\ud800b"
+
+
+class Marked(str):
+    """A str subclass (a SafeString, a numpy str_): text the record holds."""
+
+
+def as_a_str_subclass(request: Any) -> str:
+    return Marked(hashlib.sha256(request.body).hexdigest())
+
+
 def long_version(request: Any) -> str:
     return hashlib.sha256(request.body).hexdigest()
 
@@ -61,7 +73,9 @@ def short_version(request: Any) -> str:
 short_version.fingerprint_version = "v" * 64  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("answer", ["as_number", "as_none", "as_sha512", "with_a_nul"])
+@pytest.mark.parametrize(
+    "answer", ["as_number", "as_none", "as_sha512", "with_a_nul", "with_a_lone_surrogate"]
+)
 def test_an_answer_the_record_cannot_hold_is_refused_before_anything_runs(user, answer):
     client = logged_in(user)
     headers = {"Idempotency-Key": new_key()}
@@ -74,6 +88,49 @@ def test_an_answer_the_record_cannot_hold_is_refused_before_anything_runs(user, 
     assert {a.json()["code"] for a in answers} == {"idempotency_fingerprint_invalid"}
     assert "FINGERPRINT" not in answers[0].content.decode()  # the settings are the log's
     assert (Charge.objects.count(), IdempotencyRecord.objects.count()) == (0, 0)
+
+
+def test_a_str_subclass_is_text_the_record_holds(user):
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.as_a_str_subclass"}):
+        answers = [
+            client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+            for _ in range(2)
+        ]
+        changed = client.post(
+            "/charges/", {**CHARGE, "amount": 1}, content_type="application/json", headers=headers
+        )
+    assert [a.status_code for a in answers] == [201, 201]
+    assert answers[1].headers["Idempotent-Replayed"] == "true"
+    assert changed.status_code == 422
+    assert Charge.objects.count() == 1
+
+
+def nul_version(request: Any) -> str:
+    return hashlib.sha256(request.body).hexdigest()
+
+
+nul_version.fingerprint_version = "v\x00"  # type: ignore[attr-defined]
+
+
+def surrogate_version(request: Any) -> str:
+    return hashlib.sha256(request.body).hexdigest()
+
+
+surrogate_version.fingerprint_version = "v\ud800"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fingerprint", ["nul_version", "surrogate_version"])
+def test_a_version_the_column_cannot_hold_is_a_check_error(fingerprint):
+    """A NUL (PostgreSQL refuses it: 503 on every request there) or a lone surrogate (no
+    database encodes it: a bare exception on every request)."""
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.{fingerprint}"}):
+        errors = [e for e in checks.check_settings() if e.id == "django_idempotency.E015"]
+    assert len(errors) == 1
+    assert "fingerprint_version" in errors[0].msg
+    with pytest.raises(ImproperlyConfigured, match="fingerprint_version"):
+        idempotent(fingerprint=globals()[fingerprint])
 
 
 def test_a_version_longer_than_its_column_is_a_check_error():
@@ -103,4 +160,37 @@ def test_a_version_of_64_characters_is_stored_and_replayed(user):
         ]
     assert [a.status_code for a in answers] == [201, 201]
     assert answers[1].headers["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+
+
+def a_fingerprint_whose_dotted_path_runs_past_its_column_v1(request: Any) -> str:
+    return hashlib.sha256(b"v1" + request.body).hexdigest()
+
+
+def a_fingerprint_whose_dotted_path_runs_past_its_column_v2(request: Any) -> str:
+    return hashlib.sha256(b"v2" + request.body).hexdigest()
+
+
+def test_two_fingerprints_whose_paths_differ_past_64_characters_are_two_versions(user):
+    """Without a declared ``fingerprint_version`` the version is the dotted path, cut to its
+    column: two paths alike in their first 64 characters were one version, so a deploy from
+    ``..._v1`` to ``..._v2`` compared the new hashes with the old ones, and every honest
+    retry of a key sent before it got ``422``."""
+    v1 = f"{__name__}.a_fingerprint_whose_dotted_path_runs_past_its_column_v1"
+    v2 = f"{__name__}.a_fingerprint_whose_dotted_path_runs_past_its_column_v2"
+    assert len(v1) > 64
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+
+    def post() -> Any:
+        return client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": v1}):
+        assert post().status_code == 201
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": v2}):
+        retry = post()
+    assert retry.status_code == 201, retry.content
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    (version,) = IdempotencyRecord.objects.values_list("fingerprint_version", flat=True)
+    assert len(version) <= 64
     assert Charge.objects.count() == 1

@@ -11,7 +11,9 @@ the charges written, the record's state.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,10 +22,15 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import run_once, step
-from django_idempotency.exceptions import InProgress, OutcomeUnknown, SimulatedCrash
+from django_idempotency.exceptions import (
+    IdempotencyError,
+    InProgress,
+    OutcomeUnknown,
+    SimulatedCrash,
+)
 from django_idempotency.maintenance import recover_stale_leases
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from django_idempotency.testing import crash, crash_after, expire_lease
+from django_idempotency.testing import crash, crash_after, crash_before, expire_lease
 from tests.helpers import in_thread, logged_in, new_key, postgres_only
 from tests.testapp.models import Charge, ProviderCall
 
@@ -112,9 +119,9 @@ def test_a_stricter_policy_decides_a_claim_made_under_retry():
 
 
 def test_a_body_run_again_is_recorded_under_the_policy_it_runs_under():
-    """A claim made under ``"retry"`` taken over under ``"fail"`` by a callable that answers
-    "run": the attempt that runs now is under ``"fail"``, and if it crashes too the recovery
-    job (which reads the stored policy) never runs it again."""
+    """A claim made under ``"retry"`` taken over under ``"resume"``: the attempt that runs
+    now is under ``"resume"``, and if it crashes too the recovery job (which reads the stored
+    policy) leaves it to be resumed, and its recorded step is not run again."""
     effects: list[str] = []
     key = new_key()
     _crashed("retry", key, effects)
@@ -256,3 +263,94 @@ def test_a_view_retried_after_the_ttl_runs_again_under_fail(user):
     again = post()
     assert again.status_code == 201, again.content
     assert Charge.objects.count() == 2
+
+
+RACE = threading.Lock()
+
+
+def not_shipped_after_a_while(record: IdempotencyRecord) -> Any:
+    """A recovery callable: the provider, slow to answer, says nothing shipped."""
+    with RACE:
+        ASKED.append(record.pk)
+    time.sleep(0.05)
+    return None
+
+
+def shipped_after_a_while(record: IdempotencyRecord) -> Any:
+    with RACE:
+        ASKED.append(record.pk)
+    time.sleep(0.05)
+    return {"shipped": "per the provider"}
+
+
+@postgres_only
+@pytest.mark.parametrize(
+    ("claimed_under", "runs"),
+    [
+        ("fail", 0),
+        (f"{__name__}.shipped_after_a_while", 0),
+        (f"{__name__}.not_shipped_after_a_while", 1),
+    ],
+)
+def test_retries_under_another_policy_and_two_recovery_jobs_race_on_one_stale_record(
+    claimed_under, runs
+):
+    """Six retries under ``"retry"`` and two recovery jobs (which read the stored policy)
+    start at once on one stale record: the body runs only where the stored policy allows
+    it, and at most once."""
+    effects: list[str] = []
+    key = new_key()
+    ASKED.clear()
+    _crashed(claimed_under, key, effects)
+    start = threading.Barrier(8, timeout=30)
+
+    def body() -> str:
+        with RACE:
+            effects.append("again")
+        time.sleep(0.05)
+        return "ok"
+
+    def retry() -> None:
+        start.wait()
+        with contextlib.suppress(IdempotencyError):
+            run_once(body, **IDENTITY, key=key, recovery="retry")
+
+    def job() -> None:
+        start.wait()
+        recover_stale_leases()
+
+    threads = [threading.Thread(target=in_thread(retry)) for _ in range(6)]
+    threads += [threading.Thread(target=in_thread(job)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert effects == ["shipped"] + ["again"] * runs
+    record = IdempotencyRecord.objects.get()
+    assert record.status == (
+        RecordStatus.FAILED if claimed_under == "fail" else RecordStatus.COMPLETED
+    )
+    if claimed_under == "fail":
+        assert ASKED == []
+
+
+@pytest.mark.parametrize("point", [crash_before, crash_after])
+def test_a_crash_beside_recording_the_new_policy_runs_nothing_twice(point):
+    """The takeover under ``"retry"`` of a record claimed under a callable, which answers
+    "run again": a crash before the new policy is recorded leaves the callable's record
+    (the recovery job asks it again), one after it leaves a record under ``"retry"`` (the
+    job releases it). The body never ran in that attempt, and runs once after."""
+    effects: list[str] = []
+    key = new_key()
+    ASKED.clear()
+    _crashed(f"{__name__}.not_shipped_after_a_while", key, effects)
+    with point("django_idempotency._claims.Claim.record_policy"):
+        run_once(lambda: effects.append("lost"), **IDENTITY, key=key, recovery="retry")
+    record = expire_lease(key)
+    expected = "retry" if point is crash_after else f"{__name__}.not_shipped_after_a_while"
+    assert (record.recovery_policy, record.recovery_attempts) == (expected, 1)
+    assert recover_stale_leases().released == 1
+    assert run_once(lambda: _noted(effects, "again", "ok"), **IDENTITY, key=key) == "ok"
+    assert effects == ["shipped", "again"]
+    assert len(ASKED) == (1 if point is crash_after else 2)

@@ -42,16 +42,36 @@ NOT_CALLABLE = "django_idempotency.conf.DEFAULTS"
 # not admitted, a wrong scalar type, a negative or zero duration, a dotted path that does
 # not import.
 BAD_VALUES: dict[str, list[object]] = {
-    "HEADER": [None, 5, b"Idempotency-Key", "", "Idempotency Key", ["Idempotency-Key"]],
+    # A trailing newline (a name read from a file): no header has it, the key never found.
+    "HEADER": [
+        None,
+        5,
+        b"Idempotency-Key",
+        "",
+        "Idempotency Key",
+        ["Idempotency-Key"],
+        "Idempotency-Key\n",
+    ],
     "REQUIRED": [None, 1, 0, "true", "False"],
     "TTL": [None, 0, -1, timedelta(0), timedelta(seconds=-1), "1h", True, float("nan")],
     "LEASE": [None, 0, -5, timedelta(0), "60", False, float("inf"), 10**20],
-    "METHODS": [None, "POST", b"POST", "POST,PATCH", [], ["POST", 1], ["GET"], 5, {"POST": 1}],
+    "METHODS": [
+        None,
+        "POST",
+        b"POST",
+        "POST,PATCH",
+        [],
+        ["POST", 1],
+        ["GET"],
+        5,
+        {"POST": 1},
+        ["POST\n", "PATCH"],  # no request's method: POST would run unprotected
+    ],
     "ACCOUNT_RESOLVER": [None, 5, "", "resolver", MISSING_PATH, NOT_CALLABLE],
     "FINGERPRINT": [None, 5, MISSING_PATH, NOT_CALLABLE, "default_fingerprint"],
     "RECOVERY": [None, 5, "", "retry ", "RETRY", MISSING_PATH, NOT_CALLABLE],
     "DATABASE": [None, 5, "", "nope", ["default"]],
-    "REPLAY_HEADERS": [None, "X-Foo", b"X-Foo", [1], ["X Foo"], ["Set-Cookie"], 5],
+    "REPLAY_HEADERS": [None, "X-Foo", b"X-Foo", [1], ["X Foo"], ["Set-Cookie"], 5, ["X-Foo\n"]],
     "MAX_RESPONSE_BYTES": [0, -1, "1MB", 1.5, True, 2**40],
     "TRANSIENT_STATUSES": [None, 409, "409", b"409", [409, "429"], [503], [True], {409: 1}],
     "IN_PROGRESS_WAIT": [None, -1, timedelta(seconds=-1), "0", True],
@@ -357,3 +377,16 @@ def test_the_check_never_raises_and_agrees_with_the_run_time(name, value):
     }
     assert bool(refused) == bool(found)
     assert all(found_id in refused for found_id in found)
+
+
+def test_a_method_with_a_trailing_newline_is_refused_where_the_view_is_decorated():
+    """``methods=["POST\\n"]`` names no request's method: POST would run unprotected."""
+    from django.http import HttpRequest, HttpResponse
+
+    from django_idempotency.decorators import idempotent
+
+    with pytest.raises(ImproperlyConfigured, match="method"):
+
+        @idempotent(methods=["POST\n", "PATCH"])
+        def view(request: HttpRequest) -> HttpResponse:
+            return HttpResponse()

@@ -163,6 +163,7 @@ def test_each_source_is_spelled_as_it_was_made(source: Any, spelled: str) -> Non
         (sources.header, "X GitHub Delivery"),
         (sources.header, "X-GitHub-Delivery:"),
         (sources.header, "X-Delivery\r\nX-Other"),
+        (sources.header, "X-GitHub-Delivery\n"),  # a name read from a file, newline kept
         (sources.json, ""),
         (sources.json, "data..id"),
         (sources.json, ".id"),
