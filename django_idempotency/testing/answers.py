@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 if TYPE_CHECKING:
     from django.http.response import HttpResponseBase
@@ -18,6 +19,16 @@ PROBLEM = "application/problem+json"
 def new_key() -> str:
     """A fresh idempotency key (a UUID4's hex), as a client makes one per operation."""
     return uuid.uuid4().hex
+
+
+def _refuse_awaitable(pending: object) -> NoReturn:
+    close = getattr(pending, "close", None)
+    if callable(close):  # no "never awaited" warning later
+        close()
+    raise TypeError(
+        "got a request still to be awaited, not a response: await an AsyncClient's request "
+        "first, or, in an async test, call the helper through sync_to_async with a Client"
+    )
 
 
 @dataclass(frozen=True)
@@ -44,12 +55,20 @@ class Answer:
 
     @classmethod
     def of(cls, response: Answer | HttpResponseBase) -> Answer:
-        """A test client's response as an `Answer` (an `Answer` as it is)."""
+        """A test client's response as an `Answer` (an `Answer` as it is).
+
+        A streamed response is read whole and left readable again. A request still to be
+        awaited (an ``AsyncClient``'s) is a ``TypeError``.
+        """
         if isinstance(response, Answer):
             return response
+        if inspect.isawaitable(response):
+            _refuse_awaitable(response)
         body = getattr(response, "content", None)
-        if body is None:  # a streamed response: read it whole
+        if body is None:  # a streamed response: read it whole, and leave it readable again
             body = b"".join(getattr(response, "streaming_content", []))
+            if getattr(response, "streaming", False):
+                response.streaming_content = [body]  # type: ignore[attr-defined]
         headers = {name.lower(): value for name, value in response.items()}
         return cls(response.status_code, headers, bytes(body))
 
@@ -96,12 +115,15 @@ def _through(
     headers: Mapping[str, str] | None,
     content_type: str,
 ) -> HttpResponseBase:
+    from django_idempotency.conf import app_settings
+
     body, content_type = _encoded(payload, content_type)
-    sent = {**(headers or {}), "Idempotency-Key": key}
-    response: HttpResponseBase = client.generic(
-        method.upper(), path, body, content_type, headers=sent
-    )
-    return response
+    sent = {**(headers or {}), app_settings.HEADER: key}
+    response: Any = client.generic(method.upper(), path, body, content_type, headers=sent)
+    if inspect.isawaitable(response):
+        _refuse_awaitable(response)
+    result: HttpResponseBase = response
+    return result
 
 
 def assert_replay(original: Answer | HttpResponseBase, replay: Answer | HttpResponseBase) -> None:
@@ -157,14 +179,33 @@ class ReplayCheck:
     refused: HttpResponseBase | None
 
 
+# The problems answered before the view runs: a first attempt with one of them ran nothing.
+_REFUSED_BEFORE_THE_VIEW = frozenset(
+    {
+        "idempotency_key_missing",
+        "idempotency_key_invalid",
+        "idempotency_account_missing",
+        "idempotency_account_invalid",
+        "idempotency_fingerprint_invalid",
+        "idempotency_store_unavailable",
+    }
+)
+
+
 def _ran(response: HttpResponseBase, key: str) -> None:
     seen = Answer.of(response)
     hints = {
         "idempotency_key_in_use": "another attempt with this key is still running",
         "idempotency_key_reused": "the key was used before with another request",
+        "idempotency_outcome_unknown": "the key was used before by an attempt that crashed",
+        "idempotency_record_unreadable": "the key was used before; its record cannot be read",
     }
     code = seen.problem_code()
     assert code not in hints, f"key {key!r}: {hints[code or '']} ({seen.describe()})"
+    assert code not in _REFUSED_BEFORE_THE_VIEW, (
+        f"the first attempt was refused by django-idempotency with {code!r}, so the view "
+        f"never ran: {seen.describe()}"
+    )
     assert seen.status < 500, (
         f"the first attempt answered {seen.describe()}: a 5xx is never stored, so there is "
         "nothing to replay"
@@ -185,13 +226,18 @@ def assert_idempotent(
     """Assert that an endpoint runs once per key, replays byte for byte and refuses the
     key with a changed payload.
 
-    Sends ``payload`` with a new key (or ``key``), then again (which must be a replay:
+    Sends ``payload`` with a new key (or ``key``), in the header the ``HEADER`` setting
+    names (``Idempotency-Key`` by default), then again (which must be a replay:
     `assert_replay`), then ``changed`` with the same key, which must be refused with
     ``422`` ``idempotency_key_reused``; pass ``changed=None`` for an endpoint whose
     fingerprint ignores the body (a webhook keyed by the sender's id).
 
     ``client`` is Django's ``Client`` or DRF's ``APIClient``, logged in as the caller
-    (``force_login``, ``force_authenticate``). A ``payload`` that is not ``bytes`` or
+    (``force_login``, ``force_authenticate``); an ``AsyncClient`` is refused with a
+    ``TypeError`` (in an async test, call the helper through ``sync_to_async`` with a
+    ``Client``). A first attempt that this package refused before the view ran (a key,
+    an account or a fingerprint it cannot use, the store unavailable) fails the check
+    with that problem's code. A ``payload`` that is not ``bytes`` or
     ``str`` is sent as JSON. Count the endpoint's side effects afterwards: one.
     """
     key = key or new_key()
@@ -221,7 +267,13 @@ def assert_accounts_isolated(
     Each client (logged in as another user, or another tenant) sends the same payload with
     the same key: each one's first request runs (it is no replay of another's answer) and
     each one's retry replays its own answer. Returns the checks, in the clients' order.
+    Fewer than two clients is a ``ValueError``: one caller cannot meet another's record.
     """
+    if len(clients) < 2:
+        raise ValueError(
+            f"isolation needs at least 2 callers, not {len(clients)}: one caller cannot "
+            "meet another's record"
+        )
     key = key or new_key()
     return [
         assert_idempotent(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import pkgutil
 import threading
@@ -71,12 +73,30 @@ class CrashPoint:
     crashed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def _due(self) -> bool:
+        with self._lock:
+            self.calls += 1
+            due = self.calls == self.on_call
+            self.crashed = self.crashed or due
+        return due
+
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(original):
+            # An async target "returns" when its coroutine is done, not when it is made.
+            @functools.wraps(original)
+            async def crashing_async(*args: Any, **kwargs: Any) -> Any:
+                due = self._due()
+                if due and not self.after:
+                    crash()
+                result = await original(*args, **kwargs)
+                if due:
+                    crash()
+                return result
+
+            return crashing_async
+
         def crashing(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.calls += 1
-                due = self.calls == self.on_call
-                self.crashed = self.crashed or due
+            due = self._due()
             if due and not self.after:
                 crash()
             result = original(*args, **kwargs)
@@ -121,7 +141,8 @@ def crash_after(target: str, *, on_call: int = 1) -> AbstractContextManager[Cras
     it (``"myapp.payments.charge"``: patch it where the view looks it up). Within the
     block, its ``on_call``-th call runs and then raises `SimulatedCrash`: the external call
     happened, the view's database work rolls back, and the claim stays in progress under
-    its lease. The crash propagates out of the test client and is swallowed when it
+    its lease. An ``async def`` target crashes once its coroutine has run to its end,
+    when the view awaits it. The crash propagates out of the test client and is swallowed when it
     leaves the block; the test fails when no crash happened (the target was not called,
     or something caught the crash).
 
@@ -150,12 +171,26 @@ class Pause:
         self._reached = threading.Event()
         self._resumed = threading.Event()
 
+    def _returned(self) -> None:
+        with self._lock:
+            self.calls += 1
+        self._reached.set()
+
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(original):
+            # Held after its coroutine is done, without blocking the event loop.
+            @functools.wraps(original)
+            async def pausing_async(*args: Any, **kwargs: Any) -> Any:
+                result = await original(*args, **kwargs)
+                self._returned()
+                await asyncio.to_thread(self._resumed.wait, self.timeout)
+                return result
+
+            return pausing_async
+
         def pausing(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            with self._lock:
-                self.calls += 1
-            self._reached.set()
+            self._returned()
             self._resumed.wait(self.timeout)
             return result
 
@@ -178,7 +213,9 @@ def pause_after(target: str, *, timeout: float = 10.0) -> Iterator[Pause]:
 
     For a live server: the external call succeeded and the request is still running, so the
     test can give up waiting (``send(..., timeout=0.5)``), retry while the original holds
-    its claim, and then let it finish. ``target`` is a dotted path as for `crash_after`.
+    its claim, and then let it finish. ``target`` is a dotted path as for `crash_after`;
+    an ``async def`` target is held once awaited to its end, without blocking its event
+    loop.
     """
     pause = Pause(target, timeout)
     with _wrapped(target, pause._wrap):
