@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django_idempotency import _options, _outcomes, _problems, sources
+from django_idempotency import _options, _outcomes, _policies, _problems, sources
 from django_idempotency.conf import app_settings
 from django_idempotency.keys import MAX_KEY_LENGTH
 
@@ -21,9 +21,14 @@ from django_idempotency.keys import MAX_KEY_LENGTH
 PROBLEM_COMPONENT = "IdempotencyProblem"
 CODE_COMPONENT = "IdempotencyProblemCode"
 
-#: The statuses documented on every protected operation (``403`` and the ``500`` codes are in
-#: the ``code`` enum, but an identified client that follows the protocol never meets them).
+#: The statuses documented on every protected operation (``403`` and the other ``500`` codes
+#: are in the ``code`` enum, but an identified client that follows the protocol never meets
+#: them).
 DOCUMENTED_STATUSES = (400, 409, 422, 503)
+
+#: Documented where the operation's recovery policy closes a crashed attempt's record (``"fail"``):
+#: every later retry gets the stored ``500`` ``idempotency_outcome_unknown``.
+CLOSED_STATUS = _problems.OUTCOME_UNKNOWN.status
 
 # Answers that tell the client when to come back.
 _RETRY_AFTER_STATUSES = frozenset({409, 503})
@@ -130,12 +135,25 @@ def retry_after_header() -> dict[str, Any]:
 
 
 def _problem_description(status: int, required: bool) -> str:
+    if status == CLOSED_STATUS:
+        problem = _problems.OUTCOME_UNKNOWN
+        return (
+            f"`{problem.code}`: {problem.title}. A retry after the original attempt stopped "
+            "midway: whether it took effect is unknown and needs reconciliation; it is not "
+            "run again, and every later retry gets this answer."
+        )
     found = [
         f"`{p.code}`: {p.title}."
         for p in _problems.ALL_PROBLEMS
         if p.status == status and (required or p is not _problems.KEY_MISSING)
     ]
     return " ".join(found)
+
+
+def _closes_crashed_attempts(options: _options.Options) -> bool:
+    # "fail": a stale record is closed with the "outcome unknown" problem, never run again.
+    declared = _policies.recovery_policy(options.recovery or app_settings.RECOVERY)
+    return not declared.reruns and not declared.asks_callable
 
 
 def _is_replayable(code: str) -> bool:
@@ -167,7 +185,10 @@ def document_operation(
         if _is_replayable(code) and "$ref" not in response:
             response.setdefault("headers", {})[_outcomes.REPLAYED_HEADER] = replayed_header()
 
-    for status in DOCUMENTED_STATUSES:
+    statuses: tuple[int, ...] = DOCUMENTED_STATUSES
+    if _closes_crashed_attempts(options):
+        statuses = (*statuses, CLOSED_STATUS)
+    for status in statuses:
         description = _problem_description(status, required)
         if not description:
             continue

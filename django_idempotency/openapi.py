@@ -11,7 +11,8 @@ that imports it. Nothing needs configuring:
 
 A protected operation (``POST`` and ``PATCH`` by default, else the view's methods) gets the key
 header parameter (required as the view or the ``REQUIRED`` setting says), the ``400``, ``409``,
-``422`` and ``503`` ``application/problem+json`` answers of this package, and the
+``422`` and ``503`` ``application/problem+json`` answers of this package (and the ``500``
+``idempotency_outcome_unknown`` under the ``"fail"`` recovery policy), and the
 ``Idempotent-Replayed`` header on every response that can be replayed.
 """
 
