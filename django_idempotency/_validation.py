@@ -222,29 +222,40 @@ def fernet_keys(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         raise Invalid(_FERNET_KEYS, value, f"got a {type(value).__name__}")
     keys: list[str] = []
+    seen: list[bytes] = []
     for number, item in enumerate(value, 1):
-        problem = _fernet_key_problem(item)
-        if problem is not None:
-            raise Invalid(_FERNET_KEYS, value, f"key {number} of {len(value)} {problem}")
-        key = item.decode("ascii") if isinstance(item, bytes) else item
-        if key in keys:
+        raw = _fernet_key_bytes(item)
+        if isinstance(raw, str):
+            raise Invalid(_FERNET_KEYS, value, f"key {number} of {len(value)} {raw}")
+        # One key, whatever its spelling (the last digit's spare bits): compared as bytes.
+        if raw in seen:
             raise Invalid(
-                _FERNET_KEYS, value, f"key {number} is the same as key {keys.index(key) + 1}"
+                _FERNET_KEYS, value, f"key {number} is the same as key {seen.index(raw) + 1}"
             )
-        keys.append(key)
+        seen.append(raw)
+        keys.append(item.decode("ascii") if isinstance(item, bytes) else item)
     return tuple(keys)
 
 
-def _fernet_key_problem(item: Any) -> str | None:
+#: A Fernet key's text: URL-safe base64 only. Fernet refuses the standard alphabet's ``+``
+#: and ``/`` (``openssl rand -base64 32``), which ``b64decode(altchars=...)`` would take.
+_URL_SAFE_BASE64 = re.compile(r"[A-Za-z0-9_-]*={0,2}")
+
+
+def _fernet_key_bytes(item: Any) -> bytes | str:
+    """A key's 32 bytes, or what is wrong with it."""
     if not isinstance(item, str | bytes):
         return f"is a {type(item).__name__}, not a str"
     try:
-        raw = base64.b64decode(item, altchars=b"-_", validate=True)
+        text = item.decode("ascii") if isinstance(item, bytes) else item
+        if not text.isascii() or _URL_SAFE_BASE64.fullmatch(text) is None:
+            raise ValueError(text)
+        raw = base64.urlsafe_b64decode(text)
     except (ValueError, TypeError):  # binascii.Error is a ValueError; so is non-ASCII text
-        return "is not URL-safe base64"
+        return "is not URL-safe base64 (A-Z, a-z, 0-9, - and _, as Fernet.generate_key() makes it)"
     if len(raw) != 32:
         return f"decodes to {len(raw)} bytes, not 32"
-    return None
+    return raw
 
 
 _CALLABLE = "a callable or the dotted import path of one"

@@ -3,7 +3,9 @@ and who sees a body in the admin."""
 
 from __future__ import annotations
 
+import base64
 import json
+import string
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +127,83 @@ def test_a_malformed_key_is_e024_and_never_shows_a_key(value, why):
     assert why in found[0].msg
     assert NEW not in found[0].msg
     assert NEW[:-2] not in found[0].msg
+
+
+def _spelled(key: str, how: str) -> str:
+    """``key`` (a Fernet key, as Fernet.generate_key() makes it) spelled another way."""
+    raw = base64.urlsafe_b64decode(key)
+    if how == "standard alphabet":  # as `openssl rand -base64 32` or b64encode spell one
+        return base64.b64encode(raw).decode("ascii")
+    if how == "no padding":
+        return key.rstrip("=")
+    if how == "unused low bits":  # the last digit's 2 spare bits set: the same 32 bytes
+        alphabet = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+        return key[:42] + alphabet[alphabet.index(key[42]) ^ 3] + "="
+    return {"a newline after it": key + "\n", "a space before it": " " + key}[how]
+
+
+# 32 bytes whose base64 has a "+" and a "/" in the standard alphabet ("-" and "_" in Fernet's).
+SPELLED_WITH_PLUS = base64.urlsafe_b64encode(bytes([0xFB, 0xFF] * 16)).decode("ascii")
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "standard alphabet",
+        "no padding",
+        "unused low bits",
+        "a newline after it",
+        "a space before it",
+    ],
+)
+def test_every_key_the_check_passes_is_one_fernet_takes(how):
+    """A key the check lets through is one every completion can seal with: a key spelled in
+    the standard base64 alphabet passed the check, then failed every completion (the view
+    ran, its transaction rolled back, its record released, and every retry ran it again)."""
+    for key in (SPELLED_WITH_PLUS, NEW, OLD):
+        spelled = _spelled(key, how)
+        with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [NEW, spelled]}):
+            found = check_settings()
+        try:
+            fernet.Fernet(spelled)
+        except ValueError:
+            assert [m.id for m in found] == ["django_idempotency.E024"], (how, key)
+            assert spelled not in found[0].msg
+        else:
+            assert found == [] or [m.id for m in found] == ["django_idempotency.E024"]
+
+
+def test_a_key_in_the_standard_base64_alphabet_is_e024_and_nothing_runs():
+    """Before, the check passed it, and every call ran its body and then failed to seal the
+    outcome: its record released, the next call ran the body again."""
+    spelled = _spelled(SPELLED_WITH_PLUS, "standard alphabet")
+    assert "+" in spelled
+    calls: list[int] = []
+
+    def pay(amount: int) -> int:
+        calls.append(amount)
+        return amount
+
+    identity = {"account": "worker", "operation": "pay", "key": "std-1"}
+    with keys(spelled):
+        found = check_settings()
+        for _ in range(2):
+            with pytest.raises(Exception, match="E024"):
+                run_once(pay, 5, **identity)
+    assert [m.id for m in found] == ["django_idempotency.E024"]
+    assert "URL-safe base64" in found[0].msg
+    assert calls == []
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_one_key_spelled_twice_is_e024():
+    """The same 32 bytes with the digit's spare bits set: one key, whatever it is spelled."""
+    twice = [NEW, _spelled(NEW, "unused low bits")]
+    assert twice[0] != twice[1]
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": twice}):
+        found = check_settings()
+    assert [m.id for m in found] == ["django_idempotency.E024"]
+    assert "key 2 is the same as key 1" in found[0].msg
 
 
 def test_keys_without_cryptography_are_e025_and_nothing_runs(api, monkeypatch):

@@ -292,3 +292,118 @@ def test_a_record_another_transaction_holds_is_counted_as_left_for_the_next_run(
     assert left.records == 1  # r-2 is still sealed with the old key
     assert "Sealed 4 idempotency records" in out.getvalue()
     assert "1 were in use by another transaction and left as they are" in out.getvalue()
+
+
+@postgres_only
+def test_a_rotation_killed_inside_a_batch_leaves_every_record_readable_and_nothing_locked():
+    """SIGKILL after a batch wrote its updates, before it committed: the batches before it
+    stay sealed with the new key, that batch's rows keep the old one (its transaction rolled
+    back with the process), no row stays locked, and the next run seals the rest."""
+    import subprocess
+    import sys
+
+    from django.db import connection
+
+    from tests.live import ROOT, server_env
+
+    rows = 45
+    with keys(OLD):
+        for n in range(rows):
+            record_under(OLD, n)
+        before = {r.key: opened(r) for r in IdempotencyRecord.objects.all()}
+    process = subprocess.run(
+        [sys.executable, "-m", "tests.rotate_proc", "2"],
+        cwd=ROOT,
+        env=server_env({"IDEMPOTENCY_ENCRYPTION_KEYS": f"{NEW},{OLD}"}),
+        timeout=WAIT * 2,
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == -9, process.stderr
+    # Two batches of 10 committed; the third wrote its 10 updates and died uncommitted.
+    assert key_ids() == {crypto.key_id(NEW): 20, crypto.key_id(OLD): rows - 20}
+    # Nothing is left locked by the dead batch: every row can be locked at once.
+    with transaction.atomic():
+        table = connection.ops.quote_name(IdempotencyRecord._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT id FROM {table} FOR UPDATE NOWAIT")
+            assert len(cursor.fetchall()) == rows
+    with keys(NEW, OLD):
+        assert {r.key: opened(r) for r in IdempotencyRecord.objects.all()} == before
+        again = maintenance.rotate_encryption(batch_size=10)
+        assert (again.records, again.current, again.in_use) == (rows - 20, 20, 0)
+        assert maintenance.rotate_encryption(dry_run=True).records == 0
+    with keys(NEW):
+        assert {r.key: opened(r) for r in IdempotencyRecord.objects.all()} == before
+
+
+@postgres_only
+def test_two_rotations_a_purge_and_live_retries_on_the_same_rows(user):
+    """Two rotations at once, a purge deleting the expired rows, retries replaying the rows
+    being resealed and taking over the expired ones, all on their own connections: every
+    row is sealed once, every retry replays the same bytes, each taken-over key runs once,
+    and nothing is left in progress or under the old key."""
+    api = ApiClient(user)
+    request_hash = fingerprint_of(api, PAYLOAD)
+    rows = 300
+    with keys(NEW, OLD, AUDIT=True):
+        for n in range(rows):
+            record_under(
+                OLD,
+                n,
+                account=f"user:{user.pk}",
+                operation="POST outcome/",
+                request_hash=request_hash,
+            )
+        expired = {f"r-{n}" for n in range(0, rows, 7)}
+        IdempotencyRecord.objects.filter(key__in=expired).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
+        go = threading.Barrier(5, timeout=WAIT)
+
+        def rotation() -> crypto.RotationResult:
+            go.wait()
+            return maintenance.rotate_encryption(batch_size=10)
+
+        def purge() -> int:
+            go.wait()
+            return maintenance.purge_expired(batch_size=5).deleted
+
+        def retries(offset: int) -> list[tuple[str, int, bytes, str]]:
+            go.wait()
+            seen = []
+            for n in range(offset, rows, 5):
+                response = api.post("/outcome/", PAYLOAD, key=f"r-{n}")
+                replayed = response.get("Idempotent-Replayed", "")
+                seen.append((f"r-{n}", response.status_code, response.content, replayed))
+            return seen
+
+        with ThreadPoolExecutor(5) as pool:
+            rotations = [pool.submit(in_thread(rotation)) for _ in range(2)]
+            purged = pool.submit(in_thread(purge))
+            answers = [pool.submit(in_thread(retries), i) for i in range(2)]
+            results = [f.result(timeout=WAIT * 4) for f in rotations]
+            deleted = purged.result(timeout=WAIT * 4)
+            seen = [a for f in answers for a in f.result(timeout=WAIT * 4)]
+        leftover = maintenance.rotate_encryption()
+        for key, status, content, replayed in seen:
+            if key in expired:
+                continue
+            assert (status, replayed) == (201, "true"), key
+            assert json.loads(content) == {"n": int(key[2:])}
+        ran = Charge.objects.filter(account="outcome").count()
+        retried_expired = {key for key, *_ in seen if key in expired}
+        assert ran == len(retried_expired)
+        sealed = sum(r.records for r in results) + leftover.records
+        survivors = IdempotencyRecord.objects.exclude(key__in=expired).count()
+        assert survivors == rows - len(expired)
+        # Each surviving old row was sealed by one rotation or the run after them (an expired
+        # one perhaps before the purge or a takeover replaced it), none twice.
+        assert survivors <= sealed <= rows, (results, leftover)
+        # Each expired row left one audit copy (purged or replaced), sealed with the new key.
+        assert key_ids(IdempotencyAuditRecord) == {crypto.key_id(NEW): len(expired)}
+        assert key_ids() == {crypto.key_id(NEW): IdempotencyRecord.objects.count()}
+        assert not IdempotencyRecord.objects.filter(status="in_progress").exists()
+        # The purge deleted the expired rows no retry took over first.
+        assert deleted >= 1
+        assert maintenance.rotate_encryption(dry_run=True).records == 0

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.core import checks
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client, override_settings
 from django.utils import timezone
 
 from django_idempotency import IdempotencyError, RecordUnreadable, crypto, run_once, step
 from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
 from tests.factories import UserFactory, store_raw_json
-from tests.helpers import new_key, says_nothing_of_the_server
+from tests.helpers import in_thread, new_key, says_nothing_of_the_server
 from tests.testapp.models import Charge
 
 fernet = pytest.importorskip("cryptography.fernet")
@@ -478,4 +479,36 @@ def test_a_damaged_key_id_under_a_configured_key_is_resealed_by_the_rotation(api
     with keys(K2):
         replayed(first, api.post("/charges/", CHARGE, key=key))
     assert crypto.sealed_with(IdempotencyRecord.objects.get().response_headers) == crypto.key_id(K2)
+    assert Charge.objects.count() == 1
+
+
+@pytest.mark.parametrize("damage", ["one bit of the body flipped", "body cut short"])
+def test_a_damaged_sealed_body_under_intact_headers_is_refused_and_nothing_runs(api, damage):
+    """The headers' token opens, the body's does not: refused while it is damaged, never run
+    again, its row neither changed nor left locked, replayed once repaired."""
+    key = new_key()
+    with keys(K1):
+        first = api.post("/charges/", CHARGE, key=key)
+        record = IdempotencyRecord.objects.get(key=key)
+        stored = bytes(record.response_body)
+        body = {
+            "one bit of the body flipped": stored[:20] + bytes([stored[20] ^ 1]) + stored[21:],
+            "body cut short": stored[:-1],
+        }[damage]
+        IdempotencyRecord.objects.filter(pk=record.pk).update(response_body=body)
+        for _ in range(2):
+            refused(api.post("/charges/", CHARGE, key=key))
+        # Nothing is left locked: another connection locks the row at once, as it was damaged.
+        nowait = connection.features.has_select_for_update_nowait
+
+        def lock() -> tuple[str, bytes]:
+            with transaction.atomic():
+                held = IdempotencyRecord.objects.select_for_update(nowait=nowait).get(pk=record.pk)
+            return held.status, bytes(held.response_body)
+
+        with ThreadPoolExecutor(1) as pool:
+            locked = pool.submit(in_thread(lock)).result(timeout=30)
+        assert locked == (RecordStatus.COMPLETED, body)
+        IdempotencyRecord.objects.filter(pk=record.pk).update(response_body=stored)
+        replayed(first, api.post("/charges/", CHARGE, key=key))
     assert Charge.objects.count() == 1
