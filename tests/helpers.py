@@ -741,3 +741,17 @@ def nested_past_json() -> list[Any]:
     for _ in range(100_000):
         value = [value]
     return value
+
+
+# -- charsets that read no text (tests/test_sources.py, tests/test_hostile_input.py) ----------
+
+#: Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
+#: replace what it fails to decode (idna, undefined; punycode before Python 3.13, whose
+#: punycode codec replaces): Django's form parsers raise on them.
+NO_TEXT_CHARSETS = [
+    "rot13",
+    "base64",
+    "idna",
+    *(["punycode"] if sys.version_info < (3, 13) else []),
+    "undefined",
+]

@@ -34,7 +34,7 @@ def main(batches: str) -> None:
         nonlocal committed
         committed = done
 
-    crypto._Walk._reseal = reseal  # type: ignore[method-assign]
+    crypto._Walk._reseal = reseal  # type: ignore[method-assign, assignment]
     keys = os.environ["IDEMPOTENCY_ENCRYPTION_KEYS"].split(",")
     with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": keys}):
         maintenance.rotate_encryption(batch_size=10, progress=progress)

@@ -25,7 +25,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_idempotency.models import IdempotencyRecord
-from tests.helpers import examples, needs_drf, new_key, postgres_only
+from tests.helpers import NO_TEXT_CHARSETS, examples, needs_drf, new_key, postgres_only
 from tests.live import gunicorn
 from tests.testapp.models import Charge, ProviderCall
 
@@ -290,12 +290,6 @@ def test_bodies_the_fingerprint_cannot_canonicalise_still_run_once(
     assert Charge.objects.count() == (1 if status == 201 else 0)
 
 
-# Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
-# replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
-# on them. A view that reads the raw body (as a webhook's does) answers such a request.
-NO_TEXT_CHARSETS = ["rot13", "base64", "idna", "punycode", "undefined"]
-
-
 @pytest.mark.parametrize("charset", NO_TEXT_CHARSETS)
 @pytest.mark.parametrize(
     "form", ["multipart/form-data; boundary=x", "application/x-www-form-urlencoded"]
@@ -306,7 +300,13 @@ def test_a_form_charset_that_reads_no_text_is_fingerprinted_by_its_bytes(
 ):
     """``/charges/`` reads the raw body as JSON, whatever the Content-Type says: it runs
     once, a retry replays it, and the same key with other bytes is a ``422``."""
-    key, content_type = new_key(), f"{form}; charset={charset}"
+    runs_once_and_tells_other_bytes_apart(api, method, f"{form}; charset={charset}")
+
+
+def runs_once_and_tells_other_bytes_apart(api, method: str, content_type: str) -> None:
+    """JSON sent to ``/charges/`` (which reads the raw body) as ``content_type``: it runs
+    once, a retry replays it, and the same key with other bytes is a ``422``."""
+    key = new_key()
 
     def send(payload):
         body = json.dumps(payload).encode()
@@ -509,3 +509,11 @@ def test_a_repeated_bare_header_is_refused_not_taken_for_another_key(server):
     retry = raw_post(server, [tenant_header, b"Idempotency-Key: k", b"Idempotency-Key: k"])
     assert retry.status == 400
     assert Charge.objects.filter(account=tenant).count() == 1
+
+
+def test_a_multipart_body_that_holds_no_part_is_fingerprinted_by_its_bytes(api):
+    """A body sent as ``multipart/form-data`` that holds no part (the boundary is never in
+    it: JSON under a wrong content type) parses to an empty form, whatever its bytes: two
+    such bodies are two requests to the view that reads them, so the same key with other
+    bytes is a ``422``, never the first one's answer."""
+    runs_once_and_tells_other_bytes_apart(api, "PATCH", "multipart/form-data; boundary=x")

@@ -17,7 +17,7 @@ from django_idempotency import fingerprint, sources
 from django_idempotency.decorators import idempotent
 from django_idempotency.keys import InvalidKey
 from django_idempotency.models import IdempotencyRecord
-from tests.helpers import needs_drf, new_key
+from tests.helpers import NO_TEXT_CHARSETS, needs_drf, new_key
 from tests.testapp.models import Charge
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.testapp.source_urls")]
@@ -361,12 +361,6 @@ def test_a_multipart_patch_carries_its_form_key(user: Any) -> None:
     problem(missing, "idempotency_key_missing")
     assert runs("form") == 1
     assert IdempotencyRecord.objects.count() == 1
-
-
-# Charsets Python has a codec for that decodes no text (rot13, base64) or that cannot
-# replace what it fails to decode (idna, punycode, undefined): Django's form parsers raise
-# on them.
-NO_TEXT_CHARSETS = ["rot13", "base64", "idna", "punycode", "undefined"]
 
 
 @pytest.mark.parametrize("charset", NO_TEXT_CHARSETS)
