@@ -149,8 +149,11 @@ def wait_for(
 
 def retry_after(lease_expires_at: datetime | None) -> int:
     """What a duplicate refused while the owner runs is told to wait: the whole seconds left
-    of the owner's lease, rounded up, from 1 to ``RETRY_AFTER_MAX``."""
-    return min(seconds_left(lease_expires_at), app_settings.RETRY_AFTER_MAX)
+    of the owner's lease, rounded up, at least 1 (and at most ``RETRY_AFTER_MAX`` where
+    it is set)."""
+    left = seconds_left(lease_expires_at)
+    bound = app_settings.RETRY_AFTER_MAX
+    return left if bound is None else min(left, bound)
 
 
 def store_failed(exc: Exception, ran: bool = True) -> StoreUnavailable:

@@ -210,6 +210,13 @@ def seconds(value: Any) -> int:
     return _counted(value, "a whole number of seconds, at least 1")
 
 
+def optional_seconds(value: Any) -> int | None:
+    """:func:`seconds`, or ``None``."""
+    if value is None:
+        return None
+    return _counted(value, "a whole number of seconds, at least 1, or None")
+
+
 _FERNET_KEYS = "a list or tuple of Fernet keys (each made by Fernet.generate_key())"
 
 

@@ -111,7 +111,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRANSIENT_STATUSES", (409, 429), _validation.client_error_statuses),
     Setting("IN_PROGRESS_WAIT", timedelta(0), _validation.duration_or_zero),
     Setting("RETRY_AFTER", 1, _validation.seconds),
-    Setting("RETRY_AFTER_MAX", 60, _validation.seconds),
+    Setting("RETRY_AFTER_MAX", None, _validation.optional_seconds),
     Setting("PURGE_BATCH_SIZE", 1000, _validation.positive_int),
     Setting("PURGE_MAX_BATCHES", None, _validation.optional_positive_int),
     Setting("AUDIT", False, _validation.flag),
@@ -340,8 +340,8 @@ class IdempotencySettings:
     IN_PROGRESS_WAIT: timedelta
     #: The ``Retry-After`` seconds of a ``503``.
     RETRY_AFTER: int
-    #: The most seconds a refused duplicate in flight is told to wait.
-    RETRY_AFTER_MAX: int
+    #: The most seconds a refused duplicate in flight is told to wait (``None``: the lease's).
+    RETRY_AFTER_MAX: int | None
     #: Rows per purge batch, and records per page of the recovery job.
     PURGE_BATCH_SIZE: int
     #: The most batches one purge run takes per table; ``None``: until done.

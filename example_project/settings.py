@@ -133,8 +133,8 @@ STATIC_URL = "static/"
 
 # Every key optional: the defaults (24 h TTL, 60 s lease, key required on POST and PATCH).
 # One is set. A duplicate that arrives while its original runs is told, in its 409's
-# Retry-After, the seconds left of the original's lease, at most RETRY_AFTER_MAX (default
-# 60). The lease is the longest a charge may take; the demo's take half a second, so a
+# Retry-After, the seconds left of the original's lease (at most RETRY_AFTER_MAX where it is
+# set). The lease is the longest a charge may take; the demo's take half a second, so a
 # client told to come back in a minute would wait for nothing.
 IDEMPOTENCY: dict[str, Any] = {"RETRY_AFTER_MAX": 2}
 

@@ -88,7 +88,7 @@ def test_in_flight_duplicate_gets_a_prompt_409(live_server, user, path, tmp_path
         first = original.result(timeout=30)
     for duplicate in duplicates:
         assert duplicate.status == 409
-        # The holder's lease left, in whole seconds, at most RETRY_AFTER_MAX (60 by default).
+        # The holder's lease left, in whole seconds (the lease is 60 s by default).
         assert 1 <= int(duplicate.headers["retry-after"]) <= 60
         assert duplicate.headers["content-type"] == "application/problem+json"
         assert duplicate.json()["code"] == "idempotency_key_in_use"

@@ -355,7 +355,7 @@ WRONG_SETTINGS = [
     ("IN_PROGRESS_WAIT", True),
     ("RETRY_AFTER", 0),
     ("RETRY_AFTER", True),
-    ("RETRY_AFTER_MAX", None),
+    ("RETRY_AFTER_MAX", 0),
     ("PURGE_BATCH_SIZE", 0),
     ("PURGE_BATCH_SIZE", None),
     ("PURGE_BATCH_SIZE", True),

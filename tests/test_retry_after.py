@@ -1,5 +1,5 @@
 """A duplicate refused while its original runs is told the original's remaining lease,
-bounded by ``RETRY_AFTER_MAX``: the ``409``'s ``Retry-After`` and ``InProgress.retry_after``."""
+bounded by ``RETRY_AFTER_MAX`` where it is set: the ``409``'s ``Retry-After`` and ``InProgress.retry_after``."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def running_original(api, lease_left: timedelta) -> str:
     [
         (timedelta(seconds=30), {29, 30}),  # the whole seconds left, rounded up
         (timedelta(milliseconds=200), {1}),  # never 0
-        (timedelta(minutes=10), {60}),  # at most RETRY_AFTER_MAX (60 s)
+        (timedelta(minutes=10), {599, 600}),  # unbounded by default
     ],
-    ids=["30 s left", "under a second", "bounded"],
+    ids=["30 s left", "under a second", "ten minutes left"],
 )
 def test_a_409_tells_the_seconds_left_of_the_original_lease(api, lease_left, expected):
     key = running_original(api, lease_left)
@@ -79,10 +79,27 @@ def test_in_progress_is_bounded_the_same_way(settings):
     assert IdempotencyRecord.objects.count() == 1
 
 
-@pytest.mark.parametrize("value", [0, -1, "60", 1.5, True, timedelta(seconds=60), None])
+@pytest.mark.parametrize("value", [0, -1, "60", 1.5, True, timedelta(seconds=60)])
 def test_a_wrong_bound_is_a_check_error(settings, value):
     from django.core import checks
 
     settings.IDEMPOTENCY = {"RETRY_AFTER_MAX": value}
     ids = [message.id for message in checks.run_checks()]
     assert "django_idempotency.E019" in ids
+
+
+def test_in_progress_tells_the_whole_lease_left_by_default():
+    """No bound by default: ``retry_after`` is the seconds left of the lease, rounded up,
+    however long the lease."""
+    calls: list[str] = []
+
+    def work() -> str:
+        calls.append("ran")
+        return "done"
+
+    run_once(work, **IDENTITY, key="long")
+    make_in_progress("long", timedelta(minutes=5))
+    with pytest.raises(InProgress) as refused:
+        run_once(work, **IDENTITY, key="long")
+    assert refused.value.retry_after in {299, 300}
+    assert calls == ["ran"]

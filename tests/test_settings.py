@@ -76,7 +76,7 @@ BAD_VALUES: dict[str, list[object]] = {
     "TRANSIENT_STATUSES": [None, 409, "409", b"409", [409, "429"], [503], [True], {409: 1}],
     "IN_PROGRESS_WAIT": [None, -1, timedelta(seconds=-1), "0", True],
     "RETRY_AFTER": [None, 0, -1, "1", 1.5, True, timedelta(seconds=1)],
-    "RETRY_AFTER_MAX": [None, 0, -1, "60", 30.0, False, timedelta(seconds=30)],
+    "RETRY_AFTER_MAX": [0, -1, "60", 30.0, False, timedelta(seconds=30)],
     "PURGE_BATCH_SIZE": [None, 0, -1, "1000", 10.0, True, 2**40],
     "PURGE_MAX_BATCHES": [0, -1, "5", 2.0, False],
     "AUDIT": [None, 1, 0, "yes"],
