@@ -1,5 +1,6 @@
 """A duplicate refused while its original runs is told the original's remaining lease,
-bounded by ``RETRY_AFTER_MAX`` where it is set: the ``409``'s ``Retry-After`` and ``InProgress.retry_after``."""
+bounded by ``RETRY_AFTER_MAX`` where it is set: the ``409``'s ``Retry-After`` and
+``InProgress.retry_after``."""
 
 from __future__ import annotations
 
@@ -58,8 +59,17 @@ def test_a_503_keeps_its_own_retry_after(api, settings):
     assert int(api.post("/charges/", CHARGE, key=key)["Retry-After"]) in {29, 30}
 
 
-def test_in_progress_is_bounded_the_same_way(settings):
-    settings.IDEMPOTENCY = {"RETRY_AFTER_MAX": 20}
+@pytest.mark.parametrize(
+    ("bound", "lease_left", "expected"),
+    [
+        (20, timedelta(seconds=45), {20}),
+        (20, timedelta(seconds=12), {11, 12}),
+        (None, timedelta(minutes=5), {299, 300}),  # no bound by default, however long
+    ],
+    ids=["bounded", "under the bound", "unbounded by default"],
+)
+def test_in_progress_is_bounded_the_same_way(settings, bound, lease_left, expected):
+    settings.IDEMPOTENCY = {"RETRY_AFTER_MAX": bound}
     calls: list[str] = []
 
     def work() -> str:
@@ -67,14 +77,10 @@ def test_in_progress_is_bounded_the_same_way(settings):
         return "done"
 
     run_once(work, **IDENTITY, key="k")
-    make_in_progress("k", timedelta(seconds=45))
+    make_in_progress("k", lease_left)
     with pytest.raises(InProgress) as refused:
         run_once(work, **IDENTITY, key="k")
-    assert refused.value.retry_after == 20
-    make_in_progress("k", timedelta(seconds=12))
-    with pytest.raises(InProgress) as refused:
-        run_once(work, **IDENTITY, key="k")
-    assert refused.value.retry_after in {11, 12}
+    assert refused.value.retry_after in expected
     assert calls == ["ran"]
     assert IdempotencyRecord.objects.count() == 1
 
@@ -86,20 +92,3 @@ def test_a_wrong_bound_is_a_check_error(settings, value):
     settings.IDEMPOTENCY = {"RETRY_AFTER_MAX": value}
     ids = [message.id for message in checks.run_checks()]
     assert "django_idempotency.E019" in ids
-
-
-def test_in_progress_tells_the_whole_lease_left_by_default():
-    """No bound by default: ``retry_after`` is the seconds left of the lease, rounded up,
-    however long the lease."""
-    calls: list[str] = []
-
-    def work() -> str:
-        calls.append("ran")
-        return "done"
-
-    run_once(work, **IDENTITY, key="long")
-    make_in_progress("long", timedelta(minutes=5))
-    with pytest.raises(InProgress) as refused:
-        run_once(work, **IDENTITY, key="long")
-    assert refused.value.retry_after in {299, 300}
-    assert calls == ["ran"]
