@@ -74,6 +74,14 @@ META_KEY = "idempotencyKey"
 REPLAYED_META = "idempotentReplayed"
 
 
+class _Unnamed:
+    """An account callable's answer that names no account (not a string): the project's
+    defect, refused as ``idempotency_account_invalid``."""
+
+
+_UNNAMED = _Unnamed()
+
+
 class Framework(Generic[R]):
     """What the adapter needs of one tool framework; ``R`` is its result type.
 
@@ -426,6 +434,11 @@ class _Tool:
                 _problems.ACCOUNT_MISSING,
                 f"{operation} needs an authenticated caller to scope its key",
             )
+        if isinstance(account, _Unnamed):
+            return self.refused(
+                _problems.ACCOUNT_INVALID,
+                f"the server could not name the caller's account for {operation}; nothing ran",
+            )
         fingerprint = canonical({n: v for n, v in arguments.items() if n not in self.unsent})
         started = time.monotonic()
         try:
@@ -475,11 +488,13 @@ class _Tool:
         meta[REPLAYED_META] = True
         return self.framework.with_meta(once.value, meta)
 
-    def account_of(self, context: Any) -> str | None:
+    def account_of(self, context: Any) -> str | _Unnamed | None:
         """The call's account; ``None`` (refused as ``idempotency_account_missing``) where
         there is none: no principal, or a callable answering ``None`` or ``""``. A callable
-        answering anything but a string is a defect of the project's: logged, and refused
-        the same way, so that the caller gets a code and nothing runs."""
+        answering anything but a string is a defect of the project's: logged, and
+        ``_UNNAMED`` (refused as ``idempotency_account_invalid``, the HTTP side's code for
+        an account resolver's wrong answer), so that the caller gets a code and nothing
+        runs."""
         if isinstance(self.account, str):
             return self.account
         if self.account is None:
@@ -490,11 +505,11 @@ class _Tool:
         if not isinstance(named, str):
             logger.error(
                 "the account callable of %s answered %r: a string or None; the call was "
-                "refused as without an account",
+                "refused (idempotency_account_invalid)",
                 self.operation,
                 type(named).__name__,
             )
-            return None
+            return _UNNAMED
         return named
 
     def outlived(self, operation: str, took: float) -> None:

@@ -556,9 +556,12 @@ def test_an_account_callable_without_an_answer_refuses(kind, answer):
 
 
 def test_an_account_callable_answering_no_string_refuses_and_logs_the_defect(kind, caplog):
+    # The HTTP side's code for an account resolver's wrong answer: the project's defect, not
+    # a caller without an account.
     server = shop(kind, account=lambda context: 42)
     with caplog.at_level(logging.ERROR, logger="django_idempotency"):
-        refused(call(server, args(new_key())), "idempotency_account_missing")
+        body = refused(call(server, args(new_key())), "idempotency_account_invalid")
+    assert "authenticated caller" not in body["detail"]
     assert "answered 'int'" in caplog.text
     assert effects() == (0, 0, 0)
     assert not IdempotencyRecord.objects.exists()
