@@ -97,7 +97,9 @@ def enqueue_and_die(tag: str) -> None:
 
 def enqueue_once(key: str, path: str, tag: str) -> None:
     """At ``OUTBOX_GO_FILE``, ``enqueue_once`` in a transaction that stays open 0.3 s more,
-    so that another process's enqueue of the key overlaps it; prints the id it answered."""
+    so that another process's enqueue of the key overlaps it; prints the id it answered.
+    Says it is ready to go (a file ``<OUTBOX_GO_FILE>.ready.<pid>``) once set up: the test
+    gives the signal only when every process waits for it."""
     from django.db import transaction
     from django.utils.module_loading import import_string
 
@@ -105,6 +107,7 @@ def enqueue_once(key: str, path: str, tag: str) -> None:
 
     task = import_string(path)
     go = Path(os.environ["OUTBOX_GO_FILE"])
+    go.with_name(f"{go.name}.ready.{os.getpid()}").touch()
     deadline = time.monotonic() + 30
     while not go.exists() and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -9,8 +9,6 @@ from typing import Any
 import pytest
 from django.urls import include, path
 
-from django_idempotency.drf import IdempotencyMixin
-
 PROBLEM = "application/problem+json"
 
 
@@ -33,8 +31,11 @@ def spectacular(view: Any) -> dict[str, Any]:
 
 
 def viewset(**attributes: Any) -> type:
+    pytest.importorskip("rest_framework")
     from rest_framework import serializers, viewsets
     from rest_framework.response import Response
+
+    from django_idempotency.drf import IdempotencyMixin
 
     class Amount(serializers.Serializer[Any]):
         amount = serializers.IntegerField()

@@ -125,7 +125,9 @@ def test_two_processes_enqueuing_one_key_at_once_give_one_message(
         )
         for _ in range(2)
     ]
-    time.sleep(2.5)  # both are set up and waiting
+    # Both set up and waiting (a loaded machine starts a process in seconds): one that came
+    # late would find the first message's run finished and the key rightly free.
+    wait_until(lambda: len(list(tmp_path.glob("go.ready.*"))) == 2, "both", timeout=TIMEOUT)
     go.touch()
     answers = {finished(writer, timeout=TIMEOUT).strip() for writer in writers}
     assert OutboxMessage.objects.count() == 1
