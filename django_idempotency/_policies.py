@@ -131,13 +131,14 @@ class UniqueUntil:
     name: str
     #: The key is held for a fixed time after the enqueue, whatever the message's state.
     by_time: bool
-    #: Freed once a worker started the task (its ``@idempotent_task`` record exists).
+    #: Freed once a worker started the task (its ``@idempotent_task`` record exists, or
+    #: its start was reported on the key).
     frees_at_start: bool
     #: Freed once the task reached a terminal state: succeeded, failed, or its worker died
     #: and its lease ran out; or once the message is dead (never sent).
     frees_at_finish: bool
-    #: Whether the worker's record must be there to tell (the task must be under
-    #: ``@idempotent_task()``).
+    #: Whether the worker must tell: by its ``@idempotent_task`` record of the run, or by
+    #: reporting the run on the key (any other task).
     needs_task_record: bool
 
 

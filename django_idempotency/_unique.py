@@ -11,7 +11,10 @@ the new message) in the same transaction.
 Whether a message is live is decided by its ``unique_until`` (the declared options of
 :mod:`django_idempotency._policies`) from the message's state and, once it was sent, from
 the ``@idempotent_task`` record of its run: a run whose worker died stops holding the key
-when its lease runs out, as a claim's would.
+when its lease runs out, as a claim's would. A task not under ``@idempotent_task()`` has
+no such record: its message is written ``run_reported``, and the worker reports the run on
+the key's row instead (:func:`run_started`, :func:`run_ended`, from the task frameworks'
+signals), with a lease of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
-from django.db.models import Exists
+from django.db.models import Exists, QuerySet
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
@@ -51,6 +54,8 @@ __all__ = [
     "record_identity",
     "record_ttl",
     "records_by_message",
+    "run_ended",
+    "run_started",
     "task_operation",
     "unique",
     "write_once",
@@ -60,6 +65,9 @@ __all__ = [
 BY_MESSAGE = "idempotent_task_by_message"
 #: Set on a function under ``@idempotent_task()``: its ``ttl`` (``None``: the ``TTL`` setting).
 RECORD_TTL = "idempotent_task_ttl"
+#: The Celery header a message whose run is reported on its key is sent with
+#: (``OutboxMessage.run_reported``): the worker's signals report only such runs.
+RUN_HEADER = "django_idempotency_run"
 #: ``on_conflict``: what an enqueue that meets a live message does.
 ON_CONFLICT = ("return", "raise")
 # An enqueue that finds the key's row gone, or taken first by another, starts over; this
@@ -127,6 +135,10 @@ def write_once(
             "unique_until": wanted.until.name,
             "held_until": later(now, wanted.duration) if wanted.duration is not None else None,
             "finished_at": None,
+            # A takeover forgets the run the previous message reported.
+            "started_at": None,
+            "lease_expires_at": None,
+            "run_id": "",
             "run_ttl": run_ttl if wanted.until.needs_task_record else None,
             "created_at": now,
         }
@@ -253,15 +265,26 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
         return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
     fresh = of(alias).newest_read if newest else of(alias).fresh_read
+    state = ("status", "sent_at", "run_reported")
     if fresh:  # the newest state, not the snapshot's
-        found = [(m.status, m.sent_at) for m in _newest(messages.only("status", "sent_at"), fresh)]
-        status, sent_at = found[0] if found else (None, None)
+        found = [
+            (m.status, m.sent_at, m.run_reported) for m in _newest(messages.only(*state), fresh)
+        ]
+        status, sent_at, reported = found[0] if found else (None, None, False)
     else:
-        status, sent_at = messages.values_list("status", "sent_at").first() or (None, None)
+        status, sent_at, reported = messages.values_list(*state).first() or (None, None, False)
     if status == OutboxStatus.PENDING:
         return True  # not sent yet
     if status == OutboxStatus.DEAD:
         return not until.frees_at_finish
+    if reported:
+        # The worker reports the run on the key's row (read locked for a takeover, so as
+        # last committed): started, then ended (``finished_at``, above) or its lease ran out.
+        if holder.started_at is None:
+            return _not_started_yet(holder, sent_at, now)
+        if until.frees_at_start:
+            return False
+        return holder.lease_expires_at is not None and holder.lease_expires_at > now
     account, operation, key = record_identity(holder.task, holder.message_id)
     runs = IdempotencyRecord.objects.using(alias).filter(
         account=account, operation=operation, key=key
@@ -277,15 +300,59 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
     else:
         run = runs.values("status", "lease_expires_at").first()
     if run is None:
-        # Sent, and no worker started it yet; unless that was longer ago than the worker
-        # keeps its record of a run (the task's ttl): then its record was purged, or the
-        # broker lost the message. (A purged message with a purged record: free.)
-        return sent_at is not None and (holder.run_ttl is None or sent_at + holder.run_ttl > now)
+        return _not_started_yet(holder, sent_at, now)
     if until.frees_at_start:
         return False
     # Started: live while it runs under a live lease; finished, or its worker died and
     # its lease ran out, it no longer holds the key.
     return states.LIVE_LEASE.test(run, now=now)
+
+
+def _not_started_yet(holder: OutboxUniqueKey, sent_at: datetime | None, now: datetime) -> bool:
+    # Sent, and no worker started it yet; unless that was longer ago than the worker keeps
+    # its record of a run (the task's ttl; for a run reported on the key, the ``TTL``
+    # setting): then its record was purged, or the broker lost the message. (A purged
+    # message with a purged record: free.)
+    return sent_at is not None and (holder.run_ttl is None or sent_at + holder.run_ttl > now)
+
+
+def run_started(
+    alias: str,
+    lease: timedelta,
+    *,
+    message_id: object = None,
+    run_id: str | None = None,
+) -> bool:
+    """A worker starts the run of a message whose run is reported on its key (found by the
+    message's id, or by the ``run_id`` a task framework knows it by): the key's row says
+    so, and holds the key until ``lease`` from now unless :func:`run_ended` says first.
+    Whether such a key was there (one ``UPDATE``, in autocommit or in the caller's
+    transaction). A key taken over by a newer message is not this run's any more."""
+    keys = _reported_keys(alias, message_id, run_id)
+    if keys is None:
+        return False
+    now = timezone.now()
+    return keys.update(started_at=now, lease_expires_at=later(now, lease)) > 0
+
+
+def run_ended(alias: str, *, message_id: object = None, run_id: str | None = None) -> None:
+    """The run :func:`run_started` reported has ended (succeeded or failed; not a retry
+    to come): its key is free."""
+    keys = _reported_keys(alias, message_id, run_id)
+    if keys is not None:
+        keys.update(finished_at=timezone.now())
+
+
+def _reported_keys(
+    alias: str, message_id: object, run_id: str | None
+) -> QuerySet[OutboxUniqueKey] | None:
+    keys = OutboxUniqueKey.objects.using(alias).filter(finished_at=None)
+    if run_id is not None:
+        return keys.filter(run_id=run_id)
+    try:
+        return keys.filter(message_id=uuid.UUID(str(message_id)))
+    except ValueError:
+        return None
 
 
 def records_by_message(func: object) -> bool:

@@ -468,7 +468,16 @@ class OutboxMessageAdmin(ReadOnlyAdminMixin, _OutboxAdmin):
         ),
         (
             _("Sending"),
-            {"fields": ("attempts", "last_error", "created_at", "available_at", "sent_at")},
+            {
+                "fields": (
+                    "attempts",
+                    "last_error",
+                    "created_at",
+                    "available_at",
+                    "sent_at",
+                    "run_reported",
+                )
+            },
         ),
     )
 
@@ -557,7 +566,10 @@ class OutboxUniqueKeyAdmin(ReadOnlyAdminMixin, _KeyAdmin):
         "unique_until",
         "held",
         "held_until",
+        "started_at",
+        "lease_expires_at",
         "finished_at",
+        "run_id",
         "created_at",
     )
     readonly_fields = fields

@@ -42,12 +42,20 @@ class IdempotencyConfig(AppConfig):
 
         if importlib.util.find_spec("celery") is not None:
             # A revoked message is a terminal state of its run: its enqueue_once key frees.
-            from celery.signals import task_revoked
+            # A run the relay asked to report (a task not under @idempotent_task()) says on
+            # its key when it starts and ends.
+            from celery.signals import task_postrun, task_prerun, task_revoked
 
             from django_idempotency import tasks
 
             task_revoked.connect(
                 tasks.revoked, weak=False, dispatch_uid="django_idempotency.task_revoked"
+            )
+            task_prerun.connect(
+                tasks.run_started, weak=False, dispatch_uid="django_idempotency.task_prerun"
+            )
+            task_postrun.connect(
+                tasks.run_ended, weak=False, dispatch_uid="django_idempotency.task_postrun"
             )
 
         if importlib.util.find_spec("prometheus_client") is not None:

@@ -12,6 +12,7 @@ from typing import Any
 from celery import current_app
 from celery.exceptions import NotRegistered
 
+from django_idempotency._unique import RUN_HEADER
 from django_idempotency.models import OutboxMessage
 from django_idempotency.outbox import UnknownTask
 
@@ -67,6 +68,8 @@ def _published(message: OutboxMessage, producer: Any) -> Exception | None:
             "task_id": str(message.id),
             "retry": False,
         }
+        if message.run_reported:  # the worker reports its run on its enqueue_once key
+            options["headers"] = {RUN_HEADER: "1"}
         if producer is not None:
             options["producer"] = producer
         _task(message.task).apply_async(**options)

@@ -394,6 +394,13 @@ class OutboxMessage(models.Model):
             "priority, queue and run_after, and the result of its last hand-over."
         ),
     )
+    run_reported = models.BooleanField(
+        default=False,
+        help_text=_(
+            "The worker reports this message's run on its unique key (enqueue_once until "
+            "started or finished, the task not under @idempotent_task())."
+        ),
+    )
 
     class Meta:
         verbose_name = _("outbox message")
@@ -449,7 +456,31 @@ class OutboxUniqueKey(models.Model):
     finished_at = models.DateTimeField(
         null=True,
         blank=True,
-        help_text=_("When the task's run ended with an error (a success is its record's)."),
+        help_text=_(
+            "When the task's run ended with an error (a success is its record's); for a run "
+            "the worker reports here, when it ended."
+        ),
+    )
+    started_at = models.DateTimeField(
+        null=True, blank=True, help_text=_("For a run the worker reports here: when it started.")
+    )
+    lease_expires_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=_(
+            "For a run the worker reports here: it holds the key until then unless it ended "
+            "(a worker that died never says so)."
+        ),
+    )
+    run_id = models.CharField(
+        max_length=255,
+        default="",
+        blank=True,
+        db_index=True,
+        help_text=_(
+            "For a run the worker reports here: the id the worker knows it by, where it is "
+            "not the message's (the result id of Django's Tasks framework's backend)."
+        ),
     )
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -473,12 +504,14 @@ class OutboxUniqueKey(models.Model):
         with an error, the message sent less long ago than the run's record lives
         (``run_ttl``) or its run among ``running`` (those whose record holds a live lease,
         ``running_tasks``: a run a worker took up later than ``run_ttl`` after the
-        hand-over). The purge keeps such a message, and so its key, past
-        ``OUTBOX_RETENTION``: a key is never freed by the purge before its time."""
+        hand-over) or reported on the key under a live lease. The purge keeps such a
+        message, and so its key, past ``OUTBOX_RETENTION``: a key is never freed by the
+        purge before its time."""
         kept = models.ExpressionWrapper(
             models.OuterRef("sent_at") + models.F("run_ttl"), output_field=models.DateTimeField()
         )
-        live = models.Q(kept__gt=now)
+        # A run its worker reports on the key: started, under a live lease.
+        live = models.Q(kept__gt=now) | models.Q(lease_expires_at__gt=now)
         if running := list(running):
             live |= models.Q(message_id__in=running)
         return (

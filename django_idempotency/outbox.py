@@ -139,8 +139,11 @@ def enqueue_once(
     sent and then, by ``unique_until``: ``"started"`` until a worker started it,
     ``"finished"`` until its run succeeded or failed (or its worker died and the run's
     lease ran out, or the message is dead), a ``timedelta`` for that long after the
-    enqueue. ``"started"`` and ``"finished"`` read the worker's record of the run, so they
-    need the task itself under ``@idempotent_task()`` (keyed by the message, no ``key=``).
+    enqueue. ``"started"`` and ``"finished"`` read the worker's record of the run for a
+    task under ``@idempotent_task()`` (keyed by the message); for any other task, the run
+    its worker reports on the key (Celery's ``task_prerun``/``task_postrun``, the Tasks
+    framework's ``task_started``/``task_finished``), held at most its lease (the task's
+    hard time limit, else the ``LEASE`` setting) after it started.
 
     The key is written with the message in the caller's transaction: two enqueues racing
     in two transactions give one message, and an enqueue rolled back leaves the key free.
@@ -148,13 +151,10 @@ def enqueue_once(
     """
     wanted = _unique.unique(key, unique_until, on_conflict)
     target = target_of(task)
-    if wanted.until.needs_task_record and not _unique.records_by_message(target.function):
-        raise ValueError(
-            f"enqueue_once(unique_until={unique_until!r}) reads the worker's record of each "
-            f"run, so it needs the task itself under @idempotent_task() (without key=); "
-            f"{target.name!r} is not one. Pass the task, not its name, or give a timedelta."
-        )
-    run_ttl = _unique.record_ttl(target.function)
+    # A task under @idempotent_task() keyed by the message tells when its run started and
+    # ended by its record; any other task's worker reports its run on the key's row.
+    reported = wanted.until.needs_task_record and not _unique.records_by_message(target.function)
+    run_ttl = app_settings.TTL if reported else _unique.record_ttl(target.function)
     if run_ttl is not None and target.run_after is not None:
         # No worker runs it before run_after: a run's record is missing until then too.
         # (At most the longest duration a setting takes: the hold's end, sent_at plus
@@ -163,7 +163,7 @@ def enqueue_once(
         if timezone.is_aware(after) and timezone.is_naive(now):  # USE_TZ = False
             after = timezone.make_naive(after)
         run_ttl += min(max(after - now, timedelta(0)), MAX_DURATION)
-    written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl)
+    written = write_once(target.name, args, kwargs, target.delivery, wanted, run_ttl, reported)
     return written.id if isinstance(written, OutboxMessage) else written
 
 
@@ -225,10 +225,12 @@ def write_once(
     delivery: dict[str, Any] | None,
     wanted: _unique.Unique,
     run_ttl: timedelta | None = None,
+    run_reported: bool = False,
 ) -> OutboxMessage | uuid.UUID:
     """:func:`write` holding ``wanted.key``: the new message, or the id of the live message
-    that holds the key (nothing written)."""
-    alias, build = _prepared(name, args, kwargs, delivery)
+    that holds the key (nothing written). ``run_reported``: the worker reports the
+    message's run on the key's row (a task whose record does not tell)."""
+    alias, build = _prepared(name, args, kwargs, delivery, run_reported)
     written = _unique.write_once(alias, name, wanted, build, run_ttl)
     if isinstance(written, OutboxMessage):
         notify(alias)
@@ -240,6 +242,7 @@ def _prepared(
     args: tuple[Any, ...] | list[Any],
     kwargs: dict[str, Any],
     delivery: dict[str, Any] | None,
+    run_reported: bool = False,
 ) -> tuple[str, Callable[[], OutboxMessage]]:
     # Every refusal before any SQL runs; then what makes the message (unsaved).
     alias = app_settings.DATABASE
@@ -273,6 +276,7 @@ def _prepared(
             available_at=now,
             created_at=now,
             delivery=delivery or {},
+            run_reported=run_reported,
         )
 
     return alias, build

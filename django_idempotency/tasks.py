@@ -438,6 +438,54 @@ def revoked(sender: object = None, request: Any = None, **kwargs: Any) -> None:
     _run_failed(task_id if isinstance(task_id, str) else None)
 
 
+def run_started(
+    sender: object = None, task_id: object = None, task: Any = None, **kwargs: Any
+) -> None:
+    """Celery's ``task_prerun``: a run of a message whose run is reported on its
+    ``enqueue_once`` key (the relay sent it with ``RUN_HEADER``) starts; the key holds until
+    it ends, or at most the task's hard time limit (else ``LEASE``) from now."""
+    if task is None or not _reports_run(task):
+        return
+    try:
+        _unique.run_started(app_settings.DATABASE, _reported_lease(task), message_id=task_id)
+    except Exception:  # the task runs whatever: its key stays held until its run's TTL
+        logger.exception("could not report the start of message %s on its key", task_id)
+
+
+def run_ended(
+    sender: object = None,
+    task_id: object = None,
+    task: Any = None,
+    state: object = None,
+    **kwargs: Any,
+) -> None:
+    """Celery's ``task_postrun``: the reported run has ended (its key is free), unless it
+    is retried (``RETRY``: the retry's run reports again)."""
+    if task is None or state == "RETRY" or not _reports_run(task):
+        return
+    try:
+        _unique.run_ended(app_settings.DATABASE, message_id=task_id)
+    except Exception:  # its key stays held until the run's lease runs out
+        logger.exception("could not report the end of message %s on its key", task_id)
+
+
+def _reports_run(task: Any) -> bool:
+    request = getattr(task, "request", None)
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict) and headers.get(_unique.RUN_HEADER):
+        return True
+    return bool(getattr(request, _unique.RUN_HEADER, None))
+
+
+def _reported_lease(task: Any) -> timedelta:
+    # A hard time limit ends the run (the worker kills it): it holds the key no longer.
+    limits = getattr(task.request, "timelimit", None) or (None, None)
+    hard = limits[0] or getattr(task, "time_limit", None) or task.app.conf.task_time_limit
+    if isinstance(hard, int | float) and hard > 0:
+        return timedelta(seconds=hard) + _LEASE_MARGIN
+    return app_settings.LEASE
+
+
 def _run_failed(message_id: str | None) -> None:
     if message_id is None:
         return

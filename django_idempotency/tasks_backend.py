@@ -27,8 +27,10 @@ Django 5.2 (the ``tasks`` extra).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import Sequence
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,7 +40,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.module_loading import import_string
 
-from django_idempotency import _senders, conf, outbox
+from django_idempotency import _senders, _unique, conf, outbox
 from django_idempotency._check_ids import error
 from django_idempotency._tasks_bulk import Handed, database_of, enqueue_many
 from django_idempotency._tasks_compat import (
@@ -53,8 +55,9 @@ from django_idempotency._tasks_compat import (
     task_finished,
     task_started,
 )
+from django_idempotency._unique import records_by_message
 from django_idempotency.conf import app_settings
-from django_idempotency.models import OutboxMessage, OutboxStatus
+from django_idempotency.models import OutboxMessage, OutboxStatus, OutboxUniqueKey
 from django_idempotency.tasks import (
     MESSAGE_ARGUMENT,
     django_run_finished,
@@ -70,6 +73,8 @@ __all__ = [
     "outbox_backend",
     "register",
 ]
+
+logger = logging.getLogger("django_idempotency")
 
 #: The dotted path of the backend, as ``TASKS`` names it.
 BACKEND_PATH = conf.TASKS_OUTBOX_BACKEND
@@ -287,9 +292,9 @@ class OutboxBackend(BaseTaskBackend):
         batch's transaction); raises when the hand-over failed, so the relay records it.
         The target's result id goes into ``message.delivery``, which the relay saves when
         it marks the message sent."""
-        task, args, kwargs = self._handing(message)
-        result = task.enqueue(*args, **kwargs)
-        message.delivery = {**message.delivery, "result_id": str(result.id)}
+        result_id = _enqueued(message, self._handing(message))
+        message.delivery = {**message.delivery, "result_id": result_id}
+        _runs_known_by([(message, result_id)])
 
     def deliver_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
         """Hand a batch of messages to the ``DELIVER_TO`` backend together: one multi-row
@@ -309,9 +314,16 @@ class OutboxBackend(BaseTaskBackend):
                 outcomes.append(exc)
             else:
                 outcomes.append(None)
-        result_ids = enqueue_many(self.target, [handed for _, handed in ready])
-        for (message, _), result_id in zip(ready, result_ids, strict=True):
+        if database_of(self.target) is None:  # a backend that may run a task at once
+            result_ids = [_enqueued(message, handed) for message, handed in ready]
+        else:
+            result_ids = enqueue_many(self.target, [handed for _, handed in ready])
+        handed_over = [
+            (message, result_id) for (message, _), result_id in zip(ready, result_ids, strict=True)
+        ]
+        for message, result_id in handed_over:
             message.delivery = {**message.delivery, "result_id": result_id}
+        _runs_known_by(handed_over)
         return outcomes
 
     def _handing(
@@ -346,6 +358,37 @@ class OutboxBackend(BaseTaskBackend):
 
 
 _UNDELIVERED = "django_idempotency.outbox.Undeliverable"
+
+#: The message whose run is reported on its ``enqueue_once`` key (``run_reported``) that
+#: the relay is handing over here: a backend that runs a task inside its ``enqueue``
+#: (Django's ``ImmediateBackend``) starts it before its result id is known.
+_HANDING: ContextVar[uuid.UUID | None] = ContextVar("django_idempotency_handing", default=None)
+#: The reported run going on here (``("message", id)`` or ``("run", result id)``), from
+#: the framework's ``task_started`` to its ``task_finished``.
+_REPORTING: ContextVar[tuple[str, str] | None] = ContextVar(
+    "django_idempotency_reporting", default=None
+)
+
+
+def _enqueued(message: OutboxMessage, handed: Handed) -> str:
+    """Enqueue one handed-over task on the target; its result id."""
+    task, args, kwargs = handed
+    handing = _HANDING.set(message.id if message.run_reported else None)
+    try:
+        return str(task.enqueue(*args, **kwargs).id)
+    finally:
+        _HANDING.reset(handing)
+
+
+def _runs_known_by(handed: Sequence[tuple[OutboxMessage, str]]) -> None:
+    """For the messages whose run is reported on their key: the id the target's worker
+    will know the run by, written on the key in the relay's transaction (so a worker of a
+    target in the same database never sees the task before its key knows it)."""
+    for message, result_id in handed:
+        if message.run_reported:
+            OutboxUniqueKey.objects.using(app_settings.DATABASE).filter(
+                message_id=message.id
+            ).update(run_id=result_id)
 
 
 def enqueue_once(
@@ -412,10 +455,49 @@ def register() -> None:
 
 def _run_started(sender: object, task_result: TaskResult[Any, Any], **kwargs: Any) -> None:
     django_run_started(task_result.task.func, task_result.id)
+    _REPORTING.set(None)
+    reported: tuple[str, str] | None = None
+    handing = _HANDING.get()
+    if handing is not None:  # run inside the relay's hand-over
+        reported = ("message", str(handing))
+    elif task_result.backend in _delivered_to() and not records_by_message(task_result.task.func):
+        reported = ("run", str(task_result.id))
+    if reported is None:
+        return
+    try:
+        found = _unique.run_started(app_settings.DATABASE, app_settings.LEASE, **_by(reported))
+    except Exception:  # the task runs whatever: its key stays held until its run's TTL
+        logger.exception("could not report the start of task run %s on its key", reported[1])
+        return
+    if found:
+        _REPORTING.set(reported)
 
 
 def _run_finished(sender: object, **kwargs: Any) -> None:
     django_run_finished()
+    reported = _REPORTING.get()
+    if reported is None:
+        return
+    _REPORTING.set(None)
+    try:
+        _unique.run_ended(app_settings.DATABASE, **_by(reported))
+    except Exception:  # its key stays held until the run's lease runs out
+        logger.exception("could not report the end of task run %s on its key", reported[1])
+
+
+def _by(reported: tuple[str, str]) -> dict[str, str]:
+    kind, value = reported
+    return {"message_id": value} if kind == "message" else {"run_id": value}
+
+
+def _delivered_to() -> set[str]:
+    """The backends the outbox backends of ``TASKS`` hand their messages to: a run of
+    theirs may be one a message's key awaits the report of."""
+    return {
+        str(entry.get("OPTIONS", {}).get(DELIVER_TO))
+        for entry in getattr(settings, "TASKS", {}).values()
+        if isinstance(entry, dict) and entry.get("BACKEND") == BACKEND_PATH
+    }
 
 
 def _moment(text: str) -> datetime:

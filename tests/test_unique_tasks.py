@@ -368,12 +368,15 @@ def test_an_unknown_on_conflict_is_refused(value: Any):
 
 @pytest.mark.parametrize("until", ["started", "finished"])
 @pytest.mark.parametrize("task", [TASK, record_effect_by_tag])
-def test_started_and_finished_need_a_task_whose_runs_are_recorded_by_message(
+def test_a_task_whose_runs_are_not_recorded_by_message_has_them_reported_on_its_key(
     until: str, task: object
 ):
-    with pytest.raises(ValueError, match="@idempotent_task"):
-        once(task=task, unique_until=until)
-    assert messages() == 0
+    """A task name, or a task keyed by its arguments: its worker reports the run on the
+    key (tests/test_unique_tasks_reported.py)."""
+    first = once(task=task, unique_until=until)
+    assert OutboxMessage.objects.get().run_reported
+    assert once(task=task, unique_until=until) == first
+    assert messages() == 1
 
 
 def test_a_task_name_takes_a_duration():
@@ -540,17 +543,19 @@ def test_a_django_task_takes_a_key_through_its_outbox_backend():
 
 
 @needs_tasks
-def test_a_django_task_not_under_idempotent_task_takes_only_a_duration():
+def test_a_django_task_not_under_idempotent_task_takes_every_option():
     from django_idempotency import tasks_backend
     from tests.testapp.tasks_framework import record_plain
 
-    with pytest.raises(ValueError, match="@idempotent_task"), transaction.atomic():
-        tasks_backend.enqueue_once("k", record_plain, "tag")
+    with transaction.atomic():
+        reported = tasks_backend.enqueue_once("r", record_plain, "tag")
+        assert tasks_backend.enqueue_once("r", record_plain, "tag").id == reported.id
+    assert OutboxMessage.objects.get(pk=reported.id).run_reported
     with transaction.atomic():
         hour = timedelta(hours=1)
         first = tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour)
         assert tasks_backend.enqueue_once("k", record_plain, "t", unique_until=hour).id == first.id
-    assert messages() == 1
+    assert messages() == 2
 
 
 @needs_tasks

@@ -6,7 +6,10 @@ killed); tests/test_unique_tasks_servers.py has the rest.
 from __future__ import annotations
 
 import signal
+import uuid
 from contextlib import ExitStack
+from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -18,7 +21,7 @@ from tests.testapp.models import ProviderCall
 
 pytest.importorskip("celery", reason="Celery is an optional dependency")
 
-from tests.unique_servers import FRAMEWORKS, effects, enqueue_once, framework_named
+from tests.unique_servers import Framework, effects, enqueue_once, framework_named
 
 pytestmark = [
     pytest.mark.servers,
@@ -29,11 +32,39 @@ pytestmark = [
 TIMEOUT = 30  # seconds: a bound on every wait for a process
 
 
+def _recorded_run_is_live(framework: Framework, task: Any, first: uuid.UUID) -> None:
+    account, operation, key = _unique.record_identity(framework.task_name(task), first)
+    record = IdempotencyRecord.objects.get(account=account, operation=operation, key=key)
+    assert record.status == "in_progress"
+
+
+def _reported_run_is_live(framework: Framework, task: Any, first: uuid.UUID) -> None:
+    from tests.testapp.tasks import PLAIN_TIME_LIMIT_SECONDS
+
+    row = OutboxUniqueKey.objects.get()
+    assert row.started_at is not None
+    assert row.finished_at is None
+    # The task's hard time limit, and a second: no run outlives it.
+    assert row.lease_expires_at == row.started_at + timedelta(seconds=PLAIN_TIME_LIMIT_SECONDS + 1)
+
+
 @pytest.mark.usefixtures("run_queue")
-@pytest.mark.parametrize("name", FRAMEWORKS)
-def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str):
+@pytest.mark.parametrize(
+    ("name", "reported"),
+    [("celery", False), ("tasks", False), ("celery", True)],
+    ids=["celery", "tasks", "celery-reported"],
+)
+def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str, reported: bool):
+    """Under ``@idempotent_task()`` the run's record holds the key for its lease; a task
+    not under it (``reported``) has its run reported on the key, held for the task's hard
+    time limit."""
     framework = framework_named(name)
-    task, tag = framework.killed_task, f"killed-{framework.name}"
+    if reported:
+        from tests.testapp.tasks import hold_plain_time_limited
+
+        task, tag, live = hold_plain_time_limited, "killed-reported", _reported_run_is_live
+    else:
+        task, tag, live = framework.killed_task, f"killed-{framework.name}", _recorded_run_is_live
     with ExitStack() as stack:
         stack.callback(stop_process, framework.relay())
         worker = stack.enter_context(framework.worker())
@@ -46,9 +77,7 @@ def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str):
         stop_process(worker, signal.SIGKILL)
         # The dead run's lease still runs: the key is held.
         assert enqueue_once("k", task, tag, 0.1) == first
-        account, operation, key = _unique.record_identity(framework.task_name(task), first)
-        record = IdempotencyRecord.objects.get(account=account, operation=operation, key=key)
-        assert record.status == "in_progress"
+        live(framework, task, first)
         wait_until(
             lambda: not _unique.holds("default", OutboxUniqueKey.objects.get(), timezone.now()),
             "the dead run's lease to run out",
@@ -58,7 +87,7 @@ def test_a_worker_killed_mid_task_frees_the_key_after_its_lease(name: str):
         assert second != first
         stack.enter_context(framework.worker())
         wait_until(lambda: effects(tag) == 1, "the next run", timeout=TIMEOUT)
-    assert effects(tag) == 1  # the killed run's effect rolled back with it
+    assert effects(tag) == 1  # the killed run wrote no effect
     assert OutboxUniqueKey.objects.get().message_id == second
 
 

@@ -68,9 +68,21 @@ def steady(
 # -- a beat every 100 ms, a task of 2 s ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("until", ["started", "finished", timedelta(seconds=1.5)], ids=str)
-def test_a_beat_every_100_ms_gives_one_run_at_a_time(steady: Framework, until: Any):
+@pytest.mark.parametrize(
+    ("until", "plain"),
+    [
+        ("started", False),
+        ("finished", False),
+        (timedelta(seconds=1.5), False),
+        # A task not under @idempotent_task(): its worker reports the run on the key.
+        ("started", True),
+        ("finished", True),
+    ],
+    ids=["started", "finished", "duration", "started-plain", "finished-plain"],
+)
+def test_a_beat_every_100_ms_gives_one_run_at_a_time(steady: Framework, until: Any, plain: bool):
     framework = steady
+    task = framework.plain_task if plain else framework.task
     tag = f"beat-{framework.name}-{uuid.uuid4().hex[:6]}"
     answers = []
     began = time.monotonic()
@@ -78,14 +90,14 @@ def test_a_beat_every_100_ms_gives_one_run_at_a_time(steady: Framework, until: A
     # slow to take the first), within TIMEOUT.
     while time.monotonic() - began < BEATING or starts(tag) < 2:
         assert time.monotonic() - began < TIMEOUT, "the worker never ran a second message"
-        answers.append(enqueue_once("beat", framework.task, tag, RUN, unique_until=until))
+        answers.append(enqueue_once("beat", task, tag, RUN, unique_until=until))
         time.sleep(BEAT)
     elapsed = time.monotonic() - began
     written = OutboxMessage.objects.count()
     wait_until(lambda: effects(tag) == written, "the last run", timeout=TIMEOUT)
     time.sleep(0.3)
     assert len(answers) >= 20
-    ran = runs(framework, framework.task)
+    ran = runs(framework, task, tag)
     # Every message written ran once; each enqueue answered one of them.
     assert len(ran) == written == effects(tag) == len(set(answers))
     # Without a key the beat would have written one message per enqueue.

@@ -17,7 +17,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ class Framework:
     name: str
     task: Any  # runs RUN seconds; lease longer than that
     killed_task: Any  # lease shorter than the run a test kills
+    plain_task: Any  # as ``task``, not under @idempotent_task(): its run is reported
     worker: Callable[[], AbstractContextManager[subprocess.Popen[Any]]]
     relay: Callable[[], subprocess.Popen[str]]
 
@@ -58,7 +60,7 @@ class Framework:
 def _celery() -> Framework:
     from tests import celery_app
     from tests.helpers import celery_worker
-    from tests.testapp.tasks import hold_unique, hold_unique_short_lease
+    from tests.testapp.tasks import hold_plain, hold_unique, hold_unique_short_lease
 
     def relay() -> subprocess.Popen[str]:
         starting_a_server("a relay process")
@@ -76,6 +78,7 @@ def _celery() -> Framework:
         "celery",
         hold_unique,
         hold_unique_short_lease,
+        hold_plain,
         lambda: celery_worker(concurrency=1),
         relay,
         "tests.testapp.tasks",
@@ -84,7 +87,7 @@ def _celery() -> Framework:
 
 def _tasks() -> Framework:
     from tests.test_tasks_worker import db_worker
-    from tests.testapp.tasks_framework import hold_unique, hold_unique_short_lease
+    from tests.testapp.tasks_framework import hold_plain, hold_unique, hold_unique_short_lease
 
     def relay() -> subprocess.Popen[str]:
         starting_a_server("a relay process")
@@ -102,6 +105,7 @@ def _tasks() -> Framework:
         "tasks",
         hold_unique,
         hold_unique_short_lease,
+        hold_plain,
         lambda: db_worker(f"unique-{uuid.uuid4().hex[:6]}"),
         relay,
         "tests.testapp.tasks_framework",
@@ -156,11 +160,26 @@ class Run:
     finished: Any
 
 
-def runs(framework: Framework, task: Any) -> list[Run]:
-    """Every message of ``task`` with its run, in the order they were enqueued."""
+def runs(framework: Framework, task: Any, tag: str = "") -> list[Run]:
+    """Every message of ``task`` with its run, in the order they were enqueued: from the
+    run's ``@idempotent_task`` record, or for ``framework.plain_task`` from the times its
+    run of ``tag`` wrote (``run:<tag>:<run id>:start:<time>``, ``...:end:<time>``)."""
     name = framework.task_name(task)
     found = []
-    for message in OutboxMessage.objects.filter(task=name).order_by("created_at"):
+    messages = OutboxMessage.objects.filter(task=name).order_by("created_at")
+    if task is framework.plain_task:
+        for message in messages:
+            run_id = message.delivery.get("result_id") or str(message.pk)
+            marks = dict(
+                key.rsplit(":", 2)[1:]
+                for key in ProviderCall.objects.filter(
+                    key__startswith=f"run:{tag}:{run_id}:"
+                ).values_list("key", flat=True)
+            )
+            assert "end" in marks, f"message {message.pk} never ran to its end"
+            found.append(Run(message.created_at, *(_moment(marks[m]) for m in ("start", "end"))))
+        return found
+    for message in messages:
         account, operation, key = _unique.record_identity(name, message.pk)
         record = IdempotencyRecord.objects.filter(
             account=account, operation=operation, key=key
@@ -168,3 +187,7 @@ def runs(framework: Framework, task: Any) -> list[Run]:
         assert record is not None, f"message {message.pk} never ran"
         found.append(Run(message.created_at, record.created_at, record.completed_at))
     return found
+
+
+def _moment(seconds: str) -> datetime:
+    return datetime.fromtimestamp(float(seconds), tz=dt_timezone.utc)

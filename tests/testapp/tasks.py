@@ -21,6 +21,7 @@ from typing import Any
 from celery import Task, shared_task
 
 from django_idempotency.tasks import idempotent_task
+from tests.testapp.effects import count_effect
 from tests.testapp.models import ProviderCall
 
 LEASE_SECONDS = 3
@@ -109,6 +110,42 @@ def hold_unique(tag: str, hold: float) -> dict[str, Any]:
 def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
     """As ``hold_unique``, with a lease shorter than a run that is killed."""
     return held(tag, hold)
+
+
+def held_and_timed(tag: str, hold: float, run_id: str) -> dict[str, Any]:
+    """``held``, with ``run:<tag>:<run id>:start:<time>`` and ``...:end:<time>`` around it
+    (through the ``provider`` connection): a task with no record of its runs tells when
+    each ran (tests/unique_servers.py reads them)."""
+    marks = ProviderCall.objects.using("provider")
+    marks.create(key=f"run:{tag}:{run_id}:start:{time.time():.6f}")
+    result = held(tag, hold)
+    marks.create(key=f"run:{tag}:{run_id}:end:{time.time():.6f}")
+    return result
+
+
+@shared_task(name="tests.hold_plain", bind=True)
+def hold_plain(self: Task[Any, Any], tag: str, hold: float) -> dict[str, Any]:
+    """As ``hold_unique``, not under ``@idempotent_task()``: its worker reports its run on
+    its enqueue_once key."""
+    return held_and_timed(tag, hold, str(self.request.id))
+
+
+#: The hard time limit of ``hold_plain_time_limited``: its reported run holds its key
+#: this long (and a second) at most.
+PLAIN_TIME_LIMIT_SECONDS = 6
+
+
+@shared_task(name="tests.hold_plain_time_limited", bind=True, time_limit=PLAIN_TIME_LIMIT_SECONDS)
+def hold_plain_time_limited(self: Task[Any, Any], tag: str, hold: float) -> dict[str, Any]:
+    """As ``hold_plain``, with a hard time limit: the lease of its reported run."""
+    return held_and_timed(tag, hold, str(self.request.id))
+
+
+@shared_task(name="tests.count_plain")
+def count_plain(tag: str, fail: bool = False) -> str:
+    """Not under ``@idempotent_task()``: one ``effect:<tag>`` per run, on the default
+    connection; raises after it with ``fail``."""
+    return count_effect(tag, fail)
 
 
 #: A lease that the first run outlives (tests/test_unique_tasks_lease.py).

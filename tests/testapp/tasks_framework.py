@@ -22,6 +22,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_idempotency.tasks import idempotent_task
+from tests.testapp.effects import count_effect
 from tests.testapp.models import ProviderCall
 
 if TYPE_CHECKING or importlib.util.find_spec("django.tasks") is None:
@@ -146,6 +147,26 @@ def hold_unique(tag: str, hold: float) -> dict[str, Any]:
 def hold_unique_short_lease(tag: str, hold: float) -> dict[str, Any]:
     """As ``hold_unique``, with a lease shorter than a run that is killed."""
     return _held(tag, hold)
+
+
+@task(takes_context=True)
+def hold_plain(context: TaskContext, tag: str, hold: float) -> dict[str, Any]:
+    """As ``hold_unique``, not under ``@idempotent_task()``: its worker reports its run on
+    its enqueue_once key; ``run:<tag>:<result id>:start:<time>`` and ``...:end:<time>``
+    tell when it ran."""
+    marks = ProviderCall.objects.using(_counting_alias())
+    run_id = context.task_result.id
+    marks.create(key=f"run:{tag}:{run_id}:start:{time.time():.6f}")
+    result = _held(tag, hold)
+    marks.create(key=f"run:{tag}:{run_id}:end:{time.time():.6f}")
+    return result
+
+
+@task()
+def count_plain(tag: str, fail: bool = False) -> str:
+    """Not under ``@idempotent_task()``: one ``effect:<tag>`` per run, on the default
+    connection; raises after it with ``fail``."""
+    return count_effect(tag, fail)
 
 
 # -- a task enqueued on the real backend, not through the outbox (tests/test_task_deliveries.py) --
