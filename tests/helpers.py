@@ -323,6 +323,56 @@ def in_thread(call: Any) -> Any:
     return wrapped
 
 
+class Polls:
+    """The threads seen reading a record in progress while they wait for its owner (see
+    :func:`watching_polls`)."""
+
+    def __init__(self) -> None:
+        self._threads: set[int] = set()
+        self._seen = threading.Condition()
+
+    def saw(self) -> None:
+        with self._seen:
+            self._threads.add(threading.get_ident())
+            self._seen.notify_all()
+
+    def count(self) -> int:
+        with self._seen:
+            return len(self._threads)
+
+    def wait(self, threads: int = 1, timeout: float = 30) -> None:
+        """Until ``threads`` threads wait for an owner; fail after ``timeout`` seconds."""
+        with self._seen:
+            if not self._seen.wait_for(lambda: len(self._threads) >= threads, timeout):
+                raise AssertionError(
+                    f"{len(self._threads)} of {threads} duplicates waited for the original "
+                    f"within {timeout} s"
+                )
+
+
+@contextmanager
+def watching_polls() -> Iterator[Polls]:
+    """Which threads wait for an attempt in progress (``wait=``, ``IN_PROGRESS_WAIT``).
+
+    A duplicate that waits reads the record between pauses (``_store.fetch``, which an
+    attempt in autocommit calls for nothing else before it is answered): once a thread was
+    seen reading, it waits, and what the test does next happens while it does."""
+    from django_idempotency import _store
+
+    polls = Polls()
+    real_fetch = _store.fetch
+
+    def observed_fetch(*args: Any, **kwargs: Any) -> Any:
+        polls.saw()
+        return real_fetch(*args, **kwargs)
+
+    _store.fetch = observed_fetch
+    try:
+        yield polls
+    finally:
+        _store.fetch = real_fetch
+
+
 def storm_while_held(
     call: Callable[[], Any],
     count: int,
@@ -331,8 +381,9 @@ def storm_while_held(
     wait: float = 30,
 ) -> list[Any]:
     """``count`` threads make ``call`` at once, each on a connection of its own, while the
-    original is held inside its body (``entered`` set by it, ``leave`` releasing it after a
-    second); every wait bounded by ``wait``. Their answers, in the order they came back."""
+    original is held inside its body (``entered`` set by it, ``leave`` releasing it once
+    every other call was refused or waits for it); every wait bounded by ``wait``. Their
+    answers, in the order they came back."""
     results: list[Any] = []
     lock = threading.Lock()
 
@@ -341,16 +392,29 @@ def storm_while_held(
         with lock:
             results.append(result)
 
-    threads = [threading.Thread(target=in_thread(one)) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    try:
-        assert entered.wait(wait)
-        time.sleep(1)
-    finally:
-        leave.set()
+    def answered() -> int:
+        with lock:
+            return len(results)
+
+    with watching_polls() as polls:
+        threads = [threading.Thread(target=in_thread(one)) for _ in range(count)]
         for thread in threads:
-            thread.join(wait)
+            thread.start()
+        try:
+            assert entered.wait(wait)
+            # Not a fixed pause: a thread that started late would call after the original
+            # completed, and the storm would not be one.
+            deadline = time.monotonic() + wait
+            while answered() + polls.count() < count - 1:
+                assert time.monotonic() < deadline, (
+                    f"within {wait} s, {answered()} calls were answered and {polls.count()} "
+                    f"waited, of the {count - 1} that met the original"
+                )
+                time.sleep(0.01)
+        finally:
+            leave.set()
+            for thread in threads:
+                thread.join(wait)
     assert not any(thread.is_alive() for thread in threads)
     assert len(results) == count
     return results

@@ -5,8 +5,9 @@
     python -m tests.outbox_proc enqueue-once <key> <dotted path of a task> <tag>
 
 The tests' Celery app is loaded first, so the Celery sender publishes to the broker that
-``TEST_CELERY_BROKER`` names. With ``OUTBOX_GO_FILE`` set, a relay waits (30 s at most) for
-that file to exist before it starts: several relays then begin at the same moment. With
+``TEST_CELERY_BROKER`` names. With ``OUTBOX_GO_FILE`` set, a relay connects, says it is ready
+(``tests/ready.py``) and waits for that file before it starts: several relays then begin at
+the same moment, and the test gives the signal only once all of them wait for it. With
 ``OUTBOX_FAULT_FILE`` set, a receiver of ``outbox_relayed`` raises after a batch whenever that
 file exists (and removes it, so it raises once per file): a fault in the relay's own process.
 With ``OUTBOX_COUNT_PUBLISHES=1`` every message Celery publishes (``after_task_publish``) is
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import django
+
+from tests.ready import ready_then_wait
 
 
 class InjectedFault(Exception):
@@ -75,9 +78,7 @@ def relay(settings: str, arguments: list[str]) -> None:
 
     go = os.environ.get("OUTBOX_GO_FILE")
     if go:
-        deadline = time.monotonic() + 30
-        while not Path(go).exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        ready_then_wait(Path(go))
     with override_settings(IDEMPOTENCY=json.loads(settings)):
         call_command("relay_outbox", *arguments)
 
@@ -98,19 +99,15 @@ def enqueue_and_die(tag: str) -> None:
 def enqueue_once(key: str, path: str, tag: str) -> None:
     """At ``OUTBOX_GO_FILE``, ``enqueue_once`` in a transaction that stays open 0.3 s more,
     so that another process's enqueue of the key overlaps it; prints the id it answered.
-    Says it is ready to go (a file ``<OUTBOX_GO_FILE>.ready.<pid>``) once set up: the test
-    gives the signal only when every process waits for it."""
+    Says it is ready to go (``tests/ready.py``) once set up and connected: the test gives
+    the signal only when every process waits for it."""
     from django.db import transaction
     from django.utils.module_loading import import_string
 
     from django_idempotency.outbox import enqueue_once
 
     task = import_string(path)
-    go = Path(os.environ["OUTBOX_GO_FILE"])
-    go.with_name(f"{go.name}.ready.{os.getpid()}").touch()
-    deadline = time.monotonic() + 30
-    while not go.exists() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    ready_then_wait(Path(os.environ["OUTBOX_GO_FILE"]))
     with transaction.atomic():
         message_id = enqueue_once(key, task, tag, 0.5)
         time.sleep(0.3)

@@ -1,6 +1,7 @@
-"""A relay process for tests/test_tasks_worker.py whose hand-overs are counted.
+"""A relay process for tests/test_tasks_worker.py whose hand-overs are counted, and its worker.
 
     python -m tests.tasks_proc relay [relay_outbox arguments...]
+    python -m tests.tasks_proc db-worker [db_worker arguments...]
 
 It runs ``relay_outbox`` with the tests' settings (no ``OUTBOX_SENDER``: messages of Django's
 Tasks framework go to the ``worker`` backend). Every hand-over to the database backend (its
@@ -15,7 +16,12 @@ With ``TASKS_RELAY_TARGET_DATABASE`` set, the database backend's rows are writte
 connection (a router): a hand-over that commits on a connection of its own, just before the
 relay's batch does, as into a backend on another database.
 
-With ``OUTBOX_GO_FILE`` set, it waits (30 s at most) for that file before it starts.
+With ``OUTBOX_GO_FILE`` set, it connects, says it is ready (``tests/ready.py``) and waits for
+that file before it starts.
+
+``db-worker`` runs django-tasks-db's ``db_worker`` command as it is (as ``manage.py`` would);
+with ``TEST_READY_FILE`` set it writes that file when it first connects to the database, just
+before its first look for a task: the test knows the worker is polling.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import django
+
+from tests.ready import ready_on_connection, ready_then_wait
 
 
 def handed(tag: object) -> str:
@@ -74,6 +81,9 @@ def main() -> None:
     from django.core.management import call_command
 
     command, *arguments = sys.argv[1:]
+    if command == "db-worker":
+        db_worker(arguments)
+        return
     if command != "relay":
         raise SystemExit(f"unknown command {command!r}")
     count_hand_overs(die=os.environ.get("TASKS_RELAY_DIE"))
@@ -84,10 +94,17 @@ def main() -> None:
         router.routers.insert(0, TargetRouter(target))
     go = os.environ.get("OUTBOX_GO_FILE")
     if go:
-        deadline = time.monotonic() + 30
-        while not Path(go).exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        ready_then_wait(Path(go))
     call_command("relay_outbox", *arguments)
+
+
+def db_worker(arguments: list[str]) -> None:
+    from django.core.management import execute_from_command_line
+
+    ready = os.environ.get("TEST_READY_FILE")
+    if ready:
+        ready_on_connection(Path(ready))
+    execute_from_command_line(["django-admin", "db_worker", *arguments])
 
 
 if __name__ == "__main__":

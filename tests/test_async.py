@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from django.test import AsyncClient
+from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import needs_ninja, new_key, postgres_only
+from tests.helpers import needs_ninja, new_key, postgres_only, wait_until
 from tests.live import request, uvicorn
 from tests.testapp import views
 from tests.testapp.models import Charge, ProviderCharge
@@ -187,23 +187,24 @@ def test_async_storm_under_uvicorn_has_one_effect(asgi_server, user, path):
 
 
 @postgres_only
-def test_async_slow_original_loses_its_lease_under_uvicorn(asgi_server, user):
+def test_async_slow_original_loses_its_lease_under_uvicorn(asgi_server, user, tmp_path):
     """The async path is fenced like the sync one: a takeover wins, the original rolls back."""
     from tests.helpers import session_headers
 
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    path = "/async/charges/short-lease/"
+    path = "/async/charges/short-lease/"  # a 1-second lease
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    held = {**headers, "X-Test": f"touch-after-provider:{started},wait-after-provider:{gate}"}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(
-            request,
-            asgi_server,
-            "POST",
-            path,
-            CHARGE,
-            {**headers, "X-Test": "sleep-after-provider:2.5"},
-        )
-        time.sleep(1.5)
+        pending = pool.submit(request, asgi_server, "POST", path, CHARGE, held)
+        # Not a fixed pause: the original holds its claim, held after its provider call,
+        # and its lease has run out.
+        wait_until(started.exists, "the original to call the provider", timeout=30)
+        lease_end = IdempotencyRecord.objects.get().lease_expires_at
+        assert lease_end is not None
+        wait_until(lambda: timezone.now() > lease_end, "the original's lease to run out", 30)
         retry = request(asgi_server, "POST", path, CHARGE, headers)
+        gate.touch()
         late = pending.result(timeout=30)
     assert retry.status == 201
     assert late.status == 409

@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import assert_replay, assert_single_execution, settle, storm
@@ -18,6 +20,8 @@ from tests.helpers import (
     new_key,
     postgres_only,
     session_headers,
+    wait_until,
+    watching_polls,
 )
 from tests.live import basic_auth, request
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
@@ -25,6 +29,19 @@ from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
 
 CHARGE = {"amount": 100, "currency": "EUR"}
+WAIT = 30  # seconds: a bound on every wait for a request to reach a stage
+
+
+def reached(path: Path) -> None:
+    """Until the original's view touched ``path`` (``touch-<stage>:``): it holds its claim."""
+    wait_until(path.exists, "the original to reach its gate", timeout=WAIT)
+
+
+def lease_ran_out() -> None:
+    """Until the (one) record's lease is over."""
+    lease_end = IdempotencyRecord.objects.get().lease_expires_at
+    assert lease_end is not None
+    wait_until(lambda: timezone.now() > lease_end, "the original's lease to run out", timeout=WAIT)
 
 
 @pytest.mark.parametrize(
@@ -78,10 +95,7 @@ def test_in_flight_duplicate_gets_a_prompt_409(live_server, user, path, tmp_path
     held = {**headers, "X-Test": f"touch-after-write:{started},wait-after-write:{gate}"}
     with ThreadPoolExecutor(max_workers=1) as pool:
         original = pool.submit(request, live_server.url, "POST", path, CHARGE, held)
-        deadline = time.monotonic() + 10
-        while not started.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert started.exists(), "the original never reached its gate"
+        reached(started)
         duplicates = [request(live_server.url, "POST", path, CHARGE, headers) for _ in range(3)]
         assert not original.done()  # every duplicate was answered while the original held
         gate.touch()
@@ -101,14 +115,18 @@ def test_in_flight_duplicate_gets_a_prompt_409(live_server, user, path, tmp_path
 
 
 @override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
-def test_bounded_wait_turns_the_409_into_a_replay(live_server, user):
+def test_bounded_wait_turns_the_409_into_a_replay(live_server, user, tmp_path):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    slow = {**headers, "X-Test": "sleep-after-write:1"}
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
-        time.sleep(0.3)
-        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    held = {**headers, "X-Test": f"touch-after-write:{started},wait-after-write:{gate}"}
+    with watching_polls() as polls, ThreadPoolExecutor(max_workers=2) as pool:
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, held)
+        reached(started)
+        waiting = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, headers)
+        polls.wait(timeout=WAIT)  # the duplicate waits for the original
+        gate.touch()
         first = original.result(timeout=30)
+        duplicate = waiting.result(timeout=30)
     assert duplicate.status == 201
     assert duplicate.replayed
     assert duplicate.body == first.body
@@ -116,14 +134,23 @@ def test_bounded_wait_turns_the_409_into_a_replay(live_server, user):
 
 
 @override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
-def test_a_duplicate_waiting_on_an_original_that_failed_runs_the_view_itself(live_server, user):
+def test_a_duplicate_waiting_on_an_original_that_failed_runs_the_view_itself(
+    live_server, user, tmp_path
+):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    failing = {**headers, "X-Test": "sleep-after-write:1,raise-after-write"}
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    failing = {
+        **headers,
+        "X-Test": f"touch-after-write:{started},wait-after-write:{gate},raise-after-write",
+    }
+    with watching_polls() as polls, ThreadPoolExecutor(max_workers=2) as pool:
         original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, failing)
-        time.sleep(0.3)
-        duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
+        reached(started)
+        waiting = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, headers)
+        polls.wait(timeout=WAIT)  # the duplicate waits for the original
+        gate.touch()
         assert original.result(timeout=30).status == 500
+        duplicate = waiting.result(timeout=30)
     # The original's claim was released when it failed: the waiting duplicate claimed and ran.
     assert duplicate.status == 201
     assert not duplicate.replayed
@@ -132,31 +159,36 @@ def test_a_duplicate_waiting_on_an_original_that_failed_runs_the_view_itself(liv
 
 
 @override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 0.5})
-def test_bounded_wait_never_exceeds_its_bound(live_server, user):
+def test_bounded_wait_never_exceeds_its_bound(live_server, user, tmp_path):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    slow = {**headers, "X-Test": "sleep-after-write:3"}
+    held_at, gate = tmp_path / "started", tmp_path / "gate"
+    held = {**headers, "X-Test": f"touch-after-write:{held_at},wait-after-write:{gate}"}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, slow)
-        time.sleep(0.3)
+        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, held)
+        reached(held_at)
         started = time.monotonic()
         duplicate = request(live_server.url, "POST", "/charges/", CHARGE, headers)
         waited = time.monotonic() - started
+        gate.touch()
         assert duplicate.status == 409
         assert 0.5 <= waited < 2.0
         assert original.result(timeout=30).status == 201
     assert Charge.objects.count() == 1
 
 
-def test_slow_original_that_lost_its_lease_cannot_commit(live_server, user):
+def test_slow_original_that_lost_its_lease_cannot_commit(live_server, user, tmp_path):
     """Timeout after the provider call: the retry takes the stale lease over, the provider
     deduplicates by the downstream key, and the original's writes are rolled back."""
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    slow = {**headers, "X-Test": "sleep-after-provider:2.5"}
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    slow = {**headers, "X-Test": f"touch-after-provider:{started},wait-after-provider:{gate}"}
     path = "/charges/short-lease/"  # a 1-second lease
     with ThreadPoolExecutor(max_workers=1) as pool:
         original = pool.submit(request, live_server.url, "POST", path, CHARGE, slow)
-        time.sleep(1.5)  # the original's lease has run out; it is still asleep
+        reached(started)
+        lease_ran_out()  # the original is still held after its provider call
         retry = request(live_server.url, "POST", path, CHARGE, headers)
+        gate.touch()
         assert retry.status == 201
         assert not retry.replayed
         late = original.result(timeout=30)
@@ -172,16 +204,18 @@ def test_slow_original_that_lost_its_lease_cannot_commit(live_server, user):
     assert record.recovery_attempts == 1
 
 
-def test_live_lease_is_never_taken_over(live_server, user):
+def test_live_lease_is_never_taken_over(live_server, user, tmp_path):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    slow = {**headers, "X-Test": "sleep-after-provider:0.6"}
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    held = {**headers, "X-Test": f"touch-after-provider:{started},wait-after-provider:{gate}"}
     with ThreadPoolExecutor(max_workers=1) as pool:
         original = pool.submit(
-            request, live_server.url, "POST", "/charges/short-lease/", CHARGE, slow
+            request, live_server.url, "POST", "/charges/short-lease/", CHARGE, held
         )
-        time.sleep(0.2)
-        assert (
-            request(live_server.url, "POST", "/charges/short-lease/", CHARGE, headers).status == 409
-        )
+        # The duplicate goes as soon as the original holds its claim, within its 1 s lease.
+        reached(started)
+        duplicate = request(live_server.url, "POST", "/charges/short-lease/", CHARGE, headers)
+        gate.touch()
+        assert duplicate.status == 409
         assert original.result(timeout=30).status == 201
     assert Charge.objects.count() == 1

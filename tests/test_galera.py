@@ -30,7 +30,7 @@ import pytest
 
 from tests import galera
 from tests.helpers import FAULTS_CHARGE as CHARGE
-from tests.helpers import RETRY_PATH, Caller
+from tests.helpers import RETRY_PATH, Caller, sleep_past_lease
 from tests.live import Answer, gunicorn, request
 
 pytestmark = [
@@ -196,7 +196,7 @@ def test_a_certification_conflict_at_the_completion(cluster, servers, tmp_path):
     the original answers 503 with Retry-After, its work rolled back; the retry's outcome is
     the one stored and replayed. One local charge, one provider charge."""
     caller = Caller.new()
-    go = tmp_path / "go"
+    reached, go = tmp_path / "reached", tmp_path / "go"
     with ThreadPoolExecutor(max_workers=1) as pool:
         original = pool.submit(
             request,
@@ -204,10 +204,16 @@ def test_a_certification_conflict_at_the_completion(cluster, servers, tmp_path):
             "POST",
             RETRY_PATH,
             CHARGE,
-            caller.headers(f"wait-completion:{go}"),
+            caller.headers(f"touch-completion:{reached},wait-completion:{go}"),
             30,
         )
-        time.sleep(2.5)  # past the original's lease
+        # Not a fixed pause from the start: a loaded node may take seconds to get there, and
+        # a retry sent before would be the one to claim.
+        deadline = time.monotonic() + 30
+        while not reached.exists():
+            assert time.monotonic() < deadline, "the original never ran its completion"
+            time.sleep(0.02)
+        sleep_past_lease()  # claimed before its completion: its lease has run out
         seen = Seen()
         taken_over = attempt(servers, 1, RETRY_PATH, caller, seen)
         go.touch()

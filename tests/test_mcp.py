@@ -59,6 +59,7 @@ from tests.helpers import (
     postgres_only,
     says_nothing_of_the_server,
     storm_while_held,
+    watching_polls,
 )
 from tests.live import ROOT
 from tests.testapp.models import Charge
@@ -900,8 +901,9 @@ def test_wait_lets_a_duplicate_in_flight_get_the_originals_outcome(kind):
     waiting = threading.Thread(target=in_thread(duplicate))
     try:
         assert entered.wait(WAIT)
-        waiting.start()
-        time.sleep(1)  # the duplicate is waiting now
+        with watching_polls() as polls:
+            waiting.start()
+            polls.wait(timeout=WAIT)  # the duplicate waits for the original now
         assert waiting.is_alive()
     finally:
         leave.set()

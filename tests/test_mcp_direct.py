@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -31,7 +30,7 @@ from django_idempotency import _tools
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import in_thread, new_key, postgres_only
+from tests.helpers import in_thread, new_key, postgres_only, watching_polls
 from tests.testapp.models import Charge
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -168,8 +167,9 @@ def test_a_duplicate_that_waits_runs_the_tool_once_the_first_attempt_failed():
     first.start()
     assert started.wait(WAIT)
     duplicate = threading.Thread(target=in_thread(call), args=("duplicate",), name="duplicate")
-    duplicate.start()
-    time.sleep(0.5)  # the duplicate is waiting on the first attempt's record
+    with watching_polls() as polls:
+        duplicate.start()
+        polls.wait(timeout=WAIT)  # the duplicate is waiting on the first attempt's record
     go.set()
     for thread in (first, duplicate):
         thread.join(WAIT)

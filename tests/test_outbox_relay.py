@@ -40,6 +40,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.live import ROOT, finished, free_port, server_env, starting_a_server
+from tests.ready import release
 from tests.testapp.models import ProviderCall
 from tests.testapp.outbox import sends
 from tests.testapp.tasks import record_effect
@@ -213,8 +214,9 @@ def test_two_relays_with_the_default_senders_batches_publish_each_message_once(t
         )
         for _ in range(2)
     ]
-    time.sleep(2)  # both have loaded Django and wait for the go file
-    go.touch()
+    # Both connected and waiting (a loaded machine starts a process in seconds): one that
+    # came late would find the other's batches taken and send nothing.
+    release(go, relays, timeout=TIMEOUT)
     figures = [summary(finished(relay)) for relay in relays]
     assert sum(sent for sent, _, _ in figures) == count
     assert all(sent > 0 for sent, _, _ in figures), figures
@@ -239,8 +241,9 @@ def test_two_relays_share_400_messages_and_every_consumer_body_runs_once(tmp_pat
         )
         for _ in range(2)
     ]
-    time.sleep(2)  # both have loaded Django and wait for the go file
-    go.touch()
+    # Both connected and waiting (a loaded machine starts a process in seconds): one that
+    # came late would find the other's batches taken and send nothing.
+    release(go, relays, timeout=TIMEOUT)
     figures = [summary(finished(relay)) for relay in relays]
     assert sum(sent for sent, _, _ in figures) == count
     assert all(sent > 0 for sent, _, _ in figures), figures
@@ -378,8 +381,8 @@ def test_a_notify_wakes_a_waiting_relay_long_before_its_next_poll():
     settings = {"OUTBOX_SENDER": "tests.testapp.outbox.record", "OUTBOX_POLL_INTERVAL": 60}
     relay = relay_process(settings)
     try:
+        # It listens from its first wait on: its first (empty) drain is over.
         wait_until(listening, "the relay to listen", timeout=30)
-        time.sleep(0.5)  # past its first (empty) drain
         message_id = enqueued("notified")
         committed = time.monotonic()
         wait_until(lambda: sends(message_id) == 1, "the notified relay", timeout=10)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,7 +35,7 @@ import psycopg
 import pytest
 
 from tests import pg_instance
-from tests.helpers import FAIL_PATH, FAULTS_CHARGE, RETRY_PATH, Caller, settle
+from tests.helpers import FAIL_PATH, FAULTS_CHARGE, RETRY_PATH, Caller, settle, wait_until
 from tests.live import ROOT, Answer, gunicorn, migrate, request
 
 pytestmark = [
@@ -182,8 +182,8 @@ def check_output(env: dict[str, str]) -> str:
 
 def failover(ledger: dict[str, str], synchronous: bool) -> dict[str, Any]:
     """24 fail-policy keys sent 4 at a time: the first half answered; the standby's WAL
-    receiver paused; the second half sent and the primary killed 2 s later; the standby
-    promoted and every key settled through a new app server on it."""
+    receiver paused; the second half sent and the primary killed 2 s after it reached the
+    primary; the standby promoted and every key settled through a new app server on it."""
     keys = 24
     callers = [Caller.new() for _ in range(keys)]
     answered: dict[Caller, Answer] = {}
@@ -199,6 +199,9 @@ def failover(ledger: dict[str, str], synchronous: bool) -> dict[str, Any]:
             cut_off(primary)
             paused_at = time.monotonic()
             second = {c: pool.submit(timed, url, c) for c in callers[keys // 2 :]}
+            # The second half reached the primary (a loaded machine may take longer than the
+            # 2 s to send it, and a failover before it would show no window), then 2 s more.
+            wait_until(lambda: reached(primary, second), "the second half to reach the primary", 30)
             time.sleep(2)
             primary.crash()
             for caller, future in second.items():
@@ -223,6 +226,14 @@ def failover(ledger: dict[str, str], synchronous: bool) -> dict[str, Any]:
         "charges": charges,
         "warned": warned,
     }
+
+
+def reached(primary: pg_instance.PostgresInstance, sent: dict[Caller, Future[Any]]) -> bool:
+    """Whether a request of ``sent`` was answered, or its commit waits for the standby."""
+    if any(future.done() for future in sent.values()):
+        return True
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+    return bool(primary.scalar(waiting))
 
 
 def timed(url: str, caller: Caller) -> tuple[Answer, float]:

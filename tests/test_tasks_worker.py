@@ -41,6 +41,7 @@ from django_tasks_db.models import DBTaskResult
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
 from tests.helpers import postgres_only, stop_process, wait_until
 from tests.live import ROOT, finished, server_env, starting_a_server
+from tests.ready import release, wait_ready
 from tests.testapp.models import ProviderCall
 from tests.testapp.tasks_framework import (
     LEASE_SECONDS,
@@ -66,19 +67,20 @@ def hand_overs(tag: str) -> int:
 
 
 @contextmanager
-def db_worker(worker_id: str) -> Iterator[subprocess.Popen[str]]:
-    """``manage.py db_worker`` on the ``worker`` backend, every queue; stopped at the end."""
+def db_worker(worker_id: str, ready: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``manage.py db_worker`` on the ``worker`` backend, every queue; stopped at the end.
+    ``ready``: a file it writes when it first connects, about to look for its first task."""
     starting_a_server("a db_worker")
     process = subprocess.Popen(
         [
-            # django-admin on the tests' settings (server_env): no manage.py where the
-            # tests run from a copy (tox).
-            *(sys.executable, "-m", "django", "db_worker", "--backend", "worker"),
+            # django-admin's db_worker on the tests' settings (server_env): no manage.py
+            # where the tests run from a copy (tox).
+            *(sys.executable, "-m", "tests.tasks_proc", "db-worker", "--backend", "worker"),
             *("--queue-name", "*", "--interval", "0.05", "--no-startup-delay", "--no-reload"),
             *("--worker-id", worker_id, "-v", "0"),
         ],
         cwd=ROOT,
-        env=server_env(None),
+        env=server_env({"TEST_READY_FILE": str(ready)} if ready else None),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -340,13 +342,18 @@ def test_a_thousand_messages_through_two_relays_and_two_workers_run_each_body_on
         ids = [record_effect.enqueue(f"bulk-{n}").id for n in range(count)]
     go = tmp_path / "go"
     with ExitStack() as stack:
-        for name in ("w-bulk-1", "w-bulk-2"):
-            stack.enter_context(db_worker(name))
+        started = {
+            tmp_path / name: stack.enter_context(db_worker(name, ready=tmp_path / name))
+            for name in ("w-bulk-1", "w-bulk-2")
+        }
         relays = [
             relay_process("--once", "--batch-size", "50", OUTBOX_GO_FILE=str(go)) for _ in range(2)
         ]
-        time.sleep(2)  # both relays have loaded Django and wait for the go file
-        go.touch()
+        # Both workers polling and both relays waiting for the go file (a loaded machine
+        # starts a process in seconds): one that came late would leave its share to the
+        # others, and the test would not run what it says.
+        wait_ready(started, timeout=TIMEOUT)
+        release(go, relays, timeout=TIMEOUT)
         figures = [summary(finished(relay, timeout=120)) for relay in relays]
         consumed = ProviderCall.objects.filter(key__startswith="effect:bulk-")
         wait_until(lambda: consumed.count() >= count, "the workers", timeout=180)

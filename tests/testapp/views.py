@@ -200,6 +200,21 @@ def peek(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"seen": seen, "atomic": connection.in_atomic_block})
 
 
+async def steer_async(request: HttpRequest, stage: str) -> None:
+    """:func:`steer`'s sleep, touch and wait at a stage of an ``async def`` view, without
+    blocking the event loop."""
+    for directive in request.headers.get("X-Test", "").split(","):
+        name, _, arg = directive.strip().partition(":")
+        if name == f"sleep-{stage}":
+            await asyncio.sleep(float(arg))
+        elif name == f"touch-{stage}":
+            Path(arg).touch()
+        elif name == f"wait-{stage}":
+            deadline = time.monotonic() + 30
+            while not Path(arg).exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+
 async def make_async_charge(request: HttpRequest) -> HttpResponse:
     """An ``async def`` view body: the provider call and the local write through the async ORM."""
     from asgiref.sync import sync_to_async
@@ -209,10 +224,7 @@ async def make_async_charge(request: HttpRequest) -> HttpResponse:
     provider_id = await sync_to_async(provider.charge)(
         ctx.downstream_key("provider"), int(payload["amount"]), str(payload["currency"])
     )
-    if "sleep-after-provider" in request.headers.get("X-Test", ""):
-        import asyncio
-
-        await asyncio.sleep(float(request.headers["X-Test"].split(":")[1]))
+    await steer_async(request, "after-provider")
     charge = await Charge.objects.acreate(
         account=ctx.account,
         amount=int(payload["amount"]),
@@ -281,7 +293,8 @@ class AsyncWhereView(View):
 #   COMMIT; ``kill-after-commit``: SIGKILL right after the COMMIT, before the answer is sent;
 # - ``pid-completion:<path>`` then ``wait-completion:<path>``: after the completion UPDATE,
 #   write this request's backend pid and wait (bounded) for a file, so that a test can
-#   terminate the backend or hold a lock between the UPDATE and the COMMIT.
+#   terminate the backend or hold a lock between the UPDATE and the COMMIT;
+#   ``touch-completion:<path>`` (any database) only says that the UPDATE ran.
 
 
 def tenant_account(request: HttpRequest) -> str | None:
@@ -309,7 +322,13 @@ def arm_completion(request: HttpRequest) -> None:
     directives = dict(
         d.strip().partition(":")[::2] for d in request.headers.get("X-Test", "").split(",")
     )
-    wanted = {"kill-before-commit", "kill-after-commit", "pid-completion", "wait-completion"}
+    wanted = {
+        "kill-before-commit",
+        "kill-after-commit",
+        "pid-completion",
+        "touch-completion",
+        "wait-completion",
+    }
     wanted &= set(directives)
     if not wanted:
         return
@@ -319,6 +338,8 @@ def arm_completion(request: HttpRequest) -> None:
     def after_update() -> None:
         if "pid-completion" in directives:
             _write_backend_pid(directives["pid-completion"])
+        if "touch-completion" in directives:
+            Path(directives["touch-completion"]).touch()
         if "wait-completion" in directives:
             deadline = time.monotonic() + 30
             while not Path(directives["wait-completion"]).exists():
