@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
-from django.db.models import Exists, QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
@@ -322,37 +322,50 @@ def run_started(
     *,
     message_id: object = None,
     run_id: str | None = None,
+    reported_only: bool = False,
 ) -> bool:
     """A worker starts the run of a message whose run is reported on its key (found by the
     message's id, or by the ``run_id`` a task framework knows it by): the key's row says
     so, and holds the key until ``lease`` from now unless :func:`run_ended` says first.
     Whether such a key was there (one ``UPDATE``, in autocommit or in the caller's
-    transaction). A key taken over by a newer message is not this run's any more."""
-    keys = _reported_keys(alias, message_id, run_id)
+    transaction). A key taken over by a newer message is not this run's any more.
+    ``reported_only``: only if the message was written ``run_reported`` (a run that may be
+    another message's, such as a Celery replacement under its id)."""
+    keys = _reported_keys(alias, message_id, run_id, reported_only)
     if keys is None:
         return False
     now = timezone.now()
     return keys.update(started_at=now, lease_expires_at=later(now, lease)) > 0
 
 
-def run_ended(alias: str, *, message_id: object = None, run_id: str | None = None) -> None:
+def run_ended(
+    alias: str,
+    *,
+    message_id: object = None,
+    run_id: str | None = None,
+    reported_only: bool = False,
+) -> None:
     """The run :func:`run_started` reported has ended (succeeded or failed; not a retry
     to come): its key is free."""
-    keys = _reported_keys(alias, message_id, run_id)
+    keys = _reported_keys(alias, message_id, run_id, reported_only)
     if keys is not None:
         keys.update(finished_at=timezone.now())
 
 
 def _reported_keys(
-    alias: str, message_id: object, run_id: str | None
+    alias: str, message_id: object, run_id: str | None, reported_only: bool = False
 ) -> QuerySet[OutboxUniqueKey] | None:
     keys = OutboxUniqueKey.objects.using(alias).filter(finished_at=None)
     if run_id is not None:
         return keys.filter(run_id=run_id)
     try:
-        return keys.filter(message_id=uuid.UUID(str(message_id)))
+        keys = keys.filter(message_id=uuid.UUID(str(message_id)))
     except ValueError:
         return None
+    if reported_only:
+        reported = OutboxMessage.objects.filter(pk=OuterRef("message_id"), run_reported=True)
+        keys = keys.filter(Exists(reported))
+    return keys
 
 
 def records_by_message(func: object) -> bool:

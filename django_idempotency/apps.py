@@ -43,8 +43,15 @@ class IdempotencyConfig(AppConfig):
         if importlib.util.find_spec("celery") is not None:
             # A revoked message is a terminal state of its run: its enqueue_once key frees.
             # A run the relay asked to report (a task not under @idempotent_task()) says on
-            # its key when it starts and ends.
-            from celery.signals import task_postrun, task_prerun, task_revoked
+            # its key when it starts and ends (or that the message runs again: a retry, a
+            # requeue, a replacement), under a lease the pool may enforce.
+            from celery.signals import (
+                before_task_publish,
+                task_postrun,
+                task_prerun,
+                task_revoked,
+                worker_init,
+            )
 
             from django_idempotency import tasks
 
@@ -56,6 +63,12 @@ class IdempotencyConfig(AppConfig):
             )
             task_postrun.connect(
                 tasks.run_ended, weak=False, dispatch_uid="django_idempotency.task_postrun"
+            )
+            before_task_publish.connect(
+                tasks.replacing, weak=False, dispatch_uid="django_idempotency.replacing"
+            )
+            worker_init.connect(
+                tasks.worker_starting, weak=False, dispatch_uid="django_idempotency.worker_init"
             )
 
         if importlib.util.find_spec("prometheus_client") is not None:

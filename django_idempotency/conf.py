@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.util
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -159,6 +160,17 @@ def sender_lacks_celery(value: Any) -> bool:
         return importlib.util.find_spec("celery") is None
     except (ImportError, ValueError):  # a broken or half-removed installation
         return True
+
+
+def sender_reports_runs() -> bool:
+    """Whether ``OUTBOX_SENDER`` is the default sender, Celery's: the only one that asks the
+    worker to report a message's run on its ``enqueue_once`` key (another sender's
+    consumer, Kafka's or a webhook's, has no way to)."""
+    value = app_settings.loaded()["OUTBOX_SENDER"]
+    if value == DEFAULT_OUTBOX_SENDER:
+        return True
+    default = sys.modules.get("django_idempotency.celery_sender")
+    return default is not None and value is getattr(default, "send", None)
 
 
 def _outbox_sender(value: Any) -> str | Callable[..., Any]:

@@ -48,7 +48,7 @@ from django_idempotency._senders import (
 from django_idempotency._validation import MAX_DURATION
 from django_idempotency._vendors import of
 from django_idempotency._wakeup import CHANNEL
-from django_idempotency.conf import app_settings
+from django_idempotency.conf import app_settings, sender_reports_runs
 from django_idempotency.models import OutboxMessage, OutboxStatus
 
 logger = logging.getLogger("django_idempotency")
@@ -143,7 +143,9 @@ def enqueue_once(
     task under ``@idempotent_task()`` (keyed by the message); for any other task, the run
     its worker reports on the key (Celery's ``task_prerun``/``task_postrun``, the Tasks
     framework's ``task_started``/``task_finished``), held at most its lease (the task's
-    hard time limit, else the ``LEASE`` setting) after it started.
+    hard time limit under Celery's prefork pool, else the ``LEASE`` setting) after it
+    started; only the default ``OUTBOX_SENDER`` asks for such a report (another raises
+    ``ValueError``).
 
     The key is written with the message in the caller's transaction: two enqueues racing
     in two transactions give one message, and an enqueue rolled back leaves the key free.
@@ -154,6 +156,12 @@ def enqueue_once(
     # A task under @idempotent_task() keyed by the message tells when its run started and
     # ended by its record; any other task's worker reports its run on the key's row.
     reported = wanted.until.needs_task_record and not _unique.records_by_message(target.function)
+    if reported and target.delivery is None and not sender_reports_runs():
+        raise ValueError(
+            f"enqueue_once(unique_until={unique_until!r}) of {target.name!r} needs the worker "
+            "to report the run, which only the default OUTBOX_SENDER (Celery's) asks for; "
+            "put the task under @idempotent_task(), or give a timedelta"
+        )
     run_ttl = app_settings.TTL if reported else _unique.record_ttl(target.function)
     if run_ttl is not None and target.run_after is not None:
         # No worker runs it before run_after: a run's record is missing until then too.

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import async_to_sync, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.db import InterfaceError, OperationalError, connections
 
 from django_idempotency import (
     _autonomous,
@@ -442,12 +443,22 @@ def run_started(
     sender: object = None, task_id: object = None, task: Any = None, **kwargs: Any
 ) -> None:
     """Celery's ``task_prerun``: a run of a message whose run is reported on its
-    ``enqueue_once`` key (the relay sent it with ``RUN_HEADER``) starts; the key holds until
-    it ends, or at most the task's hard time limit (else ``LEASE``) from now."""
-    if task is None or not _reports_run(task):
+    ``enqueue_once`` key (the relay sent it with ``RUN_HEADER``, or it replaces such a run
+    under its task id) starts; the key holds until it ends, or at most its lease from now:
+    the task's hard time limit in a process of the prefork pool, else ``LEASE``."""
+    reported = _reported(task)
+    if reported is None:
         return
     try:
-        _unique.run_started(app_settings.DATABASE, _reported_lease(task), message_id=task_id)
+        _reporting(
+            functools.partial(
+                _unique.run_started,
+                app_settings.DATABASE,
+                _reported_lease(task),
+                message_id=task_id,
+                reported_only=reported == _REPLACEMENT,
+            )
+        )
     except Exception:  # the task runs whatever: its key stays held until its run's TTL
         logger.exception("could not report the start of message %s on its key", task_id)
 
@@ -457,28 +468,120 @@ def run_ended(
     task_id: object = None,
     task: Any = None,
     state: object = None,
+    retval: object = None,
     **kwargs: Any,
 ) -> None:
-    """Celery's ``task_postrun``: the reported run has ended (its key is free), unless it
-    is retried (``RETRY``: the retry's run reports again)."""
-    if task is None or state == "RETRY" or not _reports_run(task):
+    """Celery's ``task_postrun``: the reported run has ended (its key is free), unless the
+    message runs again (:func:`_runs_again`): then that run reports."""
+    reported = _reported(task)
+    if reported is None or _runs_again(task, state, retval):
         return
     try:
-        _unique.run_ended(app_settings.DATABASE, message_id=task_id)
+        _reporting(
+            functools.partial(
+                _unique.run_ended,
+                app_settings.DATABASE,
+                message_id=task_id,
+                reported_only=reported == _REPLACEMENT,
+            )
+        )
     except Exception:  # its key stays held until the run's lease runs out
         logger.exception("could not report the end of message %s on its key", task_id)
 
 
-def _reports_run(task: Any) -> bool:
+def _reporting(report: Callable[[], object]) -> None:
+    """``report()``, one statement; once more on a new connection when the server had
+    dropped this one (an idle timeout, a restart): a worker keeps its connection between
+    tasks (``CONN_MAX_AGE``), and a run's report is the first statement to find out. Not
+    inside a transaction (an eager run's), which a new connection would not continue."""
+    connection = connections[app_settings.DATABASE]
+    try:
+        report()
+    except (OperationalError, InterfaceError):
+        if connection.in_atomic_block:
+            raise
+        connection.close()
+        report()
+
+
+def replacing(sender: object = None, headers: object = None, **kwargs: Any) -> None:
+    """Celery's ``before_task_publish``: a reported run that replaces itself
+    (``Task.replace`` publishes the replacement one level deeper in
+    ``replaced_task_nesting``, then raises ``Ignore``) has not ended when it stops: the
+    replacement, under its task id, reports the rest of the message's run."""
+    nesting = headers.get("replaced_task_nesting") if isinstance(headers, dict) else None
+    if not isinstance(nesting, int) or nesting <= 0:
+        return  # not a replacement: every other message published anywhere
+    from celery import current_task
+
+    running: Any = current_task if current_task else None  # the run publishing, if any
+    if _reported(running) is not None:
+        request = running.request
+        if nesting > (getattr(request, "replaced_task_nesting", 0) or 0):
+            setattr(request, _REPLACED, True)
+
+
+def worker_starting(sender: object = None, **kwargs: Any) -> None:
+    """Celery's ``worker_init``: whether the worker's pool kills a run at its hard time
+    limit, which is then a reported run's lease. The prefork pool does (its processes,
+    forked from this one, inherit the answer); the threads, solo, gevent and eventlet pools
+    let a run go on past it."""
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool
+
+    pool = getattr(sender, "pool_cls", None)
+    try:
+        chosen = get_implementation(pool) if pool is not None else None
+    except Exception:  # a pool Celery will refuse itself: no limit known to be enforced
+        chosen = None
+    _Pool.kills_at_time_limit = isinstance(chosen, type) and issubclass(chosen, TaskPool)
+
+
+class _Pool:
+    #: This process runs tasks in Celery's prefork pool, which kills a run at its hard time
+    #: limit (:func:`worker_starting`).
+    kills_at_time_limit = False
+
+
+# How a Celery run is reported on its key: the relay sent its message with RUN_HEADER; or
+# it replaces such a run under its task id (Task.replace), the header not carried over.
+_SENT, _REPLACEMENT = "sent", "replacement"
+#: Set on the request of a reported run that replaced itself (:func:`replacing`).
+_REPLACED = "django_idempotency_replaced"
+
+
+def _reported(task: Any) -> str | None:
     request = getattr(task, "request", None)
+    if request is None:
+        return None
     headers = getattr(request, "headers", None)
     if isinstance(headers, dict) and headers.get(_unique.RUN_HEADER):
+        return _SENT
+    if getattr(request, _unique.RUN_HEADER, None):
+        return _SENT
+    # A replacement: reported when its task id is a reported message's (one UPDATE).
+    return _REPLACEMENT if getattr(request, "replaced_task_nesting", 0) else None
+
+
+def _runs_again(task: Any, state: object, retval: object) -> bool:
+    """Whether Celery runs the message again after this run stopped in ``state``: a retry
+    (``RETRY``), a ``Reject(requeue=True)`` of an ``acks_late`` message (``REJECTED``), or
+    a replacement under the same task id (``IGNORED``, :func:`replacing`). The key holds
+    for this run's lease meanwhile, and the next run reports again."""
+    if state == "RETRY":
         return True
-    return bool(getattr(request, _unique.RUN_HEADER, None))
+    if state == "REJECTED":
+        return isinstance(retval, BaseException) and _retried(task, retval)
+    if state == "IGNORED":
+        return bool(getattr(task.request, _REPLACED, False))
+    return False
 
 
 def _reported_lease(task: Any) -> timedelta:
-    # A hard time limit ends the run (the worker kills it): it holds the key no longer.
+    # A hard time limit ends the run where the pool kills it there (prefork): the run holds
+    # the key no longer. Elsewhere a run may go on past it: LEASE.
+    if not _Pool.kills_at_time_limit or task.request.is_eager:
+        return app_settings.LEASE
     limits = getattr(task.request, "timelimit", None) or (None, None)
     hard = limits[0] or getattr(task, "time_limit", None) or task.app.conf.task_time_limit
     if isinstance(hard, int | float) and hard > 0:

@@ -485,7 +485,7 @@ def _run_finished(sender: object, **kwargs: Any) -> None:
         logger.exception("could not report the end of task run %s on its key", reported[1])
 
 
-def _by(reported: tuple[str, str]) -> dict[str, str]:
+def _by(reported: tuple[str, str]) -> dict[str, Any]:
     kind, value = reported
     return {"message_id": value} if kind == "message" else {"run_id": value}
 

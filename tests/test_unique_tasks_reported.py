@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, connections, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency import _unique, maintenance, outbox
@@ -128,6 +129,33 @@ def test_a_run_reported_ended_is_not_started_again_by_a_redelivery():
     assert OutboxUniqueKey.objects.get().finished_at is not None
 
 
+@pytest.mark.parametrize("until", ["started", "finished"])
+@pytest.mark.parametrize("task", [hold_plain, "tests.hold_plain"], ids=["task", "name"])
+def test_a_sender_of_ones_own_cannot_have_a_run_reported_and_is_refused(task: object, until: str):
+    """Only the default sender asks Celery's worker to report a run (its header): a message
+    another sender hands to Kafka or a webhook would hold its key until the ``TTL`` after
+    it was sent, whatever became of its run. Refused, as before runs were reported; a
+    duration and a task under ``@idempotent_task()`` still work."""
+    from tests.testapp.tasks import hold_unique
+
+    with override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.record"}):
+        with pytest.raises(ValueError, match="OUTBOX_SENDER"):
+            once("nightly", task, unique_until=until)
+        assert not OutboxMessage.objects.exists()
+        assert not OutboxUniqueKey.objects.exists()
+        once("a", task, unique_until=MINUTE)
+        once("b", hold_unique, unique_until=until)
+    assert OutboxMessage.objects.filter(run_reported=False).count() == 2
+    celery_sender = "django_idempotency.celery_sender.send"
+    with override_settings(IDEMPOTENCY={"OUTBOX_SENDER": celery_sender}):
+        once("c", task, unique_until=until)
+    from django_idempotency.celery_sender import send
+
+    with override_settings(IDEMPOTENCY={"OUTBOX_SENDER": send}):
+        once("d", task, unique_until=until)
+    assert OutboxMessage.objects.filter(run_reported=True).count() == 2
+
+
 def test_a_duration_and_a_task_under_idempotent_task_are_not_reported():
     from tests.testapp.tasks import hold_unique
 
@@ -183,14 +211,34 @@ def test_a_celery_run_reports_its_start_and_its_end_on_its_key(fail: bool):
     assert effects("eager") == 2
 
 
-@pytest.mark.usefixtures("eager")
-def test_a_celery_tasks_hard_time_limit_is_its_reported_runs_lease():
+@pytest.mark.parametrize(
+    ("pool", "killed"),
+    [("prefork", True), ("threads", False), ("solo", False), ("no.such.Pool", False)],
+)
+def test_a_celery_tasks_hard_time_limit_is_its_reported_runs_lease_where_the_pool_kills_it(
+    pool: str, killed: bool
+):
+    """The prefork pool kills a run at its hard time limit: no run outlives it. The other
+    pools let a run go on past it: the lease is ``LEASE``, as for a task without a limit
+    and for an eager run."""
+    from types import SimpleNamespace
+
+    from django_idempotency import tasks
     from django_idempotency.tasks import _reported_lease
     from tests.testapp.tasks import PLAIN_TIME_LIMIT_SECONDS
 
     limit = timedelta(seconds=PLAIN_TIME_LIMIT_SECONDS + 1)
-    assert _reported_lease(hold_plain_time_limited) == limit
-    assert _reported_lease(hold_plain) == app_settings.LEASE
+    try:
+        tasks.worker_starting(sender=SimpleNamespace(pool_cls=pool))
+        assert _reported_lease(hold_plain_time_limited) == (limit if killed else app_settings.LEASE)
+        assert _reported_lease(hold_plain) == app_settings.LEASE
+        hold_plain_time_limited.push_request(is_eager=True)
+        try:
+            assert _reported_lease(hold_plain_time_limited) == app_settings.LEASE
+        finally:
+            hold_plain_time_limited.pop_request()
+    finally:
+        tasks.worker_starting(sender=SimpleNamespace(pool_cls="threads"))
 
 
 @pytest.mark.usefixtures("eager")
@@ -200,6 +248,53 @@ def test_a_celery_task_not_sent_by_the_relay_reports_nothing():
     assert effects("direct") == 1
     row = OutboxUniqueKey.objects.get()
     assert (row.started_at, row.finished_at) == (None, None)
+
+
+def test_a_replacement_reports_only_on_the_key_of_a_message_written_reported():
+    """A Celery replacement (``Task.replace``) carries no header: it is reported by its task
+    id where that id is a message written ``run_reported``, and nowhere else."""
+    from tests.testapp.tasks import hold_unique
+
+    reported, recorded = once("a", hold_plain), once("b", hold_unique)
+    sent(reported)
+    sent(recorded)
+    for message in (reported, recorded):
+        assert _unique.run_started(
+            app_settings.DATABASE, MINUTE, message_id=message, reported_only=True
+        ) == (message == reported)
+        _unique.run_ended(app_settings.DATABASE, message_id=message, reported_only=True)
+    rows = {row.message_id: row for row in OutboxUniqueKey.objects.all()}
+    assert rows[reported].started_at is not None
+    assert rows[reported].finished_at is not None
+    assert (rows[recorded].started_at, rows[recorded].finished_at) == (None, None)
+
+
+@pytest.mark.usefixtures("eager")
+def test_a_celery_run_that_replaces_itself_eagerly_ends_after_its_replacement():
+    """Eagerly, the replacement runs inside the run it replaces (``sig.apply()``): one
+    report of the start, one of the end."""
+    from tests.testapp.tasks import gated_plain
+
+    ProviderCall.objects.create(key="gate:replaced")
+    first = once("nightly", gated_plain, "replaced", "replace")
+    with CaptureQueriesContext(connection) as queries:
+        assert outbox.relay(once=True).sent == 1
+    assert effects("replaced") == 1
+    assert len(key_statements(queries)) == 2, key_statements(queries)
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    assert once("nightly", gated_plain, "replaced", "replace") != first
+
+
+@pytest.mark.usefixtures("eager")
+def test_a_celery_run_that_raises_ignore_has_ended():
+    """``Ignore`` ends a run (Celery records nothing more of it); only a replacement's
+    ``Ignore`` leaves the rest of the run to the replacement."""
+    from tests.testapp.tasks import gated_plain
+
+    first = once("nightly", gated_plain, "ignored", "ignore")
+    assert outbox.relay(once=True).sent == 1
+    assert OutboxUniqueKey.objects.get().finished_at is not None
+    assert once("nightly", gated_plain, "ignored", "ignore") != first
 
 
 # -- Django's Tasks framework through the outbox -------------------------------------------------
@@ -213,10 +308,17 @@ needs_tasks = pytest.mark.skipif(
 
 @needs_tasks
 @pytest.mark.parametrize("fail", [False, True], ids=["succeeded", "failed"])
-def test_a_django_task_run_by_the_database_worker_reports_its_run(fail: bool):
+@pytest.mark.parametrize("kind", ["def", "async-def", "takes-context"])
+def test_a_django_task_run_by_the_database_worker_reports_its_run(kind: str, fail: bool):
     from django_idempotency import tasks_backend
     from tests.helpers import work_tasks
-    from tests.testapp.tasks_framework import count_plain as django_plain
+    from tests.testapp import tasks_framework
+
+    django_plain = {
+        "def": tasks_framework.count_plain,
+        "async-def": tasks_framework.count_plain_async,
+        "takes-context": tasks_framework.count_plain_with_context,
+    }[kind]
 
     with transaction.atomic():
         first = tasks_backend.enqueue_once("nightly", django_plain, "db", fail)
@@ -256,3 +358,134 @@ def test_a_django_task_run_inside_the_hand_over_reports_its_run_by_its_message()
         assert row.finished_at is not None
         with transaction.atomic():
             assert tasks_backend.enqueue_once("nightly", django_plain, "now").id != first.id
+
+
+# -- what a run not reported costs ---------------------------------------------------------------
+
+
+def key_statements(queries: CaptureQueriesContext) -> list[str]:
+    """The statements that read or wrote the keys of enqueue_once."""
+    table = OutboxUniqueKey._meta.db_table
+    return [query["sql"] for query in queries.captured_queries if table in query["sql"]]
+
+
+@pytest.mark.usefixtures("eager")
+def test_a_celery_run_reported_costs_one_update_at_its_start_and_one_at_its_end():
+    once("nightly", count_plain, "costs")
+    with CaptureQueriesContext(connection) as queries:
+        assert outbox.relay(once=True).sent == 1
+    assert effects("costs") == 1
+    written = key_statements(queries)
+    assert len(written) == 2, written
+    assert all(sql.startswith("UPDATE") for sql in written)
+
+
+@pytest.mark.usefixtures("eager")
+def test_a_celery_run_not_reported_sends_no_statement_of_its_own():
+    with CaptureQueriesContext(connection) as queries:
+        count_plain.apply(args=("plain",))
+    # The task's own INSERT of its effect, and nothing else.
+    assert [query["sql"].split()[0] for query in queries.captured_queries] == ["INSERT"]
+
+
+@needs_tasks
+def test_a_django_task_enqueued_on_the_target_backend_costs_one_update_and_touches_no_key():
+    """Not handed over by the outbox: its worker looks for a key that knows its result id
+    (one ``UPDATE``), finds none, and reports no end."""
+    from tests.helpers import work_tasks
+    from tests.testapp.tasks_framework import count_plain as django_plain
+
+    once("nightly", hold_plain)
+    before = list(OutboxUniqueKey.objects.values())
+    django_plain.using(backend="worker").enqueue("direct")
+    with CaptureQueriesContext(connection) as queries:
+        work_tasks()
+    assert effects("direct") == 1
+    written = key_statements(queries)
+    assert len(written) == 1, written
+    assert written[0].startswith("UPDATE")
+    assert list(OutboxUniqueKey.objects.values()) == before
+
+
+# -- the admin, the statistics and the audit of reported runs ------------------------------------
+
+
+def test_the_admin_the_stats_and_the_audit_tell_each_reported_runs_key(admin_client: Any):
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    waiting, running, done, died = (once(key, hold_plain) for key in ("w", "r", "e", "d"))
+    for message in (waiting, running, done, died):
+        sent(message)
+    started(running)
+    started(done)
+    ended(done)
+    started(died, lease=timedelta(seconds=-1))
+    live = {"w": True, "r": True, "e": False, "d": False}
+
+    out = StringIO()
+    call_command("idempotency_stats", "--json", "--unique-keys", "10", stdout=out)
+    rows = json.loads(out.getvalue())["unique_keys"]
+    assert {row["key"]: row["live"] for row in rows} == live
+    out = StringIO()
+    call_command("idempotency_audit", "--unique-keys", "--format", "json", stdout=out)
+    assert {row["key"]: row["live"] for row in json.loads(out.getvalue())["unique_keys"]} == live
+
+    page = admin_client.get("/admin/django_idempotency/outboxuniquekey/").content.decode()
+    assert page.count("held (live)") == 2
+    assert page.count("free (its message is no longer live)") == 2
+    for row in OutboxUniqueKey.objects.all():
+        detail = admin_client.get(f"/admin/django_idempotency/outboxuniquekey/{row.pk}/change/")
+        assert detail.status_code == 200
+        message = admin_client.get(
+            f"/admin/django_idempotency/outboxmessage/{row.message_id}/change/"
+        )
+        state = "held (live)" if live[row.key] else "free (its message is no longer live)"
+        assert f"{row.key} (finished): {state}" in message.content.decode()
+
+
+# -- a worker's connection the server dropped while it was idle ----------------------------------
+
+
+def drop_the_default_connection() -> None:
+    """The server ends the default connection (an idle timeout, a restart): the next
+    statement on it fails."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT CONNECTION_ID()" if connection.vendor == "mysql" else "SELECT pg_backend_pid()"
+        )
+        (pid,) = cursor.fetchone()
+    with connections["provider"].cursor() as cursor:
+        if connection.vendor == "mysql":
+            cursor.execute(f"KILL {int(pid)}")
+        else:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="a server that ends a connection")
+@pytest.mark.parametrize("signal", ["task_prerun", "task_postrun"])
+def test_a_run_reported_on_a_connection_the_server_dropped_is_reported_on_a_new_one(signal: str):
+    """A Celery worker keeps its connection between tasks (``CONN_MAX_AGE``): the report is
+    the first statement of the next run, and the one to find it dropped. Once more on a
+    new connection, or the key stays held until the ``TTL`` after the message was sent."""
+    from django_idempotency import tasks
+
+    first = once("nightly", hold_plain)
+    sent(first)
+    if signal == "task_postrun":
+        started(first)
+    drop_the_default_connection()
+    hold_plain.push_request(id=str(first), headers={_unique.RUN_HEADER: "1"})
+    try:
+        if signal == "task_prerun":
+            tasks.run_started(task=hold_plain, task_id=str(first))
+        else:
+            tasks.run_ended(task=hold_plain, task_id=str(first), state="SUCCESS")
+    finally:
+        hold_plain.pop_request()
+        connection.close()
+    row = OutboxUniqueKey.objects.get()
+    assert row.started_at is not None
+    assert (row.finished_at is not None) == (signal == "task_postrun")

@@ -148,6 +148,70 @@ def count_plain(tag: str, fail: bool = False) -> str:
     return count_effect(tag, fail)
 
 
+#: The hard time limit of ``gated_plain_time_limited``: a pool that enforces none (threads,
+#: solo) lets its run go on past it.
+GATED_TIME_LIMIT_SECONDS = 2
+
+
+def gated(task: Task[Any, Any], tag: str, first: str) -> str:
+    """Each run counts its start (``start:<tag>:<place>``, through the ``provider``
+    connection); the first one then does what ``first`` says, every other (and the first
+    with ``"wait"``) waits for ``gate:<tag>`` (30 s at most) and writes its effect
+    (tests/test_unique_tasks_reported_workers.py):
+
+    - ``"reject"``: raises ``Reject(requeue=True)``; ``"retry"``: ``self.retry()``;
+      ``"ignore"``: raises ``Ignore``;
+    - ``"replace"``: replaces itself by another run of the task; ``"replace-by-chain"``: by
+      a chain that ends with one.
+    """
+    from celery.exceptions import Ignore, Reject
+    from django.db import connection
+
+    # SQLite's test database is one in-memory connection: the default one (an eager run).
+    marks = ProviderCall.objects.using("default" if connection.vendor == "sqlite" else "provider")
+    place = marks.filter(key__startswith=f"start:{tag}:").count()
+    marks.create(key=f"start:{tag}:{place}")
+    if place == 0 and first == "reject":
+        raise Reject("first delivery", requeue=True)
+    if place == 0 and first == "retry":
+        raise task.retry(countdown=0, max_retries=1)
+    if place == 0 and first == "ignore":
+        raise Ignore()
+    if place == 0 and first == "replace":
+        return task.replace(task.si(tag, "wait"))
+    if place == 0 and first == "replace-by-chain":
+        from celery import chain
+
+        # The chain's first task runs under a task id of its own, its last under this one.
+        replacement = chain(record_plain_mark.si(f"chained:{tag}"), task.si(tag, "wait"))
+        return task.replace(replacement)
+    deadline = time.monotonic() + 30
+    while not marks.filter(key=f"gate:{tag}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ProviderCall.objects.create(key=f"effect:{tag}")
+    return tag
+
+
+@shared_task(name="tests.record_plain_mark")
+def record_plain_mark(key: str) -> str:
+    """Writes ``key`` (through the ``provider`` connection), not under
+    ``@idempotent_task()``."""
+    ProviderCall.objects.using("provider").create(key=key)
+    return key
+
+
+@shared_task(name="tests.gated_plain", bind=True, acks_late=True)
+def gated_plain(self: Task[Any, Any], tag: str, first: str = "wait") -> str:
+    """Not under ``@idempotent_task()``: its run is reported on its enqueue_once key."""
+    return gated(self, tag, first)
+
+
+@shared_task(name="tests.gated_plain_time_limited", bind=True, time_limit=GATED_TIME_LIMIT_SECONDS)
+def gated_plain_time_limited(self: Task[Any, Any], tag: str, first: str = "wait") -> str:
+    """As ``gated_plain``, with a hard time limit."""
+    return gated(self, tag, first)
+
+
 #: A lease that the first run outlives (tests/test_unique_tasks_lease.py).
 OUTLIVED_LEASE_SECONDS = 2
 #: One gate per run of ``outlives_its_lease``, in the order the runs start: each run waits

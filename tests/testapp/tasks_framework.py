@@ -169,6 +169,18 @@ def count_plain(tag: str, fail: bool = False) -> str:
     return count_effect(tag, fail)
 
 
+@task()
+async def count_plain_async(tag: str, fail: bool = False) -> str:
+    """As ``count_plain``, an ``async def`` task."""
+    return await sync_to_async(count_effect)(tag, fail)
+
+
+@task(takes_context=True)
+def count_plain_with_context(context: TaskContext, tag: str, fail: bool = False) -> str:
+    """As ``count_plain``, given the run's context."""
+    return count_effect(tag, fail)
+
+
 # -- a task enqueued on the real backend, not through the outbox (tests/test_task_deliveries.py) --
 
 

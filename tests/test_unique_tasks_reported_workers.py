@@ -1,0 +1,112 @@
+"""One live task per key for a Celery task not under ``@idempotent_task()``, with a real
+worker: what Celery does to a run (a retry, a ``Reject`` that requeues the message, a
+replacement) and a pool that enforces no time limit. The run is reported on the key
+(``task_prerun``/``task_postrun``); the key holds until the message's last run ended.
+Each test starts its own worker and relay; tests/test_unique_tasks_servers.py has the rest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from django_idempotency import _unique
+from django_idempotency.models import OutboxMessage, OutboxUniqueKey
+from tests.helpers import postgres_only, stop_process, wait_until
+from tests.testapp.models import ProviderCall
+
+pytest.importorskip("celery", reason="Celery is an optional dependency")
+
+from tests.testapp.tasks import (
+    GATED_TIME_LIMIT_SECONDS,
+    gated_plain,
+    gated_plain_time_limited,
+)
+from tests.unique_servers import SKEW, effects, enqueue_once, framework_named, starts
+
+pytestmark = [
+    pytest.mark.servers,
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+    postgres_only,
+    pytest.mark.usefixtures("run_queue"),
+]
+
+TIMEOUT = 30  # seconds: a bound on every wait for a process
+
+
+@contextmanager
+def worker_and_relay(pool: str = "prefork") -> Iterator[None]:
+    from tests.helpers import celery_worker
+
+    framework = framework_named("celery")
+    with ExitStack() as stack:
+        stack.enter_context(celery_worker(pool=pool, concurrency=1))
+        stack.callback(stop_process, framework.relay())
+        yield
+
+
+def open_gate(tag: str) -> None:
+    ProviderCall.objects.using("provider").create(key=f"gate:{tag}")
+
+
+def held() -> bool:
+    return _unique.holds("default", OutboxUniqueKey.objects.get(), timezone.now())
+
+
+def a_later_message_runs(task: object, first: uuid.UUID) -> None:
+    """Once the key is free, the next enqueue writes a message of its own, which runs."""
+    wait_until(lambda: not held(), "the key to be free", timeout=TIMEOUT)
+    later = f"later-{uuid.uuid4().hex[:6]}"
+    open_gate(later)
+    second = enqueue_once("k", task, later, "wait")
+    assert second != first
+    wait_until(lambda: effects(later) == 1, "the later message's run", timeout=TIMEOUT)
+    assert OutboxUniqueKey.objects.get().message_id == second
+
+
+@pytest.mark.parametrize("first_run", ["retry", "reject", "replace", "replace-by-chain"])
+def test_the_key_holds_until_the_messages_last_run_ended(first_run: str):
+    """The first run retries (``self.retry()``), is rejected with ``requeue=True`` under
+    ``acks_late``, or replaces itself (``self.replace()``, by one run or by a chain whose
+    last task runs under the same task id): the message runs again, and its key holds
+    until that run ended."""
+    tag = f"{first_run}-{uuid.uuid4().hex[:6]}"
+    with worker_and_relay():
+        first = enqueue_once("k", gated_plain, tag, first_run)
+        wait_until(lambda: starts(tag) == 2, "the message's second run", timeout=TIMEOUT)
+        # The second run waits for its gate: the message is live.
+        assert enqueue_once("k", gated_plain, tag, "wait") == first
+        row = OutboxUniqueKey.objects.get()
+        assert (row.message_id, row.finished_at) == (first, None)
+        assert row.started_at is not None
+        open_gate(tag)
+        wait_until(lambda: effects(tag) == 1, "the second run's end", timeout=TIMEOUT)
+        a_later_message_runs(gated_plain, first)
+    assert (starts(tag), effects(tag)) == (2, 1)
+    assert OutboxMessage.objects.count() == 2
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_a_pool_that_enforces_no_time_limit_holds_the_key_while_the_run_goes_on(pool: str):
+    """Only the prefork pool kills a run at its hard time limit: under the others a run goes
+    on past it, and holds its key (for ``LEASE``) until it ended."""
+    tag = f"{pool}-{uuid.uuid4().hex[:6]}"
+    with worker_and_relay(pool):
+        first = enqueue_once("k", gated_plain_time_limited, tag, "wait")
+        wait_until(lambda: starts(tag) == 1, "the run to start", timeout=TIMEOUT)
+        row = OutboxUniqueKey.objects.get()
+        assert row.started_at is not None
+        beyond = row.started_at + timedelta(seconds=GATED_TIME_LIMIT_SECONDS + 1) + SKEW
+        wait_until(lambda: timezone.now() > beyond, "the run to outlive its time limit")
+        assert effects(tag) == 0  # it runs still
+        assert enqueue_once("k", gated_plain_time_limited, tag, "wait") == first
+        open_gate(tag)
+        wait_until(lambda: effects(tag) == 1, "the run's end", timeout=TIMEOUT)
+        a_later_message_runs(gated_plain_time_limited, first)
+    assert (starts(tag), effects(tag)) == (1, 1)
+    assert OutboxMessage.objects.count() == 2
