@@ -232,7 +232,7 @@ def test_a_celery_tasks_hard_time_limit_is_its_reported_runs_lease_where_the_poo
         tasks.worker_starting(sender=SimpleNamespace(pool_cls=pool))
         assert _reported_lease(hold_plain_time_limited) == (limit if killed else app_settings.LEASE)
         assert _reported_lease(hold_plain) == app_settings.LEASE
-        hold_plain_time_limited.push_request(is_eager=True)
+        hold_plain_time_limited.push_request(is_eager=True)  # type: ignore[call-arg]
         try:
             assert _reported_lease(hold_plain_time_limited) == app_settings.LEASE
         finally:
@@ -477,7 +477,7 @@ def test_a_run_reported_on_a_connection_the_server_dropped_is_reported_on_a_new_
     if signal == "task_postrun":
         started(first)
     drop_the_default_connection()
-    hold_plain.push_request(id=str(first), headers={_unique.RUN_HEADER: "1"})
+    hold_plain.push_request(id=str(first), headers={_unique.RUN_HEADER: "1"})  # type: ignore[call-arg]
     try:
         if signal == "task_prerun":
             tasks.run_started(task=hold_plain, task_id=str(first))
