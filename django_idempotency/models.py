@@ -476,7 +476,6 @@ class OutboxUniqueKey(models.Model):
         max_length=255,
         default="",
         blank=True,
-        db_index=True,
         help_text=_(
             "For a run the worker reports here: the id the worker knows it by, where it is "
             "not the message's (the result id of Django's Tasks framework's backend)."
@@ -490,6 +489,11 @@ class OutboxUniqueKey(models.Model):
         db_table = "django_idempotency_outbox_key"
         constraints = [
             models.UniqueConstraint(fields=["task", "key"], name="idempotency_outbox_key_unique"),
+        ]
+        indexes = [
+            # A run of Django's Tasks framework finds its key by ``run_id =`` (no LIKE:
+            # no pattern-ops index on PostgreSQL, as ``db_index`` would add).
+            models.Index(fields=["run_id"], name="idempotency_outbox_key_run_idx"),
         ]
 
     def __str__(self) -> str:

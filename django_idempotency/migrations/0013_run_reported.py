@@ -35,7 +35,6 @@ class Migration(migrations.Migration):
             name="run_id",
             field=models.CharField(
                 blank=True,
-                db_index=True,
                 default="",
                 help_text="For a run the worker reports here: the id the worker knows it by, where it is not the message's (the result id of Django's Tasks framework's backend).",
                 max_length=255,
@@ -49,6 +48,10 @@ class Migration(migrations.Migration):
                 help_text="For a run the worker reports here: when it started.",
                 null=True,
             ),
+        ),
+        migrations.AddIndex(
+            model_name="outboxuniquekey",
+            index=models.Index(fields=["run_id"], name="idempotency_outbox_key_run_idx"),
         ),
         migrations.AlterField(
             model_name="outboxuniquekey",
