@@ -20,7 +20,7 @@ signals), with a lease of its own.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -56,6 +56,7 @@ __all__ = [
     "records_by_message",
     "run_ended",
     "run_started",
+    "runs_known_by",
     "task_operation",
     "unique",
     "write_once",
@@ -350,6 +351,45 @@ def run_ended(
     keys = _reported_keys(alias, message_id, run_id, reported_only)
     if keys is not None:
         keys.update(finished_at=timezone.now())
+
+
+#: The most parameters one statement of :func:`runs_known_by` takes (PostgreSQL's limit; a
+#: database's own lower one wins).
+_MOST_PARAMETERS = 65535
+
+
+def runs_known_by(alias: str, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
+    """For each ``(message id, run id)`` of a message whose run is reported on its key, the
+    id its worker will know the run by, written on the key: one ``UPDATE`` for them all
+    (or for each part of them one statement's parameters hold), in the caller's
+    transaction. Written out rather than through ``Case(When(...))``, which the ORM
+    resolves as a filter per message."""
+    if not runs:
+        return
+    connection = connections[alias]
+    meta = OutboxUniqueKey._meta
+    quote = connection.ops.quote_name
+    message, run_id = meta.get_field("message"), meta.get_field("run_id")
+    assert message.column
+    assert run_id.column
+    table, by, column = quote(meta.db_table), quote(message.column), quote(run_id.column)
+    most = min(connection.features.max_query_params or _MOST_PARAMETERS, _MOST_PARAMETERS)
+    size = max(most // 3, 1)  # three a message: its id twice, its run id
+    for start in range(0, len(runs), size):
+        part = [
+            (message.get_db_prep_value(message_id, connection), known)
+            for message_id, known in runs[start : start + size]
+        ]
+        cases = " ".join(["WHEN %s THEN %s"] * len(part))
+        placeholders = ", ".join(["%s"] * len(part))
+        params: list[Any] = [value for pair in part for value in pair]
+        params += [message_id for message_id, _ in part]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET {column} = CASE {by} {cases} ELSE {column} END "
+                f"WHERE {by} IN ({placeholders})",
+                params,
+            )
 
 
 def _reported_keys(

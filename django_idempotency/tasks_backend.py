@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any
@@ -57,7 +57,7 @@ from django_idempotency._tasks_compat import (
 )
 from django_idempotency._unique import records_by_message
 from django_idempotency.conf import app_settings
-from django_idempotency.models import OutboxMessage, OutboxStatus, OutboxUniqueKey
+from django_idempotency.models import OutboxMessage, OutboxStatus
 from django_idempotency.tasks import (
     MESSAGE_ARGUMENT,
     django_run_finished,
@@ -359,21 +359,30 @@ class OutboxBackend(BaseTaskBackend):
 
 _UNDELIVERED = "django_idempotency.outbox.Undeliverable"
 
-#: The message whose run is reported on its ``enqueue_once`` key (``run_reported``) that
-#: the relay is handing over here: a backend that runs a task inside its ``enqueue``
-#: (Django's ``ImmediateBackend``) starts it before its result id is known.
-_HANDING: ContextVar[uuid.UUID | None] = ContextVar("django_idempotency_handing", default=None)
-#: The reported run going on here (``("message", id)`` or ``("run", result id)``), from
-#: the framework's ``task_started`` to its ``task_finished``.
-_REPORTING: ContextVar[tuple[str, str] | None] = ContextVar(
-    "django_idempotency_reporting", default=None
+#: The message the relay is handing over here: its task's function, and its id where its
+#: run is reported on its ``enqueue_once`` key (``run_reported``). A backend that runs a
+#: task inside its ``enqueue`` (Django's ``ImmediateBackend``) starts it before its result
+#: id is known. Taken by that run's start: a run started inside it (a task its body
+#: enqueues on such a backend) is another run.
+_HANDING: ContextVar[tuple[Callable[..., Any], uuid.UUID | None] | None] = ContextVar(
+    "django_idempotency_handing", default=None
 )
+#: The reported runs going on here, innermost last: each run's result id, and how it is
+#: reported (``("message", id)`` or ``("run", result id)``), from the framework's
+#: ``task_started`` to its ``task_finished``. A run nests in another where a backend runs
+#: a task inside its ``enqueue``.
+_REPORTING: ContextVar[tuple[tuple[str, tuple[str, str]], ...]] = ContextVar(
+    "django_idempotency_reporting", default=()
+)
+#: The most runs kept in ``_REPORTING``: a run whose end never came (a backend that sent
+#: no ``task_finished``) is not kept forever.
+_MOST_REPORTING = 32
 
 
 def _enqueued(message: OutboxMessage, handed: Handed) -> str:
     """Enqueue one handed-over task on the target; its result id."""
     task, args, kwargs = handed
-    handing = _HANDING.set(message.id if message.run_reported else None)
+    handing = _HANDING.set((task.func, message.id if message.run_reported else None))
     try:
         return str(task.enqueue(*args, **kwargs).id)
     finally:
@@ -384,11 +393,10 @@ def _runs_known_by(handed: Sequence[tuple[OutboxMessage, str]]) -> None:
     """For the messages whose run is reported on their key: the id the target's worker
     will know the run by, written on the key in the relay's transaction (so a worker of a
     target in the same database never sees the task before its key knows it)."""
-    for message, result_id in handed:
-        if message.run_reported:
-            OutboxUniqueKey.objects.using(app_settings.DATABASE).filter(
-                message_id=message.id
-            ).update(run_id=result_id)
+    _unique.runs_known_by(
+        app_settings.DATABASE,
+        [(message.id, result_id) for message, result_id in handed if message.run_reported],
+    )
 
 
 def enqueue_once(
@@ -454,13 +462,17 @@ def register() -> None:
 
 
 def _run_started(sender: object, task_result: TaskResult[Any, Any], **kwargs: Any) -> None:
-    django_run_started(task_result.task.func, task_result.id)
-    _REPORTING.set(None)
+    func = task_result.task.func
+    django_run_started(func, task_result.id)
     reported: tuple[str, str] | None = None
     handing = _HANDING.get()
-    if handing is not None:  # run inside the relay's hand-over
-        reported = ("message", str(handing))
-    elif task_result.backend in _delivered_to() and not records_by_message(task_result.task.func):
+    if handing is not None and handing[0] is func:
+        # The run of the message the relay hands over, inside its hand-over; by the
+        # message where its run is reported, else not at all.
+        _HANDING.set(None)
+        if handing[1] is not None:
+            reported = ("message", str(handing[1]))
+    elif task_result.backend in _delivered_to() and not records_by_message(func):
         reported = ("run", str(task_result.id))
     if reported is None:
         return
@@ -470,15 +482,20 @@ def _run_started(sender: object, task_result: TaskResult[Any, Any], **kwargs: An
         logger.exception("could not report the start of task run %s on its key", reported[1])
         return
     if found:
-        _REPORTING.set(reported)
+        running = (*_REPORTING.get(), (str(task_result.id), reported))
+        _REPORTING.set(running[-_MOST_REPORTING:])
 
 
-def _run_finished(sender: object, **kwargs: Any) -> None:
+def _run_finished(sender: object, task_result: Any = None, **kwargs: Any) -> None:
     django_run_finished()
-    reported = _REPORTING.get()
-    if reported is None:
+    running = _REPORTING.get()
+    result_id = str(getattr(task_result, "id", None))
+    # This run's report, and those of runs started inside it whose end never came.
+    ended = next((i for i in reversed(range(len(running))) if running[i][0] == result_id), None)
+    if ended is None:
         return
-    _REPORTING.set(None)
+    reported = running[ended][1]
+    _REPORTING.set(running[:ended])
     try:
         _unique.run_ended(app_settings.DATABASE, **_by(reported))
     except Exception:  # its key stays held until the run's lease runs out

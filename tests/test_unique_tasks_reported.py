@@ -338,6 +338,14 @@ def test_a_django_task_run_by_the_database_worker_reports_its_run(kind: str, fai
         assert tasks_backend.enqueue_once("nightly", django_plain, "db", fail).id != first.id
 
 
+#: Django's ``ImmediateBackend`` (Django 6's or the backport's): it runs a task inside its
+#: ``enqueue``.
+IMMEDIATE = (
+    f"{'django.tasks' if importlib.util.find_spec('django.tasks') else 'django_tasks'}"
+    ".backends.immediate.ImmediateBackend"
+)
+
+
 @needs_tasks
 def test_a_django_task_run_inside_the_hand_over_reports_its_run_by_its_message():
     """A backend that runs a task inside its ``enqueue`` (``ImmediateBackend``) starts it
@@ -345,9 +353,7 @@ def test_a_django_task_run_inside_the_hand_over_reports_its_run_by_its_message()
     from django_idempotency import tasks_backend
     from tests.testapp.tasks_framework import count_plain as django_plain
 
-    django_tasks = "django.tasks" if importlib.util.find_spec("django.tasks") else "django_tasks"
-    immediate = f"{django_tasks}.backends.immediate.ImmediateBackend"
-    tasks = {**settings.TASKS, "worker": {"BACKEND": immediate}}
+    tasks = {**settings.TASKS, "worker": {"BACKEND": IMMEDIATE}}
     with override_settings(TASKS=tasks):
         with transaction.atomic():
             first = tasks_backend.enqueue_once("nightly", django_plain, "now")
@@ -358,6 +364,112 @@ def test_a_django_task_run_inside_the_hand_over_reports_its_run_by_its_message()
         assert row.finished_at is not None
         with transaction.atomic():
             assert tasks_backend.enqueue_once("nightly", django_plain, "now").id != first.id
+
+
+@needs_tasks
+@pytest.mark.parametrize("target", ["database", "immediate"])
+def test_a_django_task_run_inside_a_reported_run_leaves_that_runs_report_alone(target: str):
+    """A reported run whose body enqueues a task on a backend that runs it at once
+    (``ImmediateBackend``): that inner run neither ends the outer one's report (its key
+    then held until the lease ran out) nor, inside the relay's hand-over to an
+    ``ImmediateBackend``, is taken for the message handed over (its key then freed while
+    the outer run goes on)."""
+    from django_idempotency import tasks_backend
+    from tests.helpers import work_tasks
+    from tests.testapp.tasks_framework import count_plain_nesting
+
+    tasks = {**settings.TASKS, "immediate": {"BACKEND": IMMEDIATE}}
+    if target == "immediate":
+        tasks["worker"] = {"BACKEND": IMMEDIATE}
+    with override_settings(TASKS=tasks):
+        with transaction.atomic():
+            first = tasks_backend.enqueue_once("nightly", count_plain_nesting, "outer", "nightly")
+        assert outbox.relay(once=True).sent == 1
+        if target == "database":
+            work_tasks()
+        assert (effects("outer"), effects("outer:inner")) == (1, 1)
+        # Still held by the outer run after the inner one ended.
+        assert ProviderCall.objects.filter(key="held:outer").count() == 1
+        assert not ProviderCall.objects.filter(key="freed:outer").exists()
+        row = OutboxUniqueKey.objects.get()
+        assert row.started_at is not None
+        assert row.finished_at is not None  # the outer run's end, reported
+        with transaction.atomic():
+            second = tasks_backend.enqueue_once("nightly", count_plain_nesting, "outer", "nightly")
+        assert second.id != first.id
+
+
+@needs_tasks
+def test_a_batch_mixing_reported_and_other_django_messages_writes_their_run_ids_at_once():
+    """The relay hands a batch over into django-tasks-db in one ``INSERT``; the result
+    ids of the reported messages among it go on their keys in one ``UPDATE`` more,
+    however many they are, and on no other key."""
+    from django_idempotency import tasks_backend
+    from tests.helpers import work_tasks
+    from tests.testapp import tasks_framework
+
+    with transaction.atomic():
+        reported = [
+            tasks_backend.enqueue_once(f"r{n}", tasks_framework.count_plain, f"r{n}").id
+            for n in range(3)
+        ]
+        reported.append(
+            tasks_backend.enqueue_once("async", tasks_framework.count_plain_async, "async").id
+        )
+        timed = tasks_backend.enqueue_once(
+            "timed", tasks_framework.count_plain, "timed", unique_until=MINUTE
+        ).id
+        recorded = tasks_backend.enqueue_once("recorded", tasks_framework.hold_unique, "rec", 0).id
+        tasks_framework.count_plain.enqueue("plain")
+    with CaptureQueriesContext(connection) as queries:
+        assert outbox.relay(once=True).sent == 7
+    written = key_statements(queries)
+    assert len(written) == 1, written
+    messages = {str(m.id): m for m in OutboxMessage.objects.all()}
+    rows = {str(row.message_id): row for row in OutboxUniqueKey.objects.all()}
+    assert {m: rows[m].run_id for m in reported} == {
+        m: messages[m].delivery["result_id"] for m in reported
+    }
+    assert (rows[timed].run_id, rows[recorded].run_id) == ("", "")
+    work_tasks()
+    rows = {str(row.message_id): row for row in OutboxUniqueKey.objects.all()}
+    assert all(rows[m].finished_at is not None for m in reported)
+    assert (rows[timed].started_at, rows[recorded].started_at) == (None, None)
+
+
+@needs_tasks
+def test_a_hand_over_that_failed_midway_leaves_no_report_of_its_rolled_back_runs():
+    """A batch handed over together fails at its second message, after its first ran
+    (``ImmediateBackend`` runs a task inside its ``enqueue``): the batch rolls back, the
+    reports of that attempt with it, and the messages go one by one. Each key then tells
+    only what its last hand-over did: the run id of the run that counted, and no start of
+    the run that failed."""
+    from django_idempotency import tasks_backend
+    from tests.testapp import tasks_framework
+
+    refusing = "tests.testapp.tasks_framework.RefusingImmediateBackend"
+    tasks = {**settings.TASKS, "worker": {"BACKEND": refusing}}
+    with override_settings(TASKS=tasks):
+        with transaction.atomic():
+            ids = {
+                tag: str(tasks_backend.enqueue_once(tag, tasks_framework.count_plain, tag).id)
+                for tag in ("first", "refused", "last")
+            }
+            plain = tasks_framework.count_plain.enqueue("plain").id
+        relayed = outbox.relay(once=True)
+    assert (relayed.sent, relayed.failed) == (3, 1)
+    assert [effects(tag) for tag in ("first", "refused", "last", "plain")] == [1, 0, 1, 1]
+    messages = {str(m.id): m for m in OutboxMessage.objects.all()}
+    assert messages[ids["refused"]].status == OutboxStatus.PENDING
+    assert messages[plain].status == OutboxStatus.SENT
+    rows = {row.key: row for row in OutboxUniqueKey.objects.all()}
+    for tag in ("first", "last"):
+        row = rows[tag]
+        assert row.run_id == messages[ids[tag]].delivery["result_id"]
+        assert row.started_at is not None
+        assert row.finished_at is not None
+    refused = rows["refused"]
+    assert (refused.run_id, refused.started_at, refused.finished_at) == ("", None, None)
 
 
 # -- what a run not reported costs ---------------------------------------------------------------

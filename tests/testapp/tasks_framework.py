@@ -28,17 +28,20 @@ from tests.testapp.models import ProviderCall
 if TYPE_CHECKING or importlib.util.find_spec("django.tasks") is None:
     from django_tasks import TaskContext, TaskResultStatus, task
     from django_tasks.backends.dummy import DummyBackend
+    from django_tasks.backends.immediate import ImmediateBackend
     from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist
 else:  # Django 6
     from django.tasks import TaskContext, TaskResultStatus, task
     from django.tasks.backends.dummy import DummyBackend
+    from django.tasks.backends.immediate import ImmediateBackend
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
 
 __all__ = [
     "LEASE_SECONDS",
     "InvalidTask",
     "NoFrillsBackend",
+    "RefusingImmediateBackend",
     "TaskResultDoesNotExist",
     "TaskResultStatus",
     "effects",
@@ -56,6 +59,18 @@ class NoFrillsBackend(DummyBackend):
     supports_defer = False
     supports_priority = False
     supports_async_task = False
+
+
+class RefusingImmediateBackend(ImmediateBackend):
+    """Runs a task inside its ``enqueue``, as ``ImmediateBackend`` does; then fails the
+    enqueue of a task whose first argument begins with ``refused`` (a backend whose own
+    write failed after the run)."""
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        result = super().enqueue(task, args, kwargs)
+        if args and str(args[0]).startswith("refused"):
+            raise RuntimeError("the backend refused the task after its run")
+        return result
 
 
 # Short, so that a delivery after a killed worker takes the dead run's lease over soon.
@@ -197,3 +212,18 @@ def record_called(tag: str) -> dict[str, Any]:
     """Deduplicated per message; the tests call its function from a Celery task."""
     ProviderCall.objects.create(key=f"effect:{tag}")
     return {"tag": tag}
+
+
+@task()
+def count_plain_nesting(tag: str, key: str) -> str:
+    """As ``count_plain``, and first runs ``count_plain`` inside itself, on the
+    ``immediate`` backend (Django's ``ImmediateBackend``, which runs a task inside its
+    ``enqueue``); then writes ``held:<tag>`` if its own ``enqueue_once`` key ``key`` is
+    still held by a run not ended, else ``freed:<tag>``."""
+    from django_idempotency.models import OutboxUniqueKey
+
+    count_plain.using(backend="immediate").enqueue(f"{tag}:inner")
+    row = OutboxUniqueKey.objects.get(key=key)
+    ended = row.started_at is None or row.finished_at is not None
+    ProviderCall.objects.create(key=f"{'freed' if ended else 'held'}:{tag}")
+    return count_effect(tag, False)
