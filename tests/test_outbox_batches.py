@@ -259,6 +259,27 @@ def test_a_batch_of_tasks_whose_deliveries_exceed_sqlites_parameters_is_handed_o
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == count
 
 
+@pytest.mark.skipif(not settings.HAS_DJANGO_TASKS, reason="needs Django's Tasks framework")
+def test_a_batch_of_reported_tasks_past_sqlites_parameters_writes_every_run_id_once(
+    sqlites_own_limit,
+):
+    """The run ids of a batch's reported messages (``enqueue_once`` of a task not under
+    ``@idempotent_task()``) go on their keys in one statement per part that one
+    statement's parameters hold: three a message."""
+    from django_idempotency import tasks_backend
+    from django_idempotency.models import OutboxUniqueKey
+    from tests.testapp.tasks_framework import count_plain
+
+    count = sqlites_own_limit // 3 + 1
+    with transaction.atomic():
+        for n in range(count):
+            tasks_backend.enqueue_once(f"many-{n}", count_plain, f"many-{n}")
+    assert outbox.relay(once=True, batch_size=count).sent == count
+    result_ids = {m.id: m.delivery["result_id"] for m in OutboxMessage.objects.all()}
+    run_ids = dict(OutboxUniqueKey.objects.values_list("message_id", "run_id"))
+    assert run_ids == result_ids
+
+
 @pytest.mark.skipif("server_binding" not in settings.DATABASES, reason="TEST_DB=postgres")
 def test_a_batch_past_postgresqls_65535_parameters_is_marked_sent_once():
     """Through server-side binding a statement carries at most 65535 parameters."""

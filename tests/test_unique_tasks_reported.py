@@ -211,6 +211,33 @@ def test_a_celery_run_reports_its_start_and_its_end_on_its_key(fail: bool):
     assert effects("eager") == 2
 
 
+def test_the_celery_senders_batch_asks_exactly_the_reported_messages_for_a_report():
+    """Through the broker (one producer for the batch): the header goes with the messages
+    written reported, and with no other message of the batch."""
+    from celery.signals import before_task_publish
+
+    published: dict[str, object] = {}
+
+    def seen(headers: Any = None, **kwargs: Any) -> None:
+        published[headers["id"]] = headers.get(_unique.RUN_HEADER)
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        with transaction.atomic():
+            reported = [once("a", hold_plain), once("b", count_plain, "b")]
+            others = [
+                outbox.enqueue("tests.count_plain", ["plain"]),
+                outbox.enqueue_once("timed", count_plain, "timed", unique_until=MINUTE),
+            ]
+        assert outbox.relay(once=True).sent == 4
+    finally:
+        before_task_publish.disconnect(seen)
+    assert published == {
+        **{str(message): "1" for message in reported},
+        **{str(message): None for message in others},
+    }
+
+
 @pytest.mark.parametrize(
     ("pool", "killed"),
     [("prefork", True), ("threads", False), ("solo", False), ("no.such.Pool", False)],
@@ -364,6 +391,21 @@ def test_a_django_task_run_inside_the_hand_over_reports_its_run_by_its_message()
         assert row.finished_at is not None
         with transaction.atomic():
             assert tasks_backend.enqueue_once("nightly", django_plain, "now").id != first.id
+
+
+@needs_tasks
+def test_a_django_message_not_reported_run_inside_the_hand_over_touches_no_key():
+    """Handed over to a backend that runs it inside its ``enqueue``, a message not written
+    reported is known not to be: no key is looked for by a result id none can know."""
+    from tests.testapp.tasks_framework import count_plain as django_plain
+
+    with override_settings(TASKS={**settings.TASKS, "worker": {"BACKEND": IMMEDIATE}}):
+        with transaction.atomic():
+            django_plain.enqueue("plain")
+        with CaptureQueriesContext(connection) as queries:
+            assert outbox.relay(once=True).sent == 1
+    assert effects("plain") == 1
+    assert key_statements(queries) == []
 
 
 @needs_tasks
