@@ -478,10 +478,13 @@ def _run_started(sender: object, task_result: TaskResult[Any, Any], **kwargs: An
         return
     try:
         found = _unique.run_started(app_settings.DATABASE, app_settings.LEASE, **_by(reported))
+        # A run whose key did not know it yet may be a message's whose hand-over had not
+        # committed: its end is reported once it comes (one UPDATE more).
+        known_later = not found and reported[0] == "run" and _seen_first(task_result.backend)
     except Exception:  # the task runs whatever: its key stays held until its run's TTL
         logger.exception("could not report the start of task run %s on its key", reported[1])
         return
-    if found:
+    if found or known_later:
         running = (*_REPORTING.get(), (str(task_result.id), reported))
         _REPORTING.set(running[-_MOST_REPORTING:])
 
@@ -505,6 +508,14 @@ def _run_finished(sender: object, task_result: Any = None, **kwargs: Any) -> Non
 def _by(reported: tuple[str, str]) -> dict[str, Any]:
     kind, value = reported
     return {"message_id": value} if kind == "message" else {"run_id": value}
+
+
+def _seen_first(alias: str) -> bool:
+    """Whether a worker of the backend ``alias`` may start a task before the relay's
+    transaction that handed it over (and wrote the run's id on its key) has committed: the
+    backend keeps its tasks outside the outbox's database (a broker's backend; a
+    django-tasks-db routed to another database), not in it, where both commit together."""
+    return database_of(task_backends[alias]) != app_settings.DATABASE
 
 
 def _delivered_to() -> set[str]:

@@ -8,6 +8,7 @@ one process: its worker reports the run on the key's row (Celery's ``task_prerun
 from __future__ import annotations
 
 import importlib.util
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -512,6 +513,37 @@ def test_a_hand_over_that_failed_midway_leaves_no_report_of_its_rolled_back_runs
         assert row.finished_at is not None
     refused = rows["refused"]
     assert (refused.run_id, refused.started_at, refused.finished_at) == ("", None, None)
+
+
+@needs_tasks
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="a worker with a connection of its own")
+def test_a_run_started_before_the_hand_over_committed_frees_its_key_when_it_ends():
+    """A ``DELIVER_TO`` backend that keeps its tasks outside the outbox's database (a
+    broker's): its worker may start a task before the relay's transaction, which writes the
+    run's id on its key, has committed. That start finds no key to report on; its end,
+    after the commit, frees the key, which was held until the ``TTL`` after sending."""
+    from django_idempotency import tasks_backend
+    from tests.testapp import tasks_framework
+
+    broker = "tests.testapp.tasks_framework.BrokerLikeBackend"
+    with override_settings(TASKS={**settings.TASKS, "worker": {"BACKEND": broker}}):
+        with transaction.atomic():
+            first = tasks_backend.enqueue_once("nightly", tasks_framework.gated_plain, "early")
+        try:
+            assert outbox.relay(once=True).sent == 1
+            row = OutboxUniqueKey.objects.get()
+            assert row.run_id == OutboxMessage.objects.get().delivery["result_id"]
+            assert row.started_at is None  # its start came too early to be reported
+        finally:
+            tasks_framework.GATES.setdefault("early", threading.Event()).set()
+            for run in tasks_framework.BrokerLikeBackend.RUNS:
+                run.join(30)
+            tasks_framework.BrokerLikeBackend.RUNS.clear()
+        assert effects("early") == 1
+        assert OutboxUniqueKey.objects.get().finished_at is not None
+        with transaction.atomic():
+            second = tasks_backend.enqueue_once("nightly", tasks_framework.gated_plain, "late")
+        assert second.id != first.id
 
 
 # -- what a run not reported costs ---------------------------------------------------------------

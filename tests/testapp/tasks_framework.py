@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ else:  # Django 6
 
 __all__ = [
     "LEASE_SECONDS",
+    "BrokerLikeBackend",
     "InvalidTask",
     "NoFrillsBackend",
     "RefusingImmediateBackend",
@@ -71,6 +73,38 @@ class RefusingImmediateBackend(ImmediateBackend):
         if args and str(args[0]).startswith("refused"):
             raise RuntimeError("the backend refused the task after its run")
         return result
+
+
+#: Per tag: set once a run of ``gated_plain`` started; the gate it then waits for (30 s
+#: at most).
+STARTED: dict[str, threading.Event] = {}
+GATES: dict[str, threading.Event] = {}
+
+
+def _event(events: dict[str, threading.Event], tag: str) -> threading.Event:
+    return events.setdefault(tag, threading.Event())
+
+
+class BrokerLikeBackend(ImmediateBackend):
+    """Keeps its tasks outside any database, as a broker's backend does, and its worker
+    takes each one up at once: the task runs in a thread of its own (with its own
+    connection), and ``enqueue`` returns once a ``gated_plain`` run has started there.
+    ``RUNS``: the threads, for the tests to join."""
+
+    RUNS: list[threading.Thread] = []
+
+    def _execute_task(self, task_result: Any) -> None:
+        run = threading.Thread(target=self._work, args=(task_result,))
+        run.start()
+        self.RUNS.append(run)
+        if task_result.args:
+            _event(STARTED, str(task_result.args[0])).wait(30)
+
+    def _work(self, task_result: Any) -> None:
+        try:
+            ImmediateBackend._execute_task(self, task_result)
+        finally:
+            connections.close_all()
 
 
 # Short, so that a delivery after a killed worker takes the dead run's lease over soon.
@@ -226,4 +260,13 @@ def count_plain_nesting(tag: str, key: str) -> str:
     row = OutboxUniqueKey.objects.get(key=key)
     ended = row.started_at is None or row.finished_at is not None
     ProviderCall.objects.create(key=f"{'freed' if ended else 'held'}:{tag}")
+    return count_effect(tag, False)
+
+
+@task()
+def gated_plain(tag: str) -> str:
+    """Not under ``@idempotent_task()``: says it started (``STARTED``), waits for its gate
+    (``GATES``), then counts its effect."""
+    _event(STARTED, tag).set()
+    _event(GATES, tag).wait(30)
     return count_effect(tag, False)
