@@ -262,8 +262,6 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
     until = _policies.unique_until_of(holder.unique_until)
     if until.by_time:
         return holder.held_until is not None and holder.held_until > now
-    if holder.finished_at is not None:
-        return False  # its run ended with an error
     messages = OutboxMessage.objects.using(alias).filter(pk=holder.message_id)
     fresh = of(alias).newest_read if newest else of(alias).fresh_read
     state = ("status", "sent_at", "run_reported")
@@ -275,7 +273,11 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
     else:
         status, sent_at, reported = messages.values_list(*state).first() or (None, None, False)
     if status == OutboxStatus.PENDING:
-        return True  # not sent yet
+        # Not sent yet, or to be sent again: a run of it that ended before the relay's
+        # batch rolled back (its process killed before the commit) does not free it.
+        return True
+    if holder.finished_at is not None:
+        return False  # its run ended (with an error, or reported on the key)
     if status == OutboxStatus.DEAD:
         return not until.frees_at_finish
     if reported:

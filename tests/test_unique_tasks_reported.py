@@ -121,6 +121,29 @@ def test_a_late_report_of_a_message_whose_key_was_taken_over_changes_nothing():
     assert once("nightly", hold_plain) == second
 
 
+@pytest.mark.parametrize("run", ["reported", "recorded"])
+def test_a_message_waiting_for_the_relay_holds_its_key_whatever_its_run_said(run: str):
+    """The relay published the message and its worker ran it to its end (reported on the
+    key; or, under ``@idempotent_task()``, failed), but the relay's batch rolled back (its
+    process killed before the commit): the message waits for the relay again, which sends
+    it again. Every message holds its key while it waits for the relay; a second message
+    would run beside that second send."""
+    from tests.testapp.tasks import hold_unique
+
+    task = hold_plain if run == "reported" else hold_unique
+    first = once("nightly", task)
+    if run == "reported":
+        assert started(first)
+        ended(first)
+    else:
+        _unique.finished(app_settings.DATABASE, first)  # its run failed
+    row = OutboxUniqueKey.objects.get()
+    assert row.finished_at is not None
+    assert OutboxMessage.objects.get().status == OutboxStatus.PENDING
+    assert once("nightly", task) == first
+    assert OutboxMessage.objects.count() == 1
+
+
 def test_a_run_reported_ended_is_not_started_again_by_a_redelivery():
     first = once("nightly", hold_plain)
     sent(first)
