@@ -1,7 +1,8 @@
 """The suite's hooks and its shared fixtures.
 
-The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``) and mark the
-tests that start servers (``servers``: see ``SERVER_FIXTURES``). The plain helpers that test
+The hooks choose a part of the suite (``TEST_DATABASE_ONLY``, ``TEST_SHARD``), mark the
+tests that start servers (``servers``: see ``SERVER_FIXTURES``) and empty the database after
+each transactional test the cheaper way of ``tests/flush.py``. The plain helpers that test
 modules share are in ``tests/helpers.py``.
 """
 
@@ -21,7 +22,7 @@ pytest.register_assert_rewrite("tests.helpers", "tests.live")
 from django.contrib.auth.models import User  # noqa: E402
 from django.db import connection, connections  # noqa: E402
 
-from tests import live  # noqa: E402
+from tests import flush, live  # noqa: E402
 from tests.factories import UserFactory  # noqa: E402
 from tests.helpers import ApiClient, Example, capped_vendor, example_server  # noqa: E402
 
@@ -50,6 +51,8 @@ SERVER_FIXTURES = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     live.under_pytest = True
+    # After each transactional test, the database emptied as Django's flush would, cheaper.
+    flush.install()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -648,6 +648,14 @@ def celery_worker(
             control.close()
 
 
+def node_name(worker: subprocess.Popen[bytes]) -> str:
+    """The node name of a worker that ``celery_worker`` started: the ``destination`` of a
+    control command for it alone. (A command with a reply and no destination waits out its
+    whole timeout for the replies of every worker on the broker, other runs' included.)"""
+    arguments = [str(argument) for argument in worker.args]
+    return arguments[arguments.index("-n") + 1]
+
+
 def stop_process(process: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
     """Stop a process started in a session of its own (a worker and its pool processes)."""
     if process.poll() is None:

@@ -1,13 +1,22 @@
 """The test suite's own machinery: TEST_DATABASE_ONLY and TEST_SHARD (tests/conftest.py),
-the helpers' assertions, the progress line of `make test`."""
+the database emptied after a transactional test (tests/flush.py), the helpers' assertions,
+the progress line of `make test`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Permission
+from django.core.management.sql import emit_post_migrate_signal
+from django.db import connection
+from django.test import TransactionTestCase
 
+from django_idempotency.models import IdempotencyStep
+from tests import flush
 from tests.conftest import shard_of, touches_the_database
+from tests.factories import RecordFactory, UserFactory
+from tests.testapp.models import ProviderCall
 
 
 @pytest.fixture
@@ -72,3 +81,73 @@ def test_the_progress_line_reads_each_runs_percentage(tmp_path):
     assert state(log) == "12%"
     log.write_text("collecting ...")
     assert state(log) == "collecting ..."
+
+
+# -- the database emptied after a transactional test (tests/flush.py) --------------------------
+
+
+def rows_by_table() -> dict[str, int]:
+    counts = {}
+    with connection.cursor() as cursor:
+        for table in connection.introspection.django_table_names(
+            only_existing=True, include_views=False
+        ):
+            cursor.execute(f"SELECT count(*) FROM {connection.ops.quote_name(table)}")
+            (counts[table],) = cursor.fetchone()
+    return counts
+
+
+def kept_rows() -> list[list[tuple[Any, ...]]]:
+    return [list(model.objects.order_by("pk").values_list()) for model in flush.KEPT]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_database_is_left_as_djangos_flush_leaves_it():
+    """Every table empty but the content types and permissions, which hold what
+    ``post_migrate`` (sent by Django's flush) writes: sent again, it writes nothing."""
+    assert TransactionTestCase._fixture_teardown is flush._fixture_teardown  # installed
+    flush.empty("default")  # Django's flush, the first time in a run
+    written = kept_rows()
+    assert all(written)
+    user = UserFactory()
+    user.user_permissions.add(Permission.objects.get(codename="view_idempotencyrecord"))
+    IdempotencyStep.objects.create(record=RecordFactory.create(), name="charge", result="{}")
+    ProviderCall.objects.create(key="charge")
+    assert flush.empty("default") == "deleted"
+    kept = {model._meta.db_table for model in flush.KEPT}
+    assert {table: n for table, n in rows_by_table().items() if n and table not in kept} == {}
+    assert kept_rows() == written
+    emit_post_migrate_signal(0, False, "default")
+    assert kept_rows() == written
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_changed_permission_is_written_again_by_djangos_flush():
+    flush.empty("default")
+    Permission.objects.filter(codename="view_idempotencyrecord").delete()
+    assert flush.empty("default") == "flushed"
+    assert Permission.objects.filter(codename="view_idempotencyrecord").count() == 1
+    assert flush.empty("default") == "deleted"
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's dead rows")
+@pytest.mark.django_db(transaction=True)
+def test_a_table_grown_past_the_bound_is_truncated_by_djangos_flush():
+    """Deleted rows stay in a PostgreSQL table until a VACUUM: a table that grew past the
+    bound is truncated, so that none grows run after run."""
+    flush.empty("default")
+
+    def size() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_table_size('testapp_providercall')")
+            (bytes_,) = cursor.fetchone()
+        return int(bytes_)
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO testapp_providercall (key)"
+            " SELECT 'bulk-' || n FROM generate_series(1, 20000) AS n"
+        )
+    assert size() > flush.LARGEST_DELETED
+    assert flush.empty("default") == "flushed"
+    assert (size(), ProviderCall.objects.count()) == (0, 0)

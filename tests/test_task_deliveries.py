@@ -225,9 +225,13 @@ def test_a_map_whose_other_delivery_died_mid_item_runs_every_item_once_after_the
     import os
     import signal
 
-    from tests.testapp.tasks import record_effect_long_lease
+    from tests import celery_app
+    from tests.testapp.tasks import MEDIUM_LEASE_SECONDS, record_effect_medium_lease
 
-    canvas = record_effect_long_lease.starmap([("map-held", 60), ("map-next", 0)])
+    # The map's retry after the lease comes within the visibility timeout: past it, the
+    # retried message was handed out once more, and the queue drained 10 s later.
+    assert MEDIUM_LEASE_SECONDS < celery_app.VISIBILITY_TIMEOUT
+    canvas = record_effect_medium_lease.starmap([("map-held", 60), ("map-next", 0)])
     task_id = str(uuid.uuid4())
     with celery_worker(concurrency=2):
         for _ in range(2):

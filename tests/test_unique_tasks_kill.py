@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from django_idempotency import _unique
 from django_idempotency.models import IdempotencyRecord, OutboxUniqueKey
-from tests.helpers import postgres_only, stop_process, wait_until
+from tests.helpers import node_name, postgres_only, stop_process, wait_until
 from tests.testapp.models import ProviderCall
 
 pytest.importorskip("celery", reason="Celery is an optional dependency")
@@ -102,7 +102,9 @@ def test_a_message_revoked_before_its_run_frees_the_key_when_the_worker_discards
     with ExitStack() as stack:
         worker = stack.enter_context(framework.worker())
         first = enqueue_once("k", task, tag, 0.1)
-        replies = celery_app.app.control.revoke(str(first), reply=True, timeout=5)
+        replies = celery_app.app.control.revoke(
+            str(first), destination=[node_name(worker)], reply=True, timeout=5
+        )
         assert replies, "the worker did not acknowledge the revoke"
         stack.callback(stop_process, framework.relay())
         wait_until(

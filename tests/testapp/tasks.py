@@ -27,6 +27,12 @@ from tests.testapp.models import ProviderCall
 LEASE_SECONDS = 3
 # Longer than a killed run takes to be redelivered, so the redelivery meets a live lease.
 LONG_LEASE_SECONDS = 10
+# Longer than a duplicate delivered at the same time takes to reach a run's claim, so that it
+# meets the live lease; and shorter than the broker's visibility timeout (tests/celery_app.py),
+# which the countdown of its retry after the lease must stay under: past it Redis hands the
+# retried message out once more while the worker holds it for its countdown, and the test
+# waits for that delivery too.
+MEDIUM_LEASE_SECONDS = 6
 
 
 def _body(tag: str, hold: float) -> dict[str, Any]:
@@ -52,6 +58,14 @@ def record_effect(tag: str, hold: float = 0.0) -> dict[str, Any]:
 @idempotent_task(lease=LONG_LEASE_SECONDS)
 def record_effect_long_lease(tag: str, hold: float = 0.0) -> dict[str, Any]:
     """Deduplicated by the task id, with a lease that outlives a quick redelivery."""
+    return _body(tag, hold)
+
+
+@shared_task(name="tests.record_effect_medium_lease", acks_late=True, reject_on_worker_lost=True)
+@idempotent_task(lease=MEDIUM_LEASE_SECONDS)
+def record_effect_medium_lease(tag: str, hold: float = 0.0) -> dict[str, Any]:
+    """Deduplicated by the task id, with a lease that a duplicate delivered at the same time
+    meets live, and that its retry waits out within the broker's visibility timeout."""
     return _body(tag, hold)
 
 
