@@ -6,6 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -114,19 +115,27 @@ def test_in_flight_duplicate_gets_a_prompt_409(live_server, user, path, tmp_path
     assert replay.body == first.body
 
 
-@override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
-def test_bounded_wait_turns_the_409_into_a_replay(live_server, user, tmp_path):
-    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+def _original_and_waiting_duplicate(
+    live_server: Any, headers: dict[str, str], tmp_path: Path, then: str
+) -> tuple[Any, Any]:
+    """An original held after its write (then ``then``, more ``X-Test`` directives) and a
+    duplicate sent once it holds its claim; the original released once the duplicate is
+    seen waiting for it. Their answers."""
     started, gate = tmp_path / "started", tmp_path / "gate"
-    held = {**headers, "X-Test": f"touch-after-write:{started},wait-after-write:{gate}"}
+    held = {**headers, "X-Test": f"touch-after-write:{started},wait-after-write:{gate}{then}"}
     with watching_polls() as polls, ThreadPoolExecutor(max_workers=2) as pool:
         original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, held)
         reached(started)
         waiting = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, headers)
         polls.wait(timeout=WAIT)  # the duplicate waits for the original
         gate.touch()
-        first = original.result(timeout=30)
-        duplicate = waiting.result(timeout=30)
+        return original.result(timeout=30), waiting.result(timeout=30)
+
+
+@override_settings(IDEMPOTENCY={"IN_PROGRESS_WAIT": 5})
+def test_bounded_wait_turns_the_409_into_a_replay(live_server, user, tmp_path):
+    headers = {**session_headers(user), "Idempotency-Key": new_key()}
+    first, duplicate = _original_and_waiting_duplicate(live_server, headers, tmp_path, "")
     assert duplicate.status == 201
     assert duplicate.replayed
     assert duplicate.body == first.body
@@ -138,19 +147,10 @@ def test_a_duplicate_waiting_on_an_original_that_failed_runs_the_view_itself(
     live_server, user, tmp_path
 ):
     headers = {**session_headers(user), "Idempotency-Key": new_key()}
-    started, gate = tmp_path / "started", tmp_path / "gate"
-    failing = {
-        **headers,
-        "X-Test": f"touch-after-write:{started},wait-after-write:{gate},raise-after-write",
-    }
-    with watching_polls() as polls, ThreadPoolExecutor(max_workers=2) as pool:
-        original = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, failing)
-        reached(started)
-        waiting = pool.submit(request, live_server.url, "POST", "/charges/", CHARGE, headers)
-        polls.wait(timeout=WAIT)  # the duplicate waits for the original
-        gate.touch()
-        assert original.result(timeout=30).status == 500
-        duplicate = waiting.result(timeout=30)
+    original, duplicate = _original_and_waiting_duplicate(
+        live_server, headers, tmp_path, ",raise-after-write"
+    )
+    assert original.status == 500
     # The original's claim was released when it failed: the waiting duplicate claimed and ran.
     assert duplicate.status == 201
     assert not duplicate.replayed
