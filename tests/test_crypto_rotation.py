@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from io import StringIO
@@ -385,6 +386,9 @@ def test_two_rotations_a_purge_and_live_retries_on_the_same_rows(user):
             results = [f.result(timeout=WAIT * 4) for f in rotations]
             deleted = purged.result(timeout=WAIT * 4)
             seen = [a for f in answers for a in f.result(timeout=WAIT * 4)]
+        # A short batch ends a purge: an expired row that a rotation's batch held as the
+        # purge passed it is left to the next run, which deletes (and copies) it once.
+        again = maintenance.purge_expired().deleted
         leftover = maintenance.rotate_encryption()
         for key, status, content, replayed in seen:
             if key in expired:
@@ -401,9 +405,15 @@ def test_two_rotations_a_purge_and_live_retries_on_the_same_rows(user):
         # one perhaps before the purge or a takeover replaced it), none twice.
         assert survivors <= sealed <= rows, (results, leftover)
         # Each expired row left one audit copy (purged or replaced), sealed with the new key.
+        copies = Counter(IdempotencyAuditRecord.objects.values_list("key", flat=True))
+        assert copies == dict.fromkeys(expired, 1)
         assert key_ids(IdempotencyAuditRecord) == {crypto.key_id(NEW): len(expired)}
+        assert not IdempotencyRecord.objects.filter(expires_at__lte=timezone.now()).exists()
         assert key_ids() == {crypto.key_id(NEW): IdempotencyRecord.objects.count()}
         assert not IdempotencyRecord.objects.filter(status="in_progress").exists()
-        # The purge deleted the expired rows no retry took over first.
+        # The purges deleted the expired rows no retry took over first.
         assert deleted >= 1
+        purged_copies = IdempotencyAuditRecord.objects.filter(reason="purged").count()
+        assert deleted + again == purged_copies
+        assert len(expired) - purged_copies <= len(retried_expired)
         assert maintenance.rotate_encryption(dry_run=True).records == 0
