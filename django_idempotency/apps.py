@@ -65,7 +65,9 @@ class IdempotencyConfig(AppConfig):
                 tasks.run_ended, weak=False, dispatch_uid="django_idempotency.task_postrun"
             )
             before_task_publish.connect(
-                tasks.replacing, weak=False, dispatch_uid="django_idempotency.replacing"
+                tasks.publishing_again,
+                weak=False,
+                dispatch_uid="django_idempotency.publishing_again",
             )
             worker_init.connect(
                 tasks.worker_starting, weak=False, dispatch_uid="django_idempotency.worker_init"

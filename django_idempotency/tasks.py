@@ -504,21 +504,34 @@ def _reporting(report: Callable[[], object]) -> None:
         report()
 
 
-def replacing(sender: object = None, headers: object = None, **kwargs: Any) -> None:
-    """Celery's ``before_task_publish``: a reported run that replaces itself
-    (``Task.replace`` publishes the replacement one level deeper in
-    ``replaced_task_nesting``, then raises ``Ignore``) has not ended when it stops: the
-    replacement, under its task id, reports the rest of the message's run."""
-    nesting = headers.get("replaced_task_nesting") if isinstance(headers, dict) else None
-    if not isinstance(nesting, int) or nesting <= 0:
-        return  # not a replacement: every other message published anywhere
+def publishing_again(sender: object = None, headers: object = None, **kwargs: Any) -> None:
+    """Celery's ``before_task_publish``: a reported run that publishes its own message
+    again has not ended when it stops. ``Task.replace`` publishes the replacement one level
+    deeper in ``replaced_task_nesting``, then raises ``Ignore``: the replacement, under its
+    task id, reports the rest of the message's run. ``Task.retry`` publishes the message
+    under its task id with ``retries`` one more, then raises ``Retry`` (the run ends in
+    ``RETRY``), or with ``throw=False`` hands the body the exception to return (the run
+    ends in ``SUCCESS``): the retry reports the rest."""
+    if not isinstance(headers, dict):
+        return
+    nesting = headers.get("replaced_task_nesting")
+    nesting = nesting if isinstance(nesting, int) else 0
+    retries = headers.get("retries")
+    retries = retries if isinstance(retries, int) else 0
+    replaced = nesting > 0
+    if not replaced and retries <= 0:
+        return  # a first publish: every other message published anywhere
     from celery import current_task
 
     running: Any = current_task if current_task else None  # the run publishing, if any
-    if _reported(running) is not None:
-        request = running.request
+    if _reported(running) is None:
+        return
+    request = running.request
+    if replaced:
         if nesting > (getattr(request, "replaced_task_nesting", 0) or 0):
-            setattr(request, _REPLACED, True)
+            setattr(request, _AGAIN, True)
+    elif headers.get("id") == request.id and retries > (request.retries or 0):
+        setattr(request, _AGAIN, True)
 
 
 def worker_starting(sender: object = None, **kwargs: Any) -> None:
@@ -546,8 +559,9 @@ class _Pool:
 # How a Celery run is reported on its key: the relay sent its message with RUN_HEADER; or
 # it replaces such a run under its task id (Task.replace), the header not carried over.
 _SENT, _REPLACEMENT = "sent", "replacement"
-#: Set on the request of a reported run that replaced itself (:func:`replacing`).
-_REPLACED = "django_idempotency_replaced"
+#: Set on the request of a reported run that published its message again: a replacement or
+#: a retry (:func:`publishing_again`).
+_AGAIN = "django_idempotency_again"
 
 
 def _reported(task: Any) -> str | None:
@@ -565,15 +579,15 @@ def _reported(task: Any) -> str | None:
 
 def _runs_again(task: Any, state: object, retval: object) -> bool:
     """Whether Celery runs the message again after this run stopped in ``state``: a retry
-    (``RETRY``), a ``Reject(requeue=True)`` of an ``acks_late`` message (``REJECTED``), or
-    a replacement under the same task id (``IGNORED``, :func:`replacing`). The key holds
-    for this run's lease meanwhile, and the next run reports again."""
-    if state == "RETRY":
+    (``RETRY``; or ``SUCCESS`` after ``self.retry(throw=False)``), a
+    ``Reject(requeue=True)`` of an ``acks_late`` message (``REJECTED``), or a replacement
+    under the same task id (``IGNORED``): those that publish the message again say so
+    (:func:`publishing_again`). The key holds for this run's lease meanwhile, and the next
+    run reports again."""
+    if state == "RETRY" or getattr(task.request, _AGAIN, False):
         return True
     if state == "REJECTED":
         return isinstance(retval, BaseException) and _retried(task, retval)
-    if state == "IGNORED":
-        return bool(getattr(task.request, _REPLACED, False))
     return False
 
 

@@ -69,9 +69,12 @@ def a_later_message_runs(task: object, first: uuid.UUID) -> None:
     assert OutboxUniqueKey.objects.get().message_id == second
 
 
-@pytest.mark.parametrize("first_run", ["retry", "reject", "replace", "replace-by-chain"])
+@pytest.mark.parametrize(
+    "first_run", ["retry", "retry-no-throw", "reject", "replace", "replace-by-chain"]
+)
 def test_the_key_holds_until_the_messages_last_run_ended(first_run: str):
-    """The first run retries (``self.retry()``), is rejected with ``requeue=True`` under
+    """The first run retries (``self.retry()``, or ``self.retry(throw=False)`` and returns,
+    which Celery records as a success), is rejected with ``requeue=True`` under
     ``acks_late``, or replaces itself (``self.replace()``, by one run or by a chain whose
     last task runs under the same task id): the message runs again, and its key holds
     until that run ended."""

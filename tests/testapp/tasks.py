@@ -174,6 +174,7 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
     (tests/test_unique_tasks_reported_workers.py):
 
     - ``"reject"``: raises ``Reject(requeue=True)``; ``"retry"``: ``self.retry()``;
+      ``"retry-no-throw"``: ``self.retry(throw=False)``, then returns;
       ``"ignore"``: raises ``Ignore``;
     - ``"replace"``: replaces itself by another run of the task; ``"replace-by-chain"``: by
       a chain that ends with one.
@@ -189,6 +190,10 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         raise Reject("first delivery", requeue=True)
     if place == 0 and first == "retry":
         raise task.retry(countdown=0, max_retries=1)
+    if place == 0 and first == "retry-no-throw":
+        # The retry is published, and the run returns: it ends in SUCCESS.
+        task.retry(countdown=0, max_retries=1, throw=False)
+        return "retried"
     if place == 0 and first == "ignore":
         raise Ignore()
     if place == 0 and first == "replace":
