@@ -438,12 +438,13 @@ def task_operation(task: str) -> str:
     return f"task:{task}"
 
 
-def finished(alias: str, message_id: object) -> None:
+def finished(alias: str, message_id: object, *, stopped: bool = False) -> None:
     """A worker's run of a message ended with an error: its key (if it has one) is free.
 
     Unless another delivery of the message holds its run's record under a live lease (it
     took this run's stale lease over, and runs still): that run holds the key now, and frees
-    it when it ends. A success needs nothing: its record says so."""
+    it when it ends. A success needs nothing: its record says so. ``stopped``: the run was
+    told to stop and may still go on; a run reported on the key keeps it for its lease."""
     try:
         pk = uuid.UUID(str(message_id))
     except ValueError:
@@ -457,7 +458,10 @@ def finished(alias: str, message_id: object) -> None:
     running = IdempotencyRecord.objects.using(alias).filter(
         states.live_lease_q(now), account=account, operation=operation, key=key
     )
-    keys.filter(pk=holder.pk).exclude(Exists(running)).update(finished_at=now)
+    freed = keys.filter(pk=holder.pk).exclude(Exists(running))
+    if stopped:
+        freed = freed.exclude(started_at__isnull=False, lease_expires_at__gt=now)
+    freed.update(finished_at=now)
 
 
 def describe_holder(holder: OutboxUniqueKey, now: datetime | None = None) -> dict[str, Any]:

@@ -430,13 +430,16 @@ def _retried(task: Task[Any, Any] | None, exc: BaseException) -> bool:
     return limit is None or task.request.retries < limit
 
 
-def revoked(sender: object = None, request: Any = None, **kwargs: Any) -> None:
+def revoked(
+    sender: object = None, request: Any = None, terminated: object = False, **kwargs: Any
+) -> None:
     """Celery's ``task_revoked``: a message revoked (or past its ``expires``) that a worker
     discarded ends there, a terminal state: its ``enqueue_once`` key is free. A run it
-    stopped (``revoke(terminate=True)``) keeps its record's lease, which decides as after a
-    crash (``_unique.finished``)."""
+    stopped (``revoke(terminate=True)``: the worker signals the run's process and says so
+    at once, while the run may go on) keeps its lease, which decides as after a crash: its
+    record's, or the run's reported on the key (``_unique.finished``)."""
     task_id = getattr(request, "id", None)
-    _run_failed(task_id if isinstance(task_id, str) else None)
+    _run_failed(task_id if isinstance(task_id, str) else None, stopped=bool(terminated))
 
 
 def run_started(
@@ -603,11 +606,11 @@ def _reported_lease(task: Any) -> timedelta:
     return app_settings.LEASE
 
 
-def _run_failed(message_id: str | None) -> None:
+def _run_failed(message_id: str | None, *, stopped: bool = False) -> None:
     if message_id is None:
         return
     try:
-        _unique.finished(app_settings.DATABASE, message_id)
+        _unique.finished(app_settings.DATABASE, message_id, stopped=stopped)
     except Exception:  # the task's own error is what the caller must see
         logger.exception("could not free the unique key of message %s", message_id)
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from django_idempotency import _unique
 from django_idempotency.models import OutboxMessage, OutboxUniqueKey
-from tests.helpers import postgres_only, stop_process, wait_until
+from tests.helpers import celery_worker, node_name, postgres_only, stop_process, wait_until
 from tests.testapp.models import ProviderCall
 
 pytest.importorskip("celery", reason="Celery is an optional dependency")
@@ -92,6 +92,38 @@ def test_the_key_holds_until_the_messages_last_run_ended(first_run: str):
         a_later_message_runs(gated_plain, first)
     assert (starts(tag), effects(tag)) == (2, 1)
     assert OutboxMessage.objects.count() == 2
+
+
+def test_a_run_told_to_stop_holds_the_key_until_it_ended_or_its_lease_ran_out():
+    """``revoke(terminate=True)`` signals the run's process and reports the message revoked
+    at once, while the run may go on (it handles ``SIGTERM``, or is still finishing): a
+    stopped run is a crash, and its lease decides. The key frees when the run ends."""
+    from tests import celery_app
+
+    tag = f"terminated-{uuid.uuid4().hex[:6]}"
+    with ExitStack() as stack:
+        worker = stack.enter_context(celery_worker(concurrency=1))
+        stack.callback(stop_process, framework_named("celery").relay())
+        first = enqueue_once("k", gated_plain, tag, "outlive-sigterm")
+        wait_until(lambda: starts(tag) == 1, "the run to start", timeout=TIMEOUT)
+        wait_until(lambda: held_since_started(), "the run's report", timeout=TIMEOUT)
+        replies = celery_app.app.control.revoke(
+            str(first), destination=[node_name(worker)], terminate=True, reply=True, timeout=5
+        )
+        assert replies, "the worker did not acknowledge the revoke"
+        marks = ProviderCall.objects.using("provider")
+        wait_until(lambda: marks.filter(key=f"sigterm:{tag}").exists(), "the run to be signalled")
+        assert effects(tag) == 0  # it runs still
+        assert enqueue_once("k", gated_plain, tag, "wait") == first
+        open_gate(tag)
+        wait_until(lambda: effects(tag) == 1, "the run's end", timeout=TIMEOUT)
+        a_later_message_runs(gated_plain, first)
+    assert (starts(tag), effects(tag)) == (1, 1)
+    assert OutboxMessage.objects.count() == 2
+
+
+def held_since_started() -> bool:
+    return OutboxUniqueKey.objects.filter(started_at__isnull=False).exists()
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo"])

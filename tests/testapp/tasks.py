@@ -175,7 +175,7 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
 
     - ``"reject"``: raises ``Reject(requeue=True)``; ``"retry"``: ``self.retry()``;
       ``"retry-no-throw"``: ``self.retry(throw=False)``, then returns;
-      ``"ignore"``: raises ``Ignore``;
+      ``"ignore"``: raises ``Ignore``; ``"outlive-sigterm"``: notes a SIGTERM and goes on;
     - ``"replace"``: replaces itself by another run of the task; ``"replace-by-chain"``: by
       a chain that ends with one.
     """
@@ -196,6 +196,13 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         return "retried"
     if place == 0 and first == "ignore":
         raise Ignore()
+    signalled: list[int] = []
+    if place == 0 and first == "outlive-sigterm":
+        # A run that finishes its work when told to stop (revoke(terminate=True)); noted
+        # by the wait below, not in the handler, which may interrupt a query.
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda signum, _frame: signalled.append(signum))
     if place == 0 and first == "replace":
         return task.replace(task.si(tag, "wait"))
     if place == 0 and first == "replace-by-chain":
@@ -206,6 +213,8 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         return task.replace(replacement)
     deadline = time.monotonic() + 30
     while not marks.filter(key=f"gate:{tag}").exists() and time.monotonic() < deadline:
+        if signalled and signalled.pop():
+            marks.create(key=f"sigterm:{tag}")
         time.sleep(0.05)
     ProviderCall.objects.create(key=f"effect:{tag}")
     return tag
