@@ -35,6 +35,7 @@ from django_idempotency._protection import (
     in_order,
     is_drf_view,
     marker,
+    method_names,
     ninja_path_view,
     options_of,
     required_methods,
@@ -280,7 +281,7 @@ def _class_rows(callback: Callable[..., Any], view_class: type) -> list[Row]:
     """A Django class-based view: ``method_decorator(idempotent)`` on ``dispatch`` (copied
     onto the view function by ``as_view``) or on the method itself."""
     rows: list[Row] = []
-    for method in class_methods(view_class):
+    for method in class_methods(view_class, callback):
         # The decorator on dispatch (or around the view function) runs first: where the
         # handler is decorated too, the outer layer's claim is the one that protects.
         found = marker(callback) or options_of(getattr(view_class, method.lower()))
@@ -298,12 +299,12 @@ def _drf_rows(callback: Callable[..., Any], cls: type) -> list[Row]:
     from django_idempotency.drf import IdempotencyMixin
 
     initkwargs = dict(getattr(callback, "initkwargs", {}))
-    allowed = {m.upper() for m in getattr(cls, "http_method_names", ())}
+    allowed = {m.upper() for m in method_names(cls, callback)}
     actions: dict[str, str] | None = getattr(callback, "actions", None)
     methods = (
         in_order([m for m in actions if m.upper() in allowed])
         if actions is not None
-        else class_methods(cls)
+        else class_methods(cls, callback)
     )
     rows: list[Row] = []
     for method in methods:

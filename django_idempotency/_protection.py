@@ -61,13 +61,13 @@ def served_methods(callback: Callable[..., Any]) -> set[str] | None:
         return {m.upper() for operation in path_view.operations for m in operation.methods}
     view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
     if isinstance(view_class, type):
-        return set(class_methods(view_class))
+        return set(class_methods(view_class, callback))
     return None
 
 
 def handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, _options.Options]:
     table: dict[str, _options.Options] = {}
-    for method in class_methods(view_class):
+    for method in class_methods(view_class, callback):
         found = options_of(getattr(view_class, method.lower())) or marker(callback)
         if found is not None:
             table[method] = found
@@ -158,9 +158,23 @@ def required_methods(func: Any) -> list[str] | None:
 _REQUIRE_METHODS = str(Path("django", "views", "decorators", "http.py"))
 
 
-def class_methods(view_class: type) -> list[str]:
-    names = getattr(view_class, "http_method_names", ())
+def class_methods(view_class: type, callback: Any = None) -> list[str]:
+    """The methods a class-based view answers with a handler of its own: those of its
+    ``http_method_names`` it has a method for. ``callback``: the pattern's view, whose
+    ``as_view(http_method_names=...)`` (Django's ``view_initkwargs``, DRF's ``initkwargs``)
+    is the list the view answers by, where it gives one."""
+    names = method_names(view_class, callback)
     return in_order([m for m in names if hasattr(view_class, m)])
+
+
+def method_names(view_class: type, callback: Any = None) -> list[str]:
+    """The ``http_method_names`` a pattern's view answers by: ``as_view``'s where it gave
+    them, else the class's."""
+    for attribute in ("view_initkwargs", "initkwargs"):
+        given = getattr(callback, attribute, None)
+        if isinstance(given, dict) and "http_method_names" in given:
+            return list(given["http_method_names"])
+    return list(getattr(view_class, "http_method_names", ()))
 
 
 def is_drf_view(cls: Any) -> TypeGuard[type]:

@@ -25,8 +25,11 @@ pytest.importorskip("ninja")
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
+from django.http import HttpResponse
 from django.test import Client, override_settings
 from django.urls import path
+from django.utils.decorators import method_decorator
+from django.views import View
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.routers import SimpleRouter
@@ -34,6 +37,7 @@ from rest_framework.views import APIView
 from rest_framework.viewsets import ViewSet
 
 from django_idempotency._endpoints import audit, duration
+from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
 from tests.live import ROOT
 from tests.testapp.models import Charge
@@ -251,3 +255,69 @@ def test_one_operation_for_several_actions_of_a_viewset_is_a_check_error(user):
     assert "POST /ledger/close/" in errors[0].msg
     assert "get_idempotency_operation" in (errors[0].hint or "")
     assert list(audit().shared) == ["ledger-v2"]
+
+
+# -- the methods a pattern's view answers, as as_view() gave them ------------------------------
+
+
+class _Narrow(View):
+    """Answers GET only, by its class: a pattern's ``as_view(http_method_names=...)`` may
+    open its unprotected ``post``."""
+
+    http_method_names = ["get"]
+
+    def get(self, request: Any) -> HttpResponse:
+        return HttpResponse("read")
+
+    def post(self, request: Any) -> HttpResponse:
+        Charge.objects.create(account="narrow", amount=1, currency="EUR")
+        return HttpResponse("made", status=201)
+
+
+@method_decorator(idempotent, name="post")
+class _Protected(View):
+    """Protected, and answering POST by its class: a pattern may close it."""
+
+    def post(self, request: Any) -> HttpResponse:
+        Charge.objects.create(account="protected", amount=1, currency="EUR")
+        return HttpResponse("made", status=201)
+
+
+class _NarrowApi(APIView):
+    http_method_names = ["get"]
+
+    def get(self, request: Any) -> Response:
+        return Response({})
+
+    def post(self, request: Any) -> Response:
+        Charge.objects.create(account="narrow-api", amount=1, currency="EUR")
+        return Response({}, status=201)
+
+
+METHOD_NAMES_URLS = types.ModuleType("method_names_urls")
+METHOD_NAMES_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    path("opened/", _Narrow.as_view(http_method_names=["get", "post"])),
+    path("closed/", _Protected.as_view(http_method_names=["get", "options"])),
+    path("opened-api/", _NarrowApi.as_view(http_method_names=["get", "post"])),
+]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF=METHOD_NAMES_URLS)
+def test_the_audit_lists_the_methods_a_patterns_view_answers_as_as_view_gave_them(user):
+    """``as_view(http_method_names=...)`` is what Django and DRF answer by. Before, the
+    audit read the class's list: a POST opened by the pattern ran unprotected and was not
+    listed (``--fail-on-unprotected`` passed), and a POST the pattern closed was listed
+    as protected."""
+    client = Client()
+    client.force_login(user)
+    answers = {
+        url: client.post(url, {}, headers={"Idempotency-Key": "k-1"}).status_code
+        for url in ("/opened/", "/closed/", "/opened-api/")
+    }
+    assert answers == {"/opened/": 201, "/closed/": 405, "/opened-api/": 201}
+    assert sorted(Charge.objects.values_list("account", flat=True)) == ["narrow", "narrow-api"]
+    listed = {(e.method, e.url): e.protected for e in audit().endpoints}
+    assert listed == {("POST", "/opened/"): False, ("POST", "/opened-api/"): False}
+    with pytest.raises(CommandError):
+        call_command("idempotency_audit", "--fail-on-unprotected", stdout=io.StringIO())
