@@ -23,8 +23,8 @@ sends; a refusal is a ``ToolResult`` with ``is_error`` and a ``structured_conten
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastmcp import FastMCP
@@ -39,11 +39,8 @@ from mcp_types import CallToolResult
 from uncalled_for import get_dependency_parameters  # FastMCP's own dependency engine
 
 from django_idempotency import _tools, _validation
-from django_idempotency._options import ToolOptions
+from django_idempotency._options import Recovery, ToolOptions
 from django_idempotency._tools import KEY_ARGUMENT, KEY_DESCRIPTION, META_KEY, REPLAYED_META
-
-if typing.TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = [
     "KEY_ARGUMENT",
@@ -66,7 +63,16 @@ def principal_account(context: Any = None) -> str | None:
 
 
 def idempotent_tool(
-    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+    misplaced: object = _tools.NOTHING,
+    /,
+    *,
+    account: str | Callable[[Any], str | None] | None = None,
+    operation: str | None = None,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+    recovery: Recovery | None = None,
+    wait: timedelta | int | None = None,
+    required: bool = True,
 ) -> Callable[[F], F]:
     """Run a FastMCP tool at most once per ``(account, operation, key)``; replay its result.
 
@@ -78,7 +84,15 @@ def idempotent_tool(
     """
     return _tools.protector(
         _FastMCP(),
-        options,
+        {
+            "account": account,
+            "operation": operation,
+            "ttl": ttl,
+            "lease": lease,
+            "recovery": recovery,
+            "wait": wait,
+            "required": required,
+        },
         _validation.caller(),
         frozenset(ToolOptions.__optional_keys__),
         misplaced,

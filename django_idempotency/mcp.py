@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-import typing
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -42,11 +42,8 @@ from mcp.server.mcpserver.utilities.func_metadata import func_metadata
 from mcp_types import CallToolResult
 
 from django_idempotency import _tools, _validation
-from django_idempotency._options import ToolOptions
+from django_idempotency._options import Recovery, ToolOptions
 from django_idempotency._tools import KEY_ARGUMENT, KEY_DESCRIPTION, META_KEY, REPLAYED_META
-
-if typing.TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = [
     "KEY_ARGUMENT",
@@ -75,7 +72,16 @@ def principal_account(context: Any = None) -> str | None:
 
 
 def idempotent_tool(
-    misplaced: object = _tools.NOTHING, /, **options: Unpack[ToolOptions]
+    misplaced: object = _tools.NOTHING,
+    /,
+    *,
+    account: str | Callable[[Any], str | None] | None = None,
+    operation: str | None = None,
+    ttl: timedelta | int | None = None,
+    lease: timedelta | int | None = None,
+    recovery: Recovery | None = None,
+    wait: timedelta | int | None = None,
+    required: bool = True,
 ) -> Callable[[F], F]:
     """Run an MCP tool at most once per ``(account, operation, key)``; replay its result.
 
@@ -97,7 +103,15 @@ def idempotent_tool(
     """
     return _tools.protector(
         _SDK(),
-        options,
+        {
+            "account": account,
+            "operation": operation,
+            "ttl": ttl,
+            "lease": lease,
+            "recovery": recovery,
+            "wait": wait,
+            "required": required,
+        },
         _validation.caller(),
         frozenset(ToolOptions.__optional_keys__),
         misplaced,

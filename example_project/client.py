@@ -60,7 +60,8 @@ def create_charge(
         if response.is_success:
             return response  # the first answer, or its replay (Idempotent-Replayed: true)
         code = problem_code(response)
-        # 409: still running elsewhere. 429, 502-504, a 500 of the view: nothing was kept.
+        # 409: still running elsewhere. 429, 502-504, a 500 of the view: nothing was kept
+        # (but a 503 idempotency_record_unreadable: the answer is kept, unreadable for now).
         retry = response.status_code in (409, 429, 502, 503, 504) or (
             response.status_code == 500 and code is None
         )
