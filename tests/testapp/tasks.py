@@ -197,12 +197,14 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
     if place == 0 and first == "ignore":
         raise Ignore()
     signalled: list[int] = []
+    restore: Any = None
     if place == 0 and first == "outlive-sigterm":
         # A run that finishes its work when told to stop (revoke(terminate=True)); noted
         # by the wait below, not in the handler, which may interrupt a query.
         import signal
 
-        signal.signal(signal.SIGTERM, lambda signum, _frame: signalled.append(signum))
+        previous = signal.signal(signal.SIGTERM, lambda signum, _: signalled.append(signum))
+        restore = functools.partial(signal.signal, signal.SIGTERM, previous)
     if place == 0 and first == "replace":
         return task.replace(task.si(tag, "wait"))
     if place == 0 and first == "replace-by-chain":
@@ -216,6 +218,8 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         if signalled and signalled.pop():
             marks.create(key=f"sigterm:{tag}")
         time.sleep(0.05)
+    if restore is not None:
+        restore()  # the pool's process is told to stop as before by its next revoke
     ProviderCall.objects.create(key=f"effect:{tag}")
     return tag
 
