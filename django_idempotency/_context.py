@@ -11,6 +11,7 @@ the context of the operation it runs :func:`current` while the operation's code 
 from __future__ import annotations
 
 import contextvars
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,8 +46,18 @@ class IdempotencyContext:
         A keyed hash (HMAC-SHA256 with ``SECRET_KEY``) of ``(account, operation, key, name)``:
         the client's raw key never reaches the provider, and two accounts never share one.
         """
-        message = "\x1f".join((self.account, self.operation, self.key, name))
+        parts = (self.account, self.operation, self.key, name)
+        if any(_SEPARATOR in part for part in parts):
+            # The joined form would be ambiguous: the parts as a JSON list (its control
+            # characters escaped, so it holds no separator, which every joined form does).
+            message = json.dumps(parts)
+        else:
+            message = _SEPARATOR.join(parts)  # the form every earlier release hashed
         return salted_hmac("django_idempotency.downstream", message, algorithm="sha256").hexdigest()
+
+
+#: What joins the names a downstream key is made of.
+_SEPARATOR = "\x1f"
 
 
 _current: contextvars.ContextVar[IdempotencyContext | None] = contextvars.ContextVar(

@@ -125,3 +125,31 @@ def test_a_resolver_answering_no_string_is_a_500_problem_and_nothing_runs(answer
     assert json.loads(response.content)["code"] == "idempotency_account_invalid"
     assert Charge.objects.count() == 0
     assert IdempotencyRecord.objects.count() == 0
+
+
+def test_two_operations_whose_names_share_a_joined_spelling_get_two_downstream_keys():
+    """``downstream_key`` hashes the names joined by a separator: names holding that
+    separator must not make two operations' provider calls one (a provider would take the
+    second charge for a repeat of the first). Names without it keep the key they had."""
+    from django.utils.crypto import salted_hmac
+
+    from django_idempotency import current
+
+    def downstream(account: str, operation: str) -> str:
+        def body() -> str:
+            context = current()
+            assert context is not None
+            return context.downstream_key("charge")
+
+        return run_once(body, account=account, operation=operation, key="k-1")
+
+    first = downstream("t\x1fx", "op")
+    second = downstream("t", "x\x1fop")
+    assert first != second
+    assert IdempotencyRecord.objects.count() == 2
+    # A plain spelling's key is the one earlier releases gave: retries across an upgrade
+    # reach the provider with the same key.
+    before = salted_hmac(
+        "django_idempotency.downstream", "acct\x1fop\x1fk-1\x1fcharge", algorithm="sha256"
+    ).hexdigest()
+    assert downstream("acct", "op") == before
