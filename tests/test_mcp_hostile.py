@@ -23,6 +23,7 @@ import fastmcp
 import pydantic
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 from fastmcp import FastMCP
 from fastmcp.dependencies import Depends
 from mcp.server.mcpserver import MCPServer
@@ -374,14 +375,21 @@ def answers_as_unprotected(
     server = FastMCP if framework == "fastmcp" else MCPServer
     plain, guarded = server("plain"), server("guarded")
 
-    def tool() -> Any:
+    def tool(unprotected: bool = False) -> Any:
         def refund(order_id: int, amount: int, idempotency_key: str) -> Any:
-            return body(order_id, amount)
+            try:
+                return body(order_id, amount)
+            finally:
+                if unprotected:
+                    # The protected tool closes its worker thread's connection after the
+                    # call; nothing does for the bare one, whose connection would outlive
+                    # the test.
+                    connection.close()
 
         refund.__annotations__["return"] = annotation
         return refund
 
-    plain.tool(**registration)(tool())
+    plain.tool(**registration)(tool(unprotected=True))
     guarded.tool(**registration)(protect(framework)(tool()))
     unprotected = call(plain, args("unused"))
     key = new_key()
