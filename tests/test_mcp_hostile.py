@@ -11,7 +11,7 @@ import itertools
 import threading
 import types
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 
@@ -27,6 +27,7 @@ from django.db import connection
 from fastmcp import FastMCP
 from fastmcp.dependencies import Depends
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.resolve import Resolve
 
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
@@ -90,23 +91,40 @@ def session() -> Session:
 PSP = Depends(session)
 
 
-def test_a_fastmcp_tool_with_an_injected_dependency_replays_its_retry():
-    server = FastMCP("shop")
+def test_a_tool_with_an_injected_dependency_replays_its_retry(framework):
+    """FastMCP fills a ``Depends(fn)`` parameter, the SDK's ``MCPServer`` one annotated
+    ``Resolve(fn)`` (a client, a session, an elicitation's answer), before the tool runs.
+    Neither is an argument of the call. The SDK's was fingerprinted: a fresh object on every
+    call, so every retry was refused as ``idempotency_key_reused``."""
+    server = server_of(framework)
 
-    @server.tool
-    @protect("fastmcp")
-    def refund(
-        order_id: int, amount: int, idempotency_key: str, psp: Session = PSP
-    ) -> dict[str, Any]:
-        assert isinstance(psp, Session)
-        return refund_effect(order_id, amount)
+    if framework == "fastmcp":
 
+        def refund(
+            order_id: int, amount: int, idempotency_key: str, psp: Session = PSP
+        ) -> dict[str, Any]:
+            assert isinstance(psp, Session)
+            return refund_effect(order_id, amount)
+
+    else:
+
+        def refund(  # type: ignore[misc]
+            order_id: int,
+            amount: int,
+            idempotency_key: str,
+            psp: Annotated[Session, Resolve(session)],
+        ) -> dict[str, Any]:
+            assert isinstance(psp, Session)
+            return refund_effect(order_id, amount)
+
+    server.tool()(protect(framework)(refund))
     key = new_key()
     first = call(server, args(key))
     ran_once(first)
     again = call(server, args(key))
     # The retry carries the same arguments: the dependency's fresh object is not one of them.
     replayed(first, again)
+    refused(call(server, args(key, amount=6)), "idempotency_key_reused")
     assert effects() == (1, 1, 1)
 
 
