@@ -291,6 +291,11 @@ def protector(
     )
 
     def decorate(func: F) -> F:
+        # Written above @staticmethod or @classmethod: the function they hold is the
+        # tool's, and the class gets the same kind of method around the protected one.
+        holder = type(func) if isinstance(func, (staticmethod, classmethod)) else None
+        if holder is not None:
+            func = func.__func__  # type: ignore[attr-defined]
         if not callable(func) or isinstance(func, type):
             raise ImproperlyConfigured(
                 f"@idempotent_tool at {where} decorates {_validation.describe(func)}: put "
@@ -308,7 +313,8 @@ def protector(
             )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
-        return cast(F, _Tool(own, func, checked).wrapper())
+        tool = _Tool(own, func, checked).wrapper()
+        return cast(F, tool if holder is None else holder(tool))
 
     return decorate
 

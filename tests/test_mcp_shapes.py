@@ -127,11 +127,16 @@ def runs_once_and_replays(server: Any, name: str = "refund", **more: Any) -> Non
 # -- a tool that is a method -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", ["method", "async method", "classmethod"])
+@pytest.mark.parametrize(
+    "shape", ["method", "async method", "classmethod", "above classmethod", "above staticmethod"]
+)
 def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
     """A project keeps its tools on a class (a service holding a client) and registers the
     bound method, ``server.tool()(tools.refund)``. The protected method got the instance as
-    an argument it did not take: every call failed, none was refused where it was written."""
+    an argument it did not take: every call failed, none was refused where it was written.
+    Written above ``@staticmethod``, the decorator took the static method for a function of
+    the class: the bound tool lost ``order_id`` from its schema, and its body ran on every
+    call with the instance as its order. Above ``@classmethod`` it was refused."""
     protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
 
     class Tools:
@@ -153,7 +158,7 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
                 assert self.currency == "EUR"
                 return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
 
-        else:
+        elif shape == "classmethod":
 
             @classmethod  # type: ignore[misc]
             @protect
@@ -161,8 +166,24 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
                 assert cls.currency == "EUR"
                 return refund_effect(order_id, amount)
 
+        elif shape == "above classmethod":
+
+            @protect  # type: ignore[misc]
+            @classmethod
+            def refund(cls, order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert cls.currency == "EUR"
+                return refund_effect(order_id, amount)
+
+        else:
+
+            @protect  # type: ignore[misc]
+            @staticmethod
+            def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert isinstance(order_id, int)
+                return refund_effect(order_id, amount)
+
     server = server_of(framework)
-    server.tool()(Tools().refund if shape != "classmethod" else Tools.refund)
+    server.tool()(Tools.refund if shape == "classmethod" else Tools().refund)
     runs_once_and_replays(server)
     # The instance is not an argument of the call: it is not in the fingerprint, and the
     # schema does not offer it.
