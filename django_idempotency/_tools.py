@@ -26,7 +26,9 @@ import json
 import logging
 import math
 import time
+import types
 import typing
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Generic, TypeVar, cast
@@ -311,6 +313,12 @@ def protector(
                 f"{protected}'s @idempotent_tool protects it already. Keep one, beneath the "
                 "server's @tool"
             )
+        typed = _key_annotation(func)
+        if typed is not None and not _text_or_uuid(typed):
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where}: {func.__name__}'s {KEY_ARGUMENT} is typed "
+                f"{typed!r}, and a key is text: type it str or UUID (or either | None)"
+            )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
         tool = _Tool(own, func, checked).wrapper()
@@ -420,6 +428,8 @@ class _Tool:
     def _call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
         operation = self.operation_for(context)
         key = arguments.get(KEY_ARGUMENT) if self.has_key_argument else None
+        if isinstance(key, uuid.UUID):  # an argument typed UUID: its canonical text
+            key = str(key)
         if key is None:
             meta = self.framework.meta(context)
             key = meta.get(META_KEY) if meta else None
@@ -648,6 +658,33 @@ def _described_key(func: Callable[..., Any]) -> inspect.Signature:
         # reads as a result to wrap (an output schema the tool's results do not carry).
         returns = hints.get("return", returns)
     return signature.replace(parameters=parameters, return_annotation=returns)
+
+
+def _key_annotation(func: Callable[..., Any]) -> Any:
+    """The annotation of ``func``'s key argument, resolved; ``None`` when it has no key
+    argument or leaves it unannotated."""
+    if KEY_ARGUMENT not in inspect.signature(func).parameters:
+        return None
+    return typing.get_type_hints(func, include_extras=True).get(KEY_ARGUMENT)
+
+
+def _text_or_uuid(annotation: Any) -> bool:
+    """Whether every value the framework may hand a key argument so annotated is text or a
+    ``UUID`` (or ``None``): a key argument of another type could never be a key, and every
+    call would be refused."""
+    origin = typing.get_origin(annotation)
+    arguments = typing.get_args(annotation)
+    if origin is Annotated:
+        return _text_or_uuid(arguments[0])
+    if origin in (typing.Union, types.UnionType):
+        return all(_text_or_uuid(member) for member in arguments)
+    if origin is typing.Literal:
+        return all(isinstance(value, str) for value in arguments)
+    if isinstance(annotation, typing.NewType):
+        return _text_or_uuid(annotation.__supertype__)
+    if annotation is Any or annotation is type(None):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, (str, uuid.UUID))
 
 
 def _described(annotation: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from uuid import UUID, uuid4
 
 import pytest
 
@@ -340,6 +341,60 @@ def test_an_sdk_tool_taking_keyword_arguments_is_protected():
 
     # The SDK lists ``extra`` as an object argument, required.
     runs_once_and_replays(server, extra={"note": "by phone"})
+
+
+# -- a key argument of another type ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("typed", ["UUID", "UUID | None"])
+def test_a_key_argument_typed_uuid_protects_the_tool(framework, typed):
+    """``idempotency_key: UUID`` is how a project asks agents for a fresh UUID per action
+    (the schema says ``format: uuid``). The framework hands the tool a ``UUID``, and every
+    call was refused as ``idempotency_key_invalid`` ("a key must be a string"): a tool that
+    could never run, and nothing said so where it was written. The key is the UUID's text."""
+    protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
+    server = server_of(framework)
+
+    if typed == "UUID":
+
+        @server.tool()
+        @protect
+        def refund(order_id: int, amount: int, idempotency_key: UUID) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+    else:
+
+        @server.tool()
+        @protect
+        def refund(  # type: ignore[misc]
+            order_id: int, amount: int, idempotency_key: UUID | None = None
+        ) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+    key = uuid4()
+    first = call(server, args(str(key)))
+    assert first.is_error is not True, first
+    # The same UUID spelt in capitals is the same key.
+    again = call(server, args(str(key).upper()))
+    assert is_replay(again), again
+    assert again.structured_content == first.structured_content
+    assert (len(RUNS), Charge.objects.count()) == (1, 1)
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == [str(key)]
+
+
+@pytest.mark.parametrize("annotation", [int, float, "int | None", list])
+def test_a_key_argument_no_key_can_be_is_refused_where_it_is_written(framework, annotation):
+    """A key argument typed ``int`` (or a list) was served, and every call was refused as
+    ``idempotency_key_invalid`` ("a key must be a string, not int") after the framework
+    validated it: a tool that could never run. It is refused where it is written."""
+    protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
+
+    def refund(order_id: int, amount: int, idempotency_key: Any) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    refund.__annotations__["idempotency_key"] = annotation
+    with pytest.raises(ImproperlyConfigured, match=r"idempotency_key.*str or UUID"):
+        protect(refund)
 
 
 # -- without its parentheses ----------------------------------------------------------------------
