@@ -149,6 +149,16 @@ class Framework(Generic[R]):
         """An MCP ``CallToolResult`` as the framework's result."""
         raise NotImplementedError
 
+    def asks(self, value: Any) -> bool:
+        """Whether the tool's return value asks the client for input, and is no outcome of
+        the call: MCP's multi-round flow (protocol 2026-07-28), where a body answers a round
+        with an ``InputRequiredResult`` and the client calls again with its answers; that
+        round, under the same key, is the one that acts. The value goes to the framework
+        as the body gave it (each makes its own answer of it), and nothing is stored."""
+        from mcp_types import InputRequiredResult
+
+        return isinstance(value, InputRequiredResult)
+
     # Made of the two above: every MCP framework's result is a pydantic model with the
     # protocol's fields and ``meta``.
 
@@ -344,7 +354,10 @@ class _Tool:
         self.required = checked["required"] is not False
         self.signature = framework.signature(func, _described_key(func))
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
-        self.convert = framework.converter(func)
+        converter = framework.converter(func)
+        self.convert: Callable[[Any, Any], Any] = lambda context, value: (
+            value if framework.asks(value) else converter(context, value)
+        )
         self.unsent = framework.injected(func) | {KEY_ARGUMENT}
         self.owner = _owner(func)
 
@@ -414,7 +427,8 @@ class _Tool:
         end of a request, the connections this worker thread opened are closed where
         ``CONN_MAX_AGE`` says so (frameworks run tools in threads that outlive the call)."""
         try:
-            return self.framework.answer(context, self._call(body, context, arguments))
+            result = self._call(body, context, arguments)
+            return result if self.framework.asks(result) else self.framework.answer(context, result)
         finally:
             _autonomous.close_unused_connections()
 
@@ -550,7 +564,11 @@ class _Tool:
             structured["retry_after"] = max(1, int(retry_after))
         return self.framework.refusal(f"{problem.title}: {detail}", structured)
 
-    def stored(self, value: Any) -> Outcome:
+    def stored(self, value: Any) -> Outcome | None:
+        # A round that asks for input is not kept: its writes roll back, the claim is
+        # released, and the round that answers claims the key again.
+        if self.framework.asks(value):
+            return None
         return stored_result(self.framework.dump(value))
 
     def loaded(self, body: bytes) -> Any:

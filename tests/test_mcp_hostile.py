@@ -26,8 +26,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from fastmcp import FastMCP
 from fastmcp.dependencies import Depends
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.resolve import Resolve
+from mcp.types import CallToolResult, InputRequiredResult, TextContent
 
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
@@ -150,6 +151,44 @@ def test_a_fastmcp_tool_with_an_injected_context_and_a_dependency_replays_its_re
     ran_once(first)
     replayed(first, call(server, args(key)))
     assert effects() == (1, 1, 1)
+
+
+@pytest.mark.parametrize("key", ["argument", "none, run unprotected"])
+def test_a_tool_that_asks_for_input_first_runs_once_when_answered_and_replays(framework, key):
+    """A tool of MCP's multi-round flow (protocol 2026-07-28) answers its first round with
+    an ``InputRequiredResult``, and the client calls again with the answers: only that round
+    acts. Protected under the SDK, the first round's answer was refused as a result that
+    "cannot be stored and replayed": every call ended in "Error executing tool", a tool that
+    could never act. Under FastMCP the question was stored as the call's outcome, sent as
+    its content, and replayed to the round that answered: the refund never ran. A round
+    that asks is not the call's outcome: nothing is kept for it, and the round that answers
+    runs under the key."""
+    server = server_of(framework)
+
+    def refund(
+        order_id: int, amount: int, ctx: Any, idempotency_key: str | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        RUNS.append("round")
+        if ctx.request_state is None:  # the first round: ask
+            return InputRequiredResult(request_state="confirm")
+        done = refund_effect(order_id, amount)
+        return CallToolResult(
+            content=[TextContent(type="text", text="done")], structured_content=done
+        )
+
+    refund.__annotations__["ctx"] = fastmcp.Context if framework == "fastmcp" else Context
+    server.tool()(protect(framework, required=False)(refund))
+
+    arguments = args(new_key()) if key == "argument" else args(None)
+    first = call(server, arguments)
+    assert first.is_error is not True, first
+    assert not (first.meta or {}).get("idempotentReplayed"), first
+    assert RUNS.count("round") == 2  # asked, then answered
+    if key == "argument":
+        replayed(first, call(server, arguments))
+        assert RUNS.count("round") == 2  # the retry asked nothing and ran nothing
+        assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+    assert (Charge.objects.count(), len(OUTSIDE)) == (1, 1)
 
 
 # -- one function name, two tools -----------------------------------------------------------------
