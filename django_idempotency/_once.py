@@ -205,7 +205,7 @@ def call_once(
     recovery: str | Callable[[Any], Any] | None = None,
     fingerprint: Any = None,
     wait: timedelta | None = None,
-    encode: Callable[[Any], Outcome] = stored_result,
+    encode: Callable[[Any], Outcome | None] = stored_result,
     decode: Callable[[bytes], Any] = loaded_result,
 ) -> OnceResult[T]:
     """:func:`run_once_result` with the callable's arguments as a tuple and a dict, so that
@@ -213,7 +213,9 @@ def call_once(
 
     For the entry points: ``wait`` lets a duplicate in flight wait (bounded, holding no lock
     or connection) for the original's outcome rather than raise ``InProgress``; ``encode``
-    turns a result into the stored outcome (``TypeError`` when it cannot), ``decode`` a
+    turns a result into the stored outcome (``TypeError`` when it cannot; ``None`` for a
+    result that is no outcome: its work rolls back, the claim is released and the result
+    returned, as for a response the HTTP side does not store), ``decode`` a
     stored body back into the result (``ValueError``/``TypeError`` when it cannot: the
     record is unreadable).
     """
@@ -375,7 +377,7 @@ def _recover(
     owned: Claim,
     current: Any,
     claimed_under: str | None,
-    encode: Callable[[Any], Outcome],
+    encode: Callable[[Any], Outcome | None],
 ) -> Any:
     """The recovery policy's answer to return, or ``None`` to run the callable.
     ``current``: the call's policy; ``claimed_under``: the stored one of the stale record

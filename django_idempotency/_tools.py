@@ -26,7 +26,9 @@ import json
 import logging
 import math
 import time
+import types
 import typing
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Generic, TypeVar, cast
@@ -146,6 +148,16 @@ class Framework(Generic[R]):
     def received(self, result: Any) -> R:
         """An MCP ``CallToolResult`` as the framework's result."""
         raise NotImplementedError
+
+    def asks(self, value: Any) -> bool:
+        """Whether the tool's return value asks the client for input, and is no outcome of
+        the call: MCP's multi-round flow (protocol 2026-07-28), where a body answers a round
+        with an ``InputRequiredResult`` and the client calls again with its answers; that
+        round, under the same key, is the one that acts. The value goes to the framework
+        as the body gave it (each makes its own answer of it), and nothing is stored."""
+        from mcp_types import InputRequiredResult
+
+        return isinstance(value, InputRequiredResult)
 
     # Made of the two above: every MCP framework's result is a pydantic model with the
     # protocol's fields and ``meta``.
@@ -291,6 +303,11 @@ def protector(
     )
 
     def decorate(func: F) -> F:
+        # Written above @staticmethod or @classmethod: the function they hold is the
+        # tool's, and the class gets the same kind of method around the protected one.
+        holder = type(func) if isinstance(func, (staticmethod, classmethod)) else None
+        if holder is not None:
+            func = func.__func__  # type: ignore[attr-defined]
         if not callable(func) or isinstance(func, type):
             raise ImproperlyConfigured(
                 f"@idempotent_tool at {where} decorates {_validation.describe(func)}: put "
@@ -306,9 +323,16 @@ def protector(
                 f"{protected}'s @idempotent_tool protects it already. Keep one, beneath the "
                 "server's @tool"
             )
+        typed = _key_annotation(func)
+        if typed is not None and not _text_or_uuid(typed):
+            raise ImproperlyConfigured(
+                f"@idempotent_tool at {where}: {func.__name__}'s {KEY_ARGUMENT} is typed "
+                f"{typed!r}, and a key is text: type it str or UUID (or either | None)"
+            )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
-        return cast(F, _Tool(own, func, checked).wrapper())
+        tool = _Tool(own, func, checked).wrapper()
+        return cast(F, tool if holder is None else holder(tool))
 
     return decorate
 
@@ -330,7 +354,10 @@ class _Tool:
         self.required = checked["required"] is not False
         self.signature = framework.signature(func, _described_key(func))
         self.has_key_argument = KEY_ARGUMENT in self.signature.parameters
-        self.convert = framework.converter(func)
+        converter = framework.converter(func)
+        self.convert: Callable[[Any, Any], Any] = lambda context, value: (
+            value if framework.asks(value) else converter(context, value)
+        )
         self.unsent = framework.injected(func) | {KEY_ARGUMENT}
         self.owner = _owner(func)
 
@@ -400,7 +427,8 @@ class _Tool:
         end of a request, the connections this worker thread opened are closed where
         ``CONN_MAX_AGE`` says so (frameworks run tools in threads that outlive the call)."""
         try:
-            return self.framework.answer(context, self._call(body, context, arguments))
+            result = self._call(body, context, arguments)
+            return result if self.framework.asks(result) else self.framework.answer(context, result)
         finally:
             _autonomous.close_unused_connections()
 
@@ -414,6 +442,8 @@ class _Tool:
     def _call(self, body: Callable[..., Any], context: Any, arguments: dict[str, Any]) -> Any:
         operation = self.operation_for(context)
         key = arguments.get(KEY_ARGUMENT) if self.has_key_argument else None
+        if isinstance(key, uuid.UUID):  # an argument typed UUID: its canonical text
+            key = str(key)
         if key is None:
             meta = self.framework.meta(context)
             key = meta.get(META_KEY) if meta else None
@@ -534,7 +564,11 @@ class _Tool:
             structured["retry_after"] = max(1, int(retry_after))
         return self.framework.refusal(f"{problem.title}: {detail}", structured)
 
-    def stored(self, value: Any) -> Outcome:
+    def stored(self, value: Any) -> Outcome | None:
+        # A round that asks for input is not kept: its writes roll back, the claim is
+        # released, and the round that answers claims the key again.
+        if self.framework.asks(value):
+            return None
         return stored_result(self.framework.dump(value))
 
     def loaded(self, body: bytes) -> Any:
@@ -642,6 +676,33 @@ def _described_key(func: Callable[..., Any]) -> inspect.Signature:
         # reads as a result to wrap (an output schema the tool's results do not carry).
         returns = hints.get("return", returns)
     return signature.replace(parameters=parameters, return_annotation=returns)
+
+
+def _key_annotation(func: Callable[..., Any]) -> Any:
+    """The annotation of ``func``'s key argument, resolved; ``None`` when it has no key
+    argument or leaves it unannotated."""
+    if KEY_ARGUMENT not in inspect.signature(func).parameters:
+        return None
+    return typing.get_type_hints(func, include_extras=True).get(KEY_ARGUMENT)
+
+
+def _text_or_uuid(annotation: Any) -> bool:
+    """Whether every value the framework may hand a key argument so annotated is text or a
+    ``UUID`` (or ``None``): a key argument of another type could never be a key, and every
+    call would be refused."""
+    origin = typing.get_origin(annotation)
+    arguments = typing.get_args(annotation)
+    if origin is Annotated:
+        return _text_or_uuid(arguments[0])
+    if origin in (typing.Union, types.UnionType):
+        return all(_text_or_uuid(member) for member in arguments)
+    if origin is typing.Literal:
+        return all(isinstance(value, str) for value in arguments)
+    if isinstance(annotation, typing.NewType):
+        return _text_or_uuid(annotation.__supertype__)
+    if annotation is Any or annotation is type(None):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, (str, uuid.UUID))
 
 
 def _described(annotation: Any) -> bool:

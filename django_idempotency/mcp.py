@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 from django.core.exceptions import ImproperlyConfigured
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.resolve import find_resolved_parameters
 from mcp.server.mcpserver.utilities.context_injection import find_context_parameter
 from mcp.server.mcpserver.utilities.func_metadata import func_metadata
 from mcp_types import CallToolResult
@@ -178,7 +179,10 @@ class _SDK(_tools.Framework[CallToolResult]):
         return context, arguments
 
     def injected(self, func: Callable[..., Any]) -> frozenset[str]:
-        return frozenset({self.own_context} if self.own_context else ())
+        # The tool's Context, and the parameters its resolvers fill (``Resolve(fn)``, the
+        # SDK's dependencies: a client, a session, an elicitation's answer).
+        context = {self.own_context} if self.own_context else set()
+        return frozenset({*context, *find_resolved_parameters(func)})
 
     def tool_name(self, context: Any) -> str | None:
         # The SDK records no registration on the function: the call names its tool.

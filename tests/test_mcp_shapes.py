@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from uuid import UUID, uuid4
 
 import pytest
 
@@ -127,11 +128,16 @@ def runs_once_and_replays(server: Any, name: str = "refund", **more: Any) -> Non
 # -- a tool that is a method -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", ["method", "async method", "classmethod"])
+@pytest.mark.parametrize(
+    "shape", ["method", "async method", "classmethod", "above classmethod", "above staticmethod"]
+)
 def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
     """A project keeps its tools on a class (a service holding a client) and registers the
     bound method, ``server.tool()(tools.refund)``. The protected method got the instance as
-    an argument it did not take: every call failed, none was refused where it was written."""
+    an argument it did not take: every call failed, none was refused where it was written.
+    Written above ``@staticmethod``, the decorator took the static method for a function of
+    the class: the bound tool lost ``order_id`` from its schema, and its body ran on every
+    call with the instance as its order. Above ``@classmethod`` it was refused."""
     protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
 
     class Tools:
@@ -153,7 +159,7 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
                 assert self.currency == "EUR"
                 return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
 
-        else:
+        elif shape == "classmethod":
 
             @classmethod  # type: ignore[misc]
             @protect
@@ -161,8 +167,24 @@ def test_a_tool_written_as_a_method_runs_once_and_replays(framework, shape):
                 assert cls.currency == "EUR"
                 return refund_effect(order_id, amount)
 
+        elif shape == "above classmethod":
+
+            @protect  # type: ignore[misc]
+            @classmethod
+            def refund(cls, order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert cls.currency == "EUR"
+                return refund_effect(order_id, amount)
+
+        else:
+
+            @protect  # type: ignore[misc]
+            @staticmethod
+            def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+                assert isinstance(order_id, int)
+                return refund_effect(order_id, amount)
+
     server = server_of(framework)
-    server.tool()(Tools().refund if shape != "classmethod" else Tools.refund)
+    server.tool()(Tools.refund if shape == "classmethod" else Tools().refund)
     runs_once_and_replays(server)
     # The instance is not an argument of the call: it is not in the fingerprint, and the
     # schema does not offer it.
@@ -319,6 +341,60 @@ def test_an_sdk_tool_taking_keyword_arguments_is_protected():
 
     # The SDK lists ``extra`` as an object argument, required.
     runs_once_and_replays(server, extra={"note": "by phone"})
+
+
+# -- a key argument of another type ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("typed", ["UUID", "UUID | None"])
+def test_a_key_argument_typed_uuid_protects_the_tool(framework, typed):
+    """``idempotency_key: UUID`` is how a project asks agents for a fresh UUID per action
+    (the schema says ``format: uuid``). The framework hands the tool a ``UUID``, and every
+    call was refused as ``idempotency_key_invalid`` ("a key must be a string"): a tool that
+    could never run, and nothing said so where it was written. The key is the UUID's text."""
+    protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
+    server = server_of(framework)
+
+    if typed == "UUID":
+
+        @server.tool()
+        @protect
+        def refund(order_id: int, amount: int, idempotency_key: UUID) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+    else:
+
+        @server.tool()
+        @protect
+        def refund(  # type: ignore[misc]
+            order_id: int, amount: int, idempotency_key: UUID | None = None
+        ) -> dict[str, Any]:
+            return refund_effect(order_id, amount)
+
+    key = uuid4()
+    first = call(server, args(str(key)))
+    assert first.is_error is not True, first
+    # The same UUID spelt in capitals is the same key.
+    again = call(server, args(str(key).upper()))
+    assert is_replay(again), again
+    assert again.structured_content == first.structured_content
+    assert (len(RUNS), Charge.objects.count()) == (1, 1)
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == [str(key)]
+
+
+@pytest.mark.parametrize("annotation", [int, float, "int | None", list])
+def test_a_key_argument_no_key_can_be_is_refused_where_it_is_written(framework, annotation):
+    """A key argument typed ``int`` (or a list) was served, and every call was refused as
+    ``idempotency_key_invalid`` ("a key must be a string, not int") after the framework
+    validated it: a tool that could never run. It is refused where it is written."""
+    protect = adapter_of(framework).idempotent_tool(account=ACCOUNT)
+
+    def refund(order_id: int, amount: int, idempotency_key: Any) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    refund.__annotations__["idempotency_key"] = annotation
+    with pytest.raises(ImproperlyConfigured, match=r"idempotency_key.*str or UUID"):
+        protect(refund)
 
 
 # -- without its parentheses ----------------------------------------------------------------------
