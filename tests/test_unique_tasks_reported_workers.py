@@ -70,27 +70,58 @@ def a_later_message_runs(task: object, first: uuid.UUID) -> None:
 
 
 @pytest.mark.parametrize(
-    "first_run", ["retry", "retry-no-throw", "reject", "replace", "replace-by-chain"]
+    ("first_run", "runs"),
+    [
+        ("retry", 2),
+        ("retry-no-throw", 2),
+        ("reject", 2),
+        ("replace", 2),
+        ("replace-by-chain", 2),
+        ("replace-then-retry-no-throw", 3),
+    ],
 )
-def test_the_key_holds_until_the_messages_last_run_ended(first_run: str):
+def test_the_key_holds_until_the_messages_last_run_ended(first_run: str, runs: int):
     """The first run retries (``self.retry()``, or ``self.retry(throw=False)`` and returns,
     which Celery records as a success), is rejected with ``requeue=True`` under
     ``acks_late``, or replaces itself (``self.replace()``, by one run or by a chain whose
-    last task runs under the same task id): the message runs again, and its key holds
-    until that run ended."""
+    last task runs under the same task id; or by a run that then retries with
+    ``throw=False``, its retry published at the replacement's own nesting): the message
+    runs again, and its key holds until its last run ended."""
     tag = f"{first_run}-{uuid.uuid4().hex[:6]}"
     with worker_and_relay():
         first = enqueue_once("k", gated_plain, tag, first_run)
-        wait_until(lambda: starts(tag) == 2, "the message's second run", timeout=TIMEOUT)
-        # The second run waits for its gate: the message is live.
+        wait_until(lambda: starts(tag) == runs, "the message's last run", timeout=TIMEOUT)
+        # The last run waits for its gate: the message is live.
         assert enqueue_once("k", gated_plain, tag, "wait") == first
         row = OutboxUniqueKey.objects.get()
         assert (row.message_id, row.finished_at) == (first, None)
         assert row.started_at is not None
         open_gate(tag)
-        wait_until(lambda: effects(tag) == 1, "the second run's end", timeout=TIMEOUT)
+        wait_until(lambda: effects(tag) == 1, "the last run's end", timeout=TIMEOUT)
         a_later_message_runs(gated_plain, first)
-    assert (starts(tag), effects(tag)) == (2, 1)
+    assert (starts(tag), effects(tag)) == (runs, 1)
+    assert OutboxMessage.objects.count() == 2
+
+
+@pytest.mark.parametrize("first_run", ["retry-unpublishable", "replace-unpublishable"])
+def test_a_run_whose_retry_or_replacement_was_not_published_frees_the_key_when_it_ends(
+    first_run: str,
+):
+    """The run's retry (``throw=False``), or its replacement, could not be published (here
+    its arguments cannot be serialized; a broker that refuses it does the same): Celery
+    rejects the run, or it fails, and the message never runs again. Its end frees the key
+    at once, not when the run's lease (``LEASE``, 60 s) runs out."""
+    tag = f"{first_run}-{uuid.uuid4().hex[:6]}"
+    with worker_and_relay():
+        first = enqueue_once("k", gated_plain, tag, first_run)
+        wait_until(lambda: starts(tag) == 1, "the run to start", timeout=TIMEOUT)
+        wait_until(
+            lambda: OutboxUniqueKey.objects.get().finished_at is not None,
+            "the run's end to free the key",
+            timeout=TIMEOUT,
+        )
+        a_later_message_runs(gated_plain, first)
+    assert (starts(tag), effects(tag)) == (1, 0)
     assert OutboxMessage.objects.count() == 2
 
 

@@ -176,6 +176,10 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
     - ``"reject"``: raises ``Reject(requeue=True)``; ``"retry"``: ``self.retry()``;
       ``"retry-no-throw"``: ``self.retry(throw=False)``, then returns;
       ``"ignore"``: raises ``Ignore``; ``"outlive-sigterm"``: notes a SIGTERM and goes on;
+      ``"retry-unpublishable"``, ``"replace-unpublishable"``: a retry, or a replacement,
+      whose arguments cannot be serialized (its publish fails);
+      ``"replace-then-retry-no-throw"``: replaces itself by a run that then retries with
+      ``throw=False`` and returns;
     - ``"replace"``: replaces itself by another run of the task; ``"replace-by-chain"``: by
       a chain that ends with one.
     """
@@ -196,6 +200,17 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         return "retried"
     if place == 0 and first == "ignore":
         raise Ignore()
+    if place == 0 and first == "retry-unpublishable":
+        # The retry's arguments cannot be serialized: its publish fails, and Celery rejects
+        # the run (Reject(requeue=False)): the message never runs again.
+        task.retry(args=(tag, object()), countdown=0, max_retries=1, throw=False)
+    if place == 0 and first == "replace-unpublishable":
+        return task.replace(task.si(tag, object()))  # its publish fails: the run fails
+    if place == 0 and first == "replace-then-retry-no-throw":
+        return task.replace(task.si(tag, "retry-no-throw-when-replaced"))
+    if place == 1 and first == "retry-no-throw-when-replaced":
+        task.retry(countdown=0, max_retries=1, throw=False)  # a replacement retries
+        return "retried"
     signalled: list[int] = []
     restore: Any = None
     if place == 0 and first == "outlive-sigterm":
