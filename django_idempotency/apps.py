@@ -46,7 +46,7 @@ class IdempotencyConfig(AppConfig):
             # its key when it starts and ends (or that the message runs again: a retry, a
             # requeue, a replacement), under a lease the pool may enforce.
             from celery.signals import (
-                before_task_publish,
+                after_task_publish,
                 task_postrun,
                 task_prerun,
                 task_revoked,
@@ -64,10 +64,10 @@ class IdempotencyConfig(AppConfig):
             task_postrun.connect(
                 tasks.run_ended, weak=False, dispatch_uid="django_idempotency.task_postrun"
             )
-            before_task_publish.connect(
-                tasks.publishing_again,
+            after_task_publish.connect(
+                tasks.published_again,
                 weak=False,
-                dispatch_uid="django_idempotency.publishing_again",
+                dispatch_uid="django_idempotency.published_again",
             )
             worker_init.connect(
                 tasks.worker_starting, weak=False, dispatch_uid="django_idempotency.worker_init"

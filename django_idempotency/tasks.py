@@ -507,22 +507,23 @@ def _reporting(report: Callable[[], object]) -> None:
         report()
 
 
-def publishing_again(sender: object = None, headers: object = None, **kwargs: Any) -> None:
-    """Celery's ``before_task_publish``: a reported run that publishes its own message
-    again has not ended when it stops. ``Task.replace`` publishes the replacement one level
+def published_again(sender: object = None, headers: object = None, **kwargs: Any) -> None:
+    """Celery's ``after_task_publish``: a reported run that published its own message again
+    has not ended when it stops. ``Task.replace`` publishes the replacement one level
     deeper in ``replaced_task_nesting``, then raises ``Ignore``: the replacement, under its
     task id, reports the rest of the message's run. ``Task.retry`` publishes the message
-    under its task id with ``retries`` one more, then raises ``Retry`` (the run ends in
-    ``RETRY``), or with ``throw=False`` hands the body the exception to return (the run
-    ends in ``SUCCESS``): the retry reports the rest."""
+    under its task id with ``retries`` one more (a replacement's retry at its own nesting),
+    then raises ``Retry`` (the run ends in ``RETRY``), or with ``throw=False`` hands the
+    body the exception to return (the run ends in ``SUCCESS``): the retry reports the rest.
+    After the publish, not before: a retry or a replacement the broker (or the serializer)
+    refused is no run to come, and the run that tried it ends the message's run."""
     if not isinstance(headers, dict):
         return
     nesting = headers.get("replaced_task_nesting")
     nesting = nesting if isinstance(nesting, int) else 0
     retries = headers.get("retries")
     retries = retries if isinstance(retries, int) else 0
-    replaced = nesting > 0
-    if not replaced and retries <= 0:
+    if nesting <= 0 and retries <= 0:
         return  # a first publish: every other message published anywhere
     from celery import current_task
 
@@ -530,10 +531,9 @@ def publishing_again(sender: object = None, headers: object = None, **kwargs: An
     if _reported(running) is None:
         return
     request = running.request
-    if replaced:
-        if nesting > (getattr(request, "replaced_task_nesting", 0) or 0):
-            setattr(request, _AGAIN, True)
-    elif headers.get("id") == request.id and retries > (request.retries or 0):
+    deeper = nesting > (getattr(request, "replaced_task_nesting", 0) or 0)
+    retried = headers.get("id") == request.id and retries > (request.retries or 0)
+    if deeper or retried:
         setattr(request, _AGAIN, True)
 
 
@@ -563,7 +563,7 @@ class _Pool:
 # it replaces such a run under its task id (Task.replace), the header not carried over.
 _SENT, _REPLACEMENT = "sent", "replacement"
 #: Set on the request of a reported run that published its message again: a replacement or
-#: a retry (:func:`publishing_again`).
+#: a retry (:func:`published_again`).
 _AGAIN = "django_idempotency_again"
 
 
@@ -585,7 +585,7 @@ def _runs_again(task: Any, state: object, retval: object) -> bool:
     (``RETRY``; or ``SUCCESS`` after ``self.retry(throw=False)``), a
     ``Reject(requeue=True)`` of an ``acks_late`` message (``REJECTED``), or a replacement
     under the same task id (``IGNORED``): those that publish the message again say so
-    (:func:`publishing_again`). The key holds for this run's lease meanwhile, and the next
+    (:func:`published_again`). The key holds for this run's lease meanwhile, and the next
     run reports again."""
     if state == "RETRY" or getattr(task.request, _AGAIN, False):
         return True

@@ -176,6 +176,11 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
     - ``"reject"``: raises ``Reject(requeue=True)``; ``"retry"``: ``self.retry()``;
       ``"retry-no-throw"``: ``self.retry(throw=False)``, then returns;
       ``"ignore"``: raises ``Ignore``; ``"outlive-sigterm"``: notes a SIGTERM and goes on;
+      ``"fail"``: raises ``RuntimeError``;
+      ``"retry-unpublishable"``, ``"replace-unpublishable"``: a retry, or a replacement,
+      whose arguments cannot be serialized (its publish fails);
+      ``"replace-then-retry-no-throw"``: replaces itself by a run that then retries with
+      ``throw=False`` and returns;
     - ``"replace"``: replaces itself by another run of the task; ``"replace-by-chain"``: by
       a chain that ends with one.
     """
@@ -196,6 +201,19 @@ def gated(task: Task[Any, Any], tag: str, first: str) -> str:
         return "retried"
     if place == 0 and first == "ignore":
         raise Ignore()
+    if place == 0 and first == "fail":
+        raise RuntimeError("first run")
+    if place == 0 and first == "retry-unpublishable":
+        # The retry's arguments cannot be serialized: its publish fails, and Celery rejects
+        # the run (Reject(requeue=False)): the message never runs again.
+        task.retry(args=(tag, object()), countdown=0, max_retries=1, throw=False)
+    if place == 0 and first == "replace-unpublishable":
+        return task.replace(task.si(tag, object()))  # its publish fails: the run fails
+    if place == 0 and first == "replace-then-retry-no-throw":
+        return task.replace(task.si(tag, "retry-no-throw-when-replaced"))
+    if place == 1 and first == "retry-no-throw-when-replaced":
+        task.retry(countdown=0, max_retries=1, throw=False)  # a replacement retries
+        return "retried"
     signalled: list[int] = []
     restore: Any = None
     if place == 0 and first == "outlive-sigterm":
@@ -241,6 +259,22 @@ def gated_plain(self: Task[Any, Any], tag: str, first: str = "wait") -> str:
 @shared_task(name="tests.gated_plain_time_limited", bind=True, time_limit=GATED_TIME_LIMIT_SECONDS)
 def gated_plain_time_limited(self: Task[Any, Any], tag: str, first: str = "wait") -> str:
     """As ``gated_plain``, with a hard time limit."""
+    return gated(self, tag, first)
+
+
+class RetriedOnFailure(Task):  # type: ignore[misc]
+    """A task whose ``on_failure`` retries its first run (``throw=False``)."""
+
+    def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        if not self.request.retries:
+            self.retry(countdown=0, max_retries=1, throw=False)
+
+
+@shared_task(
+    name="tests.gated_plain_retried_on_failure", bind=True, base=RetriedOnFailure, acks_late=True
+)
+def gated_plain_retried_on_failure(self: Task[Any, Any], tag: str, first: str = "wait") -> str:
+    """As ``gated_plain``; a failed first run is retried by ``on_failure``."""
     return gated(self, tag, first)
 
 
