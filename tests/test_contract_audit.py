@@ -4,7 +4,6 @@ from where the design says, called as it spells them, through the public surface
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any
 
 import pytest
@@ -110,23 +109,3 @@ def test_a_throttled_request_never_claims_and_runs_nothing(user: Any, shape: int
     cache.clear()
     assert post(throttled_key).status_code == 201
     assert Charge.objects.count() == 2
-
-
-# -- ★ Failing closed: what a client is told ------------------------------------------------------
-
-
-def test_the_readmes_client_contract_never_says_a_503_kept_nothing_when_its_outcome_is_kept() -> (
-    None
-):
-    """A ``503`` ``idempotency_record_unreadable`` answers a key whose outcome is stored (and
-    never runs again within its TTL): a client told "nothing was kept" would think the
-    operation never happened. The README's line for ``503`` names that case."""
-    from tests.live import ROOT
-
-    readme = (ROOT / "README.md").read_text()
-    contract = readme.split("## The client's contract", 1)[1].split("\n## ", 1)[0]
-    (item,) = [text for text in re.split(r"\n(?=\d+\. )", contract) if "`503`" in text]
-    assert "idempotency_record_unreadable" in item, item
-    client = (ROOT / "example_project" / "client.py").read_text()
-    comment = client.split("# 409: still running elsewhere.", 1)[1].split("retry =", 1)[0]
-    assert "idempotency_record_unreadable" in comment, comment

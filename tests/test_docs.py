@@ -830,3 +830,18 @@ def test_the_sql_blocks_run_on_postgresql() -> None:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute(block.text)
             transaction.set_rollback(True)  # what it changes stays in this test
+
+
+def test_the_readmes_client_contract_never_says_a_503_kept_nothing_when_its_outcome_is_kept() -> (
+    None
+):
+    """A ``503`` ``idempotency_record_unreadable`` answers a key whose outcome is stored (and
+    never runs again within its TTL): a client told "nothing was kept" would think the
+    operation never happened. The README's line for ``503`` names that case."""
+    readme = (ROOT / "README.md").read_text()
+    contract = readme.split("## The client's contract", 1)[1].split("\n## ", 1)[0]
+    (item,) = [text for text in re.split(r"\n(?=\d+\. )", contract) if "`503`" in text]
+    assert "idempotency_record_unreadable" in item, item
+    client = (ROOT / "example_project" / "client.py").read_text()
+    comment = client.split("# 409: still running elsewhere.", 1)[1].split("retry =", 1)[0]
+    assert "idempotency_record_unreadable" in comment, comment
