@@ -283,7 +283,7 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
     if reported:
         # The worker reports the run on the key's row (read locked for a takeover, so as
         # last committed): started, then ended (``finished_at``, above) or its lease ran out.
-        if holder.started_at is None:
+        if holder.started_at is None or _ran_out_before_sent(holder.lease_expires_at, sent_at):
             return _not_started_yet(holder, sent_at, now)
         if until.frees_at_start:
             return False
@@ -302,13 +302,22 @@ def holds(alias: str, holder: OutboxUniqueKey, now: datetime, newest: bool = Fal
         )
     else:
         run = runs.values("status", "lease_expires_at").first()
-    if run is None:
+    if run is None or (sent_at is not None and states.STALE_LEASE.test(run, now=sent_at)):
+        # Not started; or its run's lease had run out when the relay last sent it: the
+        # run of an earlier sending, whose worker died (see _ran_out_before_sent).
         return _not_started_yet(holder, sent_at, now)
     if until.frees_at_start:
         return False
     # Started: live while it runs under a live lease; finished, or its worker died and
     # its lease ran out, it no longer holds the key.
     return states.LIVE_LEASE.test(run, now=now)
+
+
+def _ran_out_before_sent(lease_expires_at: datetime | None, sent_at: datetime | None) -> bool:
+    # A run whose lease had run out when the relay last sent its message is an earlier
+    # sending's, whose worker died: the message was made pending again (a requeue) and sent
+    # anew, and that delivery waits for a worker of its own.
+    return lease_expires_at is not None and sent_at is not None and lease_expires_at <= sent_at
 
 
 def _not_started_yet(holder: OutboxUniqueKey, sent_at: datetime | None, now: datetime) -> bool:

@@ -67,9 +67,12 @@ def hand_overs(tag: str) -> int:
 
 
 @contextmanager
-def db_worker(worker_id: str, ready: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+def db_worker(
+    worker_id: str, ready: Path | None = None, idempotency: str | None = None
+) -> Iterator[subprocess.Popen[str]]:
     """``manage.py db_worker`` on the ``worker`` backend, every queue; stopped at the end.
-    ``ready``: a file it writes when it first connects, about to look for its first task."""
+    ``ready``: a file it writes when it first connects, about to look for its first task.
+    ``idempotency``: its ``IDEMPOTENCY`` setting, a Python literal (tests/settings_from_env.py)."""
     starting_a_server("a db_worker")
     process = subprocess.Popen(
         [
@@ -80,7 +83,19 @@ def db_worker(worker_id: str, ready: Path | None = None) -> Iterator[subprocess.
             *("--worker-id", worker_id, "-v", "0"),
         ],
         cwd=ROOT,
-        env=server_env({"TEST_READY_FILE": str(ready)} if ready else None),
+        env=server_env(
+            {
+                **({"TEST_READY_FILE": str(ready)} if ready else {}),
+                **(
+                    {
+                        "DJANGO_SETTINGS_MODULE": "tests.settings_from_env",
+                        "TEST_IDEMPOTENCY": idempotency,
+                    }
+                    if idempotency
+                    else {}
+                ),
+            }
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

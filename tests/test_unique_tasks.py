@@ -80,8 +80,10 @@ def run_record(message_id: uuid.UUID, status: str, lease: timedelta | None = Non
 
 
 def sent(message_id: uuid.UUID) -> None:
+    """Sent a minute ago: a dead run's lease that ran out since (its worker died after it
+    started the run) is no older than that."""
     OutboxMessage.objects.filter(pk=message_id).update(
-        status=OutboxStatus.SENT, sent_at=timezone.now()
+        status=OutboxStatus.SENT, sent_at=timezone.now() - timedelta(minutes=1)
     )
 
 
@@ -218,6 +220,31 @@ def test_a_dead_workers_run_frees_the_key_when_its_lease_ran_out():
     sent(first)
     run_record(first, "in_progress", lease=timedelta(seconds=-1))
     assert once() != first
+
+
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_message_sent_again_after_its_worker_died_holds_its_key_until_it_runs(until: str):
+    """Its worker died, its run's lease ran out; the message was made pending again (the
+    admin's requeue, or an ``UPDATE``, as for a database backend that never redelivers) and
+    the relay sent it again. That delivery waits for a worker: the dead run's record is
+    no news of it, and a second message would run beside it."""
+    first = once(unique_until=until)
+    sent(first)
+    # Its lease ran out before the relay sent the message again (a minute ago).
+    run_record(first, "in_progress", lease=timedelta(minutes=-2))
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.PENDING)
+    assert once(unique_until=until) == first
+    sent(first)
+    assert once(unique_until=until) == first
+    assert messages() == 1
+    # The redelivery takes the dead run's lease over: it started.
+    IdempotencyRecord.objects.update(lease_expires_at=timezone.now() + timedelta(minutes=1))
+    if until == "started":
+        assert once(unique_until=until) != first
+    else:
+        assert once(unique_until=until) == first
+        IdempotencyRecord.objects.update(status="completed")
+        assert once(unique_until=until) != first
 
 
 def test_a_dead_message_frees_its_key():

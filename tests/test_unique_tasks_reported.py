@@ -41,8 +41,10 @@ def once(key: str, task: object, *args: Any, **options: Any) -> uuid.UUID:
 
 
 def sent(message_id: uuid.UUID) -> None:
+    """Sent a minute ago: a dead run's lease that ran out since (its worker died after it
+    started the run) is no older than that."""
     OutboxMessage.objects.filter(pk=message_id).update(
-        status=OutboxStatus.SENT, sent_at=timezone.now()
+        status=OutboxStatus.SENT, sent_at=timezone.now() - timedelta(minutes=1)
     )
 
 
@@ -92,6 +94,31 @@ def test_a_dead_workers_reported_run_frees_the_key_when_its_lease_ran_out():
     sent(first)
     assert started(first, lease=timedelta(seconds=-1))  # its worker died long ago
     assert once("nightly", hold_plain) != first
+
+
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_message_sent_again_after_its_reported_run_died_holds_its_key_until_it_runs(
+    until: str,
+):
+    """Its worker died, its reported run's lease ran out; the message was made pending
+    again and the relay sent it again. That delivery waits for a worker: the dead run's
+    report is no news of it, and a second message would run beside it."""
+    first = once("nightly", hold_plain, unique_until=until)
+    sent(first)
+    # Its worker died; its lease ran out before the relay sent it again (a minute ago).
+    assert started(first, lease=timedelta(minutes=-2))
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.PENDING)
+    assert once("nightly", hold_plain, unique_until=until) == first
+    sent(first)
+    assert once("nightly", hold_plain, unique_until=until) == first
+    assert OutboxMessage.objects.count() == 1
+    assert started(first)  # the new delivery's run
+    if until == "started":
+        assert once("nightly", hold_plain, unique_until=until) != first
+    else:
+        assert once("nightly", hold_plain, unique_until=until) == first
+        ended(first)
+        assert once("nightly", hold_plain, unique_until=until) != first
 
 
 def test_a_reported_run_never_started_frees_the_key_after_the_ttl():
