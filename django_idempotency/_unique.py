@@ -374,7 +374,9 @@ def runs_known_by(alias: str, runs: Sequence[tuple[uuid.UUID, str]]) -> None:
     id its worker will know the run by, written on the key: one ``UPDATE`` for them all
     (or for each part of them one statement's parameters hold), in the caller's
     transaction. Written out rather than through ``Case(When(...))``, which the ORM
-    resolves as a filter per message."""
+    resolves as a filter per message. An empty run id (a backend's that gave none) is
+    no run's: its key is left without one, held until its ``TTL``."""
+    runs = [(message_id, known) for message_id, known in runs if known]
     if not runs:
         return
     connection = connections[alias]
@@ -408,7 +410,8 @@ def _reported_keys(
 ) -> QuerySet[OutboxUniqueKey] | None:
     keys = OutboxUniqueKey.objects.using(alias).filter(finished_at=None)
     if run_id is not None:
-        return keys.filter(run_id=run_id)
+        # An empty id (a backend's that gave none) is no run's: it reaches no key.
+        return keys.filter(run_id=run_id) if run_id else None
     try:
         keys = keys.filter(message_id=uuid.UUID(str(message_id)))
     except ValueError:

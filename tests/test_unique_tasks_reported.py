@@ -89,6 +89,20 @@ def test_started_frees_the_key_once_the_run_is_reported_started():
     assert once("nightly", hold_plain, unique_until="started") != first
 
 
+def test_an_empty_run_id_is_no_runs_id():
+    """A backend that gave the relay an empty result id: nothing is written on the key,
+    and a report by an empty id reaches no key whose run id was left empty."""
+    first = once("nightly", hold_plain)
+    sent(first)
+    _unique.runs_known_by(app_settings.DATABASE, [(first, "")])
+    assert OutboxUniqueKey.objects.get().run_id == ""  # a key whose run id is not known
+    assert not _unique.run_started(app_settings.DATABASE, MINUTE, run_id="")
+    _unique.run_ended(app_settings.DATABASE, run_id="")
+    row = OutboxUniqueKey.objects.get()
+    assert (row.started_at, row.finished_at) == (None, None)
+    assert once("nightly", hold_plain) == first
+
+
 def test_a_dead_workers_reported_run_frees_the_key_when_its_lease_ran_out():
     first = once("nightly", hold_plain)
     sent(first)
