@@ -24,7 +24,7 @@ from django.db.models.functions import Cast
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import _storable, _validation, _wakeup, signals
+from django_idempotency import _storable, _unique, _validation, _wakeup, signals
 from django_idempotency._autonomous import in_callers_transaction
 from django_idempotency._senders import (
     SENDER_GROUP,
@@ -187,6 +187,8 @@ def _relay_taken(
     with transaction.atomic(using=alias):
         taken = _take(alias, now, size)
         result.taken = len(taken)
+        # Sent before and made pending again: their keys forget the earlier runs' reports.
+        _unique.sent_again(alias, [message.id for message, _ in taken if message.sent_at])
         # What each message's delivery held before the hand-over: a sender that records
         # something there (the Tasks backend: the target's result id) has it saved with
         # the mark.

@@ -57,6 +57,7 @@ __all__ = [
     "run_ended",
     "run_started",
     "runs_known_by",
+    "sent_again",
     "task_operation",
     "unique",
     "write_once",
@@ -348,6 +349,18 @@ def run_started(
         return False
     now = timezone.now()
     return keys.update(started_at=now, lease_expires_at=later(now, lease)) > 0
+
+
+def sent_again(alias: str, message_ids: Sequence[uuid.UUID]) -> None:
+    """Messages the relay is about to send again (made pending after they were sent, by an
+    ``UPDATE`` or the admin): what an earlier sending's run reported on their keys (its
+    start, its lease, its end, its run id) is no news of the delivery to come, and is
+    forgotten in the relay's transaction, before the hand-over (which a backend that runs
+    the task at once reports into). A key a newer message took over is not theirs."""
+    if message_ids:
+        OutboxUniqueKey.objects.using(alias).filter(message_id__in=message_ids).update(
+            started_at=None, lease_expires_at=None, finished_at=None, run_id=""
+        )
 
 
 def run_ended(

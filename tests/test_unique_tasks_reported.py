@@ -135,6 +135,30 @@ def test_a_message_sent_again_after_its_reported_run_died_holds_its_key_until_it
         assert once("nightly", hold_plain, unique_until=until) != first
 
 
+@pytest.mark.parametrize("until", ["started", "finished"])
+def test_a_message_sent_again_after_its_reported_run_failed_holds_its_key_until_it_runs(
+    until: str,
+):
+    """Its run failed and reported its end; the message was made pending again (an
+    ``UPDATE``) and the relay sent it again: the earlier run's end is no news of the
+    delivery that now waits for a worker, and a second message would run beside it."""
+    handed: list[uuid.UUID] = []
+    first = once("nightly", hold_plain, unique_until=until)
+    assert outbox.relay_batch(sender=lambda message: handed.append(message.id)).sent == 1
+    assert started(first)
+    ended(first)  # the run failed
+    OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.PENDING)
+    assert outbox.relay_batch(sender=lambda message: handed.append(message.id)).sent == 1
+    assert handed == [first, first]
+    assert once("nightly", hold_plain, unique_until=until) == first
+    assert started(first)  # the new delivery's run
+    if until == "finished":
+        assert once("nightly", hold_plain, unique_until=until) == first
+        ended(first)
+    assert once("nightly", hold_plain, unique_until=until) != first
+    assert OutboxMessage.objects.count() == 2
+
+
 def test_a_reported_run_never_started_frees_the_key_after_the_ttl():
     """The broker lost the message: held for the ``TTL`` after it was sent, as a run's
     record would be kept."""
