@@ -139,9 +139,9 @@ def relay_main(mode: str) -> None:
 FILL_SQL = """
 INSERT INTO django_idempotency_outbox
     (id, task, args, kwargs, status, attempts, available_at, created_at, sent_at, last_error,
-     delivery)
+     delivery, run_reported)
 SELECT gen_random_uuid(), 'bench.consume', jsonb_build_array(i), '{}'::jsonb, 'pending', 0,
-       now() - interval '1 minute', now() - interval '1 minute', NULL, '', '{}'::jsonb
+       now() - interval '1 minute', now() - interval '1 minute', NULL, '', '{}'::jsonb, false
 FROM generate_series(1, %s) AS i
 """
 
