@@ -171,8 +171,10 @@ def record_with_context(context: TaskContext, tag: str) -> dict[str, Any]:
 
 # -- one live task per key (tests/test_unique_tasks_servers.py) ---------------------------------
 
-#: Longer than a held run (2 s), so that a live run holds its key for all of it.
-UNIQUE_LEASE_SECONDS = 5
+#: Far longer than a held run (2 s), so that a live run holds its key for all of it: a run
+#: that outlives its lease frees its key (the lease decides), and a loaded machine (CI's
+#: parallel suites) once stretched a 2-s run past 5 s.
+UNIQUE_LEASE_SECONDS = 30
 #: Shorter than the run a test kills, so that the dead run's key frees soon.
 KILLED_LEASE_SECONDS = 2
 
