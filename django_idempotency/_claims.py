@@ -120,11 +120,12 @@ def fetch(op: Operation) -> _store.RecordState | None:
 
 
 def wait_for(
-    op: Operation, state: _store.RecordState, wait: timedelta
+    op: Operation, state: _store.RecordState, wait: timedelta, release: bool = False
 ) -> _store.RecordState | None:
     """Poll ``op``'s record, in progress as ``state``, until its owner is done; never longer
     than ``wait``, with short reads that hold no lock (and, between them, no connection that
-    the caller did not hold already).
+    the caller did not hold already: ``release``, the caller held none before its claim
+    opened one, which is closed, or given back to its pool, before each pause).
 
     The record once done (completed or failed); ``None`` when it went away, was replaced or
     its lease went stale (claim it again); the record still in progress when ``wait`` ran
@@ -134,6 +135,8 @@ def wait_for(
     pause = 0.02
     latest = state
     while (remaining := deadline - time.monotonic()) > 0:
+        if release and not connections[op.alias].in_atomic_block:
+            connections[op.alias].close()
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, 0.25)
         found = fetch(op)

@@ -37,6 +37,7 @@ pytest.importorskip("fastmcp")
 import anyio
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 from django.test import override_settings
 from mcp import Client
 from mcp.server.auth.middleware.auth_context import auth_context_var
@@ -912,6 +913,62 @@ def test_wait_lets_a_duplicate_in_flight_get_the_originals_outcome(kind):
             waiting.join(WAIT)
     assert not original.is_alive()
     assert not waiting.is_alive()
+    ran_once(results["original"])
+    replayed(results["original"], results["duplicate"])
+    assert effects() == (1, 1, 1)
+
+
+def connections_in_use() -> int:
+    """The test database's connections in use by this process's threads: checked out of
+    Django's pool where it has one, else the server's client backends (this read's own left
+    out)."""
+    if connection.settings_dict["OPTIONS"].get("pool"):
+        stats = connection.pool.get_stats()
+        return int(stats["pool_size"]) - int(stats["pool_available"])
+    import psycopg
+
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=True) as raw:
+        (count,) = raw.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        ).fetchone()  # type: ignore[misc]
+    return int(count)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="counts PostgreSQL's connections")
+def test_a_duplicate_that_waits_holds_no_connection_while_it_waits(kind):
+    server, entered, leave = held_original(kind)
+    key = new_key()
+    results: dict[str, CallToolResult] = {}
+
+    def duplicate() -> None:
+        results["duplicate"] = call(shop(kind, wait=timedelta(seconds=WAIT)), args(key))
+
+    original = threading.Thread(
+        target=in_thread(lambda: results.__setitem__("original", call(server, args(key))))
+    )
+    original.start()
+    waiting = threading.Thread(target=in_thread(duplicate))
+    try:
+        assert entered.wait(WAIT)
+        before = connections_in_use()  # the original's, inside its transaction
+        with watching_polls() as polls:
+            waiting.start()
+            polls.wait(timeout=WAIT)  # the duplicate waits for the original now
+        during = []
+        for _ in range(10):
+            time.sleep(0.1)
+            during.append(connections_in_use())
+        assert waiting.is_alive()
+    finally:
+        leave.set()
+        original.join(WAIT)
+        if waiting.ident is not None:
+            waiting.join(WAIT)
+    # Between its reads (a few milliseconds each) the duplicate holds no connection: a
+    # burst of duplicates that wait cannot take every connection of the pool or the server.
+    assert min(during) == before, (before, during)
     ran_once(results["original"])
     replayed(results["original"], results["duplicate"])
     assert effects() == (1, 1, 1)
