@@ -10,6 +10,7 @@ execution and the recovery rule are the framework-neutral ones (:mod:`._claims`,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -521,20 +522,47 @@ def _not_storable() -> HttpResponse:
     )
 
 
-async def run_to_the_end(run: Callable[[], T], *, thread_sensitive: bool = True) -> T:
+async def run_to_the_end(run: Callable[[], T], *, own_thread: bool = False) -> T:
     """Run the (synchronous) engine for an ``async def`` view or tool, to its end whatever
     happens to its caller.
 
     The engine runs in the request's thread-sensitive thread: the claim, the view's
     transaction and the completion share one connection, and the async view runs back on
-    the event loop from there. When the client disconnects, Django cancels the view's task;
-    the attempt is shielded from that cancellation and goes on as a sync view would, so its
-    outcome is stored and the client's retry gets it replayed. Were the attempt cancelled
-    all the same (a server shutting down), the engine keeps the claim as a killed process
-    would (``_claims.CRASHES``): never a silent release, and never a second run that the
-    recovery policy did not choose.
+    the event loop from there. ``own_thread``: in a thread of its own instead, made for this
+    attempt and ended with it, its connections closed (a tool call, which no request's
+    thread serves): never one of the event loop's default executor, which the body's own
+    ``asyncio.to_thread`` (or a DNS lookup) waits for, and which as many engines waiting for
+    their bodies would fill for good. When the client disconnects, Django cancels the view's
+    task; the attempt is shielded from that cancellation and goes on as a sync view would,
+    so its outcome is stored and the client's retry gets it replayed. Were the attempt
+    cancelled all the same (a server shutting down), the engine keeps the claim as a killed
+    process would (``_claims.CRASHES``): never a silent release, and never a second run that
+    the recovery policy did not choose.
     """
-    attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=thread_sensitive)())
+    if not own_thread:
+        attempt = asyncio.ensure_future(sync_to_async(run)())
+        return await _to_the_end(attempt)
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="django-idempotency")
+    try:
+        ran = functools.partial(_closing_connections, run)
+        attempt = asyncio.ensure_future(
+            sync_to_async(ran, thread_sensitive=False, executor=thread)()
+        )
+        return await _to_the_end(attempt)
+    finally:
+        thread.shutdown(wait=False)  # the thread ends once the attempt has
+
+
+def _closing_connections(run: Callable[[], T]) -> T:
+    """``run``, then this thread's connections closed (or given back to their pool): the
+    thread ends with the attempt."""
+    try:
+        return run()
+    finally:
+        db.connections.close_all()
+
+
+async def _to_the_end(attempt: asyncio.Future[T]) -> T:
     try:
         return await asyncio.shield(attempt)
     except asyncio.CancelledError:

@@ -374,7 +374,7 @@ class _Tool:
                 body = self.bound(coroutine, receiver)
                 context, arguments = self.framework.split(arguments)
                 return await _http.run_to_the_end(
-                    lambda: self.call(body, context, arguments), thread_sensitive=False
+                    lambda: self.call(body, context, arguments), own_thread=True
                 )
 
             tool: Callable[..., Any] = async_tool

@@ -747,3 +747,58 @@ def test_an_async_tool_whose_agent_goes_away_mid_call_completes_and_its_retry_re
     assert again.is_error is not True, again
     assert (again.meta or {}).get("idempotentReplayed") is True, again
     assert effects() == (1, 1, 1)
+
+
+@postgres_only
+def test_async_tools_that_await_threads_never_wait_for_the_loops_threads(framework):
+    """More ``async def`` tools at once than the event loop's default executor has threads,
+    each awaiting work in a thread (``asyncio.to_thread``, as async code does for a blocking
+    client): every call runs and answers. The engine's thread of a call is never one of the
+    threads its body waits for."""
+    import asyncio
+    import concurrent.futures
+    import time
+
+    server = server_of(framework)
+    threads = 4  # the loop's default executor (min(32, CPUs + 4) threads by default)
+
+    @server.tool()
+    @protect(framework)
+    async def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        await asyncio.to_thread(time.sleep, 0.2)  # a blocking client, off the loop
+        return await sync_to_async(refund_effect)(order_id, amount)  # type: ignore[no-any-return]
+
+    calls = threads + 2
+    keys = [new_key() for _ in range(calls)]
+
+    async def agents() -> list[Any]:
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(threads)
+        )
+        results: list[Any] = []
+
+        async def agent(number: int) -> None:
+            arguments = args(keys[number], order_id=number)
+            if framework == "fastmcp":
+                async with fastmcp.Client(server) as client:
+                    results.append(
+                        await client.call_tool("refund", arguments, raise_on_error=False)
+                    )
+                return
+            from mcp import Client
+
+            async with Client(server) as client:
+                results.append(await client.call_tool("refund", arguments))
+
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as group:
+                for number in range(calls):
+                    group.start_soon(agent, number)
+        return results
+
+    results = anyio.run(agents)
+    assert len(results) == calls
+    for result in results:
+        ran_once(result)
+    assert effects() == (calls, calls, calls)
+    assert IdempotencyRecord.objects.filter(status=RecordStatus.COMPLETED).count() == calls
