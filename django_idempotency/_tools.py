@@ -8,8 +8,8 @@ everything else lives here, once: where the key comes from, the account, the fin
 the refusals and their codes, the replay flag, the bridge for ``async def`` tools, the
 order check's message and the warning about a lease shorter than a call.
 
-A new framework is one small module: a ``Framework`` and its ``idempotent_tool``, which
-calls :func:`protector`.
+A new framework is one small module: a ``Framework`` (named ``FRAMEWORK`` there) and its
+``idempotent_tool``, which calls :func:`protector`; and its line in :data:`ADAPTERS`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import contextvars
 import copy
 import decimal
 import functools
+import importlib
 import inspect
 import itertools
 import json
 import logging
 import math
+import sys
 import time
 import types
 import typing
@@ -51,12 +53,14 @@ from django_idempotency.exceptions import (
 from django_idempotency.keys import InvalidKey
 
 __all__ = [
+    "ADAPTERS",
     "KEY_ARGUMENT",
     "KEY_DESCRIPTION",
     "META_KEY",
     "REPLAYED_META",
     "Framework",
     "canonical",
+    "other_frameworks",
     "principal_of",
     "protector",
 ]
@@ -96,9 +100,11 @@ class Framework(Generic[R]):
     #: How the framework is named in messages ("MCPServer", "FastMCP").
     name = "the tool framework"
 
-    def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
+    def refuse_registered(self, func: Callable[..., Any], where: str, own: bool = True) -> None:
         """Raise ``ImproperlyConfigured`` (with :func:`misplaced`'s words) when ``func`` is
-        registered with a server already: the decorator is above the server's."""
+        registered with a server already: the decorator is above the server's. ``own``:
+        ``False`` when the decorator is another framework's adapter, which asks this one
+        whether a server of its holds ``func`` (see :data:`ADAPTERS`), and nothing else."""
 
     def signature(
         self, func: Callable[..., Any], signature: inspect.Signature
@@ -230,6 +236,35 @@ def misplaced(
     )
 
 
+#: The adapter module of each framework, by the module its servers come from; a new
+#: framework adds its line. The order check asks every framework loaded in the process
+#: whether one of its servers holds the function already, whichever adapter decorates it:
+#: the SDK's adapter above FastMCP's ``@server.tool`` leaves FastMCP the bare function as
+#: surely as FastMCP's own adapter there would. Each adapter module names its
+#: :class:`Framework` ``FRAMEWORK``.
+ADAPTERS = {
+    "mcp.server.mcpserver": "django_idempotency.mcp",
+    "fastmcp": "django_idempotency.fastmcp",
+}
+
+
+def other_frameworks(framework: Framework[Any]) -> list[tuple[str, Framework[Any]]]:
+    """The adapter module and a :class:`Framework` of every framework loaded in the process
+    but ``framework``'s, for the order check."""
+    found: list[tuple[str, Framework[Any]]] = []
+    for served, adapter in ADAPTERS.items():
+        if served not in sys.modules:
+            continue  # not loaded: it serves nothing
+        try:
+            module = importlib.import_module(adapter)
+        except ImportError:  # a release of the framework its adapter does not support
+            continue
+        kind = getattr(module, "FRAMEWORK", None)
+        if isinstance(kind, type) and not isinstance(framework, kind):
+            found.append((adapter, kind()))
+    return found
+
+
 #: How many items of a list, tuple or set the order check looks at for a server.
 _ITEMS_SEARCHED = 100
 
@@ -331,6 +366,13 @@ def protector(
             )
         own = copy.copy(framework)
         own.refuse_registered(func, where)
+        for adapter, other in other_frameworks(own):
+            try:
+                other.refuse_registered(func, where, own=False)
+            except ImproperlyConfigured as exc:
+                raise ImproperlyConfigured(
+                    f"{exc}, and protect a tool of {other.name} with {adapter}.idempotent_tool"
+                ) from None
         tool = _Tool(own, func, checked).wrapper()
         return cast(F, tool if holder is None else holder(tool))
 

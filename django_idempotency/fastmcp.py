@@ -102,7 +102,7 @@ def idempotent_tool(
 class _FastMCP(_tools.Framework[ToolResult]):
     name = "FastMCP"
 
-    def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
+    def refuse_registered(self, func: Callable[..., Any], where: str, own: bool = True) -> None:
         # FastMCP's @server.tool marks the function it registers and returns it: beneath
         # it, this decorator would be handed a function the server calls unprotected.
         if get_fastmcp_meta(func) is not None:
@@ -190,3 +190,7 @@ class _FastMCP(_tools.Framework[ToolResult]):
         # MCP server sends it as it is (a refusal an error, a replay with its flag), and a
         # direct caller reads the same fields as a ToolResult's.
         return result if context is not None else self.sent(result)
+
+
+#: This module's framework, for the order check of the other frameworks' adapters.
+FRAMEWORK = _FastMCP

@@ -129,7 +129,7 @@ class _SDK(_tools.Framework[CallToolResult]):
         self.context_argument = _CONTEXT_ARGUMENT
         self.own_context: str | None = None
 
-    def refuse_registered(self, func: Callable[..., Any], where: str) -> None:
+    def refuse_registered(self, func: Callable[..., Any], where: str, own: bool = True) -> None:
         """``@idempotent_tool`` above ``@server.tool()`` protects nothing: the server has
         the bare function already. Refused where a server in sight shows it: one of the
         decorating module's, or of the scope the decorator is applied in, or one step away
@@ -139,7 +139,7 @@ class _SDK(_tools.Framework[CallToolResult]):
             tools = getattr(getattr(server, "_tool_manager", None), "list_tools", None)
             if callable(tools) and any(tool.fn is func for tool in tools()):
                 raise _tools.misplaced(where, f"@{server.name}.tool()", func, "@server.tool()")
-        if _CONTEXT_ARGUMENT in inspect.signature(func).parameters:
+        if own and _CONTEXT_ARGUMENT in inspect.signature(func).parameters:
             raise ImproperlyConfigured(
                 f"@idempotent_tool at {where}: {func.__name__} has an argument named "
                 f"{_CONTEXT_ARGUMENT!r}, the name the adapter passes the call's Context by; "
@@ -257,3 +257,7 @@ def _in_a_fastmcp_call() -> bool:
     except RuntimeError:  # no FastMCP request
         return False
     return True
+
+
+#: This module's framework, for the order check of the other frameworks' adapters.
+FRAMEWORK = _SDK

@@ -1173,6 +1173,39 @@ def test_the_decorator_above_fastmcps_tool_is_refused_when_it_is_applied():
                 raise AssertionError("never called")
 
 
+def test_the_other_frameworks_decorator_above_a_servers_tool_is_refused_when_it_is_applied():
+    """The wrong adapter, and above: the server holds the bare function all the same, and a
+    retry would refund twice. Refused where it is written, naming the adapter to use."""
+    fast, sdk = FastMCP("shop"), MCPServer("shop")
+    with pytest.raises(ImproperlyConfigured, match=r"beneath @server\.tool.*fastmcp"):
+
+        @idempotent_tool(account="tenant:a")
+        @fast.tool
+        def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
+            raise AssertionError("never called")
+
+    with pytest.raises(ImproperlyConfigured, match=r"beneath @server\.tool.*mcp\.idempotent"):
+
+        @fastmcp_adapter.idempotent_tool(account="tenant:a")
+        @sdk.tool()
+        def cancel(order_id: int, idempotency_key: str) -> dict[str, Any]:
+            raise AssertionError("never called")
+
+    # Beneath, each framework's adapter under its own server is left as it was.
+    for server, adapter in ((FastMCP("shop"), fastmcp_adapter), (MCPServer("shop"), mcp_adapter)):
+        ran_once(call(shop_with(server, adapter), args(new_key())))
+    assert effects() == (2, 2, 2)
+
+
+def shop_with(server: Any, adapter: Any) -> Any:
+    @server.tool()
+    @adapter.idempotent_tool(account=ACCOUNT)
+    def refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        return refund_effect(order_id, amount)
+
+    return server
+
+
 @pytest.mark.parametrize("bare", ["bare", "a class"])
 def test_the_decorator_without_its_parentheses_or_on_a_class_is_refused(kind, bare):
     def refund(order_id: int, idempotency_key: str) -> dict[str, Any]:
