@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -42,7 +43,7 @@ from mcp.server.mcpserver import MCPServer
 from django_idempotency import fastmcp as fastmcp_adapter
 from django_idempotency import mcp as mcp_adapter
 from django_idempotency.models import IdempotencyRecord, RecordStatus
-from tests.helpers import new_key, postgres_only, says_nothing_of_the_server
+from tests.helpers import new_key, postgres_only, says_nothing_of_the_server, watching_polls
 from tests.live import starting_a_server
 from tests.testapp.models import Charge
 
@@ -137,6 +138,21 @@ def add_tools(server: Any, protect: Any) -> Any:
     async def slow_async_refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
         await anyio.to_thread.run_sync(held)
         return await sync_to_async(refund_effect)("slow_async_refund", amount)  # type: ignore[no-any-return]
+
+    @register()
+    @protect(wait=timedelta(seconds=WAIT))
+    def patient_refund(order_id: int, amount: int, idempotency_key: str) -> dict[str, Any]:
+        """A duplicate in flight waits for the original's outcome."""
+        held()
+        return refund_effect("patient_refund", amount)
+
+    @register()
+    @protect(wait=timedelta(seconds=WAIT))
+    async def patient_async_refund(
+        order_id: int, amount: int, idempotency_key: str
+    ) -> dict[str, Any]:
+        await anyio.to_thread.run_sync(held)
+        return await sync_to_async(refund_effect)("patient_async_refund", amount)  # type: ignore[no-any-return]
 
     @register()
     @protect()
@@ -350,6 +366,26 @@ def test_two_calls_with_one_key_at_once_run_once(url, tool):
     (first,) = answers
     assert first.is_error is not True, first
     assert is_replay(call(url, tool, args(key)))
+    assert effects(tool) == (1, 1)
+
+
+@postgres_only
+@pytest.mark.parametrize("tool", ["patient_refund", "patient_async_refund"])
+def test_a_duplicate_that_waits_gets_the_originals_outcome_over_the_wire(url, tool):
+    key = new_key()
+    original, answers = in_the_background(url, tool, args(key))
+    assert ENTERED.wait(WAIT)
+    with watching_polls() as polls:
+        duplicate, waited = in_the_background(url, tool, args(key))
+        polls.wait(timeout=WAIT)  # the duplicate waits for the original, on the server
+    LEAVE.set()
+    original.join(WAIT)
+    duplicate.join(WAIT)
+    (first,), (again,) = answers, waited
+    assert first.is_error is not True, first
+    assert not is_replay(first)
+    assert is_replay(again), again
+    assert (again.content, again.structured_content) == (first.content, first.structured_content)
     assert effects(tool) == (1, 1)
 
 
