@@ -123,9 +123,10 @@ def wait_for(
     op: Operation, state: _store.RecordState, wait: timedelta, release: bool = False
 ) -> _store.RecordState | None:
     """Poll ``op``'s record, in progress as ``state``, until its owner is done; never longer
-    than ``wait``, with short reads that hold no lock (and, between them, no connection that
-    the caller did not hold already: ``release``, the caller held none before its claim
-    opened one, which is closed, or given back to its pool, before each pause).
+    than ``wait``, with short reads that hold no lock. ``release``: between its reads it
+    holds no connection outside a transaction either (the thread's connection is closed, or
+    given back to its pool, before each pause, and opened again by the next read); else the
+    thread keeps the connection its reads use.
 
     The record once done (completed or failed); ``None`` when it went away, was replaced or
     its lease went stale (claim it again); the record still in progress when ``wait`` ran

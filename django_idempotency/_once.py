@@ -250,8 +250,6 @@ def call_once(
         lease=lease,
         legacy=legacy,
     )
-    # A duplicate that waits gives back, between its reads, a connection its claim opened.
-    held = db.connections[op.alias].connection is not None
     try:
         result, owned = claim(op)
     except db.Error as exc:  # any error of the database's, InterfaceError included
@@ -260,7 +258,8 @@ def call_once(
     if owned is None:
         if wait and state.status == IN_PROGRESS and state.request_hash == op.request_hash:
             try:
-                done = wait_for(op, state, wait, release=not held)
+                # Between its reads it holds no connection (a tool's or a task's thread).
+                done = wait_for(op, state, wait, release=True)
             except db.Error as exc:
                 raise _unavailable(op, exc) from exc
             if done is None:  # released, or its lease ran out: claim once more, and no wait

@@ -937,13 +937,22 @@ def connections_in_use() -> int:
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="counts PostgreSQL's connections")
-def test_a_duplicate_that_waits_holds_no_connection_while_it_waits(kind):
+@pytest.mark.parametrize("account", ["named", "looked up"])
+def test_a_duplicate_that_waits_holds_no_connection_while_it_waits(kind, account):
     server, entered, leave = held_original(kind)
     key = new_key()
     results: dict[str, CallToolResult] = {}
 
+    def looked_up(context: Any) -> str:
+        """An account callable that reads the database (the token's subject's user), as the
+        docs' example does: the call's thread opens a connection before its claim."""
+        Charge.objects.filter(account="nobody").exists()
+        return ACCOUNT
+
     def duplicate() -> None:
-        results["duplicate"] = call(shop(kind, wait=timedelta(seconds=WAIT)), args(key))
+        options: dict[str, Any] = {"account": looked_up} if account == "looked up" else {}
+        waiting_shop = shop(kind, wait=timedelta(seconds=WAIT), **options)
+        results["duplicate"] = call(waiting_shop, args(key))
 
     original = threading.Thread(
         target=in_thread(lambda: results.__setitem__("original", call(server, args(key))))
