@@ -69,6 +69,7 @@ logger = logging.getLogger("django_idempotency")
 
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
+D = TypeVar("D", bound=Callable[..., Any])
 
 #: The tool argument that carries the key, when the tool declares it.
 KEY_ARGUMENT = "idempotency_key"
@@ -309,6 +310,21 @@ def servers_in_sight(func: Callable[..., Any], kind: type[S]) -> list[S]:
 
 #: What ``idempotent_tool`` is given positionally when it is written with its parentheses.
 NOTHING: Any = object()
+
+
+def keyword_options_only(decorator: D) -> D:
+    """``decorator`` (an adapter's ``idempotent_tool``) shown as the design writes it,
+    ``(*, account=None, ...)``: its positional parameter only catches the decorator
+    written without its parentheses (:func:`protector`), and is no option to pass."""
+    signature = inspect.signature(decorator)
+    decorator.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[
+            parameter
+            for parameter in signature.parameters.values()
+            if parameter.kind is not inspect.Parameter.POSITIONAL_ONLY
+        ]
+    )
+    return decorator
 
 
 def protector(

@@ -72,6 +72,7 @@ def principal_account(context: Any = None) -> str | None:
     return _tools.principal_of(get_access_token())
 
 
+@_tools.keyword_options_only
 def idempotent_tool(
     misplaced: object = _tools.NOTHING,
     /,

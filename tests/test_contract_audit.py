@@ -36,6 +36,8 @@ def test_idempotent_tool_takes_the_designs_keyword_options_with_their_defaults(m
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     }
     assert keywords == TOOL_OPTIONS
+    # As the design writes it, (*, account=None, ...): options only, by keyword.
+    assert list(parameters) == list(TOOL_OPTIONS)
     assert not [p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
     # Every default spelled out is the default: the decorator takes them all.
     idempotent_tool(**TOOL_OPTIONS)
