@@ -260,13 +260,21 @@ default_fingerprint.fingerprint_version = DEFAULT_VERSION  # type: ignore[attr-d
 def fingerprint_version(function: Any) -> str:
     """The version stored beside a hash: the function's ``fingerprint_version`` or its path.
 
-    A path longer than the column (64 characters) is kept as its first 47 characters, a
-    ``~`` and 16 hex digits of its SHA-256: two paths alike in their first 64 characters
-    (``..._v1`` and ``..._v2``) are two versions, never one."""
+    An object without a path of its own (an instance of a class with ``__call__``) is named
+    by its class's path, a ``functools.partial`` by its function's: two such objects of one
+    module are two versions, never the module's name alone. A path longer than the column
+    (64 characters) is kept as its first 47 characters, a ``~`` and 16 hex digits of its
+    SHA-256: two paths alike in their first 64 characters (``..._v1`` and ``..._v2``) are
+    two versions, never one."""
     version = getattr(function, "fingerprint_version", None)
     if version:
         return str(version)
-    path = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    named = function
+    while isinstance(named, functools.partial):
+        named = named.func
+    if not hasattr(named, "__qualname__"):
+        named = type(named)
+    path = f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', '')}"
     if len(path) <= _VERSION_LENGTH:
         return path
     digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
