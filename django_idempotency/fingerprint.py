@@ -178,7 +178,15 @@ def _body_of(request: Any, inner: HttpRequest) -> Any:
         # A DRF permission or authentication class parsed the stream before us: the body is
         # gone, but DRF kept what it parsed, which is the same on every retry of this view.
         parsed = getattr(request, "data", None)
-        return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=str))}
+        return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=_parsed_value))}
+
+
+def _parsed_value(value: Any) -> Any:
+    """What DRF parsed that JSON does not hold: an uploaded file by its name and the hash of
+    its content (as a form's files are), anything else by its text."""
+    if isinstance(value, UploadedFile):
+        return [value.name or "", _file_digest(value)]
+    return str(value)
 
 
 # Sorted keys, no insignificant whitespace, text as it is: made once, used per request.
