@@ -62,6 +62,7 @@ __all__ = [
     "protected",
     "route_operation",
     "run_to_the_end",
+    "unprotected",
 ]
 
 
@@ -116,6 +117,16 @@ def handle(
         inner.idempotency = None
         return with_atomic_requests(terms.database, call_view, marks_of(inner, marks))
     return protected(request, call_view, options, terms, default_operation, marks)
+
+
+def unprotected(request: Any) -> None:
+    """Say that ``request`` reaches its view unprotected by this layer: its
+    ``request.idempotency`` is ``None``, as :func:`handle` leaves it for a method the view
+    does not protect, unless an outer layer of this package protects it (its context stays).
+    For the DRF mixin and the ninja decorator, which decide that outside :func:`handle`."""
+    inner = getattr(request, "_request", request)  # a DRF Request's HttpRequest
+    if "idempotency" not in inner.__dict__:
+        inner.idempotency = None
 
 
 def terms_of(options: Options) -> Terms:

@@ -284,6 +284,7 @@ class IdempotencyMixin:
         if protects:
             response: HttpResponseBase = dispatch(request, *args, **kwargs)
             return response
+        _http.unprotected(request)  # request.idempotency is None, as under @idempotent
         return _atomic_requests.with_atomic_requests(
             terms.database,
             lambda: dispatch(request, *args, **kwargs),
@@ -305,6 +306,7 @@ class IdempotencyMixin:
             if not (
                 request.method in terms.methods or (request.method or "").upper() in terms.methods
             ):
+                _http.unprotected(request)
                 return
         if terms is None:
             return

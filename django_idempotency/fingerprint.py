@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest, QueryDict
 from django.http.multipartparser import MultiPartParserError
@@ -91,24 +92,56 @@ def multipart_form(request: HttpRequest) -> tuple[QueryDict, MultiValueDict[str,
     """The fields and files of a ``multipart/form-data`` request.
 
     ``request.POST`` and ``request.FILES`` for a POST; Django parses no other method's
-    form, so it is parsed here from the body, once per request (a key source and the
-    fingerprint share it). Raises what Django's parser raises (``MultiPartParserError``
-    for a broken body).
+    form, so it is parsed here, once per request (a key source and the fingerprint share
+    it): from the body, which stays readable; from the stream, as Django parses a POST's,
+    when the body is larger than Django holds in memory (``DATA_UPLOAD_MAX_MEMORY_SIZE``),
+    the form then left as ``request.POST`` and ``request.FILES``, where DRF's parsers find
+    it. A form something parsed from the stream before (DRF's parsers, django-ninja's
+    ``fix_request_files_middleware``) is read where it left it. Raises what Django's parser
+    raises (``MultiPartParserError`` for a broken body), and ``RawPostDataException`` when
+    the stream was read and no form kept.
     """
     if request.method == "POST":
         return request.POST, request.FILES
     parsed = request.__dict__.get(_MULTIPART_FORM)
     if parsed is None:
-        parsed = request.parse_file_upload(request.META, io.BytesIO(request.body))
+        if getattr(request, "_read_started", False) and not hasattr(request, "_body"):
+            if "_files" not in request.__dict__:
+                raise RawPostDataException(
+                    "the request's stream was read before its form could be parsed"
+                )
+            parsed = (request.POST, request.FILES)  # parsed from the stream, and kept
+        elif _held_in_memory(request):
+            parsed = request.parse_file_upload(request.META, io.BytesIO(request.body))
+        else:
+            parsed = request.parse_file_upload(request.META, request)
+            request._post, request._files = parsed  # type: ignore[attr-defined]
         request.__dict__[_MULTIPART_FORM] = parsed
     return parsed
+
+
+def _held_in_memory(request: HttpRequest) -> bool:
+    """Whether Django reads the request's body into memory (``request.body``): not when its
+    ``Content-Length`` is over ``DATA_UPLOAD_MAX_MEMORY_SIZE``, which ``request.body``
+    refuses (``RequestDataTooBig``)."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    if limit is None:
+        return True
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return True  # request.body says what is wrong with it
+    return length <= limit
 
 
 def _body_in_hand(request: HttpRequest) -> bool:
     """Whether the request's bytes are in memory and not empty: read whole for any
     method's multipart form but a POST's, which Django parses from the stream unless
-    something read the body before."""
-    if request.method == "POST" and not hasattr(request, "_body"):
+    something read the body before, and one parsed from the stream (too large to hold, or
+    parsed before: :func:`multipart_form`)."""
+    if not hasattr(request, "_body") and (
+        request.method == "POST" or getattr(request, "_read_started", False)
+    ):
         return False
     return bool(request.body)
 
@@ -178,7 +211,15 @@ def _body_of(request: Any, inner: HttpRequest) -> Any:
         # A DRF permission or authentication class parsed the stream before us: the body is
         # gone, but DRF kept what it parsed, which is the same on every retry of this view.
         parsed = getattr(request, "data", None)
-        return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=str))}
+        return {"parsed": json.loads(json.dumps(parsed, sort_keys=True, default=_parsed_value))}
+
+
+def _parsed_value(value: Any) -> Any:
+    """What DRF parsed that JSON does not hold: an uploaded file by its name and the hash of
+    its content (as a form's files are), anything else by its text."""
+    if isinstance(value, UploadedFile):
+        return [value.name or "", _file_digest(value)]
+    return str(value)
 
 
 # Sorted keys, no insignificant whitespace, text as it is: made once, used per request.
@@ -260,13 +301,21 @@ default_fingerprint.fingerprint_version = DEFAULT_VERSION  # type: ignore[attr-d
 def fingerprint_version(function: Any) -> str:
     """The version stored beside a hash: the function's ``fingerprint_version`` or its path.
 
-    A path longer than the column (64 characters) is kept as its first 47 characters, a
-    ``~`` and 16 hex digits of its SHA-256: two paths alike in their first 64 characters
-    (``..._v1`` and ``..._v2``) are two versions, never one."""
+    An object without a path of its own (an instance of a class with ``__call__``) is named
+    by its class's path, a ``functools.partial`` by its function's: two such objects of one
+    module are two versions, never the module's name alone. A path longer than the column
+    (64 characters) is kept as its first 47 characters, a ``~`` and 16 hex digits of its
+    SHA-256: two paths alike in their first 64 characters (``..._v1`` and ``..._v2``) are
+    two versions, never one."""
     version = getattr(function, "fingerprint_version", None)
     if version:
         return str(version)
-    path = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    named = function
+    while isinstance(named, functools.partial):
+        named = named.func
+    if not hasattr(named, "__qualname__"):
+        named = type(named)
+    path = f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', '')}"
     if len(path) <= _VERSION_LENGTH:
         return path
     digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]

@@ -258,6 +258,7 @@ class _SyncProtected(_Protected):
         run = super().run
         terms = self._protecting(request)
         if terms is None:
+            _http.unprotected(request)  # request.idempotency is None, as under @idempotent
             return run(request, **kw)
         error = super()._run_checks(request)
         if error is not None:
@@ -283,6 +284,7 @@ class _AsyncProtected(_Protected, AsyncOperation):
         run = super().run
         terms = self._protecting(request)
         if terms is None:
+            _http.unprotected(request)  # request.idempotency is None, as under @idempotent
             response: HttpResponseBase = await run(request, **kw)
             return response
         error = await super()._run_checks(request)

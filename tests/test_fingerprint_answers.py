@@ -12,6 +12,7 @@ Effects counted: the charges written, the records stored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -193,4 +194,64 @@ def test_two_fingerprints_whose_paths_differ_past_64_characters_are_two_versions
     assert retry.headers["Idempotent-Replayed"] == "true"
     (version,) = IdempotencyRecord.objects.values_list("fingerprint_version", flat=True)
     assert len(version) <= 64
+    assert Charge.objects.count() == 1
+
+
+class BodyFingerprint:
+    """A fingerprint written as a class: its instances are called with the request."""
+
+    salt = b"body"
+
+    def __call__(self, request: Any) -> str:
+        return hashlib.sha256(self.salt + request.body).hexdigest()
+
+
+class PathFingerprint(BodyFingerprint):
+    """Another fingerprint class of the same module: another algorithm."""
+
+    salt = b"path"
+
+
+by_body = BodyFingerprint()
+by_path = PathFingerprint()
+
+
+def salted(salt: bytes, request: Any) -> str:
+    return hashlib.sha256(salt + request.body).hexdigest()
+
+
+def peppered(pepper: bytes, request: Any) -> str:
+    return hashlib.sha256(request.body + pepper).hexdigest()
+
+
+by_salt = functools.partial(salted, b"salt")
+by_pepper = functools.partial(peppered, b"pepper")
+
+
+@pytest.mark.parametrize(("before", "after"), [("by_body", "by_path"), ("by_salt", "by_pepper")])
+def test_two_fingerprint_objects_of_one_module_are_two_versions(user, before, after):
+    """A fingerprint that is an object (an instance of a class with ``__call__``, a
+    ``functools.partial``) has no dotted path of its own: its version was the module's name
+    and a dot, the same for every such object of the module, so a deploy from one to
+    another compared the new hashes with the old ones, and every honest retry of a key sent
+    before it got ``422``. Its version is now its class's path (a partial's, its
+    function's)."""
+    client = logged_in(user)
+    headers = {"Idempotency-Key": new_key()}
+
+    def post() -> Any:
+        return client.post("/charges/", CHARGE, content_type="application/json", headers=headers)
+
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.{before}"}):
+        assert post().status_code == 201
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.{after}"}):
+        retry = post()
+    assert retry.status_code == 201, retry.content
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert Charge.objects.count() == 1
+    with override_settings(IDEMPOTENCY={"FINGERPRINT": f"{__name__}.{before}"}):
+        changed = client.post(
+            "/charges/", {**CHARGE, "amount": 1}, content_type="application/json", headers=headers
+        )
+    assert changed.status_code == 422  # the version it was stored under still compares
     assert Charge.objects.count() == 1
