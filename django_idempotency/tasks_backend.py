@@ -85,8 +85,9 @@ DELIVER_TO = "DELIVER_TO"
 class OutboxBackend(BaseTaskBackend):
     """A ``TASKS`` backend that writes each enqueued task to the transactional outbox.
 
-    Its capabilities (``supports_defer``, ``supports_priority``, ``supports_async_task``,
-    ``supports_get_result``) and its queues are those of the ``DELIVER_TO`` backend, and a
+    Its capabilities (``supports_defer``, ``supports_priority``, ``supports_async_task``)
+    and its ``queues`` are those of the ``DELIVER_TO`` backend (it always answers
+    ``get_result``: the message's own state until it is handed over), and a
     task that backend cannot run is refused with ``InvalidTask`` at enqueue, as Django's
     backends refuse. ``enqueue`` outside ``transaction.atomic`` on the idempotency
     database raises ``TransactionManagementError``; arguments that cannot be stored as
@@ -137,6 +138,16 @@ class OutboxBackend(BaseTaskBackend):
     @property
     def supports_async_task(self) -> bool:  # type: ignore[override]
         return bool(self.target.supports_async_task)
+
+    @property
+    def queues(self) -> set[str]:
+        """The queues of the ``DELIVER_TO`` backend: those a task may name."""
+        return set(self.target.queues)
+
+    @queues.setter
+    def queues(self, value: set[str]) -> None:
+        # ``BaseTaskBackend.__init__`` sets this entry's own ``QUEUES``: the target's decide.
+        pass
 
     @property
     def supports_get_result(self) -> bool:  # type: ignore[override]

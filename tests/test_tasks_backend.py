@@ -474,6 +474,14 @@ def test_the_backend_can_do_what_the_worker_backend_can():
     assert OutboxMessage.objects.count() == 1
 
 
+def test_the_backends_queues_are_the_worker_backends():
+    """DESIGN: the backend's queues are those of the backend it delivers to."""
+    from django_tasks_db.compat import task_backends
+
+    outbox_backend, target = task_backends["default"], task_backends["worker"]
+    assert outbox_backend.queues == target.queues == {"default", "emails"}
+
+
 NO_FRILLS = {
     "default": {
         "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
