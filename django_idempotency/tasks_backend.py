@@ -248,9 +248,11 @@ class OutboxBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(
                 f"{message.task} is no task of Django's Tasks framework (any longer)"
             )
+        run_after = message.delivery.get("run_after")
         return task.using(
             priority=message.delivery.get("priority", task.priority),
             queue_name=message.delivery.get("queue_name", task.queue_name),
+            run_after=_moment(run_after) if run_after else None,
             backend=self.alias,
         )
 

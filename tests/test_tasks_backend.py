@@ -482,6 +482,31 @@ def test_the_backends_queues_are_the_worker_backends():
     assert outbox_backend.queues == target.queues == {"default", "emails"}
 
 
+def test_a_deferred_tasks_result_carries_its_run_after_however_it_is_read():
+    """``run_after`` travels with the message as priority and queue do: the ``TaskResult``
+    of ``enqueue()``, of ``enqueue_once()`` and of ``get_result()`` names it, before and
+    after the hand-over."""
+    from django_idempotency import tasks_backend
+
+    run_after = timezone.now() + timedelta(hours=1)
+    deferred = record_effect.using(run_after=run_after, priority=7, queue_name="emails")
+    with transaction.atomic():
+        enqueued = deferred.enqueue("deferred-result")
+        once = tasks_backend.enqueue_once("deferred-key", deferred, "deferred-once")
+        again = tasks_backend.enqueue_once("deferred-key", deferred, "deferred-once")
+    assert OutboxMessage.objects.count() == 2
+    wanted = (run_after, 7, "emails")
+    for result in (enqueued, once, again, record_effect.get_result(enqueued.id)):
+        assert (result.task.run_after, result.task.priority, result.task.queue_name) == wanted
+    relay()
+    assert DBTaskResult.objects.count() == 2
+    handed_over = record_effect.get_result(enqueued.id)
+    assert handed_over.id == enqueued.id
+    assert (handed_over.task.run_after, handed_over.task.priority) == (run_after, 7)
+    work_tasks()
+    assert starts("deferred-result") == starts("deferred-once") == 0
+
+
 NO_FRILLS = {
     "default": {
         "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
