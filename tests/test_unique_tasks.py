@@ -123,6 +123,19 @@ def test_on_conflict_raise_carries_the_live_message_id_and_leaves_the_transactio
     assert messages() == 2
 
 
+def test_task_already_queued_crosses_a_process_boundary_with_its_message_id():
+    """Pickled (a process pool, a result backend that pickles), as raised."""
+    import pickle
+
+    first = once()
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        outbox.enqueue_once("nightly", record_effect, "tag", on_conflict="raise")
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert type(copy) is TaskAlreadyQueued
+    assert (copy.message_id, str(copy)) == (first, str(caught.value))
+    assert messages() == 1
+
+
 def test_the_key_is_scoped_by_the_task_name():
     a = once("k", record_effect)
     b = once("k", fail_once)
