@@ -192,10 +192,18 @@ class OutboxBackend(BaseTaskBackend):
         """``outbox.enqueue_once`` for a task of this backend: the result of the new
         message, or of the live message that holds ``key`` (``TaskAlreadyQueued`` with
         ``on_conflict="raise"``)."""
-        message_id = outbox.enqueue_once(
-            key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+        message_id = str(
+            outbox.enqueue_once(
+                key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+            )
         )
-        return self.get_result(str(message_id))
+        try:
+            return self.get_result(message_id)
+        except TaskResultDoesNotExist:
+            # The key's scope is the task's name: the live message may be another outbox
+            # backend's (the task enqueued ``using(backend=...)``), answered by that backend.
+            message = OutboxMessage.objects.using(app_settings.DATABASE).get(pk=message_id)
+            return outbox_backend(message.delivery.get("backend")).get_result(message_id)
 
     def delivery(self, task: Task[Any, Any]) -> dict[str, Any]:
         """What a message of ``task`` carries for the relay's hand-over (``InvalidTask``

@@ -598,6 +598,37 @@ def test_a_django_task_not_under_idempotent_task_takes_every_option():
     assert messages() == 2
 
 
+TWO_OUTBOX_BACKENDS = {
+    "default": {
+        "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+        "OPTIONS": {"DELIVER_TO": "worker"},
+    },
+    "bulk": {
+        "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+        "OPTIONS": {"DELIVER_TO": "worker"},
+    },
+    "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+}
+
+
+@needs_tasks
+@override_settings(TASKS=TWO_OUTBOX_BACKENDS)
+def test_a_key_held_through_another_outbox_backend_answers_its_live_message():
+    """Scope: the task's name and the key, whatever outbox backend the task is on."""
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("k", record_plain.using(backend="bulk"), "first")
+        again = tasks_backend.enqueue_once("k", record_plain, "second")
+        assert outbox.enqueue_once("k", record_plain, "third") == uuid.UUID(first.id)
+    assert (again.id, again.backend, again.args) == (first.id, "bulk", ["first"])
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        tasks_backend.enqueue_once("k", record_plain, "fourth", on_conflict="raise")
+    assert str(caught.value.message_id) == first.id
+    assert messages() == 1
+
+
 @needs_tasks
 def test_a_django_task_on_another_backend_is_refused():
     from django_idempotency import tasks_backend
