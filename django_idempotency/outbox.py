@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -87,6 +87,13 @@ __all__ = [
 
 def task_name(task: object) -> str:
     """The registered name of ``task``: a Celery task (its ``name``) or the name itself."""
+    if isinstance(task, Mapping):
+        # A Celery signature (a dict) names its task but carries its own arguments and
+        # options, which the message would not send: the task would run without them.
+        raise TypeError(
+            f"enqueue() takes a task and its arguments, not a Celery signature: {task!r}; "
+            "write enqueue(task, *args, **kwargs)"
+        )
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"enqueue() needs a Celery task or a task name, not {task!r}")
