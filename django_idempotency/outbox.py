@@ -112,7 +112,9 @@ def task_name(task: object) -> str:
 def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Write one message in the current transaction of the idempotency database.
 
-    ``task`` is a Celery task or its registered name; ``args`` and ``kwargs`` must be JSON
+    ``task`` is a Celery task or its registered name, or a task of Django's Tasks framework
+    on ``tasks_backend.OutboxBackend`` (written as its ``enqueue()`` writes it; a task on
+    another backend raises ``TypeError``); ``args`` and ``kwargs`` must be JSON
     that every supported database stores unchanged (no NUL character, no lone surrogate,
     integers within 64 bits, at most 31 levels of nesting; on MariaDB and MySQL, within
     one statement the server takes: ``max_allowed_packet``); otherwise
@@ -123,7 +125,8 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     ``NOTIFY`` in the same transaction wakes the relays when it commits. Returns the
     message id, which is also the task id the relay sends it with.
     """
-    return write(task_name(task), args, kwargs).id
+    target = target_of(task)
+    return write(target.name, args, kwargs, target.delivery).id
 
 
 def enqueue_once(

@@ -118,6 +118,31 @@ def test_a_committed_enqueue_writes_one_message_and_its_result_id_is_the_message
     assert (starts("committed"), DBTaskResult.objects.count()) == (0, 0)
 
 
+def test_outbox_enqueue_takes_a_task_of_the_framework_as_its_own_enqueue_does():
+    """``outbox.enqueue`` takes what ``outbox.enqueue_once`` takes: a task on the outbox
+    backend is written as ``task.enqueue()`` writes it, and delivered once."""
+    with transaction.atomic():
+        message_id = outbox.enqueue(
+            record_effect.using(priority=7, queue_name="emails"), "via-outbox", hold=0.0
+        )
+    row = OutboxMessage.objects.get()
+    assert row.pk == message_id
+    assert (row.task, row.args, row.kwargs) == (
+        record_effect.module_path,
+        ["via-outbox"],
+        {"hold": 0.0},
+    )
+    assert record_effect.get_result(str(message_id)).task.priority == 7
+    assert relay().sent == 1
+    (handed_over,) = delivered("via-outbox")
+    assert (handed_over.priority, handed_over.queue_name) == (7, "emails")
+    work_tasks()
+    assert (starts("via-outbox"), effects("via-outbox")) == (1, 1)
+    with transaction.atomic(), pytest.raises(TypeError, match="outbox backend"):
+        outbox.enqueue(record_effect.using(backend="worker"), "not-on-the-outbox")
+    assert OutboxMessage.objects.count() == 1
+
+
 def test_an_enqueue_outside_a_transaction_raises_and_writes_nothing():
     with pytest.raises(TransactionManagementError):
         record_effect.enqueue("autocommit")
