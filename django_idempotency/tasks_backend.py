@@ -438,6 +438,11 @@ def enqueue_once(
 
 
 def _outbox_backend(task: Task[Any, Any]) -> OutboxBackend:
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"enqueue_once() of tasks_backend takes a task of Django's Tasks framework, not "
+            f"{task!r}; for a Celery task or a task name, use outbox.enqueue_once()"
+        )
     backend = task.get_backend()
     if not isinstance(backend, OutboxBackend):
         raise TypeError(

@@ -639,6 +639,17 @@ def test_a_django_task_on_another_backend_is_refused():
     assert messages() == 0
 
 
+@needs_tasks
+@pytest.mark.parametrize("task", [record_effect, TASK, None])
+def test_the_tasks_frameworks_enqueue_once_refuses_what_is_no_task_of_the_framework(task: Any):
+    """A Celery task or a name goes to ``outbox.enqueue_once``: a ``TypeError`` says so."""
+    from django_idempotency import tasks_backend
+
+    with pytest.raises(TypeError, match=r"outbox\.enqueue_once"), transaction.atomic():
+        tasks_backend.enqueue_once("k", task, "tag")
+    assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
+
+
 # -- which key holds which message: the admin, the statistics, the audit -------------------------
 
 
