@@ -144,6 +144,19 @@ def test_the_key_is_scoped_by_the_task_name():
     assert messages() == 3
 
 
+def test_the_tasks_own_arguments_named_key_or_task_are_the_tasks():
+    """``key`` and ``task`` are positional-only: a task's own keyword arguments of those
+    names go to the task, whatever the kind of task."""
+    with transaction.atomic():
+        by_task = outbox.enqueue_once("k", record_effect, "tag", key="its-key", task="its-task")
+        by_name = outbox.enqueue_once("k", TASK, key="its-key", task="its-task")
+    assert by_task == by_name
+    assert list(OutboxMessage.objects.values_list("args", "kwargs")) == [
+        (["tag"], {"key": "its-key", "task": "its-task"})
+    ]
+    assert OutboxUniqueKey.objects.get().key == "k"
+
+
 def test_keys_compare_exactly():
     assert once("Nightly") != once("nightly")
     assert messages() == 2
@@ -580,6 +593,19 @@ def test_a_django_task_takes_a_key_through_its_outbox_backend():
     with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
         tasks_backend.enqueue_once("nightly", django_task, "tag", on_conflict="raise")
     assert str(caught.value.message_id) == result.id
+
+
+@needs_tasks
+def test_a_django_tasks_own_arguments_named_key_or_task_are_the_tasks():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        result = tasks_backend.enqueue_once("k", record_plain, key="its-key", task="its-task")
+        assert outbox.enqueue_once("k", record_plain, key="x", task="y") == uuid.UUID(result.id)
+    assert result.kwargs == {"key": "its-key", "task": "its-task"}
+    assert OutboxMessage.objects.get().kwargs == result.kwargs
+    assert OutboxUniqueKey.objects.get().key == "k"
 
 
 @needs_tasks
