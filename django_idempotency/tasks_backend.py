@@ -446,7 +446,7 @@ def _outbox_backend(task: Task[Any, Any]) -> OutboxBackend:
     backend = task.get_backend()
     if not isinstance(backend, OutboxBackend):
         raise TypeError(
-            f"enqueue_once() needs a task on an outbox backend ({BACKEND_PATH}); "
+            f"the outbox takes a task on an outbox backend ({BACKEND_PATH}); "
             f"{task.module_path} is on {task.backend!r}, a {type(backend).__name__}"
         )
     return backend
