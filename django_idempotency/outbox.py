@@ -263,6 +263,7 @@ def _prepared(
     run_reported: bool = False,
 ) -> tuple[str, Callable[[], OutboxMessage]]:
     # Every refusal before any SQL runs; then what makes the message (unsaved).
+    task_name(name)  # a task framework's name too (a module path longer than the column)
     alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:

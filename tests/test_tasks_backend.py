@@ -143,6 +143,29 @@ def test_outbox_enqueue_takes_a_task_of_the_framework_as_its_own_enqueue_does():
     assert OutboxMessage.objects.count() == 1
 
 
+def named_too_long(tag: str) -> None:
+    """A task whose module path is longer than a task name is stored (255 characters)."""
+
+
+named_too_long.__qualname__ = "t" * 255
+
+
+def test_a_task_whose_path_is_too_long_to_store_is_refused_and_the_transaction_goes_on():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import task
+
+    too_long = task()(named_too_long)
+    assert len(too_long.module_path) > 255
+    with transaction.atomic():
+        with pytest.raises(ValueError, match="255"):
+            too_long.enqueue("long")
+        with pytest.raises(ValueError, match="255"):
+            tasks_backend.enqueue_once("k", too_long, "long")
+        ProviderCall.objects.create(key="after-the-refusals")
+    assert not OutboxMessage.objects.exists()
+    assert ProviderCall.objects.filter(key="after-the-refusals").count() == 1
+
+
 def test_an_enqueue_outside_a_transaction_raises_and_writes_nothing():
     with pytest.raises(TransactionManagementError):
         record_effect.enqueue("autocommit")
