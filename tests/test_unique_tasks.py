@@ -7,6 +7,7 @@ and racing processes: ``tests/test_unique_tasks_servers.py``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import uuid
@@ -509,6 +510,59 @@ def test_enqueues_racing_for_a_freed_key_give_one_new_message():
     (new,) = set(answers)
     assert new != first
     assert OutboxUniqueKey.objects.get().message_id == new
+
+
+@postgres_only
+def test_enqueues_racing_with_on_conflict_raise_give_one_message_and_raise_for_the_others():
+    winners: list[uuid.UUID] = []
+    refused: list[TaskAlreadyQueued] = []
+
+    def enqueue() -> uuid.UUID:
+        try:
+            winners.append(outbox.enqueue_once("race", record_effect, "t", on_conflict="raise"))
+        except TaskAlreadyQueued as exc:
+            refused.append(exc)
+        return uuid.uuid4()
+
+    racing(3, enqueue)
+    assert (len(winners), len(refused), messages()) == (1, 2, 1)
+    assert {exc.message_id for exc in refused} == set(winners)
+
+
+@postgres_only
+@pytest.mark.parametrize("freed", [False, True], ids=["new-key", "freed-key"])
+def test_an_enqueue_rolled_back_while_another_waits_for_it_leaves_the_key_to_the_other(
+    freed: bool,
+):
+    """The second enqueue waits on the first's uncommitted key; the first rolls back: the
+    second writes its own message (``on_conflict="raise"`` does not raise)."""
+    if freed:
+        OutboxMessage.objects.filter(pk=once("k")).update(status=OutboxStatus.DEAD)
+    inside, answers = threading.Event(), {}
+
+    def first() -> None:
+        with contextlib.suppress(Undone), transaction.atomic():
+            outbox.enqueue_once("k", record_effect, "first")
+            inside.set()
+            threading.Event().wait(0.5)  # the second waits on this transaction meanwhile
+            raise Undone
+
+    def second() -> None:
+        assert inside.wait(10)
+        with transaction.atomic():
+            answers["second"] = outbox.enqueue_once(
+                "k", record_effect, "second", on_conflict="raise"
+            )
+
+    threads = [threading.Thread(target=in_thread(f)) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    live = OutboxMessage.objects.get(status=OutboxStatus.PENDING)
+    assert (live.pk, live.args) == (answers["second"], ["second"])
+    assert OutboxUniqueKey.objects.get().message_id == answers["second"]
+    assert messages() == (2 if freed else 1)
 
 
 @pytest.fixture
