@@ -10,7 +10,21 @@ from django.utils import timezone
 
 
 class IdempotencyError(Exception):
-    """Base class: the operation was not run, and nothing was committed by this call."""
+    """Base class: the operation was not run, and nothing was committed by this call.
+
+    Every one pickles with its attributes (``retry_after``, ``message_id``, ...), so that it
+    crosses a process pool or a task result backend that pickles as it was raised."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled (a process pool, a task result backend that pickles), an error comes back
+        # as raised: rebuilt without its ``__init__``, which takes more than the message.
+        return (_rebuilt, (type(self), self.args), self.__dict__)
+
+
+def _rebuilt(cls: type[IdempotencyError], args: tuple[object, ...]) -> IdempotencyError:
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 class InProgress(IdempotencyError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -87,6 +87,13 @@ __all__ = [
 
 def task_name(task: object) -> str:
     """The registered name of ``task``: a Celery task (its ``name``) or the name itself."""
+    if isinstance(task, Mapping):
+        # A Celery signature (a dict) names its task but carries its own arguments and
+        # options, which the message would not send: the task would run without them.
+        raise TypeError(
+            f"enqueue() takes a task and its arguments, not a Celery signature: {task!r}; "
+            "write enqueue(task, *args, **kwargs)"
+        )
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"enqueue() needs a Celery task or a task name, not {task!r}")
@@ -105,7 +112,9 @@ def task_name(task: object) -> str:
 def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Write one message in the current transaction of the idempotency database.
 
-    ``task`` is a Celery task or its registered name; ``args`` and ``kwargs`` must be JSON
+    ``task`` is a Celery task or its registered name, or a task of Django's Tasks framework
+    on ``tasks_backend.OutboxBackend`` (written as its ``enqueue()`` writes it; a task on
+    another backend raises ``TypeError``); ``args`` and ``kwargs`` must be JSON
     that every supported database stores unchanged (no NUL character, no lone surrogate,
     integers within 64 bits, at most 31 levels of nesting; on MariaDB and MySQL, within
     one statement the server takes: ``max_allowed_packet``); otherwise
@@ -116,7 +125,8 @@ def enqueue(task: object, /, *args: Any, **kwargs: Any) -> uuid.UUID:
     ``NOTIFY`` in the same transaction wakes the relays when it commits. Returns the
     message id, which is also the task id the relay sends it with.
     """
-    return write(task_name(task), args, kwargs).id
+    target = target_of(task)
+    return write(target.name, args, kwargs, target.delivery).id
 
 
 def enqueue_once(
@@ -253,6 +263,7 @@ def _prepared(
     run_reported: bool = False,
 ) -> tuple[str, Callable[[], OutboxMessage]]:
     # Every refusal before any SQL runs; then what makes the message (unsaved).
+    task_name(name)  # a task framework's name too (a module path longer than the column)
     alias = app_settings.DATABASE
     connection = connections[alias]
     if not connection.in_atomic_block:

@@ -85,8 +85,9 @@ DELIVER_TO = "DELIVER_TO"
 class OutboxBackend(BaseTaskBackend):
     """A ``TASKS`` backend that writes each enqueued task to the transactional outbox.
 
-    Its capabilities (``supports_defer``, ``supports_priority``, ``supports_async_task``,
-    ``supports_get_result``) and its queues are those of the ``DELIVER_TO`` backend, and a
+    Its capabilities (``supports_defer``, ``supports_priority``, ``supports_async_task``)
+    and its ``queues`` are those of the ``DELIVER_TO`` backend (it always answers
+    ``get_result``: the message's own state until it is handed over), and a
     task that backend cannot run is refused with ``InvalidTask`` at enqueue, as Django's
     backends refuse. ``enqueue`` outside ``transaction.atomic`` on the idempotency
     database raises ``TransactionManagementError``; arguments that cannot be stored as
@@ -139,6 +140,16 @@ class OutboxBackend(BaseTaskBackend):
         return bool(self.target.supports_async_task)
 
     @property
+    def queues(self) -> set[str]:
+        """The queues of the ``DELIVER_TO`` backend: those a task may name."""
+        return set(self.target.queues)
+
+    @queues.setter
+    def queues(self, value: set[str]) -> None:
+        # ``BaseTaskBackend.__init__`` sets this entry's own ``QUEUES``: the target's decide.
+        pass
+
+    @property
     def supports_get_result(self) -> bool:  # type: ignore[override]
         return True  # the message's state at least; the target's result once delivered
 
@@ -181,10 +192,18 @@ class OutboxBackend(BaseTaskBackend):
         """``outbox.enqueue_once`` for a task of this backend: the result of the new
         message, or of the live message that holds ``key`` (``TaskAlreadyQueued`` with
         ``on_conflict="raise"``)."""
-        message_id = outbox.enqueue_once(
-            key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+        message_id = str(
+            outbox.enqueue_once(
+                key, task, *args, unique_until=unique_until, on_conflict=on_conflict, **kwargs
+            )
         )
-        return self.get_result(str(message_id))
+        try:
+            return self.get_result(message_id)
+        except TaskResultDoesNotExist:
+            # The key's scope is the task's name: the live message may be another outbox
+            # backend's (the task enqueued ``using(backend=...)``), answered by that backend.
+            message = OutboxMessage.objects.using(app_settings.DATABASE).get(pk=message_id)
+            return outbox_backend(message.delivery.get("backend")).get_result(message_id)
 
     def delivery(self, task: Task[Any, Any]) -> dict[str, Any]:
         """What a message of ``task`` carries for the relay's hand-over (``InvalidTask``
@@ -237,9 +256,11 @@ class OutboxBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(
                 f"{message.task} is no task of Django's Tasks framework (any longer)"
             )
+        run_after = message.delivery.get("run_after")
         return task.using(
             priority=message.delivery.get("priority", task.priority),
             queue_name=message.delivery.get("queue_name", task.queue_name),
+            run_after=_moment(run_after) if run_after else None,
             backend=self.alias,
         )
 
@@ -417,10 +438,15 @@ def enqueue_once(
 
 
 def _outbox_backend(task: Task[Any, Any]) -> OutboxBackend:
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"enqueue_once() of tasks_backend takes a task of Django's Tasks framework, not "
+            f"{task!r}; for a Celery task or a task name, use outbox.enqueue_once()"
+        )
     backend = task.get_backend()
     if not isinstance(backend, OutboxBackend):
         raise TypeError(
-            f"enqueue_once() needs a task on an outbox backend ({BACKEND_PATH}); "
+            f"the outbox takes a task on an outbox backend ({BACKEND_PATH}); "
             f"{task.module_path} is on {task.backend!r}, a {type(backend).__name__}"
         )
     return backend

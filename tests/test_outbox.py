@@ -106,6 +106,33 @@ def test_something_that_is_not_a_task_raises_type_error(task):
     assert not OutboxMessage.objects.exists()
 
 
+def test_a_celery_signature_is_refused_rather_than_sent_without_its_arguments():
+    """A signature names its task (``.name``) but carries its own arguments and options,
+    which a message would not send: the task would run without them."""
+    pytest.importorskip("celery")
+    from celery import chain
+
+    from django_idempotency.models import OutboxUniqueKey
+    from tests.testapp.tasks import record_effect
+
+    signatures = [
+        record_effect.s("receipt"),
+        record_effect.si("receipt").set(countdown=5),
+        chain(record_effect.s("a"), record_effect.si("b")),
+    ]
+    with transaction.atomic():
+        for signature in signatures:
+            with pytest.raises(TypeError, match="signature"):
+                outbox.enqueue(signature)
+            with pytest.raises(TypeError, match="signature"):
+                outbox.enqueue_once("k", signature)
+        outbox.enqueue(record_effect, "receipt")
+    assert list(OutboxMessage.objects.values_list("task", "args")) == [
+        ("tests.record_effect", ["receipt"])
+    ]
+    assert not OutboxUniqueKey.objects.exists()
+
+
 def test_a_task_name_too_long_to_store_is_refused():
     with transaction.atomic(), pytest.raises(ValueError, match="255"):
         outbox.enqueue("t" * 256)

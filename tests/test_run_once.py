@@ -367,3 +367,26 @@ def test_a_result_nested_past_the_recursion_limit_is_a_type_error_and_nothing_co
     with pytest.raises(TypeError, match="JSON"):
         run_once(deep, False, **IDENTITY, key="deep-resumed", recovery="resume")
     assert IdempotencyRecord.objects.get().status == RecordStatus.IN_PROGRESS
+
+
+@pytest.mark.parametrize(
+    ("error", "attributes"),
+    [
+        (InProgress("in progress", 7), {"retry_after": 7}),
+        (django_idempotency.OutcomeTooLarge("too large", 10, 5), {"size": 10, "limit": 5}),
+        (django_idempotency.StoreUnavailable("down", ran=True), {"ran": True}),
+        (django_idempotency.RecordUnreadable("sealed", "k1"), {"key_id": "k1"}),
+        (django_idempotency.TaskAlreadyQueued("queued", uuid.UUID(int=1)), {}),
+    ],
+)
+def test_every_error_crosses_a_process_boundary_with_its_attributes(
+    error: IdempotencyError, attributes: dict[str, Any]
+):
+    """Pickled (a process pool, a task result backend that pickles), as raised."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.args) == (type(error), str(error), error.args)
+    assert vars(copy) == vars(error)
+    for name, value in attributes.items():
+        assert getattr(copy, name) == value

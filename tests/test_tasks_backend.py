@@ -118,6 +118,54 @@ def test_a_committed_enqueue_writes_one_message_and_its_result_id_is_the_message
     assert (starts("committed"), DBTaskResult.objects.count()) == (0, 0)
 
 
+def test_outbox_enqueue_takes_a_task_of_the_framework_as_its_own_enqueue_does():
+    """``outbox.enqueue`` takes what ``outbox.enqueue_once`` takes: a task on the outbox
+    backend is written as ``task.enqueue()`` writes it, and delivered once."""
+    with transaction.atomic():
+        message_id = outbox.enqueue(
+            record_effect.using(priority=7, queue_name="emails"), "via-outbox", hold=0.0
+        )
+    row = OutboxMessage.objects.get()
+    assert row.pk == message_id
+    assert (row.task, row.args, row.kwargs) == (
+        record_effect.module_path,
+        ["via-outbox"],
+        {"hold": 0.0},
+    )
+    assert record_effect.get_result(str(message_id)).task.priority == 7
+    assert relay().sent == 1
+    (handed_over,) = delivered("via-outbox")
+    assert (handed_over.priority, handed_over.queue_name) == (7, "emails")
+    work_tasks()
+    assert (starts("via-outbox"), effects("via-outbox")) == (1, 1)
+    with transaction.atomic(), pytest.raises(TypeError, match="outbox backend"):
+        outbox.enqueue(record_effect.using(backend="worker"), "not-on-the-outbox")
+    assert OutboxMessage.objects.count() == 1
+
+
+def named_too_long(tag: str) -> None:
+    """A task whose module path is longer than a task name is stored (255 characters)."""
+
+
+named_too_long.__qualname__ = "t" * 255
+
+
+def test_a_task_whose_path_is_too_long_to_store_is_refused_and_the_transaction_goes_on():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import task
+
+    too_long = task()(named_too_long)
+    assert len(too_long.module_path) > 255
+    with transaction.atomic():
+        with pytest.raises(ValueError, match="255"):
+            too_long.enqueue("long")
+        with pytest.raises(ValueError, match="255"):
+            tasks_backend.enqueue_once("k", too_long, "long")
+        ProviderCall.objects.create(key="after-the-refusals")
+    assert not OutboxMessage.objects.exists()
+    assert ProviderCall.objects.filter(key="after-the-refusals").count() == 1
+
+
 def test_an_enqueue_outside_a_transaction_raises_and_writes_nothing():
     with pytest.raises(TransactionManagementError):
         record_effect.enqueue("autocommit")
@@ -472,6 +520,39 @@ def test_the_backend_can_do_what_the_worker_backend_can():
     with pytest.raises(InvalidTask), transaction.atomic():
         record_effect.using(queue_name="no-such-queue").enqueue("an-unknown-queue")
     assert OutboxMessage.objects.count() == 1
+
+
+def test_the_backends_queues_are_the_worker_backends():
+    """DESIGN: the backend's queues are those of the backend it delivers to."""
+    from django_tasks_db.compat import task_backends
+
+    outbox_backend, target = task_backends["default"], task_backends["worker"]
+    assert outbox_backend.queues == target.queues == {"default", "emails"}
+
+
+def test_a_deferred_tasks_result_carries_its_run_after_however_it_is_read():
+    """``run_after`` travels with the message as priority and queue do: the ``TaskResult``
+    of ``enqueue()``, of ``enqueue_once()`` and of ``get_result()`` names it, before and
+    after the hand-over."""
+    from django_idempotency import tasks_backend
+
+    run_after = timezone.now() + timedelta(hours=1)
+    deferred = record_effect.using(run_after=run_after, priority=7, queue_name="emails")
+    with transaction.atomic():
+        enqueued = deferred.enqueue("deferred-result")
+        once = tasks_backend.enqueue_once("deferred-key", deferred, "deferred-once")
+        again = tasks_backend.enqueue_once("deferred-key", deferred, "deferred-once")
+    assert OutboxMessage.objects.count() == 2
+    wanted = (run_after, 7, "emails")
+    for result in (enqueued, once, again, record_effect.get_result(enqueued.id)):
+        assert (result.task.run_after, result.task.priority, result.task.queue_name) == wanted
+    relay()
+    assert DBTaskResult.objects.count() == 2
+    handed_over = record_effect.get_result(enqueued.id)
+    assert handed_over.id == enqueued.id
+    assert (handed_over.task.run_after, handed_over.task.priority) == (run_after, 7)
+    work_tasks()
+    assert starts("deferred-result") == starts("deferred-once") == 0
 
 
 NO_FRILLS = {

@@ -7,6 +7,7 @@ and racing processes: ``tests/test_unique_tasks_servers.py``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import uuid
@@ -123,12 +124,38 @@ def test_on_conflict_raise_carries_the_live_message_id_and_leaves_the_transactio
     assert messages() == 2
 
 
+def test_task_already_queued_crosses_a_process_boundary_with_its_message_id():
+    """Pickled (a process pool, a result backend that pickles), as raised."""
+    import pickle
+
+    first = once()
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        outbox.enqueue_once("nightly", record_effect, "tag", on_conflict="raise")
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert type(copy) is TaskAlreadyQueued
+    assert (copy.message_id, str(copy)) == (first, str(caught.value))
+    assert messages() == 1
+
+
 def test_the_key_is_scoped_by_the_task_name():
     a = once("k", record_effect)
     b = once("k", fail_once)
     c = once("other", record_effect)
     assert len({a, b, c}) == 3
     assert messages() == 3
+
+
+def test_the_tasks_own_arguments_named_key_or_task_are_the_tasks():
+    """``key`` and ``task`` are positional-only: a task's own keyword arguments of those
+    names go to the task, whatever the kind of task."""
+    with transaction.atomic():
+        by_task = outbox.enqueue_once("k", record_effect, "tag", key="its-key", task="its-task")
+        by_name = outbox.enqueue_once("k", TASK, key="its-key", task="its-task")
+    assert by_task == by_name
+    assert list(OutboxMessage.objects.values_list("args", "kwargs")) == [
+        (["tag"], {"key": "its-key", "task": "its-task"})
+    ]
+    assert OutboxUniqueKey.objects.get().key == "k"
 
 
 def test_keys_compare_exactly():
@@ -485,6 +512,59 @@ def test_enqueues_racing_for_a_freed_key_give_one_new_message():
     assert OutboxUniqueKey.objects.get().message_id == new
 
 
+@postgres_only
+def test_enqueues_racing_with_on_conflict_raise_give_one_message_and_raise_for_the_others():
+    winners: list[uuid.UUID] = []
+    refused: list[TaskAlreadyQueued] = []
+
+    def enqueue() -> uuid.UUID:
+        try:
+            winners.append(outbox.enqueue_once("race", record_effect, "t", on_conflict="raise"))
+        except TaskAlreadyQueued as exc:
+            refused.append(exc)
+        return uuid.uuid4()
+
+    racing(3, enqueue)
+    assert (len(winners), len(refused), messages()) == (1, 2, 1)
+    assert {exc.message_id for exc in refused} == set(winners)
+
+
+@postgres_only
+@pytest.mark.parametrize("freed", [False, True], ids=["new-key", "freed-key"])
+def test_an_enqueue_rolled_back_while_another_waits_for_it_leaves_the_key_to_the_other(
+    freed: bool,
+):
+    """The second enqueue waits on the first's uncommitted key; the first rolls back: the
+    second writes its own message (``on_conflict="raise"`` does not raise)."""
+    if freed:
+        OutboxMessage.objects.filter(pk=once("k")).update(status=OutboxStatus.DEAD)
+    inside, answers = threading.Event(), {}
+
+    def first() -> None:
+        with contextlib.suppress(Undone), transaction.atomic():
+            outbox.enqueue_once("k", record_effect, "first")
+            inside.set()
+            threading.Event().wait(0.5)  # the second waits on this transaction meanwhile
+            raise Undone
+
+    def second() -> None:
+        assert inside.wait(10)
+        with transaction.atomic():
+            answers["second"] = outbox.enqueue_once(
+                "k", record_effect, "second", on_conflict="raise"
+            )
+
+    threads = [threading.Thread(target=in_thread(f)) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    live = OutboxMessage.objects.get(status=OutboxStatus.PENDING)
+    assert (live.pk, live.args) == (answers["second"], ["second"])
+    assert OutboxUniqueKey.objects.get().message_id == answers["second"]
+    assert messages() == (2 if freed else 1)
+
+
 @pytest.fixture
 def repeatable_read() -> Any:
     """The default connection in ``REPEATABLE READ``: a transaction reads one snapshot."""
@@ -570,6 +650,19 @@ def test_a_django_task_takes_a_key_through_its_outbox_backend():
 
 
 @needs_tasks
+def test_a_django_tasks_own_arguments_named_key_or_task_are_the_tasks():
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        result = tasks_backend.enqueue_once("k", record_plain, key="its-key", task="its-task")
+        assert outbox.enqueue_once("k", record_plain, key="x", task="y") == uuid.UUID(result.id)
+    assert result.kwargs == {"key": "its-key", "task": "its-task"}
+    assert OutboxMessage.objects.get().kwargs == result.kwargs
+    assert OutboxUniqueKey.objects.get().key == "k"
+
+
+@needs_tasks
 def test_a_django_task_not_under_idempotent_task_takes_every_option():
     from django_idempotency import tasks_backend
     from tests.testapp.tasks_framework import record_plain
@@ -585,6 +678,37 @@ def test_a_django_task_not_under_idempotent_task_takes_every_option():
     assert messages() == 2
 
 
+TWO_OUTBOX_BACKENDS = {
+    "default": {
+        "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+        "OPTIONS": {"DELIVER_TO": "worker"},
+    },
+    "bulk": {
+        "BACKEND": "django_idempotency.tasks_backend.OutboxBackend",
+        "OPTIONS": {"DELIVER_TO": "worker"},
+    },
+    "worker": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+}
+
+
+@needs_tasks
+@override_settings(TASKS=TWO_OUTBOX_BACKENDS)
+def test_a_key_held_through_another_outbox_backend_answers_its_live_message():
+    """Scope: the task's name and the key, whatever outbox backend the task is on."""
+    from django_idempotency import tasks_backend
+    from tests.testapp.tasks_framework import record_plain
+
+    with transaction.atomic():
+        first = tasks_backend.enqueue_once("k", record_plain.using(backend="bulk"), "first")
+        again = tasks_backend.enqueue_once("k", record_plain, "second")
+        assert outbox.enqueue_once("k", record_plain, "third") == uuid.UUID(first.id)
+    assert (again.id, again.backend, again.args) == (first.id, "bulk", ["first"])
+    with pytest.raises(TaskAlreadyQueued) as caught, transaction.atomic():
+        tasks_backend.enqueue_once("k", record_plain, "fourth", on_conflict="raise")
+    assert str(caught.value.message_id) == first.id
+    assert messages() == 1
+
+
 @needs_tasks
 def test_a_django_task_on_another_backend_is_refused():
     from django_idempotency import tasks_backend
@@ -593,6 +717,17 @@ def test_a_django_task_on_another_backend_is_refused():
     with pytest.raises(TypeError, match="outbox backend"), transaction.atomic():
         tasks_backend.enqueue_once("k", django_task.using(backend="worker"), "tag")
     assert messages() == 0
+
+
+@needs_tasks
+@pytest.mark.parametrize("task", [record_effect, TASK, None])
+def test_the_tasks_frameworks_enqueue_once_refuses_what_is_no_task_of_the_framework(task: Any):
+    """A Celery task or a name goes to ``outbox.enqueue_once``: a ``TypeError`` says so."""
+    from django_idempotency import tasks_backend
+
+    with pytest.raises(TypeError, match=r"outbox\.enqueue_once"), transaction.atomic():
+        tasks_backend.enqueue_once("k", task, "tag")
+    assert (messages(), OutboxUniqueKey.objects.count()) == (0, 0)
 
 
 # -- which key holds which message: the admin, the statistics, the audit -------------------------
