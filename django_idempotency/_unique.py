@@ -93,7 +93,8 @@ def unique(key: object, unique_until: object, on_conflict: object) -> Unique:
     not a valid key, ``ValueError`` for an unknown option or a duration of zero or less,
     ``TypeError`` for a value of the wrong type."""
     checked = validate_key(key)
-    if isinstance(unique_until, timedelta):
+    if isinstance(unique_until, timedelta | int | float) and not isinstance(unique_until, bool):
+        # A duration, as ``ttl`` and ``lease`` take it: a timedelta or a number of seconds.
         try:
             duration: timedelta | None = _validation.duration(unique_until)
         except _validation.Invalid as exc:
@@ -105,14 +106,15 @@ def unique(key: object, unique_until: object, on_conflict: object) -> Unique:
             raise ValueError(
                 "enqueue_once(): unique_until must be "
                 + ", ".join(f'"{word}"' for word in words)
-                + f" or a timedelta; got {unique_until!r}"
+                + f" or a duration; got {unique_until!r}"
             )
         until, duration = _policies.UNIQUE_UNTIL[unique_until], None
     else:
         raise TypeError(
             "enqueue_once(): unique_until must be "
             + ", ".join(f'"{word}"' for word in _policies.UNIQUE_UNTIL_WORDS)
-            + f" or a timedelta; got {_validation.describe(unique_until)}"
+            + " or a duration (a timedelta or a number of seconds);"
+            + f" got {_validation.describe(unique_until)}"
         )
     if not isinstance(on_conflict, str) or on_conflict not in ON_CONFLICT:
         raise ValueError(

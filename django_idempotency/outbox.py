@@ -134,7 +134,7 @@ def enqueue_once(
     task: object,
     /,
     *args: Any,
-    unique_until: str | timedelta = "finished",
+    unique_until: str | timedelta | float = "finished",
     on_conflict: str = "return",
     **kwargs: Any,
 ) -> uuid.UUID:
@@ -148,10 +148,11 @@ def enqueue_once(
     header key) is scoped by the task's name. A message holds its key while it waits to be
     sent and then, by ``unique_until``: ``"started"`` until a worker started it,
     ``"finished"`` until its run succeeded or failed (or its worker died and the run's
-    lease ran out, or the message is dead), a ``timedelta`` for that long after the
-    enqueue. ``"started"`` and ``"finished"`` read the worker's record of the run for a
-    task under ``@idempotent_task()`` (keyed by the message); for any other task, the run
-    its worker reports on the key (Celery's ``task_prerun``/``task_postrun``, the Tasks
+    lease ran out, or the message is dead), a duration (a ``timedelta``, or a number of
+    seconds as ``ttl`` takes it) for that long after the enqueue. ``"started"`` and
+    ``"finished"`` read the worker's record of the run for a task under
+    ``@idempotent_task()`` (keyed by the message); for any other task, the run its worker
+    reports on the key (Celery's ``task_prerun``/``task_postrun``, the Tasks
     framework's ``task_started``/``task_finished``), held at most its lease (the task's
     hard time limit under Celery's prefork pool, else the ``LEASE`` setting) after it
     started; only the default ``OUTBOX_SENDER`` asks for such a report (another raises

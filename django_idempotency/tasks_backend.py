@@ -186,7 +186,7 @@ class OutboxBackend(BaseTaskBackend):
         args: Any,
         kwargs: Any,
         *,
-        unique_until: str | timedelta = "finished",
+        unique_until: str | timedelta | float = "finished",
         on_conflict: str = "return",
     ) -> TaskResult[Any, Any]:
         """``outbox.enqueue_once`` for a task of this backend: the result of the new
@@ -425,7 +425,7 @@ def enqueue_once(
     task: Task[Any, Any],
     /,
     *args: Any,
-    unique_until: str | timedelta = "finished",
+    unique_until: str | timedelta | float = "finished",
     on_conflict: str = "return",
     **kwargs: Any,
 ) -> TaskResult[Any, Any]:

@@ -291,6 +291,21 @@ def test_a_duration_holds_the_key_whatever_the_message_does_then_frees_it():
     assert OutboxUniqueKey.objects.get().held_until > timezone.now()
 
 
+@pytest.mark.parametrize("seconds", [300, 300.5])
+def test_a_number_of_seconds_is_a_duration_as_for_ttl(seconds: float):
+    """``unique_until=300`` means 300 seconds, as ``ttl=300`` and ``lease=300`` do."""
+    began = timezone.now()
+    first = once(unique_until=seconds)
+    sent(first)
+    run_record(first, "completed")
+    assert once(unique_until=seconds) == first
+    row = OutboxUniqueKey.objects.get()
+    assert row.unique_until == "duration"
+    held = timedelta(seconds=seconds)
+    assert began + held <= row.held_until <= timezone.now() + held
+    assert messages() == 1
+
+
 def test_a_key_taken_over_keeps_one_row_pointing_at_the_new_message():
     first = once()
     OutboxMessage.objects.filter(pk=first).update(status=OutboxStatus.DEAD)
@@ -402,8 +417,12 @@ def test_a_key_that_is_not_a_valid_key_is_refused(key: Any):
         (timedelta(0), ValueError),
         (timedelta(seconds=-1), ValueError),
         (timedelta(days=40000), ValueError),
-        (60, TypeError),
+        (0, ValueError),
+        (-60, ValueError),
+        (float("nan"), ValueError),
+        (10**12, ValueError),
         (True, TypeError),
+        ("60", ValueError),
         (None, TypeError),
     ],
 )
