@@ -164,9 +164,10 @@ class FormField:
             elif inner.method == "POST":
                 data = inner.POST
             else:  # Django parses forms for POST only
-                data = QueryDict(inner.body, encoding=inner.encoding)
-        except (MultiPartParserError, BadRequest) as exc:
-            # A broken multipart body; Django refusing an urlencoded POST not in UTF-8.
+                data = _unposted_form(inner)
+        except (MultiPartParserError, BadRequest, RawPostDataException) as exc:
+            # A broken multipart body; Django refusing an urlencoded POST not in UTF-8; a
+            # stream read by something that kept no form.
             raise InvalidKey(f"the form could not be read ({exc})") from None
         values = data.getlist(self.field)
         if not values:
@@ -178,6 +179,19 @@ class FormField:
 
     def __repr__(self) -> str:
         return f"sources.form({self.field!r})"
+
+
+def _unposted_form(request: Any) -> QueryDict:
+    """The urlencoded form of a request other than a POST, which Django does not parse:
+    from its body; or, when something read the stream before the key (DRF's parsers,
+    from a permission reading ``request.data``), the form it kept as ``request.POST``."""
+    try:
+        return QueryDict(request.body, encoding=request.encoding)
+    except RawPostDataException:
+        if "_post" not in request.__dict__:
+            raise
+        form: QueryDict = request.POST
+        return form
 
 
 class Fixed:

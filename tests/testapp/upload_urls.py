@@ -13,6 +13,7 @@ from django.urls import URLPattern, URLResolver
 urlpatterns: list[URLPattern | URLResolver] = []
 
 try:
+    from rest_framework.parsers import BaseParser, MultiPartParser
     from rest_framework.permissions import BasePermission
     from rest_framework.request import Request
     from rest_framework.response import Response
@@ -20,8 +21,11 @@ try:
 except ImportError:  # the tox env 'core' runs without DRF
     pass
 else:
+    from django.conf import settings
+    from django.http import QueryDict
     from django.urls import path
 
+    from django_idempotency import sources
     from django_idempotency.drf import IdempotencyMixin
     from tests.testapp.models import Charge
 
@@ -46,9 +50,36 @@ else:
     class PlainUploadView(UploadView):
         permission_classes: list[Any] = []
 
+    class StreamFormParser(BaseParser):
+        """An urlencoded form parsed from the request's stream, as DRF's ``FormParser``
+        did before 3.18 (from 3.18 on it reads ``request.body``, which stays readable)."""
+
+        media_type = "application/x-www-form-urlencoded"
+
+        def parse(self, stream: Any, media_type: Any = None, parser_context: Any = None) -> Any:
+            encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+            return QueryDict(stream.read(), encoding=encoding)
+
+    class FormKeyView(IdempotencyMixin, APIView):
+        """The key a form field (``sources.form``), the body read by the permission first
+        (from the stream: the body is gone, DRF's parsed form is left)."""
+
+        permission_classes = [ReadsData]
+        parser_classes = [StreamFormParser, MultiPartParser]
+        idempotency_methods = ("POST", "PATCH", "PUT")
+        idempotency_key = sources.form("idempotency_key")
+
+        def post(self, request: Request) -> Response:
+            Charge.objects.create(account="form-key", amount=1, currency="EUR")
+            data: Any = request.data
+            return Response({"note": data["note"]})
+
+        patch = put = post
+
     urlpatterns = [
         path("uploads/read-first/", UploadView.as_view()),
         path("uploads/drf/", PlainUploadView.as_view()),
+        path("uploads/form-key/", FormKeyView.as_view()),
     ]
 
 try:
