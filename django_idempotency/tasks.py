@@ -22,12 +22,12 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connections
 
 from django_idempotency import (
-    _autonomous,
+    _http,
     _options,
     _protection,
     _unique,
@@ -265,19 +265,17 @@ def idempotent_task(
             # The engine is synchronous: the coroutine runs on an event loop from the
             # engine's thread, its ORM calls back in that thread, inside the record's
             # transaction (as for an async view).
+            # The engine runs in a thread made for the delivery and ended with it (its
+            # connections closed), never one of the event loop's default executor, which
+            # the body's own asyncio.to_thread waits for: as many deliveries at once as
+            # that executor has threads would fill it for good (as for a tool call).
             body = async_to_sync(func)
-
-            def in_its_thread(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                # asgiref's thread outlives the delivery, and no request's end closes
-                # what it opened: close it here, as CONN_MAX_AGE says.
-                try:
-                    return deliver(body, args, kwargs)
-                finally:
-                    _autonomous.close_unused_connections()
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                return await sync_to_async(in_its_thread, thread_sensitive=False)(args, kwargs)
+                return await _http.run_to_the_end(
+                    functools.partial(deliver, body, args, kwargs), own_thread=True
+                )
 
             wrapper: Callable[..., Any] = async_wrapper
         else:
