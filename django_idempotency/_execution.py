@@ -148,7 +148,9 @@ def run_fenced(
         else:
             claim.release()
         if isinstance(exc, StoreUnavailable):
-            raise
+            if exc.ran:
+                raise
+            raise _body_ran(exc) from exc
         if lost and not started:
             raise StoreUnavailable(
                 f"nothing ran: the connection was lost before the operation's transaction "
@@ -178,6 +180,20 @@ def _lost(exc: db.Error, alias: str, raw: Any, started: bool = True) -> bool:
     if started and isinstance(exc, db.InterfaceError):
         return db.connections[alias].connection is not raw
     return True
+
+
+def _body_ran(exc: StoreUnavailable) -> StoreUnavailable:
+    """What the owner raises for ``exc``, a ``StoreUnavailable`` with ``ran`` false raised
+    once its body had started: an operation the body runs (its own ``run_once``, whose claim
+    could not be recorded) says that *it* did not run, but the body did, and its database
+    work is rolled back. The client is told so, never that nothing ran: the body may have
+    made its external calls already.
+    """
+    return StoreUnavailable(
+        "the body ran, but an operation it runs could not be recorded: its database work was "
+        f"rolled back and its claim released (or its lease given back) for a retry ({exc})",
+        ran=True,
+    )
 
 
 def run_resumable(
@@ -220,6 +236,11 @@ def run_resumable(
             # (run_fenced); the steps recorded before it are kept.
             raise store_failed(exc) from exc
         raise
+    except StoreUnavailable as exc:  # of an operation the body ran (its own run_once)
+        claim.give_back()
+        if exc.ran:
+            raise
+        raise _body_ran(exc) from exc
     except BaseException:
         claim.give_back()
         raise
