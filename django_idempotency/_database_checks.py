@@ -7,6 +7,7 @@ migrates: there the tables are missing by nature, and the check leaves them to i
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -94,7 +95,7 @@ def not_the_same_database(
     if vendor.name != other.name:
         why = f"it is {other.name}, {alias!r} is {vendor.name}"
     elif vendor.single_file:
-        if mine.settings_dict["NAME"] == theirs.settings_dict["NAME"]:
+        if _same_file(mine.settings_dict["NAME"], theirs.settings_dict["NAME"]):
             return []
         why = f"it is the file {theirs.settings_dict['NAME']!r}, not {mine.settings_dict['NAME']!r}"
     elif alias not in databases or vendor.identity_sql is None:
@@ -128,6 +129,19 @@ def not_the_same_database(
             id=_check_ids.error("CLAIM_DATABASE_ELSEWHERE"),
         )
     ]
+
+
+def _same_file(one: Any, other: Any) -> bool:
+    """Whether two ``NAME``s of a single-file database open one file: the same path as a
+    ``Path`` (Django's own settings: ``BASE_DIR / "db.sqlite3"``) or a string, relative or
+    absolute, or through a symbolic link."""
+    if one == other:  # the usual case: a copy of the other entry
+        return True
+    try:
+        same: bool = os.path.realpath(os.fspath(one)) == os.path.realpath(os.fspath(other))
+    except TypeError:  # not a path (another backend's idea of a name)
+        return False
+    return same
 
 
 def names_this_app(apps: Iterable[object]) -> bool:
