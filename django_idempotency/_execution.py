@@ -135,7 +135,9 @@ def run_fenced(
         # its lease runs out, then recovered by its policy. Never a silent release.
         raise
     except (db.Error, StoreUnavailable) as exc:
-        failed = completing  # the completion or its commit: the store's, not the body's
+        # The completion or its commit, or an operation the body runs (its own run_once,
+        # whose record could not be written): the store's failure, not the body's error.
+        failed = completing or isinstance(exc, StoreUnavailable)
         # The connection itself lost (a server or node gone, a backend terminated), at the
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.

@@ -189,11 +189,18 @@ def test_a_body_whose_own_operation_cannot_claim_is_a_503_saying_the_body_ran(
 
 
 @needs_a_claim_connection
-@pytest.mark.parametrize("recovery", ["retry", "resume"])
+@pytest.mark.parametrize("recovery", ["retry", "fail", "resume"])
 def test_run_once_whose_body_ran_an_operation_that_cannot_claim_says_it_ran(
     unreachable_claims, recovery
 ):
-    from django_idempotency import StoreUnavailable, run_once, step
+    """The store failed after the body started: ``StoreUnavailable`` with ``ran``, and the
+    claim handled as for any store failure after the body ran: released under "retry";
+    under "fail" (the provider may have been called) its lease is given back, and the
+    retry gets the unknown outcome, never a second run."""
+    from django.utils import timezone
+
+    from django_idempotency import OutcomeUnknown, StoreUnavailable, run_once, step
+    from django_idempotency.models import RecordStatus
 
     calls: list[str] = []
 
@@ -202,9 +209,21 @@ def test_run_once_whose_body_ran_an_operation_that_cannot_claim_says_it_ran(
             return str(step("charge", charge_then_ship, calls))
         return charge_then_ship(calls)
 
+    identity = {"account": "shop", "operation": "orders.place", "key": "k-1"}
     with pytest.raises(StoreUnavailable) as raised:
-        run_once(body, account="shop", operation="orders.place", key="k-1", recovery=recovery)
+        run_once(body, **identity, recovery=recovery)
     assert calls == ["body"]
     assert ProviderCall.objects.count() == 1
     assert raised.value.ran is True
     assert Charge.objects.count() == 0
+    if recovery == "retry":
+        assert IdempotencyRecord.objects.count() == 0  # released: the retry runs afresh
+        return
+    record = IdempotencyRecord.objects.get()  # kept, its lease given back
+    assert record.status == RecordStatus.IN_PROGRESS
+    assert record.lease_expires_at <= timezone.now()
+    if recovery == "fail":
+        with pytest.raises(OutcomeUnknown):
+            run_once(body, **identity, recovery=recovery)
+        assert calls == ["body"]
+        assert ProviderCall.objects.count() == 1
