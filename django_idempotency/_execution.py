@@ -22,7 +22,7 @@ from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
 from django_idempotency._steps import outside_steps, recording
-from django_idempotency.exceptions import OutcomeTooLarge, StoreUnavailable
+from django_idempotency.exceptions import OutcomeTooLarge, RecordUnreadable, StoreUnavailable
 
 __all__ = ["Fenced", "run_fenced", "run_owned", "run_resumable"]
 
@@ -162,6 +162,14 @@ def run_fenced(
         # the work was rolled back.
         if failed or lost or refused:
             raise store_failed(exc) from exc
+        raise
+    except RecordUnreadable:
+        # An operation the body runs (its own run_once) whose outcome cannot be read back:
+        # the store cannot answer, after the body started, as when it fails (above).
+        if keep_on_store_failure:
+            claim.give_back()
+        else:
+            claim.release()
         raise
     except Exception:
         # The body's own error: a retry runs afresh. Whatever is no Exception (a crash, a

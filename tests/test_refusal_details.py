@@ -227,3 +227,41 @@ def test_run_once_whose_body_ran_an_operation_that_cannot_claim_says_it_ran(
             run_once(body, **identity, recovery=recovery)
         assert calls == ["body"]
         assert ProviderCall.objects.count() == 1
+
+
+@pytest.mark.parametrize("recovery", ["retry", "fail"])
+def test_a_body_whose_own_operation_cannot_be_read_back_keeps_the_claim_for_its_policy(
+    recovery,
+):
+    """An operation the body runs finds its outcome sealed with a key no longer configured
+    (``RecordUnreadable``), after the body's provider call: the store cannot answer, as
+    when it fails. Under "fail" the claim's lease is given back (the retry gets the unknown
+    outcome, never a second provider call); under "retry" it is released."""
+    fernet = pytest.importorskip("cryptography.fernet")
+    from django.utils import timezone
+
+    from django_idempotency import OutcomeUnknown, RecordUnreadable, run_once
+    from django_idempotency.models import RecordStatus
+
+    sealing, other = (fernet.Fernet.generate_key().decode() for _ in range(2))
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [sealing]}):
+        run_once(lambda: "shipped", account="shop", operation="orders.ship", key="ship-1")
+    calls: list[str] = []
+    identity = {"account": "shop", "operation": "orders.place", "key": "k-1"}
+    with override_settings(IDEMPOTENCY={"ENCRYPTION_KEYS": [other]}):
+        with pytest.raises(RecordUnreadable):
+            run_once(charge_then_ship, calls, **identity, recovery=recovery)
+        assert calls == ["body"]
+        assert ProviderCall.objects.count() == 1
+        assert Charge.objects.count() == 0
+        placed = IdempotencyRecord.objects.filter(operation="orders.place")
+        if recovery == "retry":
+            assert not placed.exists()  # released: the retry runs afresh
+            return
+        record = placed.get()  # kept, its lease given back
+        assert record.status == RecordStatus.IN_PROGRESS
+        assert record.lease_expires_at <= timezone.now()
+        with pytest.raises(OutcomeUnknown):
+            run_once(charge_then_ship, calls, **identity, recovery=recovery)
+    assert calls == ["body"]
+    assert ProviderCall.objects.count() == 1
