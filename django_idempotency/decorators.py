@@ -88,13 +88,13 @@ class _RefusedByNinja:
     function): beneath a route decorator, the decorator is refused where the route is
     written, before any request runs the operation unprotected. Inert anywhere else."""
 
-    __slots__ = ("name",)
+    __slots__ = ("view",)
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, view: Any) -> None:
+        self.view = view  # named only when refused: method_decorator decorates per request
 
     def __call__(self, operation: Any) -> None:
-        raise ImproperlyConfigured(_UNDER_NINJA.format(name=self.name))
+        raise ImproperlyConfigured(_UNDER_NINJA.format(name=_validation.name_of(self.view)))
 
 
 def _dispatch_of_a_drf_view(func: Any) -> bool:
@@ -287,7 +287,7 @@ def idempotent(
         # Beneath a ninja route decorator, refused when ninja builds the operation.
         wrapper.__dict__["_ninja_contribute_to_operation"] = [
             *wrapper.__dict__.get("_ninja_contribute_to_operation", ()),
-            _RefusedByNinja(_validation.name_of(func)),
+            _RefusedByNinja(func),
         ]
         if _has_spectacular() and "schema" not in wrapper.__dict__:
             # DRF's @api_view copies the function's `schema` onto the view class it makes:
