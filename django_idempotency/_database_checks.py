@@ -84,9 +84,9 @@ def not_the_same_database(
     """E051: ``CLAIM_DATABASE`` reaches another database than ``DATABASE``.
 
     Told from the settings where they differ in engine, or in the file of SQLite; else,
-    under ``check --database <DATABASE>``, from both connections (the server's own name for
-    the database and for itself, and on PostgreSQL the schema in which each finds the
-    record table).
+    under ``check --database`` naming either alias, from both connections (the server's own
+    name for the database and for itself, and on PostgreSQL the schema in which each finds
+    the record table).
     """
     if claims is None or claims == alias:
         return []
@@ -98,7 +98,7 @@ def not_the_same_database(
         if _same_file(mine.settings_dict["NAME"], theirs.settings_dict["NAME"]):
             return []
         why = f"it is the file {theirs.settings_dict['NAME']!r}, not {mine.settings_dict['NAME']!r}"
-    elif alias not in databases or vendor.identity_sql is None:
+    elif (alias not in databases and claims not in databases) or vendor.identity_sql is None:
         return []
     else:
         try:

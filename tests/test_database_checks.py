@@ -81,9 +81,17 @@ def test_e051_a_claim_database_reaching_another_database(elsewhere):
         call_command("check", databases=["default"], stdout=StringIO())
 
 
+def test_e051_under_check_database_naming_the_claim_database(elsewhere):
+    """``check --database claims``, the alias that is wrong, connects to both as well."""
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        (error,) = found(E051, databases=["claims"])
+    assert "IDEMPOTENCY['CLAIM_DATABASE'] ('claims')" in error.msg
+
+
 def test_e051_not_for_a_claim_database_on_the_same_database():
     with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
         assert found(E051, databases=["default"]) == []
+        assert found(E051, databases=["claims"]) == []
         assert found(E051) == []
 
 
