@@ -54,6 +54,7 @@ ERRORS: dict[str, int] = {
     "OPERATION_SHARED": 60,  # a URL check: two endpoints, one derived operation
     "DECORATOR_ON_DRF_DISPATCH": 61,  # a URL check: it would claim before DRF's checks
     "NINJA_IDEMPOTENT_ABOVE_ROUTES": 62,  # a URL check: a route it does not reach
+    "NINJA_IDEMPOTENT_OFF_NINJA": 63,  # a URL check: ninja's decorator on a Django view
 }
 
 WARNINGS: dict[str, int] = {

@@ -7,6 +7,7 @@ migrates: there the tables are missing by nature, and the check leaves them to i
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -83,9 +84,9 @@ def not_the_same_database(
     """E051: ``CLAIM_DATABASE`` reaches another database than ``DATABASE``.
 
     Told from the settings where they differ in engine, or in the file of SQLite; else,
-    under ``check --database <DATABASE>``, from both connections (the server's own name for
-    the database and for itself, and on PostgreSQL the schema in which each finds the
-    record table).
+    under ``check --database`` naming either alias, from both connections (the server's own
+    name for the database and for itself, and on PostgreSQL the schema in which each finds
+    the record table).
     """
     if claims is None or claims == alias:
         return []
@@ -94,10 +95,10 @@ def not_the_same_database(
     if vendor.name != other.name:
         why = f"it is {other.name}, {alias!r} is {vendor.name}"
     elif vendor.single_file:
-        if mine.settings_dict["NAME"] == theirs.settings_dict["NAME"]:
+        if _same_file(mine.settings_dict["NAME"], theirs.settings_dict["NAME"]):
             return []
         why = f"it is the file {theirs.settings_dict['NAME']!r}, not {mine.settings_dict['NAME']!r}"
-    elif alias not in databases or vendor.identity_sql is None:
+    elif (alias not in databases and claims not in databases) or vendor.identity_sql is None:
         return []
     else:
         try:
@@ -128,6 +129,19 @@ def not_the_same_database(
             id=_check_ids.error("CLAIM_DATABASE_ELSEWHERE"),
         )
     ]
+
+
+def _same_file(one: Any, other: Any) -> bool:
+    """Whether two ``NAME``s of a single-file database open one file: the same path as a
+    ``Path`` (Django's own settings: ``BASE_DIR / "db.sqlite3"``) or a string, relative or
+    absolute, or through a symbolic link."""
+    if one == other:  # the usual case: a copy of the other entry
+        return True
+    try:
+        same: bool = os.path.realpath(os.fspath(one)) == os.path.realpath(os.fspath(other))
+    except TypeError:  # not a path (another backend's idea of a name)
+        return False
+    return same
 
 
 def names_this_app(apps: Iterable[object]) -> bool:

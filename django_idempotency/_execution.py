@@ -22,7 +22,7 @@ from django_idempotency._claims import KEEP_CLAIM, Claim, store_failed
 from django_idempotency._outcomes import Outcome
 from django_idempotency._policies import RECOVERY_POLICIES, recovery_policy
 from django_idempotency._steps import outside_steps, recording
-from django_idempotency.exceptions import OutcomeTooLarge, StoreUnavailable
+from django_idempotency.exceptions import OutcomeTooLarge, RecordUnreadable, StoreUnavailable
 
 __all__ = ["Fenced", "run_fenced", "run_owned", "run_resumable"]
 
@@ -135,7 +135,9 @@ def run_fenced(
         # its lease runs out, then recovered by its policy. Never a silent release.
         raise
     except (db.Error, StoreUnavailable) as exc:
-        failed = completing  # the completion or its commit: the store's, not the body's
+        # The completion or its commit, or an operation the body runs (its own run_once,
+        # whose record could not be written): the store's failure, not the body's error.
+        failed = completing or isinstance(exc, StoreUnavailable)
         # The connection itself lost (a server or node gone, a backend terminated), at the
         # transaction's start (a round trip on MariaDB) or in the body: the store's failure
         # too, never the body's error. Its transaction did not commit.
@@ -148,7 +150,9 @@ def run_fenced(
         else:
             claim.release()
         if isinstance(exc, StoreUnavailable):
-            raise
+            if exc.ran:
+                raise
+            raise _body_ran(exc) from exc
         if lost and not started:
             raise StoreUnavailable(
                 f"nothing ran: the connection was lost before the operation's transaction "
@@ -158,6 +162,14 @@ def run_fenced(
         # the work was rolled back.
         if failed or lost or refused:
             raise store_failed(exc) from exc
+        raise
+    except RecordUnreadable:
+        # An operation the body runs (its own run_once) whose outcome cannot be read back:
+        # the store cannot answer, after the body started, as when it fails (above).
+        if keep_on_store_failure:
+            claim.give_back()
+        else:
+            claim.release()
         raise
     except Exception:
         # The body's own error: a retry runs afresh. Whatever is no Exception (a crash, a
@@ -178,6 +190,20 @@ def _lost(exc: db.Error, alias: str, raw: Any, started: bool = True) -> bool:
     if started and isinstance(exc, db.InterfaceError):
         return db.connections[alias].connection is not raw
     return True
+
+
+def _body_ran(exc: StoreUnavailable) -> StoreUnavailable:
+    """What the owner raises for ``exc``, a ``StoreUnavailable`` with ``ran`` false raised
+    once its body had started: an operation the body runs (its own ``run_once``, whose claim
+    could not be recorded) says that *it* did not run, but the body did, and its database
+    work is rolled back. The client is told so, never that nothing ran: the body may have
+    made its external calls already.
+    """
+    return StoreUnavailable(
+        "the body ran, but an operation it runs could not be recorded: its database work was "
+        f"rolled back and its claim released (or its lease given back) for a retry ({exc})",
+        ran=True,
+    )
 
 
 def run_resumable(
@@ -220,6 +246,11 @@ def run_resumable(
             # (run_fenced); the steps recorded before it are kept.
             raise store_failed(exc) from exc
         raise
+    except StoreUnavailable as exc:  # of an operation the body ran (its own run_once)
+        claim.give_back()
+        if exc.ran:
+            raise
+        raise _body_ran(exc) from exc
     except BaseException:
         claim.give_back()
         raise

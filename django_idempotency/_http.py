@@ -184,7 +184,13 @@ def protected(
         return with_atomic_requests(terms.database, call_view, marks_of(inner, marks))
     if isinstance(key, HttpResponse):
         return key
-    account = terms.account(request)
+    try:
+        account = terms.account(request)
+    except db.Error:
+        # Naming the caller read the database (the default resolver loads the session's
+        # user from it): it failed as the claim would have. Nothing ran.
+        logger.exception("idempotency store unavailable while naming the caller's account")
+        return _store_unavailable(ran=False)
     if account is None or account == "":
         return _problems.ACCOUNT_MISSING.response(
             "This request carries an idempotency key but no authenticated caller to scope it to."
@@ -219,6 +225,13 @@ def protected(
             "The server could not fingerprint this request; nothing was run."
         )
     return guarded.answer(call_view)
+
+
+def _store_unavailable(ran: bool) -> HttpResponse:
+    """``503 idempotency_store_unavailable``, saying whether the view ran."""
+    return _problems.STORE_UNAVAILABLE.response(
+        _problems.store_unavailable_detail(ran), retry_after=app_settings.RETRY_AFTER
+    )
 
 
 class _Unfingerprinted(Exception):
@@ -338,10 +351,7 @@ class _Protected:
         return self.conflict(state)
 
     def store_unavailable(self, ran: bool) -> HttpResponse:
-        """``503 idempotency_store_unavailable``, saying whether the view ran."""
-        return _problems.STORE_UNAVAILABLE.response(
-            _problems.store_unavailable_detail(ran), retry_after=app_settings.RETRY_AFTER
-        )
+        return _store_unavailable(ran)
 
     def conflict(self, state: _store.RecordState) -> HttpResponse:
         self.send(signals.request_conflicted)

@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Annotated, Any, Generic, TypeVar, cast
 
 from asgiref.sync import async_to_sync
+from django import db
 from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency import _autonomous, _http, _options, _problems, _validation
@@ -516,7 +517,17 @@ class _Tool:
                     _problems.KEY_MISSING, f"{operation} needs an idempotency key: {where}"
                 )
             return self.convert(context, _finished(body(**arguments)))
-        account = self.account_of(context)
+        try:
+            account = self.account_of(context)
+        except db.Error:
+            # Naming the caller read the database (a Django user's account): it failed as
+            # the claim would have. Nothing ran; the error's text is for the log only.
+            logger.exception(
+                "idempotency store unavailable while naming the account of %s", operation
+            )
+            return self.refused(
+                _problems.STORE_UNAVAILABLE, _problems.store_unavailable_detail(False)
+            )
         if account is None:
             return self.refused(
                 _problems.ACCOUNT_MISSING,

@@ -237,6 +237,51 @@ def check_drf_dispatch(**kwargs: Any) -> list[CheckMessage]:
 
 
 @register(Tags.urls)
+def check_ninja_decorator_off_ninja(**kwargs: Any) -> list[CheckMessage]:
+    """E063: ninja's ``@idempotent`` on a view that is no ninja operation (a Django view, a
+    DRF view's handler: the wrong import). It protects only an operation ninja builds from
+    the function, and ninja builds none: the view runs unprotected."""
+    import importlib.util
+
+    if importlib.util.find_spec("ninja") is None:
+        return []  # the decorator cannot have been used
+    from django_idempotency import _protection
+    from django_idempotency.ninja import intended
+
+    views: set[str] = set()
+    for callback in _protection.callbacks():
+        if _protection.ninja_path_view(callback) is not None:
+            continue
+        handlers: list[Any] = [callback]
+        view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
+        if isinstance(view_class, type):
+            handlers += [
+                getattr(view_class, method.lower())
+                for method in _protection.class_methods(view_class, callback)
+            ]
+        for handler in handlers:
+            if _protection.options_of(handler, closures=False) is not None:
+                continue  # the package's own decorator protects it
+            if any(
+                intended(f) is not None for f in _protection.wrapped_by(handler, closures=False)
+            ):
+                views.add(_validation.name_of(handler))
+    return [
+        _error(
+            "NINJA_IDEMPOTENT_OFF_NINJA",
+            f"django_idempotency.ninja.idempotent on {name}, which is no django-ninja "
+            "operation: it protects only an operation ninja builds from the function, so "
+            "the view runs unprotected.",
+            hint=(
+                "Use django_idempotency.decorators.idempotent on a Django or DRF view, "
+                "and django_idempotency.ninja.idempotent beneath a ninja route decorator."
+            ),
+        )
+        for name in sorted(views)
+    ]
+
+
+@register(Tags.urls)
 def check_ninja_routes_out_of_reach(**kwargs: Any) -> list[CheckMessage]:
     """E062: ninja's ``@idempotent`` above two route decorators of one function. ninja keeps
     the operation of the last one only, so the decorator protects that route and never

@@ -55,6 +55,10 @@ def _refuse_unprotectable(view: Any) -> None:
             "request). Put IdempotencyMixin first in the view's bases instead, or "
             "method_decorator(idempotent) on its handler."
         )
+    if getattr(view, "_ninja_operation", None) is not None:
+        # Above ninja's route decorator: ninja serves the operation it built from the
+        # function beneath, which this wrapper never reaches.
+        raise ImproperlyConfigured(_UNDER_NINJA.format(name=name))
     drf_view = getattr(view, "cls", None)
     if _protection.is_drf_view(drf_view):
         # DRF's as_view(): the claim would come before DRF's authentication, permissions
@@ -68,6 +72,29 @@ def _refuse_unprotectable(view: Any) -> None:
             f"@idempotent on the DRF view {name}: {where}, so that the claim follows DRF's "
             "authentication, permission and throttle checks."
         )
+
+
+_UNDER_NINJA = (
+    "@idempotent of django_idempotency.decorators on the ninja operation {name}: it cannot "
+    "protect a ninja operation (ninja serves the function it registered, and renders its "
+    "answer after it). Use django_idempotency.ninja.idempotent, beneath the route "
+    "decorator (@api.post(...) or @router.post(...))."
+)
+
+
+class _RefusedByNinja:
+    """Put on the function Django's decorator returns among ninja's operation callbacks
+    (``_ninja_contribute_to_operation``, which ninja calls as it builds an operation from a
+    function): beneath a route decorator, the decorator is refused where the route is
+    written, before any request runs the operation unprotected. Inert anywhere else."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: Any) -> None:
+        self.view = view  # named only when refused: method_decorator decorates per request
+
+    def __call__(self, operation: Any) -> None:
+        raise ImproperlyConfigured(_UNDER_NINJA.format(name=_validation.name_of(self.view)))
 
 
 def _dispatch_of_a_drf_view(func: Any) -> bool:
@@ -257,6 +284,11 @@ def idempotent(
         wrapper.__dict__["_non_atomic_requests"] = marks
         # How manage.py idempotency_audit knows the view is protected, and with what options.
         wrapper.__dict__["idempotency_options"] = chosen
+        # Beneath a ninja route decorator, refused when ninja builds the operation.
+        wrapper.__dict__["_ninja_contribute_to_operation"] = [
+            *wrapper.__dict__.get("_ninja_contribute_to_operation", ()),
+            _RefusedByNinja(func),
+        ]
         if _has_spectacular() and "schema" not in wrapper.__dict__:
             # DRF's @api_view copies the function's `schema` onto the view class it makes:
             # drf-spectacular then documents the key header and the problem answers. (A

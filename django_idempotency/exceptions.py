@@ -81,9 +81,9 @@ class StoreUnavailable(IdempotencyError):
 
     ``ran`` says whether the operation's body ran before it failed. ``False``: the claim (or
     a read before the body) failed, and nothing ran. ``True``: the body ran but its outcome
-    (or a step's) could not be recorded, so its database work was rolled back; a retry with
-    the same key runs it again (or its recovery policy decides). Either way, retry it with
-    the same key.
+    (or a step's, or the claim of an operation it runs) could not be recorded, so its
+    database work was rolled back; a retry with the same key runs it again (or its recovery
+    policy decides). Either way, retry it with the same key.
     """
 
     def __init__(self, message: str, ran: bool = False) -> None:

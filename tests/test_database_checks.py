@@ -81,10 +81,41 @@ def test_e051_a_claim_database_reaching_another_database(elsewhere):
         call_command("check", databases=["default"], stdout=StringIO())
 
 
+def test_e051_under_check_database_naming_the_claim_database(elsewhere):
+    """``check --database claims``, the alias that is wrong, connects to both as well."""
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        (error,) = found(E051, databases=["claims"])
+    assert "IDEMPOTENCY['CLAIM_DATABASE'] ('claims')" in error.msg
+
+
 def test_e051_not_for_a_claim_database_on_the_same_database():
     with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
         assert found(E051, databases=["default"]) == []
+        assert found(E051, databases=["claims"]) == []
         assert found(E051) == []
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's database files")
+@pytest.mark.parametrize("spelled", ["a-path-object", "relative", "through-a-link"])
+def test_e051_not_for_one_sqlite_file_spelled_another_way(tmp_path, monkeypatch, spelled):
+    """Django's own settings name the file as a ``Path`` (``BASE_DIR / "db.sqlite3"``): the
+    same file named by a string, a relative path or a symbolic link is the same database,
+    never an Error that stops ``runserver`` and ``migrate``."""
+    database = tmp_path / "db.sqlite3"
+    database.touch()
+    (tmp_path / "link.sqlite3").symlink_to(database)
+    monkeypatch.chdir(tmp_path)
+    default, claims = connections["default"].settings_dict, connections["claims"].settings_dict
+    monkeypatch.setitem(default, "NAME", str(database))
+    other = {"a-path-object": database, "relative": "db.sqlite3", "through-a-link": "link.sqlite3"}
+    monkeypatch.setitem(claims, "NAME", other[spelled])
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        assert found(E051) == []
+        assert found(E051, databases=["default"]) == []
+    monkeypatch.setitem(claims, "NAME", str(tmp_path / "another.sqlite3"))
+    with override_settings(IDEMPOTENCY={"CLAIM_DATABASE": "claims"}):
+        (error,) = found(E051)
+    assert "another.sqlite3" in error.msg
 
 
 def let_go(alias: Any) -> None:

@@ -12,9 +12,10 @@ from django.test import override_settings
 from django.utils import timezone
 from freezegun import freeze_time
 
+from django_idempotency import _problems
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from django_idempotency.testing import assert_replay
-from tests.helpers import ApiClient, needs_drf, needs_ninja, new_key
+from tests.helpers import ApiClient, needs_drf, needs_ninja, new_key, says_nothing_of_the_server
 from tests.testapp.models import Charge, ProviderCall, ProviderCharge
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -502,6 +503,21 @@ def test_store_unavailable_is_503_and_nothing_runs(anon_api, unreachable_store, 
     body = problem(response, "idempotency_store_unavailable", 503)
     assert response["Retry-After"]
     assert body["status"] == 503
+    assert ProviderCall.objects.using("provider").count() == 0
+
+
+@pytest.mark.parametrize("path", ["/charges/", "/cbv/charges/"])
+def test_store_unavailable_for_a_logged_in_caller_is_503_and_nothing_runs(
+    api, unreachable_store, path
+):
+    """The default resolver names the caller from the session's user, which the database
+    holds: when it cannot be reached, that read fails before the claim, and the answer is
+    the store's ``503`` (never the ``500`` of an unhandled error), nothing run."""
+    response = api.post(path, CHARGE, key=new_key())
+    body = problem(response, "idempotency_store_unavailable", 503)
+    assert int(response["Retry-After"]) >= 1
+    assert body["detail"] == _problems.NOT_RUN
+    says_nothing_of_the_server(body)
     assert ProviderCall.objects.using("provider").count() == 0
 
 

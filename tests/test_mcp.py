@@ -520,6 +520,25 @@ def test_an_unreachable_store_is_refused_and_nothing_runs(kind, unreachable_stor
     assert len(RUNS) == 0
 
 
+def tenant_from_the_database(context: Context | fastmcp.Context) -> str:
+    """An account callable that reads the database: the caller's tenant."""
+    return f"tenant:{Charge.objects.count()}"
+
+
+def test_an_account_read_from_an_unreachable_store_is_refused_and_nothing_runs(
+    kind, unreachable_store
+):
+    """Naming the caller read the database, which cannot be reached: the store's refusal,
+    saying nothing ran (never the database's error text in a tool error)."""
+    from django_idempotency import _problems
+
+    server = shop(kind, account=tenant_from_the_database)
+    body = refused(call(server, args(new_key())), "idempotency_store_unavailable")
+    says_nothing_of_the_server(body)
+    assert body["detail"] == _problems.NOT_RUN
+    assert len(RUNS) == 0
+
+
 # -- the account -------------------------------------------------------------------------------
 
 

@@ -342,6 +342,45 @@ def test_idempotent_above_two_route_decorators_is_a_check_error(api):
     assert "stacked" in errors[0].msg
 
 
+KEYED = {"Idempotency-Key": "k-on-a-django-view"}
+
+
+def test_ninjas_idempotent_on_a_django_view_is_a_check_error(user):
+    """ninja's ``@idempotent`` on a plain Django view (the wrong import): ninja never builds
+    an operation of it, so nothing protects it and two POSTs with one key run twice. The
+    audit lists it unprotected; ``check`` names it and the decorator to use (E063)."""
+    from types import ModuleType
+
+    from django.core import checks
+    from django.http import JsonResponse
+    from django.test import Client
+    from django.urls import path
+
+    from django_idempotency import _check_ids
+
+    @idempotent
+    def charge(request: Any) -> Any:
+        Charge.objects.create(account="django-view", amount=1, currency="EUR")
+        return JsonResponse({"id": 1}, status=201)
+
+    urlconf = ModuleType("ninja_decorator_on_a_django_view")
+    urlconf.urlpatterns = [path("charge/", charge)]  # type: ignore[attr-defined]
+    client = Client()
+    client.force_login(user)
+    with override_settings(ROOT_URLCONF=urlconf):
+        for _ in range(2):
+            client.post("/charge/", "{}", content_type="application/json", headers=KEYED)
+        errors = [
+            m
+            for m in checks.run_checks(tags=[checks.Tags.urls])
+            if m.id == _check_ids.error("NINJA_IDEMPOTENT_OFF_NINJA")
+        ]
+    assert Charge.objects.count() == 2  # unprotected: what the check reports
+    assert len(errors) == 1
+    assert "charge" in errors[0].msg
+    assert "django_idempotency.decorators.idempotent" in (errors[0].hint or "")
+
+
 def test_one_operation_id_on_two_apis_is_a_check_error(api):
     """Two API versions, each with its own function under ``operation_id="create_charge"``
     (OpenAPI wants it unique per document, and each API is a document of its own): both

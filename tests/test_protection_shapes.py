@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import View
 
 from django_idempotency.decorators import idempotent
-from tests.helpers import needs_drf
+from tests.helpers import needs_drf, needs_ninja
 
 
 @needs_drf
@@ -153,3 +153,42 @@ def test_idempotent_above_classmethod_is_refused_as_a_method():
                 return JsonResponse({}, status=201)
 
     assert "Views.create" in str(refused.value)
+
+
+@needs_ninja
+@pytest.mark.parametrize("bare", [True, False], ids=["bare", "with-arguments"])
+def test_djangos_idempotent_above_a_ninja_route_is_refused(bare):
+    """Django's decorator above ``@api.post``: ninja serves the function it registered,
+    which the decorator never wraps. Two POSTs with one key ran twice, and nothing said so."""
+    import ninja
+
+    api = ninja.NinjaAPI(urls_namespace=f"django-decorator-above-{bare}")
+
+    @api.post("/charges")
+    def create_charge(request: object) -> dict[str, int]:
+        return {"id": 1}
+
+    decorate = idempotent if bare else idempotent(operation="charges.create")
+    with pytest.raises(ImproperlyConfigured, match=r"django_idempotency\.ninja"):
+        decorate(create_charge)
+
+
+@needs_ninja
+@pytest.mark.parametrize("bare", [True, False], ids=["bare", "with-arguments"])
+def test_djangos_idempotent_beneath_a_ninja_route_is_refused_where_the_route_is_built(bare):
+    """Django's decorator beneath ``@api.post``: it gets the operation's answer (a dict, not
+    a response) after the operation ran, and every request was a ``500`` whose work ran
+    (its external calls made) and rolled back. Refused when ninja builds the operation."""
+    import ninja
+
+    api = ninja.NinjaAPI(urls_namespace=f"django-decorator-beneath-{bare}")
+    ran: list[object] = []
+
+    def create_charge(request: object) -> dict[str, int]:
+        ran.append(request)
+        return {"id": 1}
+
+    decorated = idempotent(create_charge) if bare else idempotent(ttl=60)(create_charge)
+    with pytest.raises(ImproperlyConfigured, match=r"django_idempotency\.ninja"):
+        api.post("/charges")(decorated)
+    assert ran == []
