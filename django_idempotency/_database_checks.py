@@ -79,26 +79,35 @@ def missing_tables(alias: str, databases: Iterable[str]) -> list[CheckMessage]:
 
 
 def not_the_same_database(
-    alias: str, claims: str | None, databases: Iterable[str]
+    alias: str, claims: str | None, databases: Iterable[str] | None
 ) -> list[CheckMessage]:
     """E051: ``CLAIM_DATABASE`` reaches another database than ``DATABASE``.
 
-    Told from the settings where they differ in engine, or in the file of SQLite; else,
-    under ``check --database`` naming either alias, from both connections (the server's own
-    name for the database and for itself, and on PostgreSQL the schema in which each finds
-    the record table).
+    ``databases`` ``None``: told from the settings, where they differ in engine or in the
+    file of SQLite (a check that runs without ``--database``; Django 6.1 runs no
+    database-tagged check then). Else, under ``check --database`` naming either alias, from
+    both connections where the settings tell nothing: the server's own name for the
+    database and for itself, and on PostgreSQL the schema in which each finds the record
+    table.
     """
     if claims is None or claims == alias:
         return []
     mine, theirs = connections[alias], connections[claims]
     vendor, other = of_connection(mine), of_connection(theirs)
+    told_by_settings = vendor.name != other.name or vendor.single_file
+    if told_by_settings != (databases is None):
+        return []  # the other check's part
     if vendor.name != other.name:
         why = f"it is {other.name}, {alias!r} is {vendor.name}"
     elif vendor.single_file:
         if _same_file(mine.settings_dict["NAME"], theirs.settings_dict["NAME"]):
             return []
         why = f"it is the file {theirs.settings_dict['NAME']!r}, not {mine.settings_dict['NAME']!r}"
-    elif (alias not in databases and claims not in databases) or vendor.identity_sql is None:
+    elif (
+        databases is None
+        or (alias not in databases and claims not in databases)
+        or vendor.identity_sql is None
+    ):
         return []
     else:
         try:

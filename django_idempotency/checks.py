@@ -307,11 +307,23 @@ def check_ninja_routes_out_of_reach(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+@register()
+def check_claim_database(**kwargs: Any) -> list[CheckMessage]:
+    """``CLAIM_DATABASE`` on another engine or SQLite file than ``DATABASE`` (E051, told
+    from the settings): on every ``check``, ``runserver`` and ``migrate``, as no
+    database-tagged check is on Django 6.1 without ``--database``."""
+    values, problems = conf.validate()
+    alias = values.get("DATABASE")
+    if problems or alias is None:
+        return []  # a wrong setting is reported by check_settings
+    return _database_checks.not_the_same_database(alias, values.get("CLAIM_DATABASE"), None)
+
+
 @register(Tags.database)
 def check_database(databases: Iterable[str] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """``check --database <alias>``: the package's tables on ``DATABASE`` (E052), and
-    ``CLAIM_DATABASE`` on the same database as ``DATABASE`` (E051, told from the settings
-    where they differ in engine or SQLite file, without ``--database`` too)."""
+    ``CLAIM_DATABASE`` on the same database as ``DATABASE`` where only the connections
+    tell (E051; :func:`check_claim_database` tells it from the settings)."""
     values, problems = conf.validate()
     alias = values.get("DATABASE")
     if problems or alias is None:
