@@ -170,10 +170,9 @@ class IdempotentViewSchema(DefaultSchema):
             assigned = self.instance_schemas[instance]
             assert assigned is not None
             return assigned
-        # The stubs type the setting as the dotted path; DRF has imported it by now.
-        inspector_class: type[ViewInspector] = cast(
-            "type[ViewInspector]", api_settings.DEFAULT_SCHEMA_CLASS
-        )
+        # DRF has imported the class by now; its stubs have typed the setting as the dotted
+        # path (before 3.18.2) and as the class.
+        inspector_class: type[ViewInspector] = cast(Any, api_settings.DEFAULT_SCHEMA_CLASS)
         if issubclass(inspector_class, AutoSchema):
             inspector_class = idempotency_schema_class(inspector_class)
         inspector = inspector_class()
