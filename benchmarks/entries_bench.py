@@ -30,7 +30,10 @@ protected with a key it has seen (a replay: one indexed read, the work not run):
   the outbox message id a relay hands it;
 - ``mcp`` and ``fastmcp``: a tool under ``@idempotent_tool(account=...)`` / the same tool
   unprotected, on the SDK's ``MCPServer`` and on FastMCP, called through each framework's
-  own in-memory client (``Client(server)``) on an event loop in a thread of its own.
+  own in-memory client (``Client(server)``) on an event loop in a thread of its own;
+- ``mcp-async``: the same on ``MCPServer`` for an ``async def`` tool, whose write goes
+  through ``sync_to_async`` (the engine runs on a thread of its own, the unprotected tool's
+  ORM call on asgiref's).
 
 The HTTP entry points (drf, django-view, ninja) go through Django's WSGI handler in this process, as
 ``connections_bench.py`` does. Rounds run every (entry point, protected or not) batch back
@@ -75,6 +78,7 @@ ENTRIES = (
     "celery-task",
     "django-task",
     "mcp",
+    "mcp-async",
     "fastmcp",
 )
 VARIANTS = ("twin", "ours", "replay")
@@ -301,7 +305,8 @@ class Tools:
     async def calls(self, framework: str, variant: str, size: int) -> float:
         from benchmarks.mcp_bench import call_tool
 
-        client = self.clients[framework]
+        client = self.clients[framework.removesuffix("-async")]
+        suffix = "_async" if framework.endswith("-async") else ""
         began = time.perf_counter()
         for _ in range(size):
             arguments: dict[str, Any]
@@ -310,7 +315,9 @@ class Tools:
             else:
                 key = SEEN if variant == "replay" else uuid.uuid4().hex
                 tool, arguments = "ours", {"amount": 1, "idempotency_key": key}
-            await call_tool(client, framework, tool, arguments, f"{framework}|{variant}")
+            await call_tool(
+                client, framework, tool + suffix, arguments, f"{framework}|{variant}"
+            )
         return (time.perf_counter() - began) / size * 1e6
 
     def close(self) -> None:
@@ -321,6 +328,7 @@ class Tools:
 
 
 def mcp_server() -> Any:
+    from asgiref.sync import sync_to_async
     from mcp.server.mcpserver import MCPServer
 
     from django_idempotency.mcp import idempotent_tool
@@ -335,6 +343,15 @@ def mcp_server() -> Any:
     @idempotent_tool(account="bench", operation="bench.mcp")
     def ours(amount: int, idempotency_key: str) -> dict[str, int]:
         return {"id": write()}
+
+    @server.tool()
+    async def twin_async(amount: int) -> dict[str, int]:
+        return {"id": await sync_to_async(write)()}
+
+    @server.tool()
+    @idempotent_tool(account="bench", operation="bench.mcp-async")
+    async def ours_async(amount: int, idempotency_key: str) -> dict[str, int]:
+        return {"id": await sync_to_async(write)()}
 
     return server
 
@@ -441,7 +458,7 @@ def batch(
     path = PATHS.get(f"{entry}|{'twin' if variant == 'twin' else 'ours'}")
     key = SEEN if variant == "replay" else None
     began = time.perf_counter()
-    if entry in ("mcp", "fastmcp"):
+    if entry in ("mcp", "mcp-async", "fastmcp"):
         assert tools is not None
         return tools.batch(entry, variant, size)
     if entry in servers:

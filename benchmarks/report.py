@@ -1181,6 +1181,7 @@ ENTRY_NAMES = {
     "celery-task": "Celery task under `@idempotent_task()` / plain (`apply`)",
     "django-task": "Django task under `@idempotent_task()` / plain (`ImmediateBackend`)",
     "mcp": "MCP tool under `@idempotent_tool` / plain (`MCPServer`)",
+    "mcp-async": "the same, an `async def` tool (`MCPServer`)",
     "fastmcp": "MCP tool under `@idempotent_tool` / plain (FastMCP)",
 }
 

@@ -15,14 +15,23 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Container
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 from django import db
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
-from django_idempotency import _autonomous, _problems, _recovery, _routes, _store, conf, signals
+from django_idempotency import (
+    _autonomous,
+    _problems,
+    _recovery,
+    _routes,
+    _store,
+    _threads,
+    conf,
+    signals,
+)
 from django_idempotency._atomic_requests import atomic_requests, marks_of, with_atomic_requests
 from django_idempotency._claims import Claim, LeaseLost, claim, retry_after, wait_for
 from django_idempotency._context import IdempotencyContext, Operation, current, running
@@ -549,11 +558,10 @@ async def run_to_the_end(run: Callable[[], T], *, own_thread: bool = False) -> T
 
     The engine runs in the request's thread-sensitive thread: the claim, the view's
     transaction and the completion share one connection, and the async view runs back on
-    the event loop from there. ``own_thread``: in a thread of its own instead, made for this
-    attempt and ended with it, its connections closed (a tool call, which no request's
-    thread serves): never one of the event loop's default executor, which the body's own
-    ``asyncio.to_thread`` (or a DNS lookup) waits for, and which as many engines waiting for
-    their bodies would fill for good. When the client disconnects, Django cancels the view's
+    the event loop from there. ``own_thread``: on a thread of its own instead, for the
+    attempts no request's thread serves (an ``async def`` tool's call, an ``async def``
+    task's delivery): one of the loop's engine threads (``_threads``), never one of the
+    event loop's default executor. When the client disconnects, Django cancels the view's
     task; the attempt is shielded from that cancellation and goes on as a sync view would,
     so its outcome is stored and the client's retry gets it replayed. Were the attempt
     cancelled all the same (a server shutting down), the engine keeps the claim as a killed
@@ -563,24 +571,9 @@ async def run_to_the_end(run: Callable[[], T], *, own_thread: bool = False) -> T
     if not own_thread:
         attempt = asyncio.ensure_future(sync_to_async(run)())
         return await _to_the_end(attempt)
-    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="django-idempotency")
-    try:
-        ran = functools.partial(_closing_connections, run)
-        attempt = asyncio.ensure_future(
-            sync_to_async(ran, thread_sensitive=False, executor=thread)()
-        )
-        return await _to_the_end(attempt)
-    finally:
-        thread.shutdown(wait=False)  # the thread ends once the attempt has
-
-
-def _closing_connections(run: Callable[[], T]) -> T:
-    """``run``, then this thread's connections closed (or given back to their pool): the
-    thread ends with the attempt."""
-    try:
-        return run()
-    finally:
-        db.connections.close_all()
+    threads = cast(concurrent.futures.ThreadPoolExecutor, await _threads.of_the_running_loop())
+    attempt = asyncio.ensure_future(sync_to_async(run, thread_sensitive=False, executor=threads)())
+    return await _to_the_end(attempt)
 
 
 async def _to_the_end(attempt: asyncio.Future[T]) -> T:

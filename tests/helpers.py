@@ -311,6 +311,19 @@ def make_in_progress(key: str, lease_left: timedelta) -> None:
 # -- threads -----------------------------------------------------------------------------------
 
 
+def server_sessions() -> int:
+    """The PostgreSQL test database's client backends, but the one this read opens."""
+    import psycopg
+
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=True) as raw:
+        (count,) = raw.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        ).fetchone()  # type: ignore[misc]
+    return int(count)
+
+
 def in_thread(call: Any) -> Any:
     """Run ``call`` in a thread of its own, so on a database connection of its own."""
 

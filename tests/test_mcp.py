@@ -59,6 +59,7 @@ from tests.helpers import (
     packet,
     postgres_only,
     says_nothing_of_the_server,
+    server_sessions,
     storm_while_held,
     watching_polls,
 )
@@ -944,15 +945,7 @@ def connections_in_use() -> int:
     if connection.settings_dict["OPTIONS"].get("pool"):
         stats = connection.pool.get_stats()
         return int(stats["pool_size"]) - int(stats["pool_available"])
-    import psycopg
-
-    params = connection.get_connection_params()
-    with psycopg.connect(**params, autocommit=True) as raw:
-        (count,) = raw.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-        ).fetchone()  # type: ignore[misc]
-    return int(count)
+    return server_sessions()
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="counts PostgreSQL's connections")

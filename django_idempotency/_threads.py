@@ -1,0 +1,164 @@
+"""The threads the engine runs on for attempts that no request's thread serves: an ``async
+def`` tool's call, an ``async def`` task's delivery (``_http.run_to_the_end(own_thread=True)``).
+
+Never a thread of the event loop's default executor, which the body's own
+``asyncio.to_thread`` (or a DNS lookup) waits for, and which as many engines waiting for
+their bodies would fill for good: each attempt has a thread to itself while it runs, and a
+thread is made whenever none is free, so none waits for another. A thread
+is kept for the next attempt of its event loop once its own has ended, with the database
+connections ``CONN_MAX_AGE`` lets it keep, as a server's thread keeps them from one request
+to the next: before and after each attempt, connections past their age or unusable are
+closed (given back to Django's pool where ``OPTIONS["pool"]`` sets one), as Django does at
+a request's start and end. A thread idle for ``IDLE_SECONDS`` ends; every thread of a loop
+ends, its connections closed, when the loop shuts down (``asyncio.run``, ``anyio.run``, a
+server stopping): nothing of the calls stays on the database server after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from django import db
+
+from django_idempotency._autonomous import close_unused_connections
+
+__all__ = ["IDLE_SECONDS", "of_the_running_loop"]
+
+logger = logging.getLogger("django_idempotency")
+
+#: How long a thread with no attempt waits for the next one before it ends.
+IDLE_SECONDS = 10.0
+
+#: Each event loop's threads, made when the loop's first attempt needs one.
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Threads] = weakref.WeakKeyDictionary()
+_LOOPS_LOCK = threading.Lock()
+
+
+async def of_the_running_loop() -> concurrent.futures.Executor:
+    """The running event loop's threads (made, and tied to the loop's end, on first use)."""
+    loop = asyncio.get_running_loop()
+    with _LOOPS_LOCK:
+        threads = _LOOPS.get(loop)
+        if threads is not None and not threads.ended:
+            return threads
+        threads = _LOOPS[loop] = _Threads()
+    # An async generator that the loop's shutdown closes (asyncio.run and anyio.run call
+    # shutdown_asyncgens, as servers do when they stop): its finally ends the threads.
+    threads.watch = _until_the_loop_ends(threads)
+    await threads.watch.asend(None)
+    return threads
+
+
+async def _until_the_loop_ends(threads: _Threads) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        threads.shutdown()
+
+
+class _Threads(concurrent.futures.Executor):
+    """One event loop's engine threads: an idle one runs the next attempt, or a new one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[_Thread] = []
+        self.ended = False
+        self.watch: Any = None  # the loop's shutdown closes it (of_the_running_loop)
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self.lock:
+            thread = self.idle.pop() if self.idle and not self.ended else None
+        if thread is None:
+            thread = _Thread(self)
+        thread.jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """End the idle threads now, each closing its connections, and the busy ones when
+        their attempts end."""
+        with self.lock:
+            self.ended = True
+            idle, self.idle = self.idle, []
+        for thread in idle:
+            thread.jobs.put(None)
+        if wait:
+            for thread in idle:
+                thread.join(IDLE_SECONDS)
+
+    def retire(self, thread: _Thread) -> bool:
+        """Whether ``thread``, idle for long enough, may end: no attempt has taken it."""
+        with self.lock:
+            if thread in self.idle:
+                self.idle.remove(thread)
+                return True
+            return self.ended
+
+    def release(self, thread: _Thread) -> bool:
+        """``thread``'s attempt has ended: kept for the next, or ``False`` to end it."""
+        with self.lock:
+            if self.ended:
+                return False
+            self.idle.append(thread)
+            return True
+
+
+class _Thread(threading.Thread):
+    def __init__(self, threads: _Threads) -> None:
+        super().__init__(name="django-idempotency", daemon=True)
+        self.threads = threads
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    job = self.jobs.get(timeout=IDLE_SECONDS)
+                except queue.Empty:
+                    if self.threads.retire(self):
+                        return
+                    continue  # an attempt took this thread as it was ending: its job comes
+                if job is None:
+                    return
+                future, fn, args, kwargs = job
+                del job
+                if not future.set_running_or_notify_cancel():
+                    kept = self.threads.release(self)
+                else:
+                    failed: BaseException | None = None
+                    try:
+                        # As Django does at a request's start and end: connections past
+                        # CONN_MAX_AGE, or unusable, are closed (given back to the pool).
+                        close_unused_connections()
+                        result = fn(*args, **kwargs)
+                    except BaseException as exc:
+                        failed, result = exc, None
+                    try:
+                        close_unused_connections()
+                    except Exception:
+                        logger.exception("an engine thread could not close its connections")
+                        kept = False  # it ends, closing them
+                    else:
+                        # Kept (or told to end) before its caller hears the outcome: a loop
+                        # that shuts down once it has every answer finds it idle, to end now.
+                        kept = self.threads.release(self)
+                    if failed is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(failed)
+                    del failed, result
+                del future, fn, args, kwargs  # nothing of the attempt outlives it here
+                if not kept:
+                    return
+        finally:
+            db.connections.close_all()
