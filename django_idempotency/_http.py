@@ -138,6 +138,24 @@ def unprotected(request: Any) -> None:
         inner.idempotency = None
 
 
+def failed_before_the_claim(request: Any, options: Options, error: db.Error) -> HttpResponse:
+    """The answer to a request of a protected method whose framework (DRF's or django-ninja's
+    authentication, permissions, throttles) failed on the database before the claim: the
+    store's ``503``, saying nothing ran, as when naming the account fails (:func:`protected`).
+    A request without a key where keys are optional would have run unprotected: its error is
+    the framework's own, raised again."""
+    inner = getattr(request, "_request", request)
+    if _key_of(request, inner, options) is None and not (
+        app_settings.REQUIRED if options.required is None else options.required
+    ):
+        raise error
+    logger.error(
+        "idempotency store unavailable while the framework checked a protected request",
+        exc_info=error,
+    )
+    return _store_unavailable(ran=False)
+
+
 def terms_of(options: Options) -> Terms:
     """The view's terms as ``Options.terms()`` last worked them out, while the settings are
     the same (as the DRF mixin reads them): no call per request."""

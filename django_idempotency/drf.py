@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 from django.views import View
@@ -297,23 +298,32 @@ class IdempotencyMixin:
     # decorated method's attributes after its decorators'.
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        # Authentication, permissions and throttles have passed: wrap the handler DRF is
-        # about to call, so the claim comes right before it.
         terms = self.__dict__.get("_idempotency_protects", _MISSING)
         if terms is _MISSING:  # a dispatch of the view's own that does not call the mixin's
             terms = self._idempotency_terms()
             if not (
                 request.method in terms.methods or (request.method or "").upper() in terms.methods
             ):
+                super().initial(request, *args, **kwargs)  # type: ignore[misc]
                 _http.unprotected(request)
                 return
         if terms is None:
+            super().initial(request, *args, **kwargs)  # type: ignore[misc]
             return
         name = (request.method or "").lower()
-        if name not in self.http_method_names:  # type: ignore[attr-defined]
+        handler = getattr(self, name, None) if name in self.http_method_names else None  # type: ignore[attr-defined]
+        try:
+            super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        except db.Error as error:
+            if handler is None:
+                raise
+            # Authentication (the session's user), a permission or a throttle read the
+            # database, which failed: the store's 503, nothing run.
+            refusal = _http.failed_before_the_claim(request, self._idempotency_options(), error)
+            setattr(self, name, lambda *args, **kwargs: refusal)
             return
-        handler = getattr(self, name, None)
+        # Authentication, permissions and throttles have passed: wrap the handler DRF is
+        # about to call, so the claim comes right before it.
         if handler is None:
             return
         view = self

@@ -27,6 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from asgiref.sync import async_to_sync
+from django import db
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
@@ -260,7 +261,10 @@ class _SyncProtected(_Protected):
         if terms is None:
             _http.unprotected(request)  # request.idempotency is None, as under @idempotent
             return run(request, **kw)
-        error = super()._run_checks(request)
+        try:
+            error = super()._run_checks(request)
+        except db.Error as failed:  # the authentication read the database, which failed
+            return _http.failed_before_the_claim(request, self.idempotency_options, failed)
         if error is not None:
             return error
         setattr(request, _CHECKED, True)
@@ -287,7 +291,10 @@ class _AsyncProtected(_Protected, AsyncOperation):
             _http.unprotected(request)  # request.idempotency is None, as under @idempotent
             response: HttpResponseBase = await run(request, **kw)
             return response
-        error = await super()._run_checks(request)
+        try:
+            error = await super()._run_checks(request)
+        except db.Error as failed:  # the authentication read the database, which failed
+            return _http.failed_before_the_claim(request, self.idempotency_options, failed)
         if error is not None:
             return error
         setattr(request, _CHECKED, True)

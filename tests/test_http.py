@@ -6,6 +6,8 @@ import json
 from datetime import timedelta
 
 import pytest
+from django import db
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 from django.test import override_settings
@@ -50,7 +52,6 @@ def problem(response, code: str, status: int) -> dict:
         "/charges/",
         "/cbv/charges/",
         drf("/api/charges/"),
-        drf("/api/fn-charges/"),
         drf("/api/generic-charges/"),
         ninja("/ninja/charges"),
     ],
@@ -518,6 +519,45 @@ def test_store_unavailable_for_a_logged_in_caller_is_503_and_nothing_runs(
     assert int(response["Retry-After"]) >= 1
     assert body["detail"] == _problems.NOT_RUN
     says_nothing_of_the_server(body)
+    assert ProviderCall.objects.using("provider").count() == 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        drf("/api/charges/"),
+        drf("/api/generic-charges/"),
+        drf("/api/custom/"),
+        ninja("/ninja/charges"),
+        ninja("/ninja/async/charges"),
+    ],
+)
+def test_store_unavailable_while_the_framework_authenticates_is_503_and_nothing_runs(
+    api, unreachable_store, path
+):
+    """DRF's and django-ninja's authentication of a protected request read the session's
+    user before the claim: when the database cannot be reached, the answer is the store's
+    ``503`` saying nothing ran, as for the decorator (never the ``500`` of an unhandled
+    error)."""
+    response = api.post(path, CHARGE, key=new_key(), headers={"X-Tenant": "t"})
+    body = problem(response, "idempotency_store_unavailable", 503)
+    assert int(response["Retry-After"]) >= 1
+    assert body["detail"] == _problems.NOT_RUN
+    says_nothing_of_the_server(body)
+    assert ProviderCall.objects.using("provider").count() == 0
+
+
+@needs_ninja
+@pytest.mark.skipif(
+    settings.TEST_DB == "sqlite", reason="SQLite's unreachable store is its records' table"
+)
+def test_a_request_without_a_key_where_keys_are_optional_keeps_its_own_database_error(
+    api, unreachable_store
+):
+    """Without a key where keys are optional the operation runs unprotected: a database
+    error of ninja's authentication is ninja's own, as without the decorator."""
+    with pytest.raises(db.OperationalError):
+        api.post("/ninja/charges/optional", CHARGE)
     assert ProviderCall.objects.using("provider").count() == 0
 
 
