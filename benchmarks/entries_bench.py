@@ -315,9 +315,7 @@ class Tools:
             else:
                 key = SEEN if variant == "replay" else uuid.uuid4().hex
                 tool, arguments = "ours", {"amount": 1, "idempotency_key": key}
-            await call_tool(
-                client, framework, tool + suffix, arguments, f"{framework}|{variant}"
-            )
+            await call_tool(client, framework, tool + suffix, arguments, f"{framework}|{variant}")
         return (time.perf_counter() - began) / size * 1e6
 
     def close(self) -> None:
