@@ -452,7 +452,11 @@ class _Owner:
 
     def run(self, call_view: Callable[[], HttpResponseBase]) -> HttpResponseBase:
         context = self.protected.context
-        self.protected.send(signals.record_claimed, takeover=self.takeover)
+        try:
+            self.protected.send(signals.record_claimed, takeover=self.takeover)
+        except BaseException:
+            self.freed_unrun()
+            raise
         logger.debug("claimed record %s (%s)", self.state.id, context.operation)
         if self.takeover:
             logger.info(
@@ -465,6 +469,24 @@ class _Owner:
             if recovered is not None:
                 return recovered
         return self.execute(call_view)
+
+    def freed_unrun(self) -> None:
+        """A ``record_claimed`` receiver raised: the view never ran under this claim. A new
+        claim is released (the retry runs at once); a takeover's lease is given back, the
+        record kept for its recovery policy, since the crashed attempt before it may have
+        run. The receiver's error goes on; one freeing the claim is logged."""
+        try:
+            if self.takeover:
+                self.claim.give_back()
+            else:
+                self.claim.release()
+        except Exception:
+            logger.exception(
+                "record %s (%s): a record_claimed receiver raised, and the claim could not "
+                "be freed; it waits for its lease",
+                self.state.id,
+                self.protected.context.operation,
+            )
 
     def recover(self) -> HttpResponseBase | None:
         """The recovery policy's answer, or ``None`` to run the view."""

@@ -12,7 +12,9 @@ from django.dispatch import Signal
 
 record_claimed = Signal(use_caching=True)
 """A request claimed its key and is about to run the view. Arguments: request, account, operation,
-key, takeover (True when a stale lease was taken over)."""
+key, takeover (True when a stale lease was taken over). A receiver that raises stops the
+request before the view runs: the claim is released (on a takeover, its lease ends now and
+the record waits for its recovery policy), and the error goes on."""
 
 response_replayed = Signal(use_caching=True)
 """A stored response was replayed. Arguments: request, account, operation, key, status."""

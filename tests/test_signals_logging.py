@@ -22,6 +22,7 @@ from django_idempotency import maintenance, signals
 from django_idempotency.models import IdempotencyRecord, RecordStatus
 from tests.factories import RecordFactory
 from tests.helpers import make_in_progress, new_key
+from tests.testapp.models import ProviderCall
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -111,6 +112,55 @@ def test_record_claimed(api, user, sent, logs):
     assert_about(claimed, user, key)
     assert claimed["takeover"] is False
     assert_nothing_secret_at_info(logs, key)
+
+
+class ReceiverFailed(Exception):
+    """A ``record_claimed`` receiver's own failure."""
+
+
+@pytest.mark.parametrize("path", ["/charges/", "/charges/fail-policy/"])
+def test_a_record_claimed_receiver_that_raises_leaves_no_claim_behind(api, path):
+    """The receiver runs after the claim and before the view: when it raises, the view never
+    ran, so the claim is released (under ``"fail"`` too, where a claim left to its lease
+    would be replayed as an unknown outcome for good) and the retry runs the view."""
+
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise ReceiverFailed("the metrics backend is down")
+
+    key = new_key()
+    signals.record_claimed.connect(broken, weak=False)
+    try:
+        with pytest.raises(ReceiverFailed):
+            api.post(path, CHARGE, key=key)
+    finally:
+        signals.record_claimed.disconnect(broken)
+    assert ProviderCall.objects.using("provider").count() == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    retried = api.post(path, CHARGE, key=key)
+    assert retried.status_code == 201, retried.content
+    assert ProviderCall.objects.using("provider").count() == 1
+
+
+def test_a_record_claimed_receiver_that_raises_on_a_takeover_keeps_the_stale_record(api):
+    """On a takeover of a stale lease the crashed attempt may have run: the record stays for
+    its recovery policy (``"fail"``: the outcome unknown), never released."""
+
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise ReceiverFailed("the metrics backend is down")
+
+    key = new_key()
+    assert api.post("/charges/fail-policy/", CHARGE, key=key).status_code == 201
+    make_in_progress(key, timedelta(seconds=-5))  # as a crashed attempt leaves it
+    signals.record_claimed.connect(broken, weak=False)
+    try:
+        with pytest.raises(ReceiverFailed):
+            api.post("/charges/fail-policy/", CHARGE, key=key)
+    finally:
+        signals.record_claimed.disconnect(broken)
+    assert IdempotencyRecord.objects.get(key=key).status == RecordStatus.IN_PROGRESS
+    retried = api.post("/charges/fail-policy/", CHARGE, key=key)
+    assert retried.json()["code"] == "idempotency_outcome_unknown", retried.content
+    assert ProviderCall.objects.using("provider").count() == 1  # the first request's alone
 
 
 def test_response_replayed(api, user, sent, logs):
