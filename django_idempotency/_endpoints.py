@@ -33,6 +33,7 @@ from django_idempotency import _options, _recovery, _routes, _validation, conf
 from django_idempotency._protection import (
     class_methods,
     in_order,
+    is_admin_site,
     is_drf_view,
     marker,
     method_names,
@@ -181,7 +182,7 @@ def _patterns(
 ) -> Iterator[tuple[URLPattern, tuple[Any, ...], tuple[str, ...]]]:
     for pattern in resolver.url_patterns:
         if isinstance(pattern, URLResolver):
-            if pattern.app_name == "admin":
+            if is_admin_site(pattern):
                 walk.leave_out(ADMIN)
                 continue
             namespace = (pattern.namespace,) if pattern.namespace else ()

@@ -23,11 +23,12 @@ import pytest
 pytest.importorskip("rest_framework")
 pytest.importorskip("ninja")
 
+from django.contrib import admin
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.http import HttpResponse
 from django.test import Client, override_settings
-from django.urls import path
+from django.urls import include, path
 from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework.decorators import action
@@ -321,3 +322,43 @@ def test_the_audit_lists_the_methods_a_patterns_view_answers_as_as_view_gave_the
     assert listed == {("POST", "/opened/"): False, ("POST", "/opened-api/"): False}
     with pytest.raises(CommandError):
         call_command("idempotency_audit", "--fail-on-unprotected", stdout=io.StringIO())
+
+
+# -- the admin's own views, and a project's views under the app name "admin" ------------------
+
+
+def _staff_refund(request: Any) -> HttpResponse:
+    """A project's staff API: unprotected, and included under the application namespace
+    ``admin`` (its instance namespace ``staff``)."""
+    Charge.objects.create(account="staff", amount=1, currency="EUR")
+    return HttpResponse("refunded", status=201)
+
+
+STAFF_URLS = types.ModuleType("staff_urls")
+STAFF_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    path("admin/", admin.site.urls),
+    path("staff/", include(([path("refunds/", _staff_refund)], "admin"), namespace="staff")),
+]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF=STAFF_URLS)
+def test_a_projects_views_under_the_app_name_admin_are_listed_the_admins_are_not(user):
+    """Only the admin site's own views are left out. Before, every URLconf included under
+    the application namespace ``admin`` was: a project's unprotected staff endpoint there
+    ran twice for one key, was not listed, and ``--fail-on-unprotected`` passed."""
+    client = Client()
+    client.force_login(user)
+    for _ in range(2):
+        response = client.post("/staff/refunds/", {}, headers={"Idempotency-Key": "k-1"})
+        assert response.status_code == 201
+    assert Charge.objects.filter(account="staff").count() == 2
+    found = audit()
+    assert [(e.method, e.url, e.protected) for e in found.endpoints] == [
+        ("POST", "/staff/refunds/", False),
+        ("PATCH", "/staff/refunds/", False),
+    ]
+    assert found.left_out == ("the admin's own views",)
+    with pytest.raises(CommandError, match="unprotected: POST /staff/refunds/") as e:
+        run("--fail-on-unprotected", "--verbosity", "0")
+    assert e.value.returncode == 1
