@@ -43,7 +43,7 @@ from django_idempotency._protection import (
 )
 from django_idempotency.conf import app_settings
 
-__all__ = ["Audit", "Endpoint", "audit", "duration"]
+__all__ = ["Audit", "Endpoint", "audit", "duration", "url_prefix"]
 
 #: Methods listed whether or not the project's settings protect them.
 UNSAFE = ("POST", "PATCH")
@@ -166,12 +166,27 @@ ADMIN = "the admin's own views"
 NINJA_PAGES = "django-ninja's schema and docs pages"
 
 
+def url_prefix(text: str) -> str:
+    """A URL prefix to leave out (``"/api-auth/"``), as the walk compares it: without its
+    leading ``/``. ``ValueError`` when nothing is left: ``--exclude "$PREFIX"`` with the
+    variable unset names no prefix, and the empty one would begin every URL, leaving every
+    pattern out (and ``--fail-on-unprotected`` with nothing to fail on)."""
+    prefix = text.lstrip("/")
+    if not prefix:
+        raise ValueError(
+            f"exclude {text!r} names no URL prefix: it would leave out every pattern; "
+            "give one such as api-auth/"
+        )
+    return prefix
+
+
 def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
     """Walk ``urlconf`` (default: ``ROOT_URLCONF``) and list its endpoints.
 
-    ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
+    ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out; an empty one
+    (or ``"/"``) is a ``ValueError`` (see :func:`url_prefix`).
     """
-    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.twins(urlconf))
+    walk = _Walk(exclude=[url_prefix(prefix) for prefix in exclude], twins=_routes.twins(urlconf))
     for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
         _visit(walk, pattern, levels, names)
     return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))

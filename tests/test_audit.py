@@ -362,3 +362,19 @@ def test_a_projects_views_under_the_app_name_admin_are_listed_the_admins_are_not
     with pytest.raises(CommandError, match="unprotected: POST /staff/refunds/") as e:
         run("--fail-on-unprotected", "--verbosity", "0")
     assert e.value.returncode == 1
+
+
+# -- --exclude with no prefix -------------------------------------------------------------------
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+@pytest.mark.parametrize("prefix", ["", "/", "//"])
+def test_an_empty_exclude_prefix_is_refused_not_taken_for_every_url(prefix):
+    """``--exclude "$PREFIX"`` with the variable unset names no prefix. Before, the empty
+    prefix began every URL: every pattern was left out, and ``--fail-on-unprotected``
+    passed over ten unprotected endpoints."""
+    with pytest.raises(CommandError, match="--exclude"):
+        run("--fail-on-unprotected", "--exclude", "api-auth/", "--exclude", prefix)
+    with pytest.raises(ValueError, match="exclude"):
+        audit(exclude=[prefix])
+    assert len(audit(exclude=["api-auth/"]).unprotected) == 10

@@ -3,6 +3,7 @@ not, and how (see :mod:`django_idempotency._endpoints`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -10,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency import _check_ids, _stats
-from django_idempotency._endpoints import Audit, Endpoint, audit, duration
+from django_idempotency._endpoints import Audit, Endpoint, audit, duration, url_prefix
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
 
@@ -27,6 +28,14 @@ def _cells(endpoint: Endpoint) -> tuple[str, ...]:
         endpoint.key or "-",
         endpoint.view,
     )
+
+
+def _prefix(text: str) -> str:
+    # An argparse type: the message of the refusal, not argparse's "invalid value".
+    try:
+        return url_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _named(endpoints: list[Endpoint]) -> str:
@@ -91,6 +100,7 @@ class Command(BaseCommand):
             "--exclude",
             action="append",
             default=[],
+            type=_prefix,
             metavar="PREFIX",
             help="Leave out the patterns under this URL prefix, e.g. api-auth/ (repeatable).",
         )
