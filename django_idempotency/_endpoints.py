@@ -21,6 +21,7 @@ browser, not an API that clients retry) and django-ninja's schema and docs pages
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -430,11 +431,16 @@ def _key_source(options: _options.Options) -> str:
     return text if required else f"{text}, optional"
 
 
+#: Flags written at the start of a regex (``(?i)``): no part of the URL.
+_INLINE_FLAGS = re.compile(r"^\(\?[aiLmsux]+\)")
+
+
 def _readable(level: Any) -> str:
     """A level of a pattern as a path: a regex's groups as ``<name>``, anchors dropped."""
     text = str(level)
     if not isinstance(level, RegexPattern):
         return text
+    text = _INLINE_FLAGS.sub("", text, count=1)
     text = text.removeprefix("^").removesuffix("$").removesuffix(r"\Z")
     out, i = [], 0
     while i < len(text):
@@ -442,8 +448,14 @@ def _readable(level: Any) -> str:
             end = text.index(">", i)
             out.append(f"<{text[i + 4 : end]}>")
             i = _group_end(text, i)
+        elif text[i] == "(" and not text.startswith("(?", i):
+            # An unnamed group: a positional argument, named as Django's admindocs does.
+            out.append("<var>")
+            i = _group_end(text, i)
         elif text[i] == "\\" and i + 1 < len(text):
-            out.append(text[i + 1])
+            # An escaped character is itself (``\.``); a class (``\d``) stays a class.
+            escaped = text[i + 1]
+            out.append(f"\\{escaped}" if escaped.isalpha() else escaped)
             i += 2
         elif text.startswith("/?", i):
             out.append("/")

@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.http import HttpResponse
 from django.test import Client, override_settings
-from django.urls import include, path
+from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework.decorators import action
@@ -378,3 +378,32 @@ def test_an_empty_exclude_prefix_is_refused_not_taken_for_every_url(prefix):
     with pytest.raises(ValueError, match="exclude"):
         audit(exclude=[prefix])
     assert len(audit(exclude=["api-auth/"]).unprotected) == 10
+
+
+# -- a regex pattern's URL, as read ----------------------------------------------------------
+
+
+def _legacy(request: Any, *args: Any, **kwargs: Any) -> HttpResponse:
+    return HttpResponse("made", status=201)
+
+
+REGEX_URLS = types.ModuleType("regex_urls")
+REGEX_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    re_path(r"^legacy/(\d+)/(?P<slug>[\w-]+)/$", _legacy),
+    re_path(r"(?i)^case/(?P<code>[a-z]{2}(?:-[a-z]{2})?)\.json$", _legacy),
+    re_path(r"^files/(?:(?P<year>[0-9]{4})/)?(\w+)\.txt\Z", _legacy),
+]
+
+
+@override_settings(ROOT_URLCONF=REGEX_URLS)
+def test_a_regex_patterns_url_names_its_groups_and_keeps_its_character_classes():
+    r"""A regex's unnamed group is shown as ``<var>`` (as Django's admindocs shows it) and
+    its named groups by their names; a leading ``(?i)`` is no part of a URL. Before, an
+    unnamed group was shown as written with its escapes taken for literals: ``(\d+)``
+    read ``(d+)``, a URL that matches nothing the pattern takes."""
+    urls = [e.url for e in audit().endpoints if e.method == "POST"]
+    assert urls == [
+        "/legacy/<var>/<slug>/",
+        "/case/<code>.json",
+        "/files/(?:<year>/)?<var>.txt",
+    ]
