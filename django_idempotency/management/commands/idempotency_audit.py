@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency import _check_ids, _stats
 from django_idempotency._endpoints import Audit, Endpoint, audit, duration, url_prefix
+from django_idempotency.management.commands.purge_idempotency import run_job
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
 
@@ -72,6 +73,12 @@ def table(found: Audit) -> str:
     return "\n".join(lines)
 
 
+def _unique_keys() -> list[dict[str, Any]]:
+    # A database that cannot be read is status 1 with its message, as for the stats.
+    keys: list[dict[str, Any]] = run_job("the list of unique keys", _stats.unique_keys, limit=None)
+    return keys
+
+
 class Command(BaseCommand):
     help = (
         "List every URL pattern whose view takes POST or PATCH (or another method it "
@@ -123,16 +130,14 @@ class Command(BaseCommand):
                 ],
             }
             if options["unique_keys"]:
-                data["unique_keys"] = _stats.unique_keys(limit=None)
+                data["unique_keys"] = _unique_keys()
             self.stdout.write(json.dumps(data, indent=2))
         elif options["verbosity"] >= 1:
             self.stdout.write(table(found))
             if options["unique_keys"]:
                 self.stdout.write("")
                 self.stdout.write("Keys of enqueue_once, each with the message that holds it:")
-                self.stdout.write(
-                    "\n".join(_stats.unique_key_lines(_stats.unique_keys(limit=None)))
-                )
+                self.stdout.write("\n".join(_stats.unique_key_lines(_unique_keys())))
         if options["fail_on_unprotected"] and (found.unprotected or found.shared):
             # An endpoint whose operation another one shares never runs its own view.
             problems = []
