@@ -232,3 +232,30 @@ def test_settle_whose_last_pause_ran_past_its_deadline_fails_with_its_own_messag
         pytest.raises(AssertionError, match=r"still no outcome after 0.3 s: .*409"),
     ):
         settle(url, "/", {}, timeout=0.3, pause=0.05)
+
+
+# -- names stored by their hash ----------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("account", "operation"),
+    [
+        ("tenant:" + "x" * 300, "reports.build"),
+        ("team: night shift ", "reports.build"),
+        ("user:1", "POST /" + "very-long/" * 30),
+    ],
+    ids=["account over 255 characters", "account ending in a space", "long operation"],
+)
+def test_record_for_finds_a_record_whose_names_are_stored_by_their_hash(account, operation):
+    """Before, ``record_for`` compared ``account`` and ``operation`` with the columns as
+    they are, and failed the test with "no idempotency record" for a name stored by its
+    hash; ``expire_lease`` and ``expire_ttl`` (which find it the same way) failed too."""
+    from django_idempotency import run_once
+    from django_idempotency.testing import expire_ttl, record_for
+
+    run_once(lambda: 1, account=account, operation=operation, key="hashed-1")
+    run_once(lambda: 2, account="user:2", operation="reports.build", key="hashed-1")
+    found = record_for("hashed-1", account=account, operation=operation)
+    assert found.status == "completed"
+    assert expire_ttl("hashed-1", account=account, operation=operation).pk == found.pk
