@@ -199,6 +199,8 @@ def login_headers(user: User) -> dict[str, str]:
         store = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session)
         store[CSRF_SESSION_KEY] = request.META["CSRF_COOKIE"]
         store.save()
+        # A session kept in its cookie (signed_cookies) gets another key when saved.
+        cookies[settings.SESSION_COOKIE_NAME] = str(store.session_key)
     else:
         cookies[settings.CSRF_COOKIE_NAME] = request.META["CSRF_COOKIE"]
     header = settings.CSRF_HEADER_NAME.removeprefix("HTTP_").replace("_", "-").title()
