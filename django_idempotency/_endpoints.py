@@ -21,6 +21,7 @@ browser, not an API that clients retry) and django-ninja's schema and docs pages
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +34,7 @@ from django_idempotency import _options, _recovery, _routes, _validation, conf
 from django_idempotency._protection import (
     class_methods,
     in_order,
+    is_admin_site,
     is_drf_view,
     marker,
     method_names,
@@ -42,7 +44,7 @@ from django_idempotency._protection import (
 )
 from django_idempotency.conf import app_settings
 
-__all__ = ["Audit", "Endpoint", "audit", "duration"]
+__all__ = ["Audit", "Endpoint", "audit", "duration", "url_prefix"]
 
 #: Methods listed whether or not the project's settings protect them.
 UNSAFE = ("POST", "PATCH")
@@ -165,12 +167,27 @@ ADMIN = "the admin's own views"
 NINJA_PAGES = "django-ninja's schema and docs pages"
 
 
+def url_prefix(text: str) -> str:
+    """A URL prefix to leave out (``"/api-auth/"``), as the walk compares it: without its
+    leading ``/``. ``ValueError`` when nothing is left: ``--exclude "$PREFIX"`` with the
+    variable unset names no prefix, and the empty one would begin every URL, leaving every
+    pattern out (and ``--fail-on-unprotected`` with nothing to fail on)."""
+    prefix = text.lstrip("/")
+    if not prefix:
+        raise ValueError(
+            f"exclude {text!r} names no URL prefix: it would leave out every pattern; "
+            "give one such as api-auth/"
+        )
+    return prefix
+
+
 def audit(urlconf: str | None = None, exclude: Sequence[str] = ()) -> Audit:
     """Walk ``urlconf`` (default: ``ROOT_URLCONF``) and list its endpoints.
 
-    ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out.
+    ``exclude``: URL prefixes (``"api-auth/"``) whose patterns are left out; an empty one
+    (or ``"/"``) is a ``ValueError`` (see :func:`url_prefix`).
     """
-    walk = _Walk(exclude=[prefix.lstrip("/") for prefix in exclude], twins=_routes.twins(urlconf))
+    walk = _Walk(exclude=[url_prefix(prefix) for prefix in exclude], twins=_routes.twins(urlconf))
     for pattern, levels, names in _patterns(get_resolver(urlconf), (), (), walk):
         _visit(walk, pattern, levels, names)
     return Audit(walk.endpoints, walk.excluded, tuple(walk.left_out))
@@ -181,7 +198,7 @@ def _patterns(
 ) -> Iterator[tuple[URLPattern, tuple[Any, ...], tuple[str, ...]]]:
     for pattern in resolver.url_patterns:
         if isinstance(pattern, URLResolver):
-            if pattern.app_name == "admin":
+            if is_admin_site(pattern):
                 walk.leave_out(ADMIN)
                 continue
             namespace = (pattern.namespace,) if pattern.namespace else ()
@@ -414,11 +431,16 @@ def _key_source(options: _options.Options) -> str:
     return text if required else f"{text}, optional"
 
 
+#: Flags written at the start of a regex (``(?i)``): no part of the URL.
+_INLINE_FLAGS = re.compile(r"^\(\?[aiLmsux]+\)")
+
+
 def _readable(level: Any) -> str:
     """A level of a pattern as a path: a regex's groups as ``<name>``, anchors dropped."""
     text = str(level)
     if not isinstance(level, RegexPattern):
         return text
+    text = _INLINE_FLAGS.sub("", text, count=1)
     text = text.removeprefix("^").removesuffix("$").removesuffix(r"\Z")
     out, i = [], 0
     while i < len(text):
@@ -426,8 +448,14 @@ def _readable(level: Any) -> str:
             end = text.index(">", i)
             out.append(f"<{text[i + 4 : end]}>")
             i = _group_end(text, i)
+        elif text[i] == "(" and not text.startswith("(?", i):
+            # An unnamed group: a positional argument, named as Django's admindocs does.
+            out.append("<var>")
+            i = _group_end(text, i)
         elif text[i] == "\\" and i + 1 < len(text):
-            out.append(text[i + 1])
+            # An escaped character is itself (``\.``); a class (``\d``) stays a class.
+            escaped = text[i + 1]
+            out.append(f"\\{escaped}" if escaped.isalpha() else escaped)
             i += 2
         elif text.startswith("/?", i):
             out.append("/")

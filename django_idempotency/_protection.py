@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from django.urls import URLResolver, get_resolver
+from django.urls import URLPattern, URLResolver, get_resolver
 
 from django_idempotency import _options
 
@@ -74,13 +74,24 @@ def handlers(view_class: type, callback: Callable[..., Any]) -> dict[str, _optio
     return table
 
 
+def is_admin_site(resolver: URLResolver) -> bool:
+    """Whether ``resolver`` is an admin site's URLconf (``admin.site.urls``): not its
+    application namespace alone, which a project's own URLconf may take too, but the views
+    an ``AdminSite`` wraps (each one carries the site; its index is always there)."""
+    return resolver.app_name == "admin" and any(
+        isinstance(pattern, URLPattern) and hasattr(pattern.callback, "admin_site")
+        for pattern in resolver.url_patterns
+    )
+
+
 def callbacks(urlconf: str | None = None) -> Iterator[Callable[..., Any]]:
-    """Every pattern's view of ``urlconf`` (default: ``ROOT_URLCONF``), the admin's left out."""
+    """Every pattern's view of ``urlconf`` (default: ``ROOT_URLCONF``), the admin site's
+    left out."""
 
     def walk(resolver: URLResolver) -> Iterator[Callable[..., Any]]:
         for pattern in resolver.url_patterns:
             if isinstance(pattern, URLResolver):
-                if pattern.app_name != "admin":
+                if not is_admin_site(pattern):
                     yield from walk(pattern)
             else:
                 yield pattern.callback

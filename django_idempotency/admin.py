@@ -264,7 +264,10 @@ class IdempotencyRecordAdmin(ReadOnlyAdminMixin, _ModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        return queryset.filter(key=term) | queryset.filter(account=term), False
+        # An account is stored by its hash where the table could not keep it apart as it is
+        # (over 255 characters, ending in whitespace, spelling a hash): searched as stored.
+        accounts = {term, _storable.storable_name(term), _storable.storable_name(search_term)}
+        return queryset.filter(key=term) | queryset.filter(account__in=accounts), False
 
     class Media:
         css = {"all": ("django_idempotency/admin.css",)}

@@ -166,6 +166,22 @@ def test_search_by_exact_account(admin_client):
     assert listed_keys(response) == {r.key for r in mine}
 
 
+@pytest.mark.parametrize(
+    "account",
+    ["tenant:" + "x" * 300, "team: night shift ", "sha256:not-a-digest"],
+    ids=["longer than a column", "ending in a space", "spelling a digest"],
+)
+def test_search_by_an_account_stored_by_its_hash(admin_client, account):
+    """An account the records table cannot keep apart as it is (over 255 characters, ending
+    in whitespace, beginning with ``sha256:``) is stored by its hash. Before, the search
+    compared the term with the column as it is, and found none of its records."""
+    from django_idempotency import run_once
+
+    run_once(lambda: 1, account=account, operation="reports.build", key="hashed-1")
+    make(key="other", account="user:42")
+    assert listed_keys(admin_client.get(URL, {"q": account})) == {"hashed-1"}
+
+
 def test_search_without_match_lists_nothing(admin_client):
     make(key="abc")
     assert listed_keys(admin_client.get(URL, {"q": "ab"})) == set()

@@ -23,11 +23,12 @@ import pytest
 pytest.importorskip("rest_framework")
 pytest.importorskip("ninja")
 
+from django.contrib import admin
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.http import HttpResponse
 from django.test import Client, override_settings
-from django.urls import path
+from django.urls import include, path, re_path
 from django.utils.decorators import method_decorator
 from django.views import View
 from rest_framework.decorators import action
@@ -321,3 +322,88 @@ def test_the_audit_lists_the_methods_a_patterns_view_answers_as_as_view_gave_the
     assert listed == {("POST", "/opened/"): False, ("POST", "/opened-api/"): False}
     with pytest.raises(CommandError):
         call_command("idempotency_audit", "--fail-on-unprotected", stdout=io.StringIO())
+
+
+# -- the admin's own views, and a project's views under the app name "admin" ------------------
+
+
+def _staff_refund(request: Any) -> HttpResponse:
+    """A project's staff API: unprotected, and included under the application namespace
+    ``admin`` (its instance namespace ``staff``)."""
+    Charge.objects.create(account="staff", amount=1, currency="EUR")
+    return HttpResponse("refunded", status=201)
+
+
+STAFF_URLS = types.ModuleType("staff_urls")
+STAFF_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    path("admin/", admin.site.urls),
+    path("staff/", include(([path("refunds/", _staff_refund)], "admin"), namespace="staff")),
+]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF=STAFF_URLS)
+def test_a_projects_views_under_the_app_name_admin_are_listed_the_admins_are_not(user):
+    """Only the admin site's own views are left out. Before, every URLconf included under
+    the application namespace ``admin`` was: a project's unprotected staff endpoint there
+    ran twice for one key, was not listed, and ``--fail-on-unprotected`` passed."""
+    client = Client()
+    client.force_login(user)
+    for _ in range(2):
+        response = client.post("/staff/refunds/", {}, headers={"Idempotency-Key": "k-1"})
+        assert response.status_code == 201
+    assert Charge.objects.filter(account="staff").count() == 2
+    found = audit()
+    assert [(e.method, e.url, e.protected) for e in found.endpoints] == [
+        ("POST", "/staff/refunds/", False),
+        ("PATCH", "/staff/refunds/", False),
+    ]
+    assert found.left_out == ("the admin's own views",)
+    with pytest.raises(CommandError, match="unprotected: POST /staff/refunds/") as e:
+        run("--fail-on-unprotected", "--verbosity", "0")
+    assert e.value.returncode == 1
+
+
+# -- --exclude with no prefix -------------------------------------------------------------------
+
+
+@override_settings(ROOT_URLCONF=AUDIT_URLS)
+@pytest.mark.parametrize("prefix", ["", "/", "//"])
+def test_an_empty_exclude_prefix_is_refused_not_taken_for_every_url(prefix):
+    """``--exclude "$PREFIX"`` with the variable unset names no prefix. Before, the empty
+    prefix began every URL: every pattern was left out, and ``--fail-on-unprotected``
+    passed over ten unprotected endpoints."""
+    with pytest.raises(CommandError, match="--exclude"):
+        run("--fail-on-unprotected", "--exclude", "api-auth/", "--exclude", prefix)
+    with pytest.raises(ValueError, match="exclude"):
+        audit(exclude=[prefix])
+    assert len(audit(exclude=["api-auth/"]).unprotected) == 10
+
+
+# -- a regex pattern's URL, as read ----------------------------------------------------------
+
+
+def _legacy(request: Any, *args: Any, **kwargs: Any) -> HttpResponse:
+    return HttpResponse("made", status=201)
+
+
+REGEX_URLS = types.ModuleType("regex_urls")
+REGEX_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    re_path(r"^legacy/(\d+)/(?P<slug>[\w-]+)/$", _legacy),
+    re_path(r"(?i)^case/(?P<code>[a-z]{2}(?:-[a-z]{2})?)\.json$", _legacy),
+    re_path(r"^files/(?:(?P<year>[0-9]{4})/)?(\w+)\.txt\Z", _legacy),
+]
+
+
+@override_settings(ROOT_URLCONF=REGEX_URLS)
+def test_a_regex_patterns_url_names_its_groups_and_keeps_its_character_classes():
+    r"""A regex's unnamed group is shown as ``<var>`` (as Django's admindocs shows it) and
+    its named groups by their names; a leading ``(?i)`` is no part of a URL. Before, an
+    unnamed group was shown as written with its escapes taken for literals: ``(\d+)``
+    read ``(d+)``, a URL that matches nothing the pattern takes."""
+    urls = [e.url for e in audit().endpoints if e.method == "POST"]
+    assert urls == [
+        "/legacy/<var>/<slug>/",
+        "/case/<code>.json",
+        "/files/(?:<year>/)?<var>.txt",
+    ]

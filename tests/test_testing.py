@@ -645,6 +645,28 @@ def test_login_headers_pass_drf_session_authentication(
     assert len(provider.effects) == 1
 
 
+@needs_drf
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "engine",
+    ["django.contrib.sessions.backends.db", "django.contrib.sessions.backends.signed_cookies"],
+)
+def test_login_headers_carry_the_csrf_token_a_session_holds_whatever_its_engine(
+    user, provider, engine
+):
+    """With ``CSRF_USE_SESSIONS`` the token is saved into the session. A signed-cookie
+    session is its cookie, and saving it makes another one: before, the headers carried
+    the cookie from before the token was saved, and DRF refused every ``POST`` (403)."""
+    with override_settings(CSRF_USE_SESSIONS=True, SESSION_ENGINE=engine):
+        client = Client(enforce_csrf_checks=True)  # a new handler: the engine of the test
+        headers = {**login_headers(user), "Idempotency-Key": new_key()}
+        created = client.post(
+            "/api/charges/", CHARGE, content_type="application/json", headers=headers
+        )
+    assert created.status_code == 201, created.content
+    assert len(provider.effects) == 1
+
+
 class Gateway:
     """Targets of every kind that a view may call."""
 

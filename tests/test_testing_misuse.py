@@ -5,6 +5,11 @@ its failure says what differs (never a crash of the helper, never a misleading r
 from __future__ import annotations
 
 import asyncio
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -20,6 +25,8 @@ from django_idempotency.testing import (
     crash_before,
     new_key,
     pause_after,
+    send,
+    settle,
 )
 from tests.testapp import provider as testapp_provider
 from tests.testapp.models import Charge
@@ -172,3 +179,83 @@ def test_one_caller_is_no_isolation_check(user):
 
 def test_new_key_is_fresh():
     assert new_key() != new_key()
+
+
+# -- how long the live helpers wait ----------------------------------------------------------
+
+
+@contextmanager
+def always_in_use() -> Iterator[str]:
+    """A server that answers every request ``409``, as to a duplicate in flight."""
+
+    class InUse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(409)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), InUse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, -0.5])
+def test_send_refuses_a_timeout_that_is_not_positive(timeout):
+    """Before, ``timeout=0`` raised ``BlockingIOError`` from inside http.client and a
+    negative one ``ValueError: Timeout value out of range``."""
+    with (
+        always_in_use() as url,
+        pytest.raises(ValueError, match=r"timeout must be more than 0 seconds"),
+    ):
+        send(url, "/", {}, timeout=timeout)
+
+
+def test_settle_whose_last_pause_ran_past_its_deadline_fails_with_its_own_message(monkeypatch):
+    """A pause that overruns (a loaded machine) ends past the deadline: ``settle`` fails
+    the test with the last answer, never with the timeout of a request still to send.
+    Before, the next request got a negative timeout and raised ``ValueError``."""
+    from django_idempotency.testing import live
+
+    sleep = time.sleep
+    monkeypatch.setattr(live.time, "sleep", lambda seconds: sleep(seconds + 0.15))
+    with (
+        always_in_use() as url,
+        pytest.raises(AssertionError, match=r"still no outcome after 0.3 s: .*409"),
+    ):
+        settle(url, "/", {}, timeout=0.3, pause=0.05)
+
+
+# -- names stored by their hash ----------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("account", "operation"),
+    [
+        ("tenant:" + "x" * 300, "reports.build"),
+        ("team: night shift ", "reports.build"),
+        ("user:1", "POST /" + "very-long/" * 30),
+    ],
+    ids=["account over 255 characters", "account ending in a space", "long operation"],
+)
+def test_record_for_finds_a_record_whose_names_are_stored_by_their_hash(account, operation):
+    """Before, ``record_for`` compared ``account`` and ``operation`` with the columns as
+    they are, and failed the test with "no idempotency record" for a name stored by its
+    hash; ``expire_lease`` and ``expire_ttl`` (which find it the same way) failed too."""
+    from django_idempotency import run_once
+    from django_idempotency.testing import expire_ttl, record_for
+
+    run_once(lambda: 1, account=account, operation=operation, key="hashed-1")
+    run_once(lambda: 2, account="user:2", operation="reports.build", key="hashed-1")
+    found = record_for("hashed-1", account=account, operation=operation)
+    assert found.status == "completed"
+    assert expire_ttl("hashed-1", account=account, operation=operation).pk == found.pk

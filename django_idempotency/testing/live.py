@@ -48,8 +48,13 @@ def send(
     ``payload``: ``bytes`` or ``str`` are sent as they are, ``None`` sends no body, and
     anything else is sent as JSON (with ``Content-Type: application/json`` unless
     ``headers`` says otherwise). A request that gets no answer in time, or whose connection
-    is dropped, gives an `Answer` with status 0 and its ``error``.
+    is dropped, gives an `Answer` with status 0 and its ``error``. A ``timeout`` that is
+    not more than 0 seconds is a ``ValueError``.
     """
+    if not timeout > 0:
+        # 0 would make the socket non-blocking, and a negative one is refused by it: either
+        # would fail inside http.client with an error that names neither.
+        raise ValueError(f"timeout must be more than 0 seconds, not {timeout!r}")
     url = urllib.parse.urlsplit(base_url)
     sent = dict(headers or {})
     body: bytes | None
@@ -151,8 +156,16 @@ def settle(
     timeout = options.get("timeout", _TIMEOUT)
     deadline = time.monotonic() + timeout
     each = options.copy()
+    answer: Answer | None = None
     while True:
-        each["timeout"] = deadline - time.monotonic()
+        left = deadline - time.monotonic()
+        if answer is not None:
+            # A pause that overran (a loaded machine) may end past the deadline: the test
+            # fails on the last answer, rather than send a request with no time left.
+            assert left > 0, (
+                f"still no outcome after {timeout} s: the last answer was {answer.describe()}"
+            )
+        each["timeout"] = left
         answer = send(base_url, path, payload, **each)
         if answer.status != 409 and not answer.error:
             return answer
@@ -186,6 +199,8 @@ def login_headers(user: User) -> dict[str, str]:
         store = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session)
         store[CSRF_SESSION_KEY] = request.META["CSRF_COOKIE"]
         store.save()
+        # A session kept in its cookie (signed_cookies) gets another key when saved.
+        cookies[settings.SESSION_COOKIE_NAME] = str(store.session_key)
     else:
         cookies[settings.CSRF_COOKIE_NAME] = request.META["CSRF_COOKIE"]
     header = settings.CSRF_HEADER_NAME.removeprefix("HTTP_").replace("_", "-").title()

@@ -18,9 +18,11 @@ def record_for(
     """The record of ``key``, read afresh from the ``DATABASE`` setting's database.
 
     ``account`` and ``operation`` narrow it down when several records share the key
-    (``"user:42"``, ``"order.create"``); among those left, the newest. A record passed
-    instead of a key is read again. Fails the test when there is none.
+    (``"user:42"``, ``"order.create"``), as the resolver and the view gave them (or as
+    stored, ``sha256:...`` for a name stored by its hash); among those left, the newest.
+    A record passed instead of a key is read again. Fails the test when there is none.
     """
+    from django_idempotency._storable import storable_name
     from django_idempotency.conf import app_settings
     from django_idempotency.models import IdempotencyRecord
 
@@ -30,10 +32,11 @@ def record_for(
         assert found is not None, f"record {key.pk} is gone (released or purged)"
         return found
     selection = records.filter(key=key)
+    # A name the table cannot keep apart as it is is stored by its hash: either spelling.
     if account is not None:
-        selection = selection.filter(account=account)
+        selection = selection.filter(account__in={account, storable_name(account)})
     if operation is not None:
-        selection = selection.filter(operation=operation)
+        selection = selection.filter(operation__in={operation, storable_name(operation)})
     newest = selection.order_by("-created_at", "-pk").first()
     assert newest is not None, (
         f"no idempotency record for key {key!r}"

@@ -3,6 +3,7 @@ not, and how (see :mod:`django_idempotency._endpoints`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -10,7 +11,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency import _check_ids, _stats
-from django_idempotency._endpoints import Audit, Endpoint, audit, duration
+from django_idempotency._endpoints import Audit, Endpoint, audit, duration, url_prefix
+from django_idempotency.management.commands.purge_idempotency import run_job
 
 COLUMNS = ("METHOD", "URL", "PROTECTED", "BY", "OPERATION", "RECOVERY", "TTL", "KEY", "VIEW")
 
@@ -27,6 +29,14 @@ def _cells(endpoint: Endpoint) -> tuple[str, ...]:
         endpoint.key or "-",
         endpoint.view,
     )
+
+
+def _prefix(text: str) -> str:
+    # An argparse type: the message of the refusal, not argparse's "invalid value".
+    try:
+        return url_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _named(endpoints: list[Endpoint]) -> str:
@@ -63,6 +73,12 @@ def table(found: Audit) -> str:
     return "\n".join(lines)
 
 
+def _unique_keys() -> list[dict[str, Any]]:
+    # A database that cannot be read is status 1 with its message, as for the stats.
+    keys: list[dict[str, Any]] = run_job("the list of unique keys", _stats.unique_keys, limit=None)
+    return keys
+
+
 class Command(BaseCommand):
     help = (
         "List every URL pattern whose view takes POST or PATCH (or another method it "
@@ -91,6 +107,7 @@ class Command(BaseCommand):
             "--exclude",
             action="append",
             default=[],
+            type=_prefix,
             metavar="PREFIX",
             help="Leave out the patterns under this URL prefix, e.g. api-auth/ (repeatable).",
         )
@@ -113,16 +130,14 @@ class Command(BaseCommand):
                 ],
             }
             if options["unique_keys"]:
-                data["unique_keys"] = _stats.unique_keys(limit=None)
+                data["unique_keys"] = _unique_keys()
             self.stdout.write(json.dumps(data, indent=2))
         elif options["verbosity"] >= 1:
             self.stdout.write(table(found))
             if options["unique_keys"]:
                 self.stdout.write("")
                 self.stdout.write("Keys of enqueue_once, each with the message that holds it:")
-                self.stdout.write(
-                    "\n".join(_stats.unique_key_lines(_stats.unique_keys(limit=None)))
-                )
+                self.stdout.write("\n".join(_stats.unique_key_lines(_unique_keys())))
         if options["fail_on_unprotected"] and (found.unprotected or found.shared):
             # An endpoint whose operation another one shares never runs its own view.
             problems = []
