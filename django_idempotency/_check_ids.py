@@ -59,6 +59,7 @@ ERRORS: dict[str, int] = {
 
 WARNINGS: dict[str, int] = {
     "DATABASE_NOT_DEFAULT": 2,
+    "HEADER_UNDERSCORE": 3,
     "DATABASE_NOT_ROUTED": 10,
     "CLAIM_CONNECT_MAY_WAIT": 11,
     "NO_SYNCHRONOUS_STANDBY": 20,  # a database check: check --database

@@ -29,6 +29,17 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     """Validate ``IDEMPOTENCY`` and its interplay with ``DATABASES``."""
     values, problems = conf.validate()
     messages: list[CheckMessage] = [Error(p.message, hint=p.hint, id=p.id) for p in problems]
+    if "_" in values.get("HEADER", ""):
+        messages.append(
+            _warning(
+                "HEADER_UNDERSCORE",
+                f"IDEMPOTENCY['HEADER'] ({values['HEADER']!r}) has an underscore: runserver, "
+                "gunicorn and nginx drop a request header so named by default, so the key "
+                "would never reach the view (every request refused as without a "
+                "key, or, with keys optional, run unprotected).",
+                hint=f"Spell it with hyphens: {values['HEADER'].replace('_', '-')!r}.",
+            )
+        )
     if "DATABASE" in values:
         messages += _check_database(values["DATABASE"])
     claims = values.get("CLAIM_DATABASE")

@@ -82,6 +82,19 @@ def test_e005_header(header):
     assert "IDEMPOTENCY['HEADER'] must be an HTTP header name" in only("E005", HEADER=header)
 
 
+@pytest.mark.parametrize("header", ["X_Idempotency_Key", "Idempotency_Key"])
+def test_w003_a_header_name_with_an_underscore_is_one_servers_drop(header):
+    """runserver, gunicorn and nginx drop a request header whose name holds an underscore:
+    the key would never reach the view (a 400 for every request, or, with keys optional,
+    every request run unprotected)."""
+    said = only("W003", HEADER=header)
+    assert header in said and "underscore" in said
+
+
+def test_w003_not_for_a_header_name_with_hyphens():
+    assert ids(HEADER="X-Idempotency-Key") == []
+
+
 def test_e006_methods():
     assert "IDEMPOTENCY['METHODS']" in only("E006", METHODS="POST")
     assert "GET has no side effect" in only("E006", METHODS=["POST", "get"])
