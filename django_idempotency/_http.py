@@ -500,6 +500,7 @@ class _Owner:
             recovered = _recovery.recover(
                 self.claim,
                 resolve_recovery(policy),
+                account=context.account,
                 key=context.key,
                 operation=context.operation,
                 as_outcome=outcome_of,

@@ -389,6 +389,7 @@ def _recover(
         recovered = _recovery.recover(
             owned,
             policy,
+            account=op.account,
             key=op.key,
             operation=op.operation,
             as_outcome=encode,  # raises TypeError for an answer it cannot store

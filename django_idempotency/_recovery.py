@@ -20,7 +20,9 @@ from django import db
 
 from django_idempotency import _policies, conf, signals
 from django_idempotency._claims import Claim
+from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._outcomes import Outcome, failure_outcome
+from django_idempotency._steps import outside_steps
 from django_idempotency.exceptions import StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.states import FAILED, IN_PROGRESS
@@ -88,6 +90,7 @@ def recover(
     claim: Claim,
     policy: Policy,
     *,
+    account: str,
     key: str,
     operation: str,
     as_outcome: Callable[[Any], Outcome | None],
@@ -99,7 +102,10 @@ def recover(
 
     ``"retry"`` and ``"resume"`` run again. ``"fail"`` closes the record with the "outcome
     unknown" problem. A callable gets the record and answers ``None`` (run again) or an
-    answer that ``as_outcome`` turns into what is stored (or into ``None``: undecided). An
+    answer that ``as_outcome`` turns into what is stored (or into ``None``: undecided);
+    while it runs, :func:`current` is the recovered operation's context (``account``,
+    ``key``, ``operation``: its ``downstream_key`` is the crashed attempt's, whatever
+    operation the caller runs), and ``step()`` belongs to no operation. An
     outcome is stored fenced and at once (``counted``: with the attempt counted, for the
     recovery job). ``StoreUnavailable`` when the record cannot be read or the outcome
     stored; a callable that raises propagates. Either way the caller decides what becomes of
@@ -125,7 +131,9 @@ def recover(
         raise StoreUnavailable(f"the stale record could not be read ({exc})") from exc
     if record is None:
         return Lost()
-    answer = policy(record)
+    recovered = IdempotencyContext(key, operation, account, record_id=claim.record_id)
+    with running(recovered), outside_steps():
+        answer = policy(record)
     if answer is None:
         return _run(claim, runs_under)
     outcome = as_outcome(answer)

@@ -307,6 +307,7 @@ def _apply(alias: str, row: _Stale, policy: _recovery.Policy, now: datetime) -> 
     recovered = _recovery.recover(
         stale,
         policy,
+        account=row.account,
         key=row.key,
         operation=row.operation,
         # A record of run_once stores a result, a request's record a response.

@@ -14,13 +14,16 @@ from typing import Any
 
 import pytest
 
-from django_idempotency import run_once
+from django_idempotency import current, run_once, step
+from django_idempotency._once import loaded_result
 from django_idempotency.exceptions import SimulatedCrash
-from django_idempotency.models import IdempotencyRecord, RecordStatus
+from django_idempotency.maintenance import recover_stale_leases
+from django_idempotency.models import IdempotencyRecord, IdempotencyStep, RecordStatus
 from django_idempotency.testing import crash, expire_lease
 from tests.helpers import new_key
+from tests.testapp.models import ProviderCall
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 IDENTITY = {"account": "consumer", "operation": "orders.ship"}
 
@@ -96,3 +99,79 @@ def test_a_callable_instance_is_a_recovery_policy():
     assert policy.asked == 1
     assert runs == ["ran"]
     assert IdempotencyRecord.objects.get().status == RecordStatus.COMPLETED
+
+
+# -- what a recovery callable sees -------------------------------------------------------------
+
+ASKED: list[str | None] = []
+
+
+def ship_and_crash(order: int) -> str:
+    """Calls the provider with the operation's key for it, then dies before completing."""
+    context = current()
+    assert context is not None
+    ProviderCall.objects.using("provider").create(key=context.downstream_key("charge"))
+    crash()
+    return "unreachable"
+
+
+def ship_after_asking(order: int) -> str:
+    ProviderCall.objects.using("provider").create(key="the body ran again")
+    return "shipped again"
+
+
+def ask_the_provider(record: IdempotencyRecord) -> Any:
+    """Asks the provider about the crashed attempt's charge, by the key it was sent with;
+    ``None`` (run again) where the provider never saw it."""
+    context = current()
+    ASKED.append(None if context is None else context.operation)
+    with pytest.raises(RuntimeError, match="step"):
+        step("inside the recovery", lambda: "recorded nowhere")
+    if context is None:
+        return None
+    key = context.downstream_key("charge")
+    charged = ProviderCall.objects.using("provider").filter(key=key).exists()
+    return {"charged": key} if charged else None
+
+
+def test_a_recovery_callable_sees_the_operation_it_recovers_even_inside_another():
+    """``current()`` inside a recovery callable is the crashed operation's context, whatever
+    operation calls it (here ``run_once`` inside a resumable one): its ``downstream_key``
+    is the one the crashed attempt sent the provider, and ``step()`` there belongs to no
+    operation (it raises, and records nothing into the operation around it). The recovery
+    job's callable sees the same. Counted: the body's provider calls, the steps recorded."""
+    ASKED.clear()
+    key = new_key()
+    inner = {"account": "consumer", "operation": "orders.ship", "key": key}
+    with pytest.raises(SimulatedCrash):
+        run_once(ship_and_crash, 7, **inner, recovery=ask_the_provider)
+    expire_lease(key)
+    sent = ProviderCall.objects.using("provider").get().key
+
+    def outer() -> Any:
+        step("before", lambda: "before")
+        shipped = run_once(ship_after_asking, 7, **inner, recovery=ask_the_provider)
+        step("after", lambda: "after")
+        return shipped
+
+    answer = run_once(outer, account="consumer", operation="orders.batch", key=new_key(),
+                      recovery="resume")  # fmt: skip
+    assert answer == {"charged": sent}
+    assert ASKED == ["orders.ship"]
+    assert list(ProviderCall.objects.using("provider").values_list("key", flat=True)) == [sent]
+    outer_record = IdempotencyRecord.objects.get(operation="orders.batch")
+    assert sorted(IdempotencyStep.objects.filter(record=outer_record).values_list(
+        "name", flat=True)) == ["after", "before"]  # fmt: skip
+
+    # The recovery job asks the same callable, which sees the same operation and key.
+    ASKED.clear()
+    other = new_key()
+    with pytest.raises(SimulatedCrash):
+        run_once(ship_and_crash, 8, **{**inner, "key": other}, recovery=ask_the_provider)
+    expire_lease(other)
+    assert recover_stale_leases().completed == 1
+    assert ASKED == ["orders.ship"]
+    assert loaded_result(IdempotencyRecord.objects.get(key=other).response_body) == {
+        "charged": ProviderCall.objects.using("provider").latest("pk").key
+    }
+    assert ProviderCall.objects.using("provider").count() == 2
