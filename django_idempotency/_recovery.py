@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from django import db
 
-from django_idempotency import _policies, conf, signals
+from django_idempotency import _autonomous, _policies, conf, signals
 from django_idempotency._claims import Claim
 from django_idempotency._context import IdempotencyContext, running
 from django_idempotency._outcomes import Outcome, failure_outcome
@@ -122,11 +122,15 @@ def recover(
         return _close(claim, failure_outcome(key, operation), None, now, counted)
     assert callable(policy)
     try:
-        record = (
-            IdempotencyRecord.objects.using(claim.alias)
-            .filter(pk=claim.record_id, lease_token=claim.token, status=IN_PROGRESS)
-            .first()
-        )
+        # Read where the claim was made: inside a caller's transaction whose snapshot is
+        # older than the takeover (MariaDB's REPEATABLE READ), the caller's own connection
+        # would not see it, and the record would be taken for lost.
+        with _autonomous.claiming(claim.alias):
+            record = (
+                IdempotencyRecord.objects.using(claim.alias)
+                .filter(pk=claim.record_id, lease_token=claim.token, status=IN_PROGRESS)
+                .first()
+            )
     except db.Error as exc:
         raise StoreUnavailable(f"the stale record could not be read ({exc})") from exc
     if record is None:

@@ -358,6 +358,61 @@ def test_a_snapshot_transaction_is_refused_on_postgresql(level):
         assert record().status == RecordStatus.COMPLETED
 
 
+ASKED: list[str] = []
+
+
+def ask_the_provider(record: IdempotencyRecord) -> dict[str, str]:
+    ASKED.append(record.key)
+    return {"shipped": "per the provider"}
+
+
+@pytest.mark.skipif(connection.vendor != "mysql", reason="PostgreSQL refuses REPEATABLE READ")
+def test_a_recovery_inside_a_repeatable_read_transaction_reads_the_takeover():
+    """MariaDB under ``REPEATABLE READ`` (accepted there: its ``UPDATE`` reads the newest
+    row): the caller's transaction read before ``run_once`` and took its snapshot, then the
+    crashed attempt's lease ran out. The takeover commits on the claim's own connection;
+    the recovery callable is asked, and its answer stored, rather than the takeover being
+    taken for a lost lease (read from the caller's snapshot: the callable was never asked,
+    and every retry found the record held by a lease nobody ran under). Counted: the body's
+    runs, the callable's calls."""
+    ASKED.clear()
+    runs: list[str] = []
+    key = new_key()
+    identity = {**IDENTITY, "key": key, "recovery": ask_the_provider}
+
+    def ship() -> Any:
+        runs.append("ran")
+        raise SimulatedCrash("the process dies after its external call")
+
+    with pytest.raises(SimulatedCrash):
+        run_once(ship, **identity)
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    try:
+        for _ in range(2):
+            with transaction.atomic():
+                assert IdempotencyRecord.objects.filter(key=key).exists()  # the snapshot
+                expired = threading.Thread(target=_expired_elsewhere, args=(key,))
+                expired.start()
+                expired.join(timeout=10)
+                assert run_once(ship, **identity) == {"shipped": "per the provider"}
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    assert (runs, ASKED) == (["ran"], [key])
+    assert record().status == RecordStatus.COMPLETED
+
+
+def _expired_elsewhere(key: str) -> None:
+    """The lease of ``key``'s record runs out, committed on another connection."""
+    try:
+        IdempotencyRecord.objects.filter(key=key, status=RecordStatus.IN_PROGRESS).update(
+            lease_expires_at=timezone.now() - timedelta(seconds=1)
+        )
+    finally:
+        connections.close_all()
+
+
 def _seen_elsewhere_inside() -> dict[str, Any]:
     return txn_views.work("")
 
