@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.db import connections
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -194,7 +194,8 @@ def recover_stale_leases(
     every retry. A callable gets the record: a response completes it, ``None`` releases it.
     ``"resume"``: the record is left as it is and counted in ``resumable``. Only the
     operation's next attempt can resume it (it runs the body and skips the recorded steps);
-    releasing it would delete its recorded steps, and they would run again.
+    releasing it would delete its recorded steps, and they would run again. ``limit`` bounds
+    the records handled: the resumable ones are counted apart and take none of it.
     Every step is fenced by the stale owner's lease token, so a record that completed or was
     taken over meanwhile is left alone. Attempts are counted on the record
     (``recovery_attempts``) and ``lease_recovered`` is sent for each record handled.
@@ -205,12 +206,18 @@ def recover_stale_leases(
     result = RecoveryResult(dry_run=dry_run)
     policies: Counter[str] = Counter()
     stale = IdempotencyRecord.objects.using(alias).filter(stale_q(now))
-    for row in _stale_rows(stale, limit):
+    # Resumable records are left as they are, so every run meets them again: counted apart,
+    # never paged through, the limit is spent on the records this job recovers (met first,
+    # the same resumable records would take it on every run).
+    resumable = _policies.names_where("resumable")
+    left = stale.filter(recovery_policy__in=resumable).values_list("recovery_policy")
+    for policy, count in left.annotate(count=Count("pk")).order_by():
+        result.found += count
+        result.resumable += count
+        policies[policy] += count
+    for row in _stale_rows(stale.exclude(recovery_policy__in=resumable), limit):
         result.found += 1
         policies[row.policy] += 1
-        if _policies.recovery_policy(row.policy).resumable:
-            result.resumable += 1
-            continue
         if dry_run:
             continue
         try:

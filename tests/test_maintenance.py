@@ -469,6 +469,28 @@ def test_recovery_dry_run_and_limit(calls, recovered):
     assert IdempotencyRecord.objects.get().status == RecordStatus.FAILED
 
 
+def test_a_limit_is_spent_on_records_the_recovery_can_recover(recovered):
+    """Resumable records are left to their next attempt, so every run meets them again:
+    met first (the oldest), they took the whole ``limit`` of every run, and a stale lease
+    behind them was never recovered. Now they are counted apart, and the limit is spent on
+    the records the job recovers. Counted: the records closed, the signals sent."""
+    for n in range(3):
+        in_progress(lease_in=STALE, key=f"resume-{n}", policy="resume")
+    in_progress(lease_in=STALE, key="fail", policy="fail")
+    first = maintenance.recover_stale_leases(now=NOW, limit=2)
+    assert (first.found, first.resumable, first.failed) == (4, 3, 1)
+    assert first.policies == {"resume": 3, "fail": 1}
+    again = maintenance.recover_stale_leases(now=NOW, limit=2)
+    assert (again.found, again.resumable, again.failed) == (3, 3, 0)
+    assert IdempotencyRecord.objects.get(key="fail").status == RecordStatus.FAILED
+    assert [(e["key"], e["outcome"]) for e in recovered] == [("fail", "failed")]
+    assert set(
+        IdempotencyRecord.objects.filter(key__startswith="resume-").values_list("status", flat=True)
+    ) == {RecordStatus.IN_PROGRESS}
+    dry = maintenance.recover_stale_leases(now=NOW, limit=1, dry_run=True)
+    assert (dry.found, dry.resumable, dry.policies) == (3, 3, {"resume": 3})
+
+
 @override_settings(IDEMPOTENCY={"PURGE_BATCH_SIZE": 2})
 def test_recovery_pages_through_many_records():
     for n in range(5):

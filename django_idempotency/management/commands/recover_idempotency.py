@@ -27,7 +27,10 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         add_common_arguments(parser, "Count stale leases by policy; change nothing.")
         parser.add_argument(
-            "--limit", type=positive_int, default=None, help="Handle at most this many records."
+            "--limit",
+            type=positive_int,
+            default=None,
+            help="Handle at most this many records (resumable ones, left alone, are not counted).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
