@@ -245,6 +245,37 @@ def test_a_crash_after_the_provider_then_the_retry_policy(user, provider, path):
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("account", "operation"),
+    [("consumer:nul\x00", "orders.ship"), ("consumer", "orders.ship:\ud800")],
+    ids=["account with a NUL", "operation with a lone surrogate"],
+)
+def test_a_record_whose_name_no_database_holds_is_found_by_that_name(account, operation):
+    """A name holding a NUL or a lone surrogate is stored by its hash; ``record_for`` and
+    ``expire_lease`` also compared the column with the name as given, which the driver
+    refuses to send (PostgreSQL a NUL or a lone surrogate, MariaDB a lone surrogate): the
+    test failed, and the recovery of such a caller's operation could not be tested.
+    Counted: the body's runs."""
+    key = new_key()
+    runs: list[str] = []
+
+    def ship() -> str:
+        runs.append("ran")
+        if len(runs) == 1:
+            crash()
+        return "shipped"
+
+    with pytest.raises(SimulatedCrash):
+        run_once(ship, account=account, operation=operation, key=key)
+    assert record_for(key, account=account, operation=operation).status == "in_progress"
+    expire_lease(key, account=account, operation=operation)
+    assert run_once(ship, account=account, operation=operation, key=key) == "shipped"
+    assert runs == ["ran", "ran"]
+    expire_ttl(key, account=account, operation=operation)
+    assert record_for(key, operation=operation).expires_at <= timezone.now()
+
+
+@pytest.mark.django_db
 def test_a_crash_then_the_fail_policy_never_runs_again(user, provider):
     client, key = logged_in(user), new_key()
     with crash_after(PROVIDER):

@@ -22,7 +22,6 @@ def record_for(
     stored, ``sha256:...`` for a name stored by its hash); among those left, the newest.
     A record passed instead of a key is read again. Fails the test when there is none.
     """
-    from django_idempotency._storable import storable_name
     from django_idempotency.conf import app_settings
     from django_idempotency.models import IdempotencyRecord
 
@@ -32,11 +31,12 @@ def record_for(
         assert found is not None, f"record {key.pk} is gone (released or purged)"
         return found
     selection = records.filter(key=key)
-    # A name the table cannot keep apart as it is is stored by its hash: either spelling.
+    # A name the table cannot keep apart as it is is stored by its hash: either spelling
+    # (the one given only where a driver can send it: no NUL, no lone surrogate).
     if account is not None:
-        selection = selection.filter(account__in={account, storable_name(account)})
+        selection = selection.filter(account__in=_spellings(account))
     if operation is not None:
-        selection = selection.filter(operation__in={operation, storable_name(operation)})
+        selection = selection.filter(operation__in=_spellings(operation))
     newest = selection.order_by("-created_at", "-pk").first()
     assert newest is not None, (
         f"no idempotency record for key {key!r}"
@@ -45,6 +45,14 @@ def record_for(
         + ": the request was not protected, or its claim was released"
     )
     return newest
+
+
+def _spellings(name: str) -> set[str]:
+    """How ``name`` may be stored: as the operation stores it, and as it is where a database
+    can hold it (a stored form read from a record)."""
+    from django_idempotency._storable import storable_name, text_problem
+
+    return {storable_name(name)} | ({name} if text_problem(name) is None else set())
 
 
 def _moved(record: IdempotencyRecord, **columns: Any) -> IdempotencyRecord:
