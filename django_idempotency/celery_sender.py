@@ -6,11 +6,13 @@ sends through the current Celery app (the one the project configures), never a n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from celery import current_app
 from celery.exceptions import NotRegistered
+from kombu import pools
 
 from django_idempotency._unique import RUN_HEADER
 from django_idempotency.models import OutboxMessage
@@ -18,6 +20,22 @@ from django_idempotency.outbox import UnknownTask
 
 # Apps whose task modules were imported already, once per process (by id).
 _loaded: set[int] = set()
+
+#: Seconds the sender waits on the broker for one answer (its connection's handshake, one
+#: publish) before the send fails, where the project's ``broker_transport_options`` set no
+#: bound of their own: a broker that accepts the connection and never answers (stalled, or
+#: behind a proxy whose other side is gone) would otherwise hold the batch's row locks, and
+#: the relay past SIGTERM, for ever.
+BROKER_TIMEOUT = 10.0
+
+# Per transport (its module), the transport options that bound a wait on the broker.
+_BOUNDS = {
+    "kombu.transport.redis": ("socket_timeout", "socket_connect_timeout"),
+    "kombu.transport.pyamqp": ("read_timeout", "write_timeout"),
+}
+
+# Per (app, process): the producers on a connection with the bounds the project left unset.
+_bounded: dict[tuple[int, int], Any] = {}
 
 
 class CelerySender:
@@ -51,7 +69,7 @@ class CelerySender:
                 for message in messages:
                     outcomes.append(_published(message, None))
                 return outcomes
-            with app.producer_or_acquire() as producer:
+            with _producers(app).acquire(block=True) as producer:
                 producer.connection.ensure_connection(max_retries=0)
                 for message in messages:
                     outcomes.append(_published(message, producer))
@@ -76,6 +94,28 @@ def _published(message: OutboxMessage, producer: Any) -> Exception | None:
     except Exception as exc:  # recorded on its message by the relay
         return exc
     return None
+
+
+def _producers(app: Any) -> Any:
+    """The producer pool the sender publishes through: the app's own, or where the project
+    left a wait on its broker unbounded, one on a connection like the app's with
+    :data:`BROKER_TIMEOUT` as that bound (the project's own options kept)."""
+    key = (id(app), os.getpid())  # a forked process opens connections of its own
+    found = _bounded.get(key)
+    if found is not None:
+        return found
+    connection = app.connection_for_write()
+    configured = app.conf.broker_transport_options or {}
+    names = _BOUNDS.get(type(connection.transport).__module__, ())
+    missing = {name: BROKER_TIMEOUT for name in names if configured.get(name) is None}
+    connection.release()
+    if missing:
+        found = pools.producers[app.connection_for_write(transport_options=missing)]
+        found.limit = app.pool.limit
+    else:
+        found = app.amqp.producer_pool
+    _bounded[key] = found
+    return found
 
 
 #: ``OUTBOX_SENDER``'s default.

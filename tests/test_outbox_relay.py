@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -353,6 +354,60 @@ def test_messages_wait_while_the_broker_is_down_then_all_are_delivered():
         relay.send_signal(signal.SIGTERM)
         out = finished(relay)
     assert summary(out)[0] == 20
+
+
+@contextmanager
+def silent_broker() -> Iterator[int]:
+    """A port that accepts connections and never answers: a broker that hangs (stalled,
+    or behind a proxy whose other side is gone). Its connections are closed at the end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    stopping = threading.Event()
+
+    def accept() -> None:
+        while not stopping.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stopping.set()
+        thread.join(timeout=5)
+        for accepted_connection in accepted:
+            accepted_connection.close()
+        listener.close()
+
+
+@pytest.mark.servers
+@pytest.mark.parametrize("scheme", ["redis", "amqp"])
+def test_a_broker_that_never_answers_fails_the_sends_and_the_relay_still_stops(scheme):
+    # The default sender itself (its batches), not a counting wrapper.
+    settings = {"OUTBOX_BACKOFF": 600, "OUTBOX_BACKOFF_MAX": 600, "OUTBOX_POLL_INTERVAL": 0.2}
+    with silent_broker() as port:
+        url = f"{scheme}://127.0.0.1:{port}/" + ("0" if scheme == "redis" else "")
+        ids = [enqueued(f"silent-{scheme}-{n}") for n in range(3)]
+        relay = relay_process(settings, extra_env={"TEST_CELERY_BROKER": url})
+        try:
+            waiting = OutboxMessage.objects.filter(pk__in=ids)
+            # Each send fails within the sender's bound on the broker, and is recorded.
+            wait_until(
+                lambda: all(n == 1 for n in waiting.values_list("attempts", flat=True)),
+                "every send to fail while the broker never answers",
+                timeout=TIMEOUT,
+            )
+            assert waiting.filter(status=OutboxStatus.PENDING).count() == 3
+            assert all(waiting.values_list("last_error", flat=True))
+            assert task_starts(f"silent-{scheme}-0") == 0
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            out = finished(relay, timeout=TIMEOUT)
+    assert summary(out) == (0, 3, 0)
 
 
 # -- waking up and stopping ---------------------------------------------------------------------
