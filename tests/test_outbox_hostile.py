@@ -161,6 +161,8 @@ ERROR_CLASSES = {
     "tests.fails.overflow_error": "OverflowError: ",
     "tests.fails.failed_query": ("ProgrammingError: ", "OperationalError: "),
     "tests.fails.long_error": "ConnectionError: xxx",
+    "tests.fails.timeout_not_an_exception": "SendTimeout: 5 seconds",
+    "tests.fails.cancelled": "CancelledError: the send was cancelled",
 }
 
 
