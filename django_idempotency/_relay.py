@@ -348,6 +348,14 @@ def _send_group(
             outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
+        wrong = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
+        if wrong:
+            # What True, False or a text says of a message cannot be told: not a failure
+            # recorded on messages that may well have been handed over (sent again and
+            # again, then dead), but the batch rolled back and sent one by one.
+            raise TypeError(
+                f"an outcome of a batch's hand-over is None or an exception, not {wrong[0]!r}"
+            )
         usable()
     except STOPS:
         raise
