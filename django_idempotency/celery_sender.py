@@ -22,19 +22,29 @@ from django_idempotency.outbox import UnknownTask
 _loaded: set[int] = set()
 
 #: Seconds the sender waits on the broker for one answer (its connection's handshake, one
-#: publish) before the send fails, where the project's ``broker_transport_options`` set no
-#: bound of their own: a broker that accepts the connection and never answers (stalled, or
-#: behind a proxy whose other side is gone) would otherwise hold the batch's row locks, and
-#: the relay past SIGTERM, for ever.
+#: publish or its confirmation) before the send fails, where the project's
+#: ``broker_transport_options`` set no bound of their own: a broker that accepts the
+#: connection and never answers (stalled, or behind a proxy whose other side is gone) would
+#: otherwise hold the batch's row locks, and the relay past SIGTERM, for ever.
 BROKER_TIMEOUT = 10.0
 
-# Per transport (its module), the transport options that bound a wait on the broker.
-_BOUNDS = {
-    "kombu.transport.redis": ("socket_timeout", "socket_connect_timeout"),
-    "kombu.transport.pyamqp": ("read_timeout", "write_timeout"),
+# Per transport (its module), the transport options the sender's connection takes where the
+# project set none: waits on the broker bounded, and on AMQP each publish confirmed by the
+# broker (without a confirmation, a publish into a connection that a partition cut without
+# a FIN or a RST is written to the socket and lost, and the message was marked sent).
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "kombu.transport.redis": {
+        "socket_timeout": BROKER_TIMEOUT,
+        "socket_connect_timeout": BROKER_TIMEOUT,
+    },
+    "kombu.transport.pyamqp": {
+        "read_timeout": BROKER_TIMEOUT,
+        "write_timeout": BROKER_TIMEOUT,
+        "confirm_publish": True,
+    },
 }
 
-# Per (app, process): the producers on a connection with the bounds the project left unset.
+# Per (app, process): the producers on a connection with the options the project left unset.
 _bounded: dict[tuple[int, int], Any] = {}
 
 
@@ -98,16 +108,17 @@ def _published(message: OutboxMessage, producer: Any) -> Exception | None:
 
 def _producers(app: Any) -> Any:
     """The producer pool the sender publishes through: the app's own, or where the project
-    left a wait on its broker unbounded, one on a connection like the app's with
-    :data:`BROKER_TIMEOUT` as that bound (the project's own options kept)."""
+    left a wait on its broker unbounded (or AMQP's publishes unconfirmed), one on a
+    connection like the app's with :data:`BROKER_TIMEOUT` as that bound (and publisher
+    confirms), the project's own options kept."""
     key = (id(app), os.getpid())  # a forked process opens connections of its own
     found = _bounded.get(key)
     if found is not None:
         return found
     connection = app.connection_for_write()
     configured = app.conf.broker_transport_options or {}
-    names = _BOUNDS.get(type(connection.transport).__module__, ())
-    missing = {name: BROKER_TIMEOUT for name in names if configured.get(name) is None}
+    wanted = _OPTIONS.get(type(connection.transport).__module__, {})
+    missing = {name: value for name, value in wanted.items() if configured.get(name) is None}
     connection.release()
     if missing:
         found = pools.producers[app.connection_for_write(transport_options=missing)]

@@ -7,6 +7,7 @@ a relay is counted by the senders of ``tests.testapp.outbox``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -408,6 +409,97 @@ def test_a_broker_that_never_answers_fails_the_sends_and_the_relay_still_stops(s
             relay.send_signal(signal.SIGTERM)
             out = finished(relay, timeout=TIMEOUT)
     assert summary(out) == (0, 3, 0)
+
+
+@contextmanager
+def partitioned_proxy(target_port: int) -> Iterator[tuple[int, threading.Event]]:
+    """A TCP proxy to ``127.0.0.1:target_port``; while the event is set it forwards nothing
+    and drops what it reads, keeping both sides open: a network partition, or the broker's
+    host powered off, that no FIN or RST tells the client about."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    dropping = threading.Event()
+    stopping = threading.Event()
+    sockets: list[socket.socket] = []
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not dropping.is_set():
+                    sink.sendall(data)
+
+    def accept() -> None:
+        while not stopping.is_set():
+            try:
+                client = listener.accept()[0]
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            sockets.extend((client, upstream))
+            for ends in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=ends, daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], dropping
+    finally:
+        stopping.set()
+        thread.join(timeout=5)
+        for each in sockets:
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)
+            each.close()
+        listener.close()
+
+
+def queued_task_ids(queue: str) -> set[str]:
+    """The task ids of the messages waiting in ``queue`` on the tests' RabbitMQ (taken)."""
+    from kombu import Connection
+
+    found: set[str] = set()
+    with Connection("amqp://guest:guest@127.0.0.1:5672//") as broker_connection:
+        channel = broker_connection.channel()
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            found.add(message.headers["id"])
+        channel.queue_delete(queue)
+    return found
+
+
+@pytest.mark.servers
+def test_messages_published_during_a_partition_from_rabbitmq_are_not_marked_sent_unreceived():
+    queue = f"outbox-partition-{uuid.uuid4().hex[:8]}"
+    settings = {"OUTBOX_BACKOFF": 0.5, "OUTBOX_BACKOFF_MAX": 1, "OUTBOX_POLL_INTERVAL": 0.2}
+    with partitioned_proxy(5672) as (port, dropping):
+        env = {"TEST_CELERY_BROKER": f"amqp://guest:guest@127.0.0.1:{port}//"}
+        relay = relay_process(settings, extra_env={**env, "TEST_CELERY_QUEUE": queue})
+        try:
+            first = enqueued("before-the-partition")
+            wait_until(
+                lambda: OutboxMessage.objects.get(pk=first).status == OutboxStatus.SENT,
+                "the first message to be sent",
+                timeout=TIMEOUT,
+            )
+            dropping.set()
+            during = [enqueued(f"during-the-partition-{n}") for n in range(2)]
+            # Not marked sent while the broker cannot have them: each send fails (no
+            # confirmation comes) and is tried again.
+            wait_until(
+                lambda: all(
+                    row.attempts >= 1 or row.status == OutboxStatus.SENT
+                    for row in OutboxMessage.objects.filter(pk__in=during)
+                ),
+                "a send during the partition to fail or be marked sent",
+                timeout=TIMEOUT,
+            )
+            dropping.clear()
+            everything = OutboxMessage.objects.filter(status=OutboxStatus.SENT)
+            wait_until(lambda: everything.count() == 3, "every message sent", timeout=TIMEOUT)
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            finished(relay, timeout=TIMEOUT)
+    # Every message marked sent is in the broker's queue (at least once).
+    assert queued_task_ids(queue) >= {str(first), *map(str, during)}
 
 
 # -- waking up and stopping ---------------------------------------------------------------------
