@@ -13,6 +13,7 @@ from typing import Any
 from celery import current_app
 from celery.exceptions import NotRegistered
 from kombu import pools
+from kombu.exceptions import OperationalError
 
 from django_idempotency._unique import RUN_HEADER
 from django_idempotency.models import OutboxMessage
@@ -71,7 +72,8 @@ class CelerySender:
     def send_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
         """Send each message as ``send`` does, one publish each, all through one producer
         and one connection check; per message, in order, what its send raised, or ``None``.
-        Never raises: a broker that cannot be reached fails every message not yet sent."""
+        Never raises: a broker that cannot be reached, or a connection lost in the middle,
+        fails every message not yet sent."""
         outcomes: list[Exception | None] = []
         try:
             app = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -81,8 +83,17 @@ class CelerySender:
                 return outcomes
             with _producers(app).acquire(block=True) as producer:
                 producer.connection.ensure_connection(max_retries=0)
+                cut = (OperationalError, *producer.connection.connection_errors)
                 for message in messages:
-                    outcomes.append(_published(message, producer))
+                    outcome = _published(message, producer)
+                    outcomes.append(outcome)
+                    if isinstance(outcome, cut):
+                        # The connection is gone (or stalled past the bound): each publish
+                        # after it would wait as long again, holding the batch's locks, and
+                        # so would closing it politely (a channel's and its own close,
+                        # each awaiting an answer). Dropped without a word instead.
+                        producer.connection.collect()
+                        raise outcome
         except Exception as exc:  # the producer or its connection: the rest fail with it
             outcomes += [exc] * (len(messages) - len(outcomes))
         return outcomes

@@ -29,7 +29,7 @@ pytest.importorskip("celery", reason="Celery is an optional dependency")
 from django.db import connection, transaction
 from django.test import override_settings
 
-from django_idempotency import outbox
+from django_idempotency import celery_sender, outbox
 from django_idempotency.models import IdempotencyRecord, OutboxMessage, OutboxStatus
 from tests import celery_app
 from tests.helpers import (
@@ -481,7 +481,9 @@ def test_messages_published_during_a_partition_from_rabbitmq_are_not_marked_sent
                 timeout=TIMEOUT,
             )
             dropping.set()
-            during = [enqueued(f"during-the-partition-{n}") for n in range(2)]
+            with transaction.atomic():  # one batch
+                during = [outbox.enqueue(record_effect, f"partition-{n}") for n in range(5)]
+            started = time.monotonic()
             # Not marked sent while the broker cannot have them: each send fails (no
             # confirmation comes) and is tried again.
             wait_until(
@@ -492,9 +494,12 @@ def test_messages_published_during_a_partition_from_rabbitmq_are_not_marked_sent
                 "a send during the partition to fail or be marked sent",
                 timeout=TIMEOUT,
             )
+            # The batch failed after one wait for the broker, not one per message: the
+            # connection was cut, and the rest of the batch fails with it at once.
+            assert time.monotonic() - started < 2 * celery_sender.BROKER_TIMEOUT
             dropping.clear()
             everything = OutboxMessage.objects.filter(status=OutboxStatus.SENT)
-            wait_until(lambda: everything.count() == 3, "every message sent", timeout=TIMEOUT)
+            wait_until(lambda: everything.count() == 6, "every message sent", timeout=TIMEOUT)
         finally:
             relay.send_signal(signal.SIGTERM)
             finished(relay, timeout=TIMEOUT)
