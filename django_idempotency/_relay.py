@@ -56,6 +56,12 @@ ERROR_PAUSE_SECONDS = 1.0
 ERROR_PAUSE_MAX_SECONDS = 30.0
 
 
+# What a send may raise that stops the relay instead of failing that send: the process is
+# told to end. Anything else a sender raises, even what is no ``Exception`` (a timeout
+# around the send: ``gevent.Timeout``, ``func_timeout``'s), is a failed send, recorded.
+STOPS = (KeyboardInterrupt, SystemExit)
+
+
 # Stored arguments nested deeper than this are not handed to a sender: only another program
 # can have written them (enqueue allows _storable.MAX_DEPTH levels), and a sender's own
 # serializer would exhaust Python's recursion limit on them.
@@ -302,12 +308,12 @@ def _hand_over(
     messages: list[OutboxMessage],
     together: bool,
     others: Collection[str] = (),
-) -> dict[uuid.UUID, Exception | None]:
+) -> dict[uuid.UUID, BaseException | None]:
     """Each message's failed send, or ``None`` once it was handed over: the messages that a
     sender takes together (``groups``) in one hand-over per group if ``together``, then the
     others one by one, oldest first. The groups go first: if one fails, the batch rolls
     back before anything was sent that a rollback cannot take back."""
-    errors: dict[uuid.UUID, Exception | None] = {}
+    errors: dict[uuid.UUID, BaseException | None] = {}
     groups: dict[Hashable, list[OutboxMessage]] = {}
     alone: list[OutboxMessage] = []
     kinds = groups_of(send, messages) if together else [None] * len(messages)
@@ -330,7 +336,7 @@ def _send_group(
     group: Hashable,
     messages: list[OutboxMessage],
     others: Collection[str] = (),
-) -> dict[uuid.UUID, Exception | None]:
+) -> dict[uuid.UUID, BaseException | None]:
     """One hand-over of ``messages`` together, in the batch's transaction itself (no
     savepoint: two round trips a batch saved). If it raises, or leaves that transaction
     unusable (a statement of its failed and the error was caught inside it: a body run
@@ -342,8 +348,18 @@ def _send_group(
             outcomes = send_together(send, group, messages)
         if len(outcomes) != len(messages):
             raise RuntimeError(f"{len(outcomes)} outcomes for {len(messages)} messages")
+        wrong = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
+        if wrong:
+            # What True, False or a text says of a message cannot be told: not a failure
+            # recorded on messages that may well have been handed over (sent again and
+            # again, then dead), but the batch rolled back and sent one by one.
+            raise TypeError(
+                f"an outcome of a batch's hand-over is None or an exception, not {wrong[0]!r}"
+            )
         usable()
-    except Exception as exc:
+    except STOPS:
+        raise
+    except BaseException as exc:
         logger.warning(
             "handing over %s outbox messages together failed (%s); the batch rolled back "
             "and is sent one by one",
@@ -414,7 +430,7 @@ def _relayed(result: RelayResult) -> None:
 
 def _send(
     alias: str, send: Sender, message: OutboxMessage, others: Collection[str] = ()
-) -> Exception | None:
+) -> BaseException | None:
     """Send one message; the exception it raised, or ``None`` once it was handed over. Its
     writes on ``others`` (the hand-over's other databases) are in savepoints of their own,
     rolled back with a send that fails."""
@@ -424,7 +440,9 @@ def _send(
             with connections[alias].execute_wrapper(queries):
                 send(message)
             queries.release()
-    except Exception as exc:  # a failed send is recorded, never raised
+    except STOPS:
+        raise
+    except BaseException as exc:  # a failed send is recorded, never raised
         queries.roll_back()
         return exc
     return None
@@ -563,7 +581,7 @@ def error_text(exc: BaseException) -> str:
     return _storable.storable_text(text)[:MAX_ERROR_CHARS]
 
 
-def _record_failure(alias: str, message: OutboxMessage, exc: Exception, now: datetime) -> bool:
+def _record_failure(alias: str, message: OutboxMessage, exc: BaseException, now: datetime) -> bool:
     """Count a failed send; True when the message is now dead."""
     attempts = message.attempts + 1
     dead = isinstance(exc, Undeliverable) or attempts >= app_settings.OUTBOX_MAX_ATTEMPTS

@@ -8,7 +8,11 @@ database refuses would abort the caller's transaction on PostgreSQL. The limits:
   (neither ``jsonb`` nor MariaDB's JSON validation takes one), in any string or key;
 - integers from ``-2**63`` to ``2**64 - 1`` (MySQL's JSON turns larger ones into floats);
 - no ``NaN`` or infinity (not JSON);
-- at most :data:`MAX_DEPTH` levels of nesting (MariaDB refuses a 32nd level).
+- at most :data:`MAX_DEPTH` levels of nesting (MariaDB refuses a 32nd level);
+- what PostgreSQL's ``jsonb`` holds (:func:`jsonb_problem`): at most
+  :data:`MAX_JSONB_BYTES` in one string, or in one list or object with its members, at most
+  :data:`MAX_JSONB_ITEMS` items in a list and :data:`MAX_JSONB_MEMBERS` members in an
+  object.
 
 Stored JSON is read back with :func:`read_json`, which never raises anything but
 ``ValueError``: another program may have written what this package would refuse.
@@ -30,6 +34,22 @@ MIN_JSON_INT = -(2**63)
 MAX_JSON_INT = 2**64 - 1
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# PostgreSQL's jsonb: a string, or a list or object with its members, takes at most this
+# many bytes (JENTRY_OFFLENMASK); it builds a list's items (an object's members) in one
+# allocation of at most 1 GB, which holds this many of them; and it reads the JSON text
+# in one allocation too. Past any of them the server refuses the value and aborts the
+# caller's transaction.
+MAX_JSONB_BYTES = 0x0FFFFFFF
+MAX_JSONB_ITEMS = 2**24
+MAX_JSONB_MEMBERS = 2**23
+MAX_JSONB_TEXT = 2**30 - 2**20
+# jsonb takes fewer bytes than this for each character of JSON text (one digit and its
+# separator, ", ", take at most fifteen: an entry, a numeric and its padding): shorter
+# text is within every limit above, and is not walked.
+_JSONB_GROWTH = 8
+# The most bytes a float takes in jsonb (17 significant digits, an exponent), padding in.
+_JSONB_FLOAT = 25
 
 
 def text_problem(text: str) -> str | None:
@@ -69,10 +89,60 @@ def json_checked(value: Any, what: str) -> tuple[Any, str]:
         ) from None
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} must be JSON: {exc}") from exc
-    problem = _unstorable(decoded)
+    problem = _unstorable(decoded) or jsonb_problem(decoded, text)
     if problem is not None:
         raise TypeError(f"{what} cannot be stored in a JSON column: {problem}")
     return decoded, text
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def jsonb_problem(value: Any, text: str) -> str | None:
+    """Why PostgreSQL's ``jsonb`` would refuse ``value`` (whose JSON text is ``text``), or
+    ``None``. Its sizes are counted at most what ``jsonb`` takes (each number and nested
+    list or object with the padding that may precede it), so the limits hold however the
+    server lays the value out."""
+    if len(text) * _JSONB_GROWTH <= MAX_JSONB_BYTES:
+        return None
+    if len(text) > MAX_JSONB_TEXT:
+        return f"its JSON text ({len(text)} characters) is longer than {MAX_JSONB_TEXT}"
+    try:
+        _jsonb_size(value)
+    except _TooLarge as exc:
+        return str(exc)
+    return None
+
+
+def _jsonb_size(item: Any) -> int:
+    # Recursive: MAX_DEPTH was checked before, so the stack stays short.
+    if isinstance(item, str):
+        size = len(item.encode("utf-8"))
+        if size > MAX_JSONB_BYTES:
+            raise _TooLarge(f"a string of {size} bytes is longer than {MAX_JSONB_BYTES}")
+        return size
+    if isinstance(item, bool) or item is None:
+        return 0
+    if isinstance(item, int):
+        return 3 + 6 + 2 * -(-len(str(abs(item))) // 4)  # padding, headers, base-10000 digits
+    if isinstance(item, float):
+        return _JSONB_FLOAT
+    if isinstance(item, dict):
+        if len(item) > MAX_JSONB_MEMBERS:
+            raise _TooLarge(f"an object of {len(item)} members has more than {MAX_JSONB_MEMBERS}")
+        parts: Any = (part for pair in item.items() for part in pair)
+        what = "an object"
+    else:
+        if len(item) > MAX_JSONB_ITEMS:
+            raise _TooLarge(f"a list of {len(item)} items has more than {MAX_JSONB_ITEMS}")
+        parts, what = item, "a list"
+    size = 3 + 4  # padding, header
+    for part in parts:
+        size += 4 + _jsonb_size(part)  # its entry, itself
+        if size > MAX_JSONB_BYTES:
+            raise _TooLarge(f"{what} with its members takes more than {MAX_JSONB_BYTES} bytes")
+    return size
 
 
 def _unstorable(value: Any) -> str | None:

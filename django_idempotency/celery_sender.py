@@ -6,11 +6,14 @@ sends through the current Celery app (the one the project configures), never a n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from celery import current_app
 from celery.exceptions import NotRegistered
+from kombu import pools
+from kombu.exceptions import OperationalError
 
 from django_idempotency._unique import RUN_HEADER
 from django_idempotency.models import OutboxMessage
@@ -18,6 +21,32 @@ from django_idempotency.outbox import UnknownTask
 
 # Apps whose task modules were imported already, once per process (by id).
 _loaded: set[int] = set()
+
+#: Seconds the sender waits on the broker for one answer (its connection's handshake, one
+#: publish or its confirmation) before the send fails, where the project's
+#: ``broker_transport_options`` set no bound of their own: a broker that accepts the
+#: connection and never answers (stalled, or behind a proxy whose other side is gone) would
+#: otherwise hold the batch's row locks, and the relay past SIGTERM, for ever.
+BROKER_TIMEOUT = 10.0
+
+# Per transport (its module), the transport options the sender's connection takes where the
+# project set none: waits on the broker bounded, and on AMQP each publish confirmed by the
+# broker (without a confirmation, a publish into a connection that a partition cut without
+# a FIN or a RST is written to the socket and lost, and the message was marked sent).
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "kombu.transport.redis": {
+        "socket_timeout": BROKER_TIMEOUT,
+        "socket_connect_timeout": BROKER_TIMEOUT,
+    },
+    "kombu.transport.pyamqp": {
+        "read_timeout": BROKER_TIMEOUT,
+        "write_timeout": BROKER_TIMEOUT,
+        "confirm_publish": True,
+    },
+}
+
+# Per (app, process): the producers on a connection with the options the project left unset.
+_bounded: dict[tuple[int, int], Any] = {}
 
 
 class CelerySender:
@@ -43,7 +72,8 @@ class CelerySender:
     def send_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
         """Send each message as ``send`` does, one publish each, all through one producer
         and one connection check; per message, in order, what its send raised, or ``None``.
-        Never raises: a broker that cannot be reached fails every message not yet sent."""
+        Never raises: a broker that cannot be reached, or a connection lost in the middle,
+        fails every message not yet sent."""
         outcomes: list[Exception | None] = []
         try:
             app = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -51,10 +81,19 @@ class CelerySender:
                 for message in messages:
                     outcomes.append(_published(message, None))
                 return outcomes
-            with app.producer_or_acquire() as producer:
+            with _producers(app).acquire(block=True) as producer:
                 producer.connection.ensure_connection(max_retries=0)
+                cut = (OperationalError, *producer.connection.connection_errors)
                 for message in messages:
-                    outcomes.append(_published(message, producer))
+                    outcome = _published(message, producer)
+                    outcomes.append(outcome)
+                    if isinstance(outcome, cut):
+                        # The connection is gone (or stalled past the bound): each publish
+                        # after it would wait as long again, holding the batch's locks, and
+                        # so would closing it politely (a channel's and its own close,
+                        # each awaiting an answer). Dropped without a word instead.
+                        producer.connection.collect()
+                        raise outcome
         except Exception as exc:  # the producer or its connection: the rest fail with it
             outcomes += [exc] * (len(messages) - len(outcomes))
         return outcomes
@@ -76,6 +115,29 @@ def _published(message: OutboxMessage, producer: Any) -> Exception | None:
     except Exception as exc:  # recorded on its message by the relay
         return exc
     return None
+
+
+def _producers(app: Any) -> Any:
+    """The producer pool the sender publishes through: the app's own, or where the project
+    left a wait on its broker unbounded (or AMQP's publishes unconfirmed), one on a
+    connection like the app's with :data:`BROKER_TIMEOUT` as that bound (and publisher
+    confirms), the project's own options kept."""
+    key = (id(app), os.getpid())  # a forked process opens connections of its own
+    found = _bounded.get(key)
+    if found is not None:
+        return found
+    connection = app.connection_for_write()
+    configured = app.conf.broker_transport_options or {}
+    wanted = _OPTIONS.get(type(connection.transport).__module__, {})
+    missing = {name: value for name, value in wanted.items() if configured.get(name) is None}
+    connection.release()
+    if missing:
+        found = pools.producers[app.connection_for_write(transport_options=missing)]
+        found.limit = app.pool.limit
+    else:
+        found = app.amqp.producer_pool
+    _bounded[key] = found
+    return found
 
 
 #: ``OUTBOX_SENDER``'s default.

@@ -306,6 +306,21 @@ def test_a_send_batch_that_answers_too_few_outcomes_is_rolled_back_and_sent_one_
     assert {message(i).attempts for i in ids} == {0}
 
 
+@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.true_batch"})
+def test_a_send_batch_that_answers_something_other_than_none_or_an_exception_is_sent_one_by_one():
+    ids = [enqueued("tests.a"), enqueued("tests.b"), enqueued("tests.c")]
+    result = outbox.relay(once=True)
+    # What True means cannot be told: not recorded as a failure of messages the sender
+    # handed over (each would be handed over again, up to OUTBOX_MAX_ATTEMPTS times, and
+    # then be dead), but the batch rolled back and each message sent on its own.
+    assert (result.sent, result.failed, result.dead) == (3, 0, 0)
+    handed = ProviderCall.objects.filter(key__startswith="batch:").count()
+    assert [sends(i) for i in ids] == [1 + handed] * 3
+    assert {message(i).status for i in ids} == {OutboxStatus.SENT}
+    assert {message(i).attempts for i in ids} == {0}
+    assert outbox.relay(once=True).taken == 0
+
+
 # -- requeue and purge --------------------------------------------------------------------------
 
 

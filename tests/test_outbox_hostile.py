@@ -161,6 +161,8 @@ ERROR_CLASSES = {
     "tests.fails.overflow_error": "OverflowError: ",
     "tests.fails.failed_query": ("ProgrammingError: ", "OperationalError: "),
     "tests.fails.long_error": "ConnectionError: xxx",
+    "tests.fails.timeout_not_an_exception": "SendTimeout: 5 seconds",
+    "tests.fails.cancelled": "CancelledError: the send was cancelled",
 }
 
 
@@ -289,6 +291,51 @@ def test_unstorable_arguments_raise_type_error_before_any_sql_and_the_transactio
         enqueued_after = outbox.enqueue("tests.a", "fine")
     assert sorted(ProviderCall.objects.values_list("key", flat=True)) == ["after", "before"]
     assert list(OutboxMessage.objects.values_list("pk", flat=True)) == [enqueued_after]
+
+
+# Made when the test runs (hundreds of megabytes): arguments PostgreSQL's jsonb refuses.
+TOO_LARGE_FOR_JSONB: dict[str, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]] = {
+    "a string of 2**28 bytes": lambda: (("x" * 2**28,), {}),
+    "a keyword argument of 2**28 bytes": lambda: ((), {"body": "é" * 2**27}),
+    "a list whose strings take 2**28 bytes": lambda: ((["x" * 2**20] * 256,), {}),
+    "a list of 2**24 + 1 items": lambda: (([0] * (2**24 + 1),), {}),
+}
+
+
+@pytest.mark.parametrize("make", list(TOO_LARGE_FOR_JSONB.values()), ids=list(TOO_LARGE_FOR_JSONB))
+def test_arguments_too_large_for_jsonb_raise_type_error_before_any_sql_on_every_database(make):
+    # PostgreSQL refused them (OperationalError: "string too long to represent as jsonb
+    # string", "invalid memory alloc request size") and aborted the caller's transaction;
+    # the other databases stored them. Refused alike everywhere, as the other limits are.
+    args, kwargs = make()
+    with transaction.atomic():
+        ProviderCall.objects.create(key="before")
+        with CaptureQueriesContext(connection) as queries, pytest.raises(TypeError):
+            outbox.enqueue("tests.a", *args, **kwargs)
+        assert len(queries) == 0
+        del args, kwargs
+        ProviderCall.objects.create(key="after")
+        enqueued_after = outbox.enqueue("tests.a", "fine")
+    assert sorted(ProviderCall.objects.values_list("key", flat=True)) == ["after", "before"]
+    assert list(OutboxMessage.objects.values_list("pk", flat=True)) == [enqueued_after]
+
+
+@pytest.mark.skipif(
+    connection.vendor == "mysql", reason="past MariaDB's max_allowed_packet, refused there"
+)
+@pytest.mark.parametrize(
+    "args",
+    [
+        # Past the text that is not walked (2**25 characters), well within jsonb's limits.
+        pytest.param(("x" * 2**25,), id="a string of 2**25 bytes"),
+        pytest.param((["é" * 2**19, 0.5, 1, [None]] * 32,), id="32 MB in a list"),
+    ],
+)
+def test_large_arguments_within_jsonb_are_stored_unchanged(args):
+    with transaction.atomic():
+        message_id = outbox.enqueue("tests.a", *args)
+    stored = message(message_id)
+    assert stored.args == list(args)
 
 
 @pytest.mark.parametrize("name", ["tests.a\x00", "tests.\ud800", "\x00"])

@@ -8,6 +8,7 @@ write lock, it is written in the relay's own transaction instead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -32,6 +33,11 @@ class UnprintableError(Exception):
         raise RuntimeError("no text for you")
 
 
+class SendTimeout(BaseException):
+    """A timeout around a send that is no ``Exception``, as ``gevent.Timeout`` and
+    ``func_timeout``'s ``FunctionTimedOut`` are: ``except Exception`` does not catch it."""
+
+
 def _failed_query() -> None:
     # A statement that fails on the relay's own connection, inside its batch transaction:
     # on PostgreSQL it aborts that transaction unless something rolls it back.
@@ -54,6 +60,8 @@ FAILURES = {
     "tests.fails.overflow_error": lambda: _raise(OverflowError("int too large")),
     "tests.fails.failed_query": _failed_query,
     "tests.fails.long_error": lambda: _raise(ConnectionError("x" * 100_000)),
+    "tests.fails.timeout_not_an_exception": lambda: _raise(SendTimeout("5 seconds")),
+    "tests.fails.cancelled": lambda: _raise(asyncio.CancelledError("the send was cancelled")),
 }
 
 
@@ -141,3 +149,14 @@ class ShortBatch(BatchRecord):
 
 
 short_batch = ShortBatch()
+
+
+class TrueBatch(BatchRecord):
+    """A ``send_batch`` that answers ``True`` for a message handed over, not ``None``: a
+    defect of the sender's (``False`` or a text would be as wrong)."""
+
+    def send_batch(self, messages: list[OutboxMessage]) -> list[Exception | None]:
+        return [True if outcome is None else outcome for outcome in super().send_batch(messages)]  # type: ignore[misc]
+
+
+true_batch = TrueBatch()

@@ -1,0 +1,182 @@
+"""The Celery sender against a broker that stops answering: one that accepts connections and
+never answers, and RabbitMQ cut off by a network partition that no FIN or RST reports.
+
+Relays run in processes of their own (``relay_outbox``); what reached the broker is read from
+the broker itself, never inferred from a status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("celery", reason="Celery is an optional dependency")
+
+from django.db import transaction
+
+from django_idempotency import celery_sender, outbox
+from django_idempotency.models import OutboxMessage, OutboxStatus
+from tests.helpers import postgres_only, task_starts, wait_until
+from tests.live import finished
+from tests.test_outbox_relay import TIMEOUT, enqueued, relay_process, summary
+from tests.testapp.tasks import record_effect
+
+pytestmark = [pytest.mark.django_db(transaction=True, databases="__all__"), postgres_only]
+
+
+@contextmanager
+def silent_broker() -> Iterator[int]:
+    """A port that accepts connections and never answers: a broker that hangs (stalled,
+    or behind a proxy whose other side is gone). Its connections are closed at the end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    stopping = threading.Event()
+
+    def accept() -> None:
+        while not stopping.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stopping.set()
+        thread.join(timeout=5)
+        for accepted_connection in accepted:
+            accepted_connection.close()
+        listener.close()
+
+
+@pytest.mark.servers
+@pytest.mark.parametrize("scheme", ["redis", "amqp"])
+def test_a_broker_that_never_answers_fails_the_sends_and_the_relay_still_stops(scheme):
+    # The default sender itself (its batches), not a counting wrapper.
+    settings = {"OUTBOX_BACKOFF": 600, "OUTBOX_BACKOFF_MAX": 600, "OUTBOX_POLL_INTERVAL": 0.2}
+    with silent_broker() as port:
+        url = f"{scheme}://127.0.0.1:{port}/" + ("0" if scheme == "redis" else "")
+        ids = [enqueued(f"silent-{scheme}-{n}") for n in range(3)]
+        relay = relay_process(settings, extra_env={"TEST_CELERY_BROKER": url})
+        try:
+            waiting = OutboxMessage.objects.filter(pk__in=ids)
+            # Each send fails within the sender's bound on the broker, and is recorded.
+            wait_until(
+                lambda: all(n == 1 for n in waiting.values_list("attempts", flat=True)),
+                "every send to fail while the broker never answers",
+                timeout=TIMEOUT,
+            )
+            assert waiting.filter(status=OutboxStatus.PENDING).count() == 3
+            assert all(waiting.values_list("last_error", flat=True))
+            assert task_starts(f"silent-{scheme}-0") == 0
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            out = finished(relay, timeout=TIMEOUT)
+    assert summary(out) == (0, 3, 0)
+
+
+@contextmanager
+def partitioned_proxy(target_port: int) -> Iterator[tuple[int, threading.Event]]:
+    """A TCP proxy to ``127.0.0.1:target_port``; while the event is set it forwards nothing
+    and drops what it reads, keeping both sides open: a network partition, or the broker's
+    host powered off, that no FIN or RST tells the client about."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    dropping = threading.Event()
+    stopping = threading.Event()
+    sockets: list[socket.socket] = []
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not dropping.is_set():
+                    sink.sendall(data)
+
+    def accept() -> None:
+        while not stopping.is_set():
+            try:
+                client = listener.accept()[0]
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            sockets.extend((client, upstream))
+            for ends in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=ends, daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], dropping
+    finally:
+        stopping.set()
+        thread.join(timeout=5)
+        for each in sockets:
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)
+            each.close()
+        listener.close()
+
+
+def queued_task_ids(queue: str) -> set[str]:
+    """The task ids of the messages waiting in ``queue`` on the tests' RabbitMQ (taken)."""
+    from kombu import Connection
+
+    found: set[str] = set()
+    with Connection("amqp://guest:guest@127.0.0.1:5672//") as broker_connection:
+        channel = broker_connection.channel()
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            found.add(message.headers["id"])
+        channel.queue_delete(queue)
+    return found
+
+
+@pytest.mark.servers
+def test_messages_published_during_a_partition_from_rabbitmq_are_not_marked_sent_unreceived():
+    queue = f"outbox-partition-{uuid.uuid4().hex[:8]}"
+    settings = {"OUTBOX_BACKOFF": 0.5, "OUTBOX_BACKOFF_MAX": 1, "OUTBOX_POLL_INTERVAL": 0.2}
+    with partitioned_proxy(5672) as (port, dropping):
+        env = {"TEST_CELERY_BROKER": f"amqp://guest:guest@127.0.0.1:{port}//"}
+        relay = relay_process(settings, extra_env={**env, "TEST_CELERY_QUEUE": queue})
+        try:
+            first = enqueued("before-the-partition")
+            wait_until(
+                lambda: OutboxMessage.objects.get(pk=first).status == OutboxStatus.SENT,
+                "the first message to be sent",
+                timeout=TIMEOUT,
+            )
+            dropping.set()
+            with transaction.atomic():  # one batch
+                during = [outbox.enqueue(record_effect, f"partition-{n}") for n in range(5)]
+            started = time.monotonic()
+            # Not marked sent while the broker cannot have them: each send fails (no
+            # confirmation comes) and is tried again.
+            wait_until(
+                lambda: all(
+                    row.attempts >= 1 or row.status == OutboxStatus.SENT
+                    for row in OutboxMessage.objects.filter(pk__in=during)
+                ),
+                "a send during the partition to fail or be marked sent",
+                timeout=TIMEOUT,
+            )
+            # The batch failed after one wait for the broker, not one per message: the
+            # connection was cut, and the rest of the batch fails with it at once.
+            assert time.monotonic() - started < 2 * celery_sender.BROKER_TIMEOUT
+            dropping.clear()
+            everything = OutboxMessage.objects.filter(status=OutboxStatus.SENT)
+            wait_until(lambda: everything.count() == 6, "every message sent", timeout=TIMEOUT)
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            finished(relay, timeout=TIMEOUT)
+    # Every message marked sent is in the broker's queue (at least once).
+    assert queued_task_ids(queue) >= {str(first), *map(str, during)}
