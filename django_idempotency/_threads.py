@@ -11,7 +11,9 @@ to the next: before and after each attempt, connections past their age or unusab
 closed (given back to Django's pool where ``OPTIONS["pool"]`` sets one), as Django does at
 a request's start and end. A thread idle for ``IDLE_SECONDS`` ends; every thread of a loop
 ends, its connections closed, when the loop shuts down (``asyncio.run``, ``anyio.run``, a
-server stopping): nothing of the calls stays on the database server after them.
+server stopping), or within ``POLL_SECONDS`` of its closing where nothing shut it down
+(``loop.run_until_complete`` then ``loop.close()``): nothing of the calls stays on the
+database server after them, and nothing here keeps an ended loop in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,6 +39,9 @@ logger = logging.getLogger("django_idempotency")
 #: How long a thread with no attempt waits for the next one before it ends.
 IDLE_SECONDS = 10.0
 
+#: How often an idle thread looks whether its event loop has closed.
+POLL_SECONDS = 0.1
+
 #: Each event loop's threads, made when the loop's first attempt needs one.
 _LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Threads] = weakref.WeakKeyDictionary()
 _LOOPS_LOCK = threading.Lock()
@@ -45,28 +51,40 @@ async def of_the_running_loop() -> concurrent.futures.Executor:
     """The running event loop's threads (made, and tied to the loop's end, on first use)."""
     loop = asyncio.get_running_loop()
     with _LOOPS_LOCK:
+        # A loop closed without its shutdown (no shutdown_asyncgens) is let go of here: its
+        # threads have ended or are ending (_Thread.run), and the watch below refers to it.
+        for other in [other for other in _LOOPS if other.is_closed()]:
+            _LOOPS.pop(other).shutdown(wait=False)
         threads = _LOOPS.get(loop)
         if threads is not None and not threads.ended:
             return threads
-        threads = _LOOPS[loop] = _Threads()
+        threads = _LOOPS[loop] = _Threads(loop)
     # An async generator that the loop's shutdown closes (asyncio.run and anyio.run call
     # shutdown_asyncgens, as servers do when they stop): its finally ends the threads.
-    threads.watch = _until_the_loop_ends(threads)
+    threads.watch = _until_the_loop_ends(loop, threads)
     await threads.watch.asend(None)
     return threads
 
 
-async def _until_the_loop_ends(threads: _Threads) -> AsyncIterator[None]:
+async def _until_the_loop_ends(
+    loop: asyncio.AbstractEventLoop, threads: _Threads
+) -> AsyncIterator[None]:
     try:
         yield
     finally:
         threads.shutdown()
+        # The generator's finalizer (the loop's own hook) refers to the loop: the entry
+        # goes, else the loop would never be freed.
+        with _LOOPS_LOCK:
+            if _LOOPS.get(loop) is threads:
+                del _LOOPS[loop]
 
 
 class _Threads(concurrent.futures.Executor):
     """One event loop's engine threads: an idle one runs the next attempt, or a new one."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = weakref.ref(loop)
         self.lock = threading.Lock()
         self.idle: list[_Thread] = []
         self.ended = False
@@ -95,6 +113,11 @@ class _Threads(concurrent.futures.Executor):
             for thread in idle:
                 thread.join(IDLE_SECONDS)
 
+    def closed(self) -> bool:
+        """Whether the loop has closed (or is gone), shut down or not."""
+        loop = self.loop()
+        return loop is None or loop.is_closed()
+
     def retire(self, thread: _Thread) -> bool:
         """Whether ``thread``, idle for long enough, may end: no attempt has taken it."""
         with self.lock:
@@ -106,7 +129,7 @@ class _Threads(concurrent.futures.Executor):
     def release(self, thread: _Thread) -> bool:
         """``thread``'s attempt has ended: kept for the next, or ``False`` to end it."""
         with self.lock:
-            if self.ended:
+            if self.ended or self.closed():
                 return False
             self.idle.append(thread)
             return True
@@ -121,10 +144,13 @@ class _Thread(threading.Thread):
 
     def run(self) -> None:
         try:
+            idle_until = time.monotonic() + IDLE_SECONDS
             while True:
                 try:
-                    job = self.jobs.get(timeout=IDLE_SECONDS)
+                    job = self.jobs.get(timeout=POLL_SECONDS)
                 except queue.Empty:
+                    if time.monotonic() < idle_until and not self.threads.closed():
+                        continue
                     if self.threads.retire(self):
                         return
                     continue  # an attempt took this thread as it was ending: its job comes
@@ -160,5 +186,6 @@ class _Thread(threading.Thread):
                 del future, fn, args, kwargs  # nothing of the attempt outlives it here
                 if not kept:
                     return
+                idle_until = time.monotonic() + IDLE_SECONDS
         finally:
             db.connections.close_all()

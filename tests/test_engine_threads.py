@@ -11,9 +11,11 @@ Effects counted: the rows each tool or task writes, and the connections opened (
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,3 +229,60 @@ def terminate_the_others(mine: int) -> None:
             " AND pid <> %s AND backend_type = 'client backend'",
             [mine],
         )
+
+
+def ship_task() -> Any:
+    @idempotent_task(key=lambda tag: f"threads-loop:{tag}")
+    async def ship(tag: str) -> str:
+        await sync_to_async(ProviderCall.objects.create)(key=f"ship:{tag}")
+        return tag
+
+    return ship
+
+
+@pytest.mark.usefixtures("kept")
+def test_an_event_loop_that_ended_is_not_kept_in_memory():
+    """Each ``asyncio.run`` (as ``async_to_sync`` and Django's ``ImmediateBackend`` make one
+    per call) ends with its event loop freed: nothing of the engine's threads holds it."""
+    ship = ship_task()
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def go(tag: str) -> str:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return str(await asyncio.wait_for(ship(tag), WAIT))
+
+    assert [asyncio.run(go(tag)) for tag in ["a", "b", "c"]] == ["a", "b", "c"]
+    gc.collect()
+    assert [loop() for loop in loops] == [None] * 3
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 3
+
+
+@postgresql
+@pytest.mark.usefixtures("kept")
+def test_a_loop_closed_without_shutting_down_its_generators_leaves_no_session():
+    """``loop.run_until_complete(...)`` then ``loop.close()`` (no ``shutdown_asyncgens``):
+    the engine's threads end soon after the loop closes, their connections closed, so a
+    test suite's database can be dropped at once (PostgreSQL waits 5 s for other sessions)
+    and the loop is freed."""
+    ship = ship_task()
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(asyncio.wait_for(ship("a"), WAIT)) == "a"
+        assert server_sessions() == before + 1  # kept while the loop runs
+    finally:
+        loop.close()
+    left = server_sessions()
+    deadline = time.monotonic() + 2
+    while left != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = server_sessions()
+    assert left == before
+    assert [t for t in threading.enumerate() if t.name == "django-idempotency"] == []
+    closed = weakref.ref(loop)
+    del loop
+    assert asyncio.run(asyncio.wait_for(ship("b"), WAIT)) == "b"  # another loop's call
+    gc.collect()
+    assert closed() is None
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
