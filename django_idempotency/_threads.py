@@ -11,8 +11,9 @@ to the next: before and after each attempt, connections past their age or unusab
 closed (given back to Django's pool where ``OPTIONS["pool"]`` sets one), as Django does at
 a request's start and end. A thread idle for ``IDLE_SECONDS`` ends; every thread of a loop
 ends, its connections closed, when the loop shuts down (``asyncio.run``, ``anyio.run``, a
-server stopping), or within ``POLL_SECONDS`` of its closing where nothing shut it down
-(``loop.run_until_complete`` then ``loop.close()``): nothing of the calls stays on the
+server stopping), or within ``POLL_SECONDS`` of the loop's stopping where nothing shut it
+down (``loop.run_until_complete`` returned, the loop closed or left open; nothing runs on
+it until it runs again, and then on new threads): nothing of the calls stays on the
 database server after them, and nothing here keeps an ended loop in memory.
 """
 
@@ -39,7 +40,7 @@ logger = logging.getLogger("django_idempotency")
 #: How long a thread with no attempt waits for the next one before it ends.
 IDLE_SECONDS = 10.0
 
-#: How often an idle thread looks whether its event loop has closed.
+#: How often an idle thread looks whether its event loop still runs.
 POLL_SECONDS = 0.1
 
 #: Each event loop's threads, made when the loop's first attempt needs one.
@@ -113,10 +114,10 @@ class _Threads(concurrent.futures.Executor):
             for thread in idle:
                 thread.join(IDLE_SECONDS)
 
-    def closed(self) -> bool:
-        """Whether the loop has closed (or is gone), shut down or not."""
+    def stopped(self) -> bool:
+        """Whether the loop no longer runs (stopped, closed or gone), shut down or not."""
         loop = self.loop()
-        return loop is None or loop.is_closed()
+        return loop is None or not loop.is_running()
 
     def retire(self, thread: _Thread) -> bool:
         """Whether ``thread``, idle for long enough, may end: no attempt has taken it."""
@@ -129,7 +130,7 @@ class _Threads(concurrent.futures.Executor):
     def release(self, thread: _Thread) -> bool:
         """``thread``'s attempt has ended: kept for the next, or ``False`` to end it."""
         with self.lock:
-            if self.ended or self.closed():
+            if self.ended or self.stopped():
                 return False
             self.idle.append(thread)
             return True
@@ -149,7 +150,7 @@ class _Thread(threading.Thread):
                 try:
                     job = self.jobs.get(timeout=POLL_SECONDS)
                 except queue.Empty:
-                    if time.monotonic() < idle_until and not self.threads.closed():
+                    if time.monotonic() < idle_until and not self.threads.stopped():
                         continue
                     if self.threads.retire(self):
                         return

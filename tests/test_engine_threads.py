@@ -286,3 +286,29 @@ def test_a_loop_closed_without_shutting_down_its_generators_leaves_no_session():
     gc.collect()
     assert closed() is None
     assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
+
+
+@postgresql
+@pytest.mark.usefixtures("kept")
+def test_a_loop_left_open_once_run_until_complete_returned_leaves_no_session():
+    """``loop.run_until_complete(...)`` on a loop never closed (a test's
+    ``asyncio.get_event_loop()``, a script): nothing runs on the loop once the call returns,
+    and its engine threads end soon after, closing their connections, so a test suite ending
+    then can drop its database; the loop's next call makes a new one."""
+    ship = ship_task()
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        for tag in ["a", "b"]:
+            assert loop.run_until_complete(asyncio.wait_for(ship(tag), WAIT)) == tag
+            left = server_sessions()
+            deadline = time.monotonic() + 2
+            while left != before and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = server_sessions()
+            assert left == before
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
