@@ -41,7 +41,8 @@ from django_idempotency.mcp import idempotent_tool
 pytestmark = pytest.mark.django_db(transaction=True)
 
 postgresql = pytest.mark.skipif(
-    connection.vendor != "postgresql", reason="counts PostgreSQL's sessions"
+    connection.vendor != "postgresql" or bool(connection.settings_dict["OPTIONS"].get("pool")),
+    reason="counts PostgreSQL's sessions (which Django's pool keeps open)",
 )
 
 WAIT = 30  # seconds: a bound on every wait
@@ -279,7 +280,6 @@ def test_a_loop_closed_without_shutting_down_its_generators_leaves_no_session():
         time.sleep(0.05)
         left = server_sessions()
     assert left == before
-    assert [t for t in threading.enumerate() if t.name == "django-idempotency"] == []
     closed = weakref.ref(loop)
     del loop
     assert asyncio.run(asyncio.wait_for(ship("b"), WAIT)) == "b"  # another loop's call
