@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from django import db
 
 from django_idempotency._autonomous import close_unused_connections
 
-__all__ = ["IDLE_SECONDS", "of_the_running_loop"]
+__all__ = ["IDLE_SECONDS", "of_the_running_loop", "watched"]
 
 logger = logging.getLogger("django_idempotency")
 
@@ -190,3 +191,70 @@ class _Thread(threading.Thread):
                 idle_until = time.monotonic() + IDLE_SECONDS
         finally:
             db.connections.close_all()
+
+
+#: The bodies running on a loop for an engine thread that waits for them (``watched``).
+_BODIES: set[asyncio.Task[Any]] = set()
+_BODIES_LOCK = threading.Lock()
+_WATCHING: list[threading.Thread] = []  # the one thread that looks at their loops, if any
+
+
+def watched(func: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+    """``func``, an ``async def`` body that an engine thread runs on the caller's loop
+    (``async_to_sync``) and waits for, watched while it runs: were its loop closed with the
+    body still awaiting on it (``loop.run_until_complete`` given up on the call, then
+    ``loop.close()``), nothing would ever run it again, and its engine thread would wait
+    for good in an open transaction holding the record's row. The body is then cancelled
+    where it awaits, on the watching thread, and its attempt ends as a crash ends it."""
+
+    @functools.wraps(func)
+    async def body(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if task is None:
+            return await func(*args, **kwargs)
+        with _BODIES_LOCK:
+            _BODIES.add(task)
+            if not _WATCHING:
+                _WATCHING.append(
+                    threading.Thread(target=_watch, name="django-idempotency", daemon=True)
+                )
+                _WATCHING[0].start()
+        try:
+            return await func(*args, **kwargs)
+        finally:
+            with _BODIES_LOCK:
+                _BODIES.discard(task)
+
+    return body
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(POLL_SECONDS)
+        with _BODIES_LOCK:
+            if not _BODIES:
+                _WATCHING.clear()
+                return
+            ended = [task for task in _BODIES if task.get_loop().is_closed()]
+            _BODIES.difference_update(ended)
+        for task in ended:
+            _cancel_on_a_closed_loop(task)
+
+
+def _cancel_on_a_closed_loop(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task``, whose loop has closed (so nothing else runs its coroutine), where it
+    awaits: asgiref's wrapper hands the ``CancelledError`` to the engine thread."""
+    coroutine: Any = task.get_coro()
+    logger.warning(
+        "the event loop of a protected async call closed while its body still ran: the "
+        "attempt ends as a crash would end it"
+    )
+    try:
+        coroutine.throw(asyncio.CancelledError())
+    except BaseException:  # it ended (asgiref's wrapper returns): the engine has its error
+        return
+    # Its cleanup awaited again, on the closed loop: end it there.
+    try:
+        coroutine.close()
+    except RuntimeError:
+        logger.exception("the body of a protected async call could not be ended")

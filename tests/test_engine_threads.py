@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.db.backends.signals import connection_created
 
 from django_idempotency import _threads
@@ -312,3 +312,40 @@ def test_a_loop_left_open_once_run_until_complete_returned_leaves_no_session():
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
     assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
+
+
+@postgresql
+@pytest.mark.parametrize("age", [0, 600])
+def test_a_call_given_up_on_a_loop_then_closed_ends_as_a_crash(monkeypatch, age):
+    """The caller gives up on a call (a timeout) and the loop is closed with the body still
+    awaiting on it (``loop.run_until_complete(asyncio.wait_for(...))`` then
+    ``loop.close()``): the body can never run again. Its attempt ends as a crash would end
+    it (the body's work rolled back, the claim kept for its lease) rather than waiting for
+    it for good, in an open transaction holding the record's row, which no test database
+    could then be flushed or dropped past."""
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", age)
+
+    @idempotent_task(key=lambda tag: f"threads-given-up:{tag}")
+    async def slow(tag: str) -> str:
+        await sync_to_async(ProviderCall.objects.create)(key=f"slow:{tag}")
+        await asyncio.sleep(WAIT)  # on the loop, which closes meanwhile
+        return tag
+
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(slow("a"), 0.5))
+    finally:
+        loop.close()
+    left = server_sessions()
+    deadline = time.monotonic() + 3
+    while left != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = server_sessions()
+    assert left == before
+    assert not ProviderCall.objects.filter(key__startswith="slow:").exists()
+    record = IdempotencyRecord.objects.select_for_update(nowait=True)
+    with transaction.atomic():
+        assert [r.status for r in record] == ["in_progress"]
