@@ -39,7 +39,7 @@ from asgiref.sync import async_to_sync
 from django import db
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency import _autonomous, _http, _options, _problems, _validation
+from django_idempotency import _autonomous, _http, _options, _problems, _threads, _validation
 from django_idempotency._once import LeaseTakenOver, call_once, stored_result
 from django_idempotency._outcomes import Outcome
 from django_idempotency.conf import app_settings
@@ -422,7 +422,7 @@ class _Tool:
 
     def wrapper(self) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(self.func) or inspect.isasyncgenfunction(self.func):
-            coroutine = async_to_sync(_awaiting(self.func))
+            coroutine = async_to_sync(_threads.watched(_awaiting(self.func)))
 
             @functools.wraps(self.func)
             async def async_tool(*receiver: Any, **arguments: Any) -> Any:

@@ -30,6 +30,7 @@ from django_idempotency import (
     _http,
     _options,
     _protection,
+    _threads,
     _unique,
     _validation,
     maintenance,
@@ -265,11 +266,11 @@ def idempotent_task(
             # The engine is synchronous: the coroutine runs on an event loop from the
             # engine's thread, its ORM calls back in that thread, inside the record's
             # transaction (as for an async view).
-            # The engine runs in a thread made for the delivery and ended with it (its
-            # connections closed), never one of the event loop's default executor, which
+            # The engine runs on one of the loop's engine threads (_threads), a thread to
+            # itself for the delivery, never one of the event loop's default executor, which
             # the body's own asyncio.to_thread waits for: as many deliveries at once as
             # that executor has threads would fill it for good (as for a tool call).
-            body = async_to_sync(func)
+            body = async_to_sync(_threads.watched(func))
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -11,16 +11,18 @@ Effects counted: the rows each tool or task writes, and the connections opened (
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.db.backends.signals import connection_created
 
 from django_idempotency import _threads
@@ -39,7 +41,8 @@ from django_idempotency.mcp import idempotent_tool
 pytestmark = pytest.mark.django_db(transaction=True)
 
 postgresql = pytest.mark.skipif(
-    connection.vendor != "postgresql", reason="counts PostgreSQL's sessions"
+    connection.vendor != "postgresql" or bool(connection.settings_dict["OPTIONS"].get("pool")),
+    reason="counts PostgreSQL's sessions (which Django's pool keeps open)",
 )
 
 WAIT = 30  # seconds: a bound on every wait
@@ -227,3 +230,122 @@ def terminate_the_others(mine: int) -> None:
             " AND pid <> %s AND backend_type = 'client backend'",
             [mine],
         )
+
+
+def ship_task() -> Any:
+    @idempotent_task(key=lambda tag: f"threads-loop:{tag}")
+    async def ship(tag: str) -> str:
+        await sync_to_async(ProviderCall.objects.create)(key=f"ship:{tag}")
+        return tag
+
+    return ship
+
+
+@pytest.mark.usefixtures("kept")
+def test_an_event_loop_that_ended_is_not_kept_in_memory():
+    """Each ``asyncio.run`` (as ``async_to_sync`` and Django's ``ImmediateBackend`` make one
+    per call) ends with its event loop freed: nothing of the engine's threads holds it."""
+    ship = ship_task()
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def go(tag: str) -> str:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return str(await asyncio.wait_for(ship(tag), WAIT))
+
+    assert [asyncio.run(go(tag)) for tag in ["a", "b", "c"]] == ["a", "b", "c"]
+    gc.collect()
+    assert [loop() for loop in loops] == [None] * 3
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 3
+
+
+@postgresql
+@pytest.mark.usefixtures("kept")
+def test_a_loop_closed_without_shutting_down_its_generators_leaves_no_session():
+    """``loop.run_until_complete(...)`` then ``loop.close()`` (no ``shutdown_asyncgens``):
+    the engine's threads end soon after the loop closes, their connections closed, so a
+    test suite's database can be dropped at once (PostgreSQL waits 5 s for other sessions)
+    and the loop is freed."""
+    ship = ship_task()
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(asyncio.wait_for(ship("a"), WAIT)) == "a"
+        assert server_sessions() == before + 1  # kept while the loop runs
+    finally:
+        loop.close()
+    left = server_sessions()
+    deadline = time.monotonic() + 2
+    while left != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = server_sessions()
+    assert left == before
+    closed = weakref.ref(loop)
+    del loop
+    assert asyncio.run(asyncio.wait_for(ship("b"), WAIT)) == "b"  # another loop's call
+    gc.collect()
+    assert closed() is None
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
+
+
+@postgresql
+@pytest.mark.usefixtures("kept")
+def test_a_loop_left_open_once_run_until_complete_returned_leaves_no_session():
+    """``loop.run_until_complete(...)`` on a loop never closed (a test's
+    ``asyncio.get_event_loop()``, a script): nothing runs on the loop once the call returns,
+    and its engine threads end soon after, closing their connections, so a test suite ending
+    then can drop its database; the loop's next call makes a new one."""
+    ship = ship_task()
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        for tag in ["a", "b"]:
+            assert loop.run_until_complete(asyncio.wait_for(ship(tag), WAIT)) == tag
+            left = server_sessions()
+            deadline = time.monotonic() + 2
+            while left != before and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = server_sessions()
+            assert left == before
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    assert ProviderCall.objects.filter(key__startswith="ship:").count() == 2
+
+
+@postgresql
+@pytest.mark.parametrize("age", [0, 600])
+def test_a_call_given_up_on_a_loop_then_closed_ends_as_a_crash(monkeypatch, age):
+    """The caller gives up on a call (a timeout) and the loop is closed with the body still
+    awaiting on it (``loop.run_until_complete(asyncio.wait_for(...))`` then
+    ``loop.close()``): the body can never run again. Its attempt ends as a crash would end
+    it (the body's work rolled back, the claim kept for its lease) rather than waiting for
+    it for good, in an open transaction holding the record's row, which no test database
+    could then be flushed or dropped past."""
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", age)
+
+    @idempotent_task(key=lambda tag: f"threads-given-up:{tag}")
+    async def slow(tag: str) -> str:
+        await sync_to_async(ProviderCall.objects.create)(key=f"slow:{tag}")
+        await asyncio.sleep(WAIT)  # on the loop, which closes meanwhile
+        return tag
+
+    connections.close_all()
+    before = server_sessions()
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(slow("a"), 0.5))
+    finally:
+        loop.close()
+    left = server_sessions()
+    deadline = time.monotonic() + 3
+    while left != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = server_sessions()
+    assert left == before
+    assert not ProviderCall.objects.filter(key__startswith="slow:").exists()
+    record = IdempotencyRecord.objects.select_for_update(nowait=True)
+    with transaction.atomic():
+        assert [r.status for r in record] == ["in_progress"]
