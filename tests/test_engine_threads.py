@@ -107,6 +107,15 @@ def calls(server: MCPServer, keys: list[str], opened: list[str] | None = None) -
     return anyio.run(go)
 
 
+def sessions_back_to(before: int) -> bool:
+    """Whether the server's sessions come back to ``before`` within 5 s: a closed session's
+    backend leaves ``pg_stat_activity`` a moment after its client, later on a loaded machine."""
+    deadline = time.monotonic() + 5
+    while (left := server_sessions()) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left == before
+
+
 @pytest.mark.usefixtures("kept")
 def test_an_agents_async_tool_calls_one_after_another_open_one_connection(opened):
     keys = [f"k{number}" for number in range(5)]
@@ -158,10 +167,7 @@ def test_the_engines_connections_close_when_the_loop_ends():
     # Nothing of the calls is left on the server once the loop has ended: a test database
     # can be dropped, a server shut down. (A closed session's backend takes a moment to
     # leave pg_stat_activity: bounded.)
-    deadline = time.monotonic() + 5
-    while (after := server_sessions()) != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert after == before
+    assert sessions_back_to(before)
     assert ProviderCall.objects.filter(key__startswith="refund:").count() == 2
 
 
@@ -277,12 +283,7 @@ def test_a_loop_closed_without_shutting_down_its_generators_leaves_no_session():
         assert loop.run_until_complete(asyncio.wait_for(ship("a"), WAIT)) == "a"
     finally:
         loop.close()
-    left = server_sessions()
-    deadline = time.monotonic() + 5  # a loaded machine
-    while left != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = server_sessions()
-    assert left == before
+    assert sessions_back_to(before)
     closed = weakref.ref(loop)
     del loop
     assert asyncio.run(asyncio.wait_for(ship("b"), WAIT)) == "b"  # another loop's call
@@ -305,12 +306,7 @@ def test_a_loop_left_open_once_run_until_complete_returned_leaves_no_session():
     try:
         for tag in ["a", "b"]:
             assert loop.run_until_complete(asyncio.wait_for(ship(tag), WAIT)) == tag
-            left = server_sessions()
-            deadline = time.monotonic() + 5  # a loaded machine
-            while left != before and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = server_sessions()
-            assert left == before
+            assert sessions_back_to(before)
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
@@ -342,12 +338,7 @@ def test_a_call_given_up_on_a_loop_then_closed_ends_as_a_crash(monkeypatch, age)
             loop.run_until_complete(asyncio.wait_for(slow("a"), 0.5))
     finally:
         loop.close()
-    left = server_sessions()
-    deadline = time.monotonic() + 3
-    while left != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = server_sessions()
-    assert left == before
+    assert sessions_back_to(before)
     assert not ProviderCall.objects.filter(key__startswith="slow:").exists()
     record = IdempotencyRecord.objects.select_for_update(nowait=True)
     with transaction.atomic():
