@@ -293,32 +293,22 @@ def test_a_send_batch_that_raises_rolls_the_batch_back_and_its_messages_go_one_b
     assert {message(i).status for i in ids} == {OutboxStatus.SENT}
 
 
-@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.short_batch"})
-def test_a_send_batch_that_answers_too_few_outcomes_is_rolled_back_and_sent_one_by_one():
-    ids = [enqueued("tests.a"), enqueued("tests.b"), enqueued("tests.c")]
-    result = outbox.relay(once=True)
-    assert (result.sent, result.failed, result.dead) == (3, 0, 0)
-    # Which messages the short answer covers cannot be told: the batch rolled back, and each
-    # message was handed over again on its own (what the broker took already, it keeps).
-    handed = ProviderCall.objects.filter(key__startswith="batch:").count()
-    assert [sends(i) for i in ids] == [1 + handed] * 3
-    assert {message(i).status for i in ids} == {OutboxStatus.SENT}
-    assert {message(i).attempts for i in ids} == {0}
-
-
-@override_settings(IDEMPOTENCY={"OUTBOX_SENDER": "tests.testapp.outbox.true_batch"})
-def test_a_send_batch_that_answers_something_other_than_none_or_an_exception_is_sent_one_by_one():
-    ids = [enqueued("tests.a"), enqueued("tests.b"), enqueued("tests.c")]
-    result = outbox.relay(once=True)
-    # What True means cannot be told: not recorded as a failure of messages the sender
-    # handed over (each would be handed over again, up to OUTBOX_MAX_ATTEMPTS times, and
-    # then be dead), but the batch rolled back and each message sent on its own.
-    assert (result.sent, result.failed, result.dead) == (3, 0, 0)
-    handed = ProviderCall.objects.filter(key__startswith="batch:").count()
-    assert [sends(i) for i in ids] == [1 + handed] * 3
-    assert {message(i).status for i in ids} == {OutboxStatus.SENT}
-    assert {message(i).attempts for i in ids} == {0}
-    assert outbox.relay(once=True).taken == 0
+@pytest.mark.parametrize("sender", ["short_batch", "true_batch"])
+def test_a_send_batch_whose_answer_cannot_be_told_is_rolled_back_and_sent_one_by_one(sender):
+    """Too few outcomes (which messages they cover cannot be told), or something other than
+    None or an exception for a message (True: not a failure of a message the sender handed
+    over, which would be handed over again up to OUTBOX_MAX_ATTEMPTS times and then be
+    dead): the batch rolls back and each message is handed over again on its own (what the
+    broker took already, it keeps)."""
+    with override_settings(IDEMPOTENCY={"OUTBOX_SENDER": f"tests.testapp.outbox.{sender}"}):
+        ids = [enqueued("tests.a"), enqueued("tests.b"), enqueued("tests.c")]
+        result = outbox.relay(once=True)
+        assert (result.sent, result.failed, result.dead) == (3, 0, 0)
+        handed = ProviderCall.objects.filter(key__startswith="batch:").count()
+        assert [sends(i) for i in ids] == [1 + handed] * 3
+        assert {message(i).status for i in ids} == {OutboxStatus.SENT}
+        assert {message(i).attempts for i in ids} == {0}
+        assert outbox.relay(once=True).taken == 0
 
 
 # -- requeue and purge --------------------------------------------------------------------------
