@@ -6,10 +6,12 @@ sends through the current Celery app (the one the project configures), never a n
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from amqp.exceptions import MessageNacked
 from celery import current_app
 from celery.exceptions import NotRegistered
 from kombu import pools
@@ -70,10 +72,13 @@ class CelerySender:
             raise outcome
 
     def send_batch(self, messages: Sequence[OutboxMessage]) -> list[Exception | None]:
-        """Send each message as ``send`` does, one publish each, all through one producer
-        and one connection check; per message, in order, what its send raised, or ``None``.
+        """Send each message as ``send`` does, all through one producer and one connection
+        check, waiting on the broker once for the batch where it allows: into Redis the
+        batch's pushes go in one pipeline (kombu's ``Producer.batch``, kombu 5.7 and later),
+        into RabbitMQ the publishes go out one after another and the broker's confirmations
+        are awaited together. Per message, in order, what its send raised, or ``None``.
         Never raises: a broker that cannot be reached, or a connection lost in the middle,
-        fails every message not yet sent."""
+        fails every message not yet confirmed."""
         outcomes: list[Exception | None] = []
         try:
             app = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -83,20 +88,120 @@ class CelerySender:
                 return outcomes
             with _producers(app).acquire(block=True) as producer:
                 producer.connection.ensure_connection(max_retries=0)
-                cut = (OperationalError, *producer.connection.connection_errors)
-                for message in messages:
-                    outcome = _published(message, producer)
-                    outcomes.append(outcome)
-                    if isinstance(outcome, cut):
-                        # The connection is gone (or stalled past the bound): each publish
-                        # after it would wait as long again, holding the batch's locks, and
-                        # so would closing it politely (a channel's and its own close,
-                        # each awaiting an answer). Dropped without a word instead.
-                        producer.connection.collect()
-                        raise outcome
+                _publish_all(app, producer, messages, outcomes)
         except Exception as exc:  # the producer or its connection: the rest fail with it
             outcomes += [exc] * (len(messages) - len(outcomes))
         return outcomes
+
+
+def _publish_all(
+    app: Any, producer: Any, messages: Sequence[OutboxMessage], outcomes: list[Exception | None]
+) -> None:
+    """Publish ``messages`` through ``producer`` into ``outcomes``; a failure that ends
+    the batch (its connection lost, its pipeline or its confirmations) fails every message
+    whose publish had not failed on its own, and is raised for the rest."""
+    connection = producer.connection
+    cut = (OperationalError, *connection.connection_errors)
+    confirms = _Confirms.on(app, connection)
+    batch: contextlib.AbstractContextManager[Any]
+    if confirms is not None:
+        publisher, batch = confirms.producer, confirms.batch(outcomes)
+    else:
+        publisher = producer
+        batch = getattr(producer, "batch", lambda **_: contextlib.nullcontext())(
+            max_size=_PIPELINE_COMMANDS
+        )
+    try:
+        with batch:
+            for message in messages:
+                outcome = _published(message, publisher)
+                outcomes.append(outcome)
+                if isinstance(outcome, cut):
+                    raise outcome
+    except Exception as exc:
+        if isinstance(exc, cut) or isinstance(exc.__cause__, cut) or confirms is not None:
+            # The connection is gone, stalled past the bound or its confirmations are
+            # unaccounted for: each publish after it would wait as long again, holding
+            # the batch's locks, and so would closing it politely (a channel's and its
+            # own close, each awaiting an answer). Dropped without a word instead.
+            connection.collect()
+        # Published, but never known to have reached the broker: sent again later.
+        outcomes[:] = [exc if outcome is None else outcome for outcome in outcomes]
+        raise
+
+
+# The most Redis commands kombu's pipeline holds before it sends them: more than a batch of
+# the relay sends (one push per message, and a few more for a queue with an expiry), so
+# that a batch is one round trip.
+_PIPELINE_COMMANDS = 100_000
+
+
+_ON_CONNECTION = "_django_idempotency_confirms"
+
+
+class _Confirms:
+    """The sender's own channel on one AMQP connection (py-amqp) whose publishes the broker
+    confirms: a batch's publishes go out one after another and their confirmations are
+    awaited once, for the batch, in place of py-amqp's wait after each publish. Only where
+    that connection asks for confirmations (``confirm_publish``)."""
+
+    @classmethod
+    def on(cls, app: Any, connection: Any) -> _Confirms | None:
+        raw = connection.connection
+        if not getattr(raw, "confirm_publish", False) or not hasattr(raw, "drain_events"):
+            return None
+        # Kept on the connection itself, so that it ends with it (a mapping of its own
+        # would keep every connection alive through its channel).
+        confirms: _Confirms | None = getattr(raw, _ON_CONNECTION, None)
+        if confirms is None or not confirms.channel.is_open or confirms.unsettled:
+            confirms = cls(app, connection)
+            setattr(raw, _ON_CONNECTION, confirms)
+        return confirms
+
+    def __init__(self, app: Any, connection: Any) -> None:
+        self.channel = channel = connection.channel()
+        channel.confirm_select()
+        channel._confirm_selected = True  # py-amqp's own confirmed publish: not again
+        channel.basic_publish = self._publish
+        channel.events["basic_ack"].add(self._acked)
+        channel.events["basic_nack"].add(self._nacked)
+        self.producer = app.amqp.Producer(channel, auto_declare=False)
+        self.tags = 0  # the delivery tags the broker gave this channel's publishes
+        self.unsettled: dict[int, int] = {}  # tag: its message's place in the batch
+        self.outcomes: list[Exception | None] = []
+
+    def _publish(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("confirm_timeout", None)  # confirmations are awaited in wait()
+        sent = self.channel._basic_publish(*args, **kwargs)
+        self.tags += 1
+        # Celery may publish more than the message (its task-sent event): each publish
+        # counts for the message being sent.
+        self.unsettled[self.tags] = len(self.outcomes)
+        return sent
+
+    def _settled(self, tag: int, multiple: bool) -> list[int]:
+        tags = [each for each in self.unsettled if each <= tag] if multiple else [tag]
+        return [self.unsettled.pop(each) for each in tags if each in self.unsettled]
+
+    def _acked(self, tag: int, multiple: bool) -> None:
+        self._settled(tag, multiple)
+
+    def _nacked(self, tag: int, multiple: bool) -> None:
+        for place in self._settled(tag, multiple):
+            if place < len(self.outcomes) and self.outcomes[place] is None:
+                self.outcomes[place] = MessageNacked("the broker refused the message")
+
+    @contextlib.contextmanager
+    def batch(self, outcomes: list[Exception | None]) -> Iterator[None]:
+        self.outcomes = outcomes
+        try:
+            yield
+            # Each wait is bounded by the connection's read_timeout (BROKER_TIMEOUT
+            # where the project set none).
+            while self.unsettled:
+                self.channel.connection.drain_events()
+        finally:
+            self.outcomes = []
 
 
 def _published(message: OutboxMessage, producer: Any) -> Exception | None:

@@ -8,6 +8,7 @@ the broker itself, never inferred from a status.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -15,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -180,3 +182,146 @@ def test_messages_published_during_a_partition_from_rabbitmq_are_not_marked_sent
             finished(relay, timeout=TIMEOUT)
     # Every message marked sent is in the broker's queue (at least once).
     assert queued_task_ids(queue) >= {str(first), *map(str, during)}
+
+
+# -- one wait on the broker per batch ---------------------------------------------------------
+
+
+def client_waits(monkeypatch: pytest.MonkeyPatch, scheme: str) -> list[str]:
+    """What the broker's client does from now on, in order: ``"send"`` for each write of
+    requests (a publish, a pipeline), ``"read"`` for each wait for the broker's answer. The
+    client's own methods, wrapped: each still does what it did."""
+    if scheme == "amqp":
+        import amqp
+
+        sending: list[tuple[Any, str]] = [(amqp.Channel, "_basic_publish")]
+        reading: list[tuple[Any, str]] = [(amqp.Connection, "drain_events")]
+    else:
+        from redis.connection import AbstractConnection
+
+        sending = [(AbstractConnection, "send_packed_command")]
+        reading = [(AbstractConnection, "read_response")]
+    events: list[str] = []
+
+    def spied(owner: Any, name: str, event: str) -> None:
+        original = getattr(owner, name)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            # py-amqp polls without waiting before each publish (timeout=0): not a wait.
+            if kwargs.get("timeout") != 0:
+                events.append(event)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    for owner, name in sending:
+        spied(owner, name, "send")
+    for reader, name in reading:
+        spied(reader, name, "read")
+    return events
+
+
+PROBE = "tests.outbox-batch-probe"
+
+
+def probe(n: int) -> int:
+    """The probes' task: registered on the tests' app, never run."""
+    return n
+
+
+@contextmanager
+def current_celery_app(broker: str, queue: Any) -> Iterator[Any]:
+    """A Celery app on ``broker`` whose tasks go to ``queue``, current while the block runs;
+    the previous app is made current again at the end."""
+    from celery import Celery, current_app
+
+    previous = current_app._get_current_object()
+    app = Celery("outbox-batch-tests", set_as_current=True)
+    app.conf.update(
+        broker_url=broker,
+        task_default_queue=queue.name,
+        task_queues=[queue],
+        task_ignore_result=True,
+    )
+    app.task(name=PROBE)(probe)
+    try:
+        yield app
+    finally:
+        # Its producers stay in kombu's pools, which are keyed by the broker's URL.
+        celery_sender._bounded.pop((id(app), os.getpid()), None)
+        app.close()
+        previous.set_current()
+
+
+def probes(count: int) -> list[OutboxMessage]:
+    return [OutboxMessage(task=PROBE, args=[n]) for n in range(count)]
+
+
+def queued_ids(queue: str, broker: str, *, delete: bool = True) -> list[str]:
+    """The task ids of the messages waiting in ``queue`` (taken), in their order; on
+    RabbitMQ the queue is deleted after, unless ``delete`` is false."""
+    from kombu import Connection
+
+    found: list[str] = []
+    with Connection(broker) as broker_connection:
+        channel = broker_connection.channel()
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            found.append(message.headers["id"])
+        if delete and broker.startswith("amqp"):
+            channel.queue_delete(queue)
+    return found
+
+
+BROKERS = {"redis": "redis://127.0.0.1:6379/14", "amqp": "amqp://guest:guest@127.0.0.1:5672//"}
+
+
+@pytest.mark.servers
+@pytest.mark.parametrize("scheme", sorted(BROKERS))
+def test_a_batch_waits_on_the_broker_once_and_every_message_arrives_in_order(scheme, monkeypatch):
+    from kombu import Queue
+
+    url = BROKERS[scheme]
+    queue = Queue(f"outbox-batch-{uuid.uuid4().hex[:8]}")
+    with current_celery_app(url, queue):
+        # The first batch opens the connection (and on RabbitMQ the channel, its
+        # confirmations and the queue's declaration): not counted.
+        first = probes(1)
+        assert celery_sender.send.send_batch(first) == [None]
+        events = client_waits(monkeypatch, scheme)
+        batch = probes(20)
+        assert celery_sender.send.send_batch(batch) == [None] * 20
+        monkeypatch.undo()
+    # Every request of the batch went out before the client first waited for the broker:
+    # one wait for the batch (for the pipeline's replies, or the confirmations), not one
+    # per message.
+    assert "read" in events
+    waited_at = events.index("read")
+    assert "send" in events[:waited_at]
+    assert "send" not in events[waited_at:]
+    assert queued_ids(queue.name, url) == [str(message.id) for message in first + batch]
+
+
+@pytest.mark.servers
+def test_messages_rabbitmq_refuses_fail_on_their_own_and_the_rest_are_sent():
+    from amqp.exceptions import MessageNacked
+    from kombu import Queue
+
+    # The queue takes three messages and refuses the rest: the broker confirms three
+    # publishes and refuses (nacks) the others.
+    queue = Queue(
+        f"outbox-refused-{uuid.uuid4().hex[:8]}",
+        queue_arguments={"x-max-length": 3, "x-overflow": "reject-publish"},
+    )
+    url = BROKERS["amqp"]
+    with current_celery_app(url, queue):
+        batch = probes(5)
+        outcomes = celery_sender.send.send_batch(batch)
+        assert outcomes[:3] == [None] * 3
+        assert all(isinstance(outcome, MessageNacked) for outcome in outcomes[3:])
+        # The channel goes on: the next batch is sent once the queue has room.
+        assert queued_ids(queue.name, url, delete=False) == [
+            str(message.id) for message in batch[:3]
+        ]
+        again = probes(2)
+        assert celery_sender.send.send_batch(again) == [None, None]
+    assert queued_ids(queue.name, url) == [str(message.id) for message in again]
