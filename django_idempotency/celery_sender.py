@@ -228,6 +228,7 @@ class _Confirms:
         self.tags = 0  # the delivery tags the broker gave this channel's publishes
         self.unsettled: dict[int, int] = {}  # tag: its message's place in the batch
         self.outcomes: list[Exception | None] = []
+        self.refused: set[int] = set()  # the places of the messages the broker refused
         #: The broker's error that closed the channel, once it did.
         self.closed_by: Exception | None = None
 
@@ -254,9 +255,10 @@ class _Confirms:
         self._settled(tag, multiple)
 
     def _nacked(self, tag: int, multiple: bool) -> None:
-        for place in self._settled(tag, multiple):
-            if place < len(self.outcomes) and self.outcomes[place] is None:
-                self.outcomes[place] = MessageNacked("the broker refused the message")
+        # Recorded on the message once its publish returned: a refusal can come while the
+        # message is still being published (its task-sent event's exchange declared, a
+        # round trip, after the message itself).
+        self.refused.update(self._settled(tag, multiple))
 
     def send(
         self, messages: Sequence[OutboxMessage], outcomes: list[Exception | None], connection: Any
@@ -306,6 +308,10 @@ class _Confirms:
             self.unsettled.clear()
             raise
         finally:
+            for place in self.refused:
+                if place < len(outcomes) and outcomes[place] is None:
+                    outcomes[place] = MessageNacked("the broker refused the message")
+            self.refused.clear()
             self.outcomes = []
         if self.closed_by is None:
             return []

@@ -447,3 +447,66 @@ def test_a_push_redis_refuses_inside_the_pipeline_fails_alone_and_the_rest_are_s
             assert queued_ids(queue.name, url) == [str(message.id) for message in again]
         finally:
             client.delete(name)
+
+
+@pytest.mark.servers
+def test_a_partition_in_the_middle_of_a_batch_fails_only_what_rabbitmq_did_not_confirm():
+    from celery.signals import before_task_publish
+    from kombu import Queue
+
+    queue = Queue(f"outbox-cut-{uuid.uuid4().hex[:8]}")
+    other = Queue(f"outbox-cut-other-{uuid.uuid4().hex[:8]}")
+    with partitioned_proxy(5672) as (port, dropping):
+        url = f"amqp://guest:guest@127.0.0.1:{port}//"
+        with current_celery_app(url, queue) as app:
+            app.conf.task_queues = [queue, other]
+            app.amqp.queues = app.amqp.Queues(app.conf.task_queues)
+            app.conf.task_routes = {MISROUTED: {"queue": other.name}}
+            app.task(name=MISROUTED)(probe)
+            assert celery_sender.send.send_batch(probes(1)) == [None]
+            # The fourth message's queue is declared in the middle of the batch (a round
+            # trip, during which the broker's confirmations of the first three are read);
+            # the partition starts as the fifth is published.
+            batch = [*probes(3), OutboxMessage(task=MISROUTED, args=[1]), *probes(2)]
+            fifth = str(batch[4].id)
+
+            def partition(headers: dict[str, Any] | None = None, **_: Any) -> None:
+                if headers and headers.get("id") == fifth:
+                    dropping.set()
+
+            before_task_publish.connect(partition, weak=False)
+            try:
+                started = time.monotonic()
+                outcomes = celery_sender.send.send_batch(batch)
+                took = time.monotonic() - started
+            finally:
+                before_task_publish.disconnect(partition)
+            assert took < 2 * celery_sender.BROKER_TIMEOUT
+    # What the partition dropped fails; what is reported sent is in the broker.
+    assert outcomes[4] is not None
+    assert outcomes[5] is not None
+    broker = BROKERS["amqp"]
+    queued = {*queued_ids(queue.name, broker), *queued_ids(other.name, broker)}
+    sent = [message for message, outcome in zip(batch, outcomes, strict=True) if outcome is None]
+    assert {str(message.id) for message in sent} <= queued
+
+
+@pytest.mark.servers
+def test_a_refusal_that_comes_while_its_message_is_still_published_fails_it():
+    from amqp.exceptions import MessageNacked
+    from kombu import Queue
+
+    # A queue that takes nothing: RabbitMQ refuses (nacks) every message. With Celery's
+    # task-sent events, each message is two publishes, and the first message on a
+    # connection declares the events' exchange after its task's publish (a round trip),
+    # while which the broker's refusal of the task's message arrives.
+    queue = Queue(
+        f"outbox-refused-{uuid.uuid4().hex[:8]}",
+        queue_arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+    url = BROKERS["amqp"]
+    with current_celery_app(url, queue) as app:
+        app.conf.task_send_sent_event = True
+        outcomes = celery_sender.send.send_batch(probes(3))
+        assert [type(outcome) for outcome in outcomes] == [MessageNacked] * 3
+        assert queued_ids(queue.name, url) == []
