@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from amqp.exceptions import MessageNacked
@@ -99,35 +99,90 @@ def _publish_all(
 ) -> None:
     """Publish ``messages`` through ``producer`` into ``outcomes``; a failure that ends
     the batch (its connection lost, its pipeline or its confirmations) fails every message
-    whose publish had not failed on its own, and is raised for the rest."""
+    that the broker had not confirmed and whose publish had not failed on its own, and is
+    raised for the rest."""
     connection = producer.connection
-    cut = (OperationalError, *connection.connection_errors)
     confirms = _Confirms.on(app, connection)
-    batch: contextlib.AbstractContextManager[Any]
     if confirms is not None:
-        publisher, batch = confirms.producer, confirms.batch(outcomes)
-    else:
-        publisher = producer
-        batch = getattr(producer, "batch", lambda **_: contextlib.nullcontext())(
-            max_size=_PIPELINE_COMMANDS
-        )
+        _confirmed_all(app, connection, confirms, messages, outcomes)
+        return
+    batch = getattr(producer, "batch", lambda **_: contextlib.nullcontext())(
+        max_size=_PIPELINE_COMMANDS
+    )
     try:
         with batch:
             for message in messages:
-                outcome = _published(message, publisher)
+                outcome = _published(message, producer)
                 outcomes.append(outcome)
-                if isinstance(outcome, cut):
+                if outcome is not None and _cut(connection, outcome):
                     raise outcome
     except Exception as exc:
-        if isinstance(exc, cut) or isinstance(exc.__cause__, cut) or confirms is not None:
-            # The connection is gone, stalled past the bound or its confirmations are
-            # unaccounted for: each publish after it would wait as long again, holding
-            # the batch's locks, and so would closing it politely (a channel's and its
-            # own close, each awaiting an answer). Dropped without a word instead.
+        if _cut(connection, exc) or _cut(connection, exc.__cause__):
+            # The connection is gone or stalled past the bound: each publish after it
+            # would wait as long again, holding the batch's locks, and so would closing it
+            # politely (a channel's and its own close, each awaiting an answer). Dropped
+            # without a word instead.
             connection.collect()
+        elif len(outcomes) == len(messages):
+            # The broker answered the pipeline, refusing some of its commands (a push
+            # onto a key of another type than a queue's): which ones, the pipeline does not
+            # tell. Each message it held is pushed again on its own, so that only those
+            # the broker refuses fail (the others, pushed with the pipeline too, arrive
+            # twice: at least once).
+            for place, outcome in enumerate(outcomes):
+                if outcome is None:
+                    outcome = outcomes[place] = _published(messages[place], producer)
+                    if outcome is not None and _cut(connection, outcome):
+                        connection.collect()
+                        outcomes[place:] = [
+                            outcome if each is None else each for each in outcomes[place:]
+                        ]
+                        raise outcome from exc
+            return
         # Published, but never known to have reached the broker: sent again later.
         outcomes[:] = [exc if outcome is None else outcome for outcome in outcomes]
         raise
+
+
+def _cut(connection: Any, error: BaseException | None) -> bool:
+    """Whether ``error`` says the connection is lost or stalled past its bound. Celery
+    reports a channel's errors (a queue the broker refuses to declare) as
+    ``OperationalError`` too, raised from the broker's own error: those leave the
+    connection usable, and fail only their message."""
+    if error is None:
+        return False
+    if isinstance(error, connection.connection_errors):
+        return True
+    if isinstance(error, OperationalError):
+        cause = error.__cause__
+        return cause is None or isinstance(cause, connection.connection_errors)
+    return False
+
+
+def _confirmed_all(
+    app: Any,
+    connection: Any,
+    confirms: _Confirms,
+    messages: Sequence[OutboxMessage],
+    outcomes: list[Exception | None],
+) -> None:
+    """:func:`_publish_all` through a confirming channel. Where the broker closes that
+    channel (a channel error, raised for one message: routed to an exchange that does not
+    exist, or to a queue that exists with other arguments; every publish after it on that
+    channel is dropped), the messages it did not confirm are sent again one at a time, each
+    awaiting its confirmation: the one the broker refuses fails alone, with its error."""
+    alone = confirms.send(messages, outcomes, connection)
+    for number, place in enumerate(alone):
+        single: list[Exception | None] = []
+        try:
+            confirms = _Confirms.on(app, connection) or confirms
+            refused = confirms.send([messages[place]], single, connection)
+        except Exception as exc:
+            # The connection is lost: this message and those still to be sent alone fail.
+            for later in alone[number:]:
+                outcomes[later] = exc
+            raise
+        outcomes[place] = confirms.closed_by if refused else single[0]
 
 
 # The most Redis commands kombu's pipeline holds before it sends them: more than a batch of
@@ -160,18 +215,31 @@ class _Confirms:
 
     def __init__(self, app: Any, connection: Any) -> None:
         self.channel = channel = connection.channel()
+        self.raw = connection.connection
         channel.confirm_select()
         channel._confirm_selected = True  # py-amqp's own confirmed publish: not again
         channel.basic_publish = self._publish
+        # A channel the broker closes (a channel error) is not opened again in its place
+        # without confirmations, as py-amqp would: it ends, and the next send opens another.
+        channel._do_revive = self._closed
         channel.events["basic_ack"].add(self._acked)
         channel.events["basic_nack"].add(self._nacked)
         self.producer = app.amqp.Producer(channel, auto_declare=False)
         self.tags = 0  # the delivery tags the broker gave this channel's publishes
         self.unsettled: dict[int, int] = {}  # tag: its message's place in the batch
         self.outcomes: list[Exception | None] = []
+        self.refused: set[int] = set()  # the places of the messages the broker refused
+        #: The broker's error that closed the channel, once it did.
+        self.closed_by: Exception | None = None
+
+    def _closed(self) -> None:
+        self.closed_by = _ChannelClosed("the broker closed the channel")
+        self.channel.collect()
 
     def _publish(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.pop("confirm_timeout", None)  # confirmations are awaited in wait()
+        if self.closed_by is not None:
+            raise self.closed_by
+        kwargs.pop("confirm_timeout", None)  # confirmations are awaited in send()
         sent = self.channel._basic_publish(*args, **kwargs)
         self.tags += 1
         # Celery may publish more than the message (its task-sent event): each publish
@@ -187,21 +255,74 @@ class _Confirms:
         self._settled(tag, multiple)
 
     def _nacked(self, tag: int, multiple: bool) -> None:
-        for place in self._settled(tag, multiple):
-            if place < len(self.outcomes) and self.outcomes[place] is None:
-                self.outcomes[place] = MessageNacked("the broker refused the message")
+        # Recorded on the message once its publish returned: a refusal can come while the
+        # message is still being published (its task-sent event's exchange declared, a
+        # round trip, after the message itself).
+        self.refused.update(self._settled(tag, multiple))
 
-    @contextlib.contextmanager
-    def batch(self, outcomes: list[Exception | None]) -> Iterator[None]:
+    def send(
+        self, messages: Sequence[OutboxMessage], outcomes: list[Exception | None], connection: Any
+    ) -> list[int]:
+        """Publish ``messages`` into ``outcomes`` (empty) and await their confirmations.
+        Where the broker closed the channel, the places of the messages it neither
+        confirmed nor refused (to be sent again), in order; none where it did not. A
+        connection lost drops the connection, fails the messages not confirmed and is
+        raised."""
         self.outcomes = outcomes
+        alone: list[int] = []
         try:
-            yield
+            for place, message in enumerate(messages):
+                if self.closed_by is not None:
+                    # Each publish after the channel's close would be dropped.
+                    outcomes.append(None)
+                    alone.append(place)
+                    continue
+                outcome = _published(message, self.producer)
+                outcomes.append(outcome)
+                if self.closed_by is not None:
+                    # This publish, or one before it, made the broker close the channel.
+                    self.closed_by = outcome or self.closed_by
+                    outcomes[place] = None
+                    alone.append(place)
+                elif outcome is not None and _cut(connection, outcome):
+                    raise outcome
             # Each wait is bounded by the connection's read_timeout (BROKER_TIMEOUT
             # where the project set none).
-            while self.unsettled:
-                self.channel.connection.drain_events()
+            while self.unsettled and self.closed_by is None:
+                try:
+                    self.raw.drain_events()
+                except Exception as exc:
+                    if self.closed_by is None:
+                        raise
+                    self.closed_by = exc
+        except Exception as exc:
+            # The connection is gone, stalled past the bound or its confirmations are
+            # unaccounted for: each publish after it would wait as long again, holding
+            # the batch's locks, and so would closing it politely (a channel's and its own
+            # close, each awaiting an answer). Dropped without a word instead.
+            connection.collect()
+            # Published, but never known to have reached the broker: sent again later.
+            for place in set(self.unsettled.values()):
+                if outcomes[place] is None:
+                    outcomes[place] = exc
+            self.unsettled.clear()
+            raise
         finally:
+            for place in self.refused:
+                if place < len(outcomes) and outcomes[place] is None:
+                    outcomes[place] = MessageNacked("the broker refused the message")
+            self.refused.clear()
             self.outcomes = []
+        if self.closed_by is None:
+            return []
+        # The broker sends no confirmation on a closed channel.
+        alone += [place for place in self.unsettled.values() if outcomes[place] is None]
+        self.unsettled.clear()
+        return sorted(set(alone))
+
+
+class _ChannelClosed(Exception):
+    """The broker closed the sender's channel while a batch was published on it."""
 
 
 def _published(message: OutboxMessage, producer: Any) -> Exception | None:

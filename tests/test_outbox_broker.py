@@ -325,3 +325,188 @@ def test_messages_rabbitmq_refuses_fail_on_their_own_and_the_rest_are_sent():
         again = probes(2)
         assert celery_sender.send.send_batch(again) == [None, None]
     assert queued_ids(queue.name, url) == [str(message.id) for message in again]
+
+
+# -- one message the broker refuses for its routing does not fail its neighbours --------------
+
+MISROUTED = "tests.outbox-batch-misrouted"
+
+
+def _misrouted_task(app: Any, kind: str, url: str) -> str:
+    """Registers on ``app`` a task whose every publish the broker refuses for its routing
+    alone, and returns the name of the queue (or key) to clean up: on RabbitMQ, ``exchange``
+    publishes into an exchange that does not exist (the broker closes the channel, 404) and
+    ``precondition`` into a queue that exists with other arguments than the app declares it
+    with (406, when it is declared); on Redis, ``wrongtype`` pushes onto a key that holds a
+    string (WRONGTYPE)."""
+    from kombu import Connection, Queue
+
+    name = f"outbox-misrouted-{uuid.uuid4().hex[:8]}"
+    if kind == "exchange":
+        app.conf.task_routes = {MISROUTED: {"exchange": f"{name}-missing", "routing_key": name}}
+        app.task(name=MISROUTED)(probe)
+    elif kind == "precondition":
+        with Connection(url) as broker_connection:
+            broker_connection.channel().queue_declare(
+                name, durable=True, auto_delete=False, arguments={"x-max-length": 7}
+            )
+        app.conf.task_queues = [*app.conf.task_queues, Queue(name)]
+        app.amqp.queues = app.amqp.Queues(app.conf.task_queues)
+        app.conf.task_routes = {MISROUTED: {"queue": name}}
+        app.task(name=MISROUTED)(probe)
+    else:
+        import redis
+
+        redis.Redis.from_url(url).set(name, "not a list")
+        app.conf.task_routes = {MISROUTED: {"queue": name}}
+        app.task(name=MISROUTED)(probe)
+    return name
+
+
+def _cleaned(kind: str, url: str, name: str) -> None:
+    from kombu import Connection
+
+    if kind == "wrongtype":
+        import redis
+
+        redis.Redis.from_url(url).delete(name)
+    elif kind == "precondition":
+        with Connection(url) as broker_connection:
+            broker_connection.channel().queue_delete(name)
+
+
+@pytest.mark.servers
+@pytest.mark.parametrize(
+    ("scheme", "kind"), [("amqp", "exchange"), ("amqp", "precondition"), ("redis", "wrongtype")]
+)
+def test_a_message_the_broker_refuses_for_its_route_fails_alone_in_its_batch(scheme, kind):
+    from kombu import Queue
+
+    url = BROKERS[scheme]
+    queue = Queue(f"outbox-neighbours-{uuid.uuid4().hex[:8]}")
+    with current_celery_app(url, queue) as app:
+        name = _misrouted_task(app, kind, url)
+        try:
+            before, after = probes(3), probes(3)
+            bad = OutboxMessage(task=MISROUTED, args=[0])
+            started = time.monotonic()
+            outcomes = celery_sender.send.send_batch([*before, bad, *after])
+            took = time.monotonic() - started
+            # The misrouted message fails; its neighbours are sent, and are in the queue
+            # (some maybe twice: those the broker had not confirmed when it closed the
+            # channel are sent again).
+            assert outcomes[3] is not None
+            assert outcomes[:3] + outcomes[4:] == [None] * 6
+            assert set(queued_ids(queue.name, url, delete=False)) == {
+                str(message.id) for message in before + after
+            }
+            # Without waiting on the broker for an answer that cannot come.
+            assert took < celery_sender.BROKER_TIMEOUT / 2
+            # The next batch goes through the same way.
+            again = [*probes(2), OutboxMessage(task=MISROUTED, args=[1]), *probes(2)]
+            outcomes = celery_sender.send.send_batch(again)
+            assert outcomes[2] is not None
+            assert outcomes[:2] + outcomes[3:] == [None] * 4
+            assert set(queued_ids(queue.name, url)) == {
+                str(message.id) for message in again[:2] + again[3:]
+            }
+        finally:
+            _cleaned(kind, url, name)
+
+
+@pytest.mark.servers
+def test_a_push_redis_refuses_inside_the_pipeline_fails_alone_and_the_rest_are_sent():
+    import redis
+    from kombu import Queue
+
+    url = BROKERS["redis"]
+    queue = Queue(f"outbox-neighbours-{uuid.uuid4().hex[:8]}")
+    name = f"outbox-misrouted-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(url)
+    with current_celery_app(url, queue) as app:
+        app.conf.task_routes = {MISROUTED: {"queue": name}}
+        app.task(name=MISROUTED)(probe)
+        try:
+            # Declared once (kombu remembers it for the connection), then the key is
+            # made a string: the push itself, inside the pipeline, is refused.
+            declared = OutboxMessage(task=MISROUTED, args=[9])
+            assert celery_sender.send.send_batch([declared]) == [None]
+            client.delete(name)
+            client.set(name, "not a list")
+            batch = [*probes(2), OutboxMessage(task=MISROUTED, args=[0]), *probes(2)]
+            outcomes = celery_sender.send.send_batch(batch)
+            assert outcomes[2] is not None
+            assert outcomes[:2] + outcomes[3:] == [None] * 4
+            queued = queued_ids(queue.name, url)
+            # Each neighbour arrived (twice at most: with the pipeline, and alone).
+            assert set(queued) == {str(message.id) for message in batch[:2] + batch[3:]}
+            assert len(queued) <= 8
+            # The next batch without it is one pipeline again, each message once.
+            again = probes(3)
+            assert celery_sender.send.send_batch(again) == [None] * 3
+            assert queued_ids(queue.name, url) == [str(message.id) for message in again]
+        finally:
+            client.delete(name)
+
+
+@pytest.mark.servers
+def test_a_partition_in_the_middle_of_a_batch_fails_only_what_rabbitmq_did_not_confirm():
+    from celery.signals import before_task_publish
+    from kombu import Queue
+
+    queue = Queue(f"outbox-cut-{uuid.uuid4().hex[:8]}")
+    other = Queue(f"outbox-cut-other-{uuid.uuid4().hex[:8]}")
+    with partitioned_proxy(5672) as (port, dropping):
+        url = f"amqp://guest:guest@127.0.0.1:{port}//"
+        with current_celery_app(url, queue) as app:
+            app.conf.task_queues = [queue, other]
+            app.amqp.queues = app.amqp.Queues(app.conf.task_queues)
+            app.conf.task_routes = {MISROUTED: {"queue": other.name}}
+            app.task(name=MISROUTED)(probe)
+            assert celery_sender.send.send_batch(probes(1)) == [None]
+            # The fourth message's queue is declared in the middle of the batch (a round
+            # trip, during which the broker's confirmations of the first three are read);
+            # the partition starts as the fifth is published.
+            batch = [*probes(3), OutboxMessage(task=MISROUTED, args=[1]), *probes(2)]
+            fifth = str(batch[4].id)
+
+            def partition(headers: dict[str, Any] | None = None, **_: Any) -> None:
+                if headers and headers.get("id") == fifth:
+                    dropping.set()
+
+            before_task_publish.connect(partition, weak=False)
+            try:
+                started = time.monotonic()
+                outcomes = celery_sender.send.send_batch(batch)
+                took = time.monotonic() - started
+            finally:
+                before_task_publish.disconnect(partition)
+            assert took < 2 * celery_sender.BROKER_TIMEOUT
+    # What the partition dropped fails; what is reported sent is in the broker.
+    assert outcomes[4] is not None
+    assert outcomes[5] is not None
+    broker = BROKERS["amqp"]
+    queued = {*queued_ids(queue.name, broker), *queued_ids(other.name, broker)}
+    sent = [message for message, outcome in zip(batch, outcomes, strict=True) if outcome is None]
+    assert {str(message.id) for message in sent} <= queued
+
+
+@pytest.mark.servers
+def test_a_refusal_that_comes_while_its_message_is_still_published_fails_it():
+    from amqp.exceptions import MessageNacked
+    from kombu import Queue
+
+    # A queue that takes nothing: RabbitMQ refuses (nacks) every message. With Celery's
+    # task-sent events, each message is two publishes, and the first message on a
+    # connection declares the events' exchange after its task's publish (a round trip),
+    # while which the broker's refusal of the task's message arrives.
+    queue = Queue(
+        f"outbox-refused-{uuid.uuid4().hex[:8]}",
+        queue_arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+    url = BROKERS["amqp"]
+    with current_celery_app(url, queue) as app:
+        app.conf.task_send_sent_event = True
+        outcomes = celery_sender.send.send_batch(probes(3))
+        assert [type(outcome) for outcome in outcomes] == [MessageNacked] * 3
+        assert queued_ids(queue.name, url) == []
