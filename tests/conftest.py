@@ -8,9 +8,11 @@ modules share are in ``tests/helpers.py``.
 
 from __future__ import annotations
 
-import hashlib
+import collections
+import json
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,7 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _keep(config, items, touches_the_database)
     shard = os.environ.get("TEST_SHARD")
     if shard:
-        _keep(config, items, shard_of(shard))
+        _keep(config, items, shard_of(shard, items))
 
 
 def touches_the_database(item: pytest.Item) -> bool:
@@ -91,44 +93,65 @@ def touches_the_database(item: pytest.Item) -> bool:
     return item.get_closest_marker("django_db") is not None or "django_db_setup" in fixtures
 
 
-# Files placed by hand in a run of two halves, where the hash of their path would make one
-# half the longer by minutes: in CI the PostgreSQL halves took 840 s and 1,075 s with the
-# MCP end-to-end suite (about two minutes of uvicorn servers) in the second; and with the
-# example project's servers in the second, 607 s and 671 s (the test files' times measured
-# on PostgreSQL: 312 s and 342 s, then 330 s and 324 s).
-PLACED = {"tests/test_mcp_e2e.py": 1, "tests/test_example_rides.py": 1}
-# In three parts (make test's PostgreSQL suite: its half with both took 38 minutes once the
-# suite grew), each of those in a part of its own; and the bursts and the crashes at the
-# product's statements (55 s and 29 s alone) moved from the second part, which took 1,330 s
-# in CI against the third's 1,049 s.
-PLACED_IN_THIRDS = {
-    "tests/test_mcp_e2e.py": 1,
-    "tests/test_example_rides.py": 2,
-    "tests/test_bursts.py": 3,
-    "tests/test_faults_crash.py": 3,
-}
+# Each test file's seconds on PostgreSQL (the longest suite), for TEST_SHARD: written by a run
+# with TEST_TIMINGS naming the file (see record_timings below). A file it does not name counts
+# DEFAULT_TEST_SECONDS per test.
+WEIGHTS = Path(__file__).with_name("shard_weights.json")
+DEFAULT_TEST_SECONDS = 0.3
 
 
-def shard_of(shard: str) -> Callable[[pytest.Item], bool]:
-    """``TEST_SHARD=k/n``: the k-th of n parts of the suite, whole files each (a file's part
-    is the hash of its path). ``tests/halves.py`` runs the two halves of a suite side by
-    side: on a server, a suite spends most of its time waiting on it, on workers and on
-    processes."""
+def shard_of(shard: str, items: Sequence[pytest.Item]) -> Callable[[pytest.Item], bool]:
+    """``TEST_SHARD=k/n``: the k-th of n parts of ``items``, whole files each, the parts of
+    about the same length by the files' measured seconds (``WEIGHTS``): the longest file
+    first, each into the part that is the shortest so far. ``tests/halves.py`` runs the
+    parts of a suite side by side: on a server, a suite spends most of its time waiting on
+    it, on workers and on processes, and the run lasts as long as its longest part (with
+    the files placed by the hash of their path, one of make test's three PostgreSQL parts
+    took half as long again as the others: the worker, kill and MCP server suites fell
+    together)."""
     try:
         index, count = (int(part) for part in shard.split("/"))
     except ValueError:
         index = count = 0
     if not 1 <= index <= count:
         raise pytest.UsageError(f"TEST_SHARD must be k/n with 1 <= k <= n, not {shard!r}")
+    measured: dict[str, float] = json.loads(WEIGHTS.read_text()) if WEIGHTS.exists() else {}
+    tests_per_file = collections.Counter(file_of(item) for item in items)
+    seconds = {
+        path: measured.get(path, tests * DEFAULT_TEST_SECONDS)
+        for path, tests in tests_per_file.items()
+    }
+    parts = [0.0] * count
+    part_of: dict[str, int] = {}
+    for path in sorted(seconds, key=lambda path: (-seconds[path], path)):
+        shortest = parts.index(min(parts))
+        part_of[path] = shortest + 1
+        parts[shortest] += seconds[path]
+    return lambda item: part_of.get(file_of(item)) == index
 
-    def kept(item: pytest.Item) -> bool:
-        path = item.nodeid.split("::", 1)[0]
-        placed = {2: PLACED, 3: PLACED_IN_THIRDS}.get(count, {})
-        if path in placed:
-            return placed[path] == index
-        return int(hashlib.sha256(path.encode()).hexdigest(), 16) % count + 1 == index
 
-    return kept
+def file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+# TEST_TIMINGS=tests/shard_weights.json: each file's seconds (set-up, call and tear-down of
+# its tests) are written there at the end of the run, over the values of the files it ran.
+_timings: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("TEST_TIMINGS"):
+        _timings[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = os.environ.get("TEST_TIMINGS")
+    if not target or hasattr(session.config, "workerinput") or not _timings:
+        return  # a pytest-xdist worker: its reports reach the controller too
+    path = Path(target)
+    known: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    known.update({name: round(value, 1) for name, value in _timings.items()})
+    path.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
 
 
 def _keep(

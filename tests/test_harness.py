@@ -37,29 +37,40 @@ def test_a_fixture_that_unblocks_the_database_touches_it(request, server_like):
     assert touches_the_database(request.node)
 
 
-def test_the_halves_split_files_and_cover_the_suite(request):
-    first, second = shard_of("1/2"), shard_of("2/2")
-    assert first(request.node) != second(request.node)
+class Item:
+    def __init__(self, path: str, name: str = "test") -> None:
+        self.nodeid = f"{path}::{name}"
 
 
-def test_the_thirds_place_the_server_suites_apart_and_cover_the_suite(request):
-    from tests.conftest import PLACED_IN_THIRDS
+def test_the_parts_split_files_and_cover_the_suite(request):
+    items = [request.node, *(Item(f"tests/test_other_{n}.py") for n in range(7))]
+    for count in (2, 3):
+        parts = [shard_of(f"{k}/{count}", items) for k in range(1, count + 1)]
+        for item in items:
+            assert sum(part(item) for part in parts) == 1
 
-    parts = [shard_of(f"{k}/3") for k in (1, 2, 3)]
-    assert sum(part(request.node) for part in parts) == 1
 
-    class Item:
-        def __init__(self, path: str) -> None:
-            self.nodeid = f"{path}::test"
-
-    for path, index in PLACED_IN_THIRDS.items():
-        assert [part(Item(path)) for part in parts] == [k == index for k in (1, 2, 3)]
+def test_the_parts_are_balanced_by_the_files_measured_seconds(monkeypatch, tmp_path):
+    weights = tmp_path / "weights.json"
+    weights.write_text(
+        '{"tests/a.py": 300, "tests/b.py": 200, "tests/c.py": 180, "tests/d.py": 90}'
+    )
+    monkeypatch.setattr("tests.conftest.WEIGHTS", weights)
+    # A file without a measure counts DEFAULT_TEST_SECONDS per test: 10 tests here.
+    items = [Item(path) for path in ("tests/a.py", "tests/b.py", "tests/c.py", "tests/d.py")]
+    items += [Item("tests/new.py", f"test_{n}") for n in range(10)]
+    parts = [shard_of(f"{k}/2", items) for k in (1, 2)]
+    kept = [{item.nodeid.split("::")[0] for item in items if part(item)} for part in parts]
+    # a (300); b (200); c (180) beside b; d (90) beside a; new (3) beside b and c.
+    assert kept == [{"tests/a.py", "tests/d.py"}, {"tests/b.py", "tests/c.py", "tests/new.py"}]
+    # The items' order changes nothing: every part decides alike.
+    assert [shard_of(f"{k}/2", items[::-1])(items[0]) for k in (1, 2)] == [True, False]
 
 
 @pytest.mark.parametrize("value", ["0/2", "3/2", "half", "1/0"])
 def test_a_wrong_shard_is_a_usage_error(value):
     with pytest.raises(pytest.UsageError, match="TEST_SHARD must be k/n"):
-        shard_of(value)
+        shard_of(value, [])
 
 
 def test_a_failing_assertion_inside_the_shared_helpers_shows_its_values():
