@@ -301,17 +301,24 @@ def test_a_batch_waits_on_the_broker_once_and_every_message_arrives_in_order(sch
     assert queued_ids(queue.name, url) == [str(message.id) for message in first + batch]
 
 
+def refusing_queue(length: int) -> Any:
+    """A queue that takes ``length`` messages; RabbitMQ refuses (nacks) every publish
+    past them."""
+    from kombu import Queue
+
+    return Queue(
+        f"outbox-refused-{uuid.uuid4().hex[:8]}",
+        queue_arguments={"x-max-length": length, "x-overflow": "reject-publish"},
+    )
+
+
 @pytest.mark.servers
 def test_messages_rabbitmq_refuses_fail_on_their_own_and_the_rest_are_sent():
     from amqp.exceptions import MessageNacked
-    from kombu import Queue
 
     # The queue takes three messages and refuses the rest: the broker confirms three
     # publishes and refuses (nacks) the others.
-    queue = Queue(
-        f"outbox-refused-{uuid.uuid4().hex[:8]}",
-        queue_arguments={"x-max-length": 3, "x-overflow": "reject-publish"},
-    )
+    queue = refusing_queue(3)
     url = BROKERS["amqp"]
     with current_celery_app(url, queue):
         batch = probes(5)
@@ -494,16 +501,12 @@ def test_a_partition_in_the_middle_of_a_batch_fails_only_what_rabbitmq_did_not_c
 @pytest.mark.servers
 def test_a_refusal_that_comes_while_its_message_is_still_published_fails_it():
     from amqp.exceptions import MessageNacked
-    from kombu import Queue
 
     # A queue that takes nothing: RabbitMQ refuses (nacks) every message. With Celery's
     # task-sent events, each message is two publishes, and the first message on a
     # connection declares the events' exchange after its task's publish (a round trip),
     # while which the broker's refusal of the task's message arrives.
-    queue = Queue(
-        f"outbox-refused-{uuid.uuid4().hex[:8]}",
-        queue_arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
-    )
+    queue = refusing_queue(0)
     url = BROKERS["amqp"]
     with current_celery_app(url, queue) as app:
         app.conf.task_send_sent_event = True
